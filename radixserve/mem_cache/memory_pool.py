@@ -1,0 +1,201 @@
+"""The two lower memory levels of seed 003 (the radix tree, L1, is in radix_cache.py).
+
+    L2  ReqToTokenPool          req_pool_idx, position  ->  KV slot index   (int32 table)
+    L3  TokenToKVPoolAllocator  which KV slots are free (in pages of page_size tokens)
+        MHATokenToKVPool        KV slot index  ->  K and V vectors of every layer
+
+Slot 0 (page 0 when page_size > 1) is never handed out: it is the padding slot that
+padded positions and garbage decode rows point at, so writes to it are harmless.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Union
+
+import torch
+
+
+class ReqToTokenPool:
+    """A [size, max_context_len] int32 table: row r holds the KV slot of each token of the
+    request that owns row r. Rows are handed out and returned as whole requests come and go."""
+
+    def __init__(self, size: int, max_context_len: int, device: str = "cpu"):
+        self.size = size
+        self.max_context_len = max_context_len
+        self.device = device
+        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=device)
+        self.free_slots: List[int] = list(range(size))
+
+    def available_size(self) -> int:
+        return len(self.free_slots)
+
+    def alloc(self, need_size: int = 1) -> Optional[List[int]]:
+        if need_size > len(self.free_slots):
+            return None
+        out, self.free_slots = self.free_slots[:need_size], self.free_slots[need_size:]
+        return out
+
+    def free(self, free_index: Union[int, List[int]]) -> None:
+        if isinstance(free_index, int):
+            free_index = [free_index]
+        self.free_slots.extend(free_index)
+
+    def write(self, indices, values: torch.Tensor) -> None:
+        self.req_to_token[indices] = values
+
+    def clear(self) -> None:
+        self.free_slots = list(range(self.size))
+
+
+class TokenToKVPoolAllocator:
+    """Free-list allocator over KV slots 1..size, in pages of `page_size` tokens.
+
+    page_size == 1: any slot can be handed out alone.
+    page_size  > 1: slots are handed out as whole pages; a request's tokens fill its last
+    page before a new one is taken (alloc_extend / alloc_decode), so a page belongs to one
+    request or one radix-tree node, never two.
+    """
+
+    def __init__(self, size: int, page_size: int = 1, device: str = "cpu"):
+        assert size % page_size == 0, "pool size must be a whole number of pages"
+        self.size = size
+        self.page_size = page_size
+        self.num_pages = size // page_size
+        self.device = device
+        # is_free[p] is True while page p is in the free list; page 0 is the padding page.
+        self.is_free = torch.zeros(self.num_pages + 1, dtype=torch.bool)
+        self.free_group: List[torch.Tensor] = []
+        self.is_not_in_free_group = True
+        self.clear()
+
+    # ---- sizes -------------------------------------------------------------------------
+    def available_size(self) -> int:
+        """Free tokens (a whole number of pages)."""
+        return len(self.free_pages) * self.page_size
+
+    # ---- alloc -------------------------------------------------------------------------
+    def alloc(self, need_size: int) -> Optional[torch.Tensor]:
+        """`need_size` slots (a multiple of page_size) on whole free pages, or None."""
+        assert need_size % self.page_size == 0, "alloc() takes whole pages"
+        num_pages = need_size // self.page_size
+        if num_pages > len(self.free_pages):
+            return None
+        pages, self.free_pages = self.free_pages[:num_pages], self.free_pages[num_pages:]
+        self.is_free[pages] = False
+        return self._pages_to_slots(pages)
+
+    def alloc_extend(
+        self, prefix_lens: List[int], seq_lens: List[int], last_locs: List[int]
+    ) -> Optional[torch.Tensor]:
+        """Slots for tokens prefix_len..seq_len-1 of each request, concatenated.
+
+        `last_locs[i]` is the slot of token prefix_len-1 of request i (-1 when it has none);
+        with page_size > 1 the rest of that page is used before new pages are taken."""
+        if self.page_size == 1:
+            return self.alloc(sum(s - p for p, s in zip(prefix_lens, seq_lens)))
+        ps = self.page_size
+        new_pages = sum(_ceil_div(s, ps) - _ceil_div(p, ps) for p, s in zip(prefix_lens, seq_lens))
+        if new_pages > len(self.free_pages):
+            return None
+        pages, self.free_pages = self.free_pages[:new_pages], self.free_pages[new_pages:]
+        self.is_free[pages] = False
+        out: List[torch.Tensor] = []
+        cursor = 0
+        for p, s, last in zip(prefix_lens, seq_lens, last_locs):
+            # Tail of the page that token p-1 sits on (empty when p is page-aligned).
+            tail = min(s, _ceil_div(p, ps) * ps) - p
+            if tail > 0:
+                out.append(torch.arange(last + 1, last + 1 + tail, dtype=torch.int64))
+            n = _ceil_div(s, ps) - _ceil_div(p, ps)
+            if n > 0:
+                slots = self._pages_to_slots(pages[cursor : cursor + n])
+                out.append(slots[: s - p - tail])
+                cursor += n
+        return torch.cat(out) if out else torch.empty(0, dtype=torch.int64)
+
+    def alloc_decode(self, seq_lens: List[int], last_locs: List[int]) -> Optional[torch.Tensor]:
+        """One slot per request for token seq_len-1 (seq_lens already include it)."""
+        if self.page_size == 1:
+            return self.alloc(len(seq_lens))
+        return self.alloc_extend([s - 1 for s in seq_lens], seq_lens, last_locs)
+
+    # ---- free --------------------------------------------------------------------------
+    def free(self, free_index: torch.Tensor) -> None:
+        if free_index.numel() == 0:
+            return
+        if not self.is_not_in_free_group:
+            self.free_group.append(free_index)
+            return
+        pages = torch.unique(free_index.to(torch.int64) // self.page_size)
+        if pages.numel() and (self.is_free[pages].any() or pages.min() < 1):
+            bad = pages[self.is_free[pages] | (pages < 1)][:4].tolist()
+            raise RuntimeError(f"double free of KV pages {bad} (page_size={self.page_size})")
+        self.is_free[pages] = True
+        self.free_pages = torch.cat([self.free_pages, pages])
+
+    def free_group_begin(self) -> None:
+        """Batch several frees into one (seed 004): collect until free_group_end()."""
+        self.is_not_in_free_group = False
+        self.free_group = []
+
+    def free_group_end(self) -> None:
+        self.is_not_in_free_group = True
+        if self.free_group:
+            self.free(torch.cat(self.free_group))
+        self.free_group = []
+
+    def clear(self) -> None:
+        self.free_pages = torch.arange(1, self.num_pages + 1, dtype=torch.int64)
+        self.is_free.zero_()
+        self.is_free[1:] = True
+        self.free_group = []
+        self.is_not_in_free_group = True
+
+    def _pages_to_slots(self, pages: torch.Tensor) -> torch.Tensor:
+        if self.page_size == 1:
+            return pages.clone()
+        offs = torch.arange(self.page_size, dtype=torch.int64)
+        return (pages[:, None] * self.page_size + offs[None, :]).reshape(-1)
+
+
+class MHATokenToKVPool:
+    """Per-layer K and V buffers of shape [size + page_size, head_num, head_dim]."""
+
+    def __init__(
+        self,
+        size: int,
+        page_size: int,
+        dtype: torch.dtype,
+        head_num: int,
+        head_dim: int,
+        layer_num: int,
+        device: str = "cpu",
+    ):
+        self.size = size
+        self.page_size = page_size
+        self.dtype = dtype
+        self.head_num = head_num
+        self.head_dim = head_dim
+        self.layer_num = layer_num
+        self.device = device
+        shape = (size + page_size, head_num, head_dim)
+        self.k_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layer_num)]
+        self.v_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layer_num)]
+
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.k_buffer[layer_id]
+
+    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.v_buffer[layer_id]
+
+    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k_buffer[layer_id][loc] = k.to(self.dtype)
+        self.v_buffer[layer_id][loc] = v.to(self.dtype)
+
+    @staticmethod
+    def bytes_per_token(head_num: int, head_dim: int, layer_num: int, dtype: torch.dtype) -> int:
+        return 2 * head_num * head_dim * layer_num * torch.tensor([], dtype=dtype).element_size()
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)

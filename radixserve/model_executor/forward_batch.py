@@ -1,0 +1,125 @@
+"""What a batch looks like below the scheduler (seed 003):
+
+    ScheduleBatch (scheduler, CPU lists and Req objects)
+      -> ModelWorkerBatch (only what the worker needs: tensors + a few lists)
+        -> ForwardBatch (tensors for the model: positions, start offsets, backends)
+
+A batch's tokens are laid out request after request. For request i of an EXTEND batch:
+
+    req_to_token[req_pool_indices[i]]:  | prefix (cached) | extend (new)  |
+                                         0          prefix_len       seq_len
+    input_ids / out_cache_loc:           ...| extend tokens of i |...
+                                            ^ extend_start_loc[i]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum, auto
+from typing import TYPE_CHECKING, Any, List, Optional
+
+import torch
+
+if TYPE_CHECKING:
+    from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
+
+
+class ForwardMode(IntEnum):
+    EXTEND = auto()  # prefill, possibly after a cached prefix, possibly a chunk
+    DECODE = auto()  # one new token per request
+    MIXED = auto()  # a prefill chunk and decode requests in one forward (--enable-mixed-chunk)
+    IDLE = auto()  # nothing to run (kept for DP ranks that must step together)
+
+    def is_extend(self) -> bool:
+        return self in (ForwardMode.EXTEND, ForwardMode.MIXED)
+
+    def is_decode(self) -> bool:
+        return self == ForwardMode.DECODE
+
+    def is_mixed(self) -> bool:
+        return self == ForwardMode.MIXED
+
+    def is_idle(self) -> bool:
+        return self == ForwardMode.IDLE
+
+
+@dataclass
+class ModelWorkerBatch:
+    forward_mode: ForwardMode
+    input_ids: torch.Tensor  # [num_tokens] int64; negative = a future token (overlap)
+    req_pool_indices: torch.Tensor  # [bs] int64
+    seq_lens: torch.Tensor  # [bs] int64, lengths after this forward
+    out_cache_loc: torch.Tensor  # [num_tokens] int64, KV slots for the new tokens
+    seq_lens_cpu: List[int]
+    extend_seq_lens: Optional[List[int]] = None  # new tokens per request (EXTEND/MIXED)
+    extend_prefix_lens: Optional[List[int]] = None
+    sampling_info: Optional["SamplingBatchInfo"] = None
+    return_logprob: bool = False
+    top_logprobs_nums: Optional[List[int]] = None
+    # Logits of every extend position (tests, input logprobs); default: last positions only.
+    capture_all_logits: bool = False
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens_cpu)
+
+
+@dataclass
+class ForwardBatch:
+    forward_mode: ForwardMode
+    batch_size: int
+    input_ids: torch.Tensor
+    positions: torch.Tensor  # [num_tokens] int64
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    seq_lens_cpu: List[int]
+    out_cache_loc: torch.Tensor
+    extend_seq_lens_cpu: List[int]  # DECODE: all ones
+    extend_prefix_lens_cpu: List[int]  # DECODE: seq_len - 1
+    req_to_token_pool: Any = None
+    token_to_kv_pool: Any = None
+    attn_backend: Any = None
+    capture_all_logits: bool = False
+    attn_metadata: Any = field(default=None, repr=False)  # set by attn_backend.init_forward_metadata
+
+    @classmethod
+    def init_new(cls, batch: ModelWorkerBatch, model_runner: Any) -> "ForwardBatch":
+        device = model_runner.device
+        bs = batch.batch_size
+        if batch.forward_mode.is_decode():
+            extend_lens = [1] * bs
+            prefix_lens = [s - 1 for s in batch.seq_lens_cpu]
+            positions = batch.seq_lens.to(device) - 1
+        else:
+            extend_lens = list(batch.extend_seq_lens)
+            prefix_lens = list(batch.extend_prefix_lens)
+            positions = _extend_positions(prefix_lens, extend_lens, device)
+        fb = cls(
+            forward_mode=batch.forward_mode,
+            batch_size=bs,
+            input_ids=batch.input_ids.to(device),
+            positions=positions,
+            req_pool_indices=batch.req_pool_indices.to(device),
+            seq_lens=batch.seq_lens.to(device),
+            seq_lens_cpu=batch.seq_lens_cpu,
+            out_cache_loc=batch.out_cache_loc.to(device),
+            extend_seq_lens_cpu=extend_lens,
+            extend_prefix_lens_cpu=prefix_lens,
+            req_to_token_pool=model_runner.req_to_token_pool,
+            token_to_kv_pool=model_runner.token_to_kv_pool,
+            attn_backend=model_runner.attn_backend,
+            capture_all_logits=batch.capture_all_logits,
+        )
+        model_runner.attn_backend.init_forward_metadata(fb)
+        return fb
+
+
+def _extend_positions(prefix_lens: List[int], extend_lens: List[int], device) -> torch.Tensor:
+    """positions = prefix_len + 0..extend_len-1 per request, built with two vectorized ops."""
+    lens = torch.tensor(extend_lens, dtype=torch.int64)
+    starts = torch.tensor(prefix_lens, dtype=torch.int64)
+    total = int(lens.sum())
+    # offset of each token inside its request = global index - start of its request
+    req_start = torch.cumsum(lens, 0) - lens
+    offs = torch.arange(total, dtype=torch.int64) - torch.repeat_interleave(req_start, lens)
+    return (offs + torch.repeat_interleave(starts, lens)).to(device)

@@ -1,0 +1,114 @@
+"""SamplingParams with SGLang's field names and defaults; verify() gives clear errors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Dict, List, Optional, Union
+
+_SAMPLING_EPS = 1e-6
+TOP_K_ALL = 1 << 30  # top_k = -1 means "all tokens"
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: Optional[int] = 128
+    min_new_tokens: int = 0
+    stop: Optional[Union[str, List[str]]] = None
+    stop_token_ids: Optional[List[int]] = None
+    stop_regex: Optional[Union[str, List[str]]] = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: int = 1
+    logit_bias: Optional[Dict[str, float]] = None
+    sampling_seed: Optional[int] = None
+    regex: Optional[str] = None
+    json_schema: Optional[str] = None
+    ebnf: Optional[str] = None
+    custom_params: Optional[Dict[str, Any]] = None
+
+    # Filled by normalize(): stop strings as a list, the longest one's length.
+    stop_strs: List[str] = field(default_factory=list, repr=False)
+    stop_regex_strs: List[str] = field(default_factory=list, repr=False)
+    stop_str_max_len: int = field(default=0, repr=False)
+
+    @classmethod
+    def from_dict(cls, d: Optional[Dict[str, Any]]) -> "SamplingParams":
+        d = dict(d or {})
+        known = {f.name for f in fields(cls) if f.repr}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+        return cls(**d)
+
+    def normalize(self, tokenizer: Any = None) -> None:
+        """Make stops lists; greedy when temperature is ~0 (SGLang: top_k = 1)."""
+        if self.temperature < _SAMPLING_EPS:
+            self.temperature = 1.0
+            self.top_k = 1
+        if self.top_k == -1:
+            self.top_k = TOP_K_ALL
+        self.stop_strs = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        self.stop_regex_strs = (
+            [self.stop_regex] if isinstance(self.stop_regex, str) else list(self.stop_regex or [])
+        )
+        if self.stop_strs:
+            if tokenizer is not None:
+                self.stop_str_max_len = max(
+                    len(tokenizer.encode(s, add_special_tokens=False)) for s in self.stop_strs
+                )
+            else:
+                self.stop_str_max_len = max(len(s) for s in self.stop_strs)
+
+    def verify(self, vocab_size: Optional[int] = None) -> None:
+        """Raise ValueError with SGLang-like messages for out-of-range values."""
+        if self.temperature < 0.0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+        if self.top_k < 1 and self.top_k != -1:
+            raise ValueError(f"top_k must be -1 (disable), or at least 1, got {self.top_k}.")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}.")
+        if self.max_new_tokens is not None and self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be at least 0, got {self.max_new_tokens}.")
+        if not 0 <= self.min_new_tokens:
+            raise ValueError(f"min_new_tokens must be at least 0, got {self.min_new_tokens}.")
+        if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens must be in [0, max_new_tokens({self.max_new_tokens})], "
+                f"got {self.min_new_tokens}."
+            )
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}.")
+        grammars = [x for x in (self.regex, self.json_schema, self.ebnf) if x is not None]
+        if len(grammars) > 1:
+            raise ValueError("Only one of regex, json_schema, or ebnf can be set.")
+        if self.logit_bias is not None:
+            for k, v in self.logit_bias.items():
+                try:
+                    tid = int(k)
+                except (TypeError, ValueError):
+                    raise ValueError(f"logit_bias keys must be token ids, got {k!r}.") from None
+                if vocab_size is not None and not 0 <= tid < vocab_size:
+                    raise ValueError(f"logit_bias token id {tid} is out of the vocabulary [0, {vocab_size}).")
+                if not isinstance(v, (int, float)):
+                    raise ValueError(f"logit_bias values must be numbers, got {v!r}.")
+        if vocab_size is not None and self.stop_token_ids:
+            for t in self.stop_token_ids:
+                if not 0 <= int(t) < vocab_size:
+                    raise ValueError(f"stop_token_ids entry {t} is out of the vocabulary [0, {vocab_size}).")
