@@ -140,9 +140,17 @@ class TokenToKVPoolAllocator:
 
     def free_group_end(self) -> None:
         self.is_not_in_free_group = True
-        if self.free_group:
-            self.free(torch.cat(self.free_group))
-        self.free_group = []
+        group, self.free_group = self.free_group, []
+        if not group:
+            return
+        # free() dedups the pages of one call (several slots of a page are normal), so a
+        # page named by two calls of the group would slip through as one: check it here.
+        pages = torch.cat([torch.unique(t.to(torch.int64) // self.page_size) for t in group])
+        uniq, counts = torch.unique(pages, return_counts=True)
+        if (counts > 1).any():
+            bad = uniq[counts > 1][:4].tolist()
+            raise RuntimeError(f"double free of KV pages {bad} within a free group (page_size={self.page_size})")
+        self.free(torch.cat(group))
 
     def clear(self) -> None:
         self.free_pages = torch.arange(1, self.num_pages + 1, dtype=torch.int64)

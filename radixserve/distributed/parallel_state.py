@@ -1,0 +1,44 @@
+"""The tensor-parallel group of this process. A process holds one model shard for its whole
+life, so the group is process state (set once at start-up), not per-batch context."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class TPGroup:
+    rank: int = 0
+    size: int = 1
+    group: Optional[Any] = None  # a torch.distributed ProcessGroup when size > 1
+
+
+_TP = TPGroup()
+
+
+def set_tp_group(rank: int, size: int, group: Any = None) -> None:
+    global _TP
+    _TP = TPGroup(rank, size, group)
+
+
+def get_tp_group() -> TPGroup:
+    return _TP
+
+
+def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    if _TP.size == 1:
+        return x
+    dist.all_reduce(x, group=_TP.group)
+    return x
+
+
+def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    if _TP.size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(_TP.size)]
+    dist.all_gather(parts, x.contiguous(), group=_TP.group)
+    return torch.cat(parts, dim=dim)

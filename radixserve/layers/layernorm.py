@@ -1,0 +1,26 @@
+"""RMSNorm, with the residual add fused into the same call (saves a pass over the hidden states)."""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(
+        self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
+    ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+        if residual is not None:
+            x = x + residual
+            residual = x
+        out = torch.nn.functional.rms_norm(
+            x.float(), (x.shape[-1],), self.weight.float(), self.variance_epsilon
+        ).to(x.dtype)
+        return out if residual is None else (out, residual)

@@ -1,0 +1,123 @@
+"""Linear layers written for tensor parallelism (Megatron style), as in SGLang / vLLM.
+
+  ColumnParallelLinear   W split by output rows:  y_local = x @ W_local^T   (no communication)
+  RowParallelLinear      W split by input cols:   y = all_reduce(x_local @ W_local^T)
+  QKVParallelLinear      fused q|k|v columns, split by heads (kv heads replicated when tp > kv)
+  MergedColumnParallelLinear  fused gate|up columns
+
+Each parameter carries a `weight_loader(param, loaded_weight, shard_id=None)` that copies the
+rank's slice of a full checkpoint tensor, so checkpoints load the same way for any tp size.
+With tp_size 1 every layer is a plain F.linear.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixserve.distributed.parallel_state import get_tp_group, tensor_model_parallel_all_reduce
+
+
+class WeightShapeError(ValueError):
+    pass
+
+
+def _copy(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise WeightShapeError(f"expected shape {tuple(param.shape)}, got {tuple(loaded.shape)}")
+    param.data.copy_(loaded)
+
+
+def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    _copy(param, loaded)
+
+
+class LinearBase(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool):
+        super().__init__()
+        tp = get_tp_group()
+        self.tp_rank, self.tp_size = tp.rank, tp.size
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+        _copy(param, loaded)
+
+
+class ColumnParallelLinear(LinearBase):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        tp_size = get_tp_group().size
+        assert out_features % tp_size == 0, f"{out_features} not divisible by tp_size {tp_size}"
+        super().__init__(in_features, out_features // tp_size, bias)
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+        n = param.shape[0]
+        _copy(param, loaded.narrow(0, self.tp_rank * n, n))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs in one matmul (gate_proj | up_proj)."""
+
+    def __init__(self, in_features: int, output_sizes: List[int], bias: bool = False):
+        self.output_sizes = output_sizes
+        super().__init__(in_features, sum(output_sizes), bias)
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: int = 0) -> None:
+        size = self.output_sizes[shard_id] // self.tp_size
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        _copy(param.data.narrow(0, offset, size), loaded.narrow(0, self.tp_rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q | k | v projections fused; split by attention heads across ranks."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
+        tp_size = get_tp_group().size
+        assert num_heads % tp_size == 0, f"num_heads {num_heads} not divisible by tp_size {tp_size}"
+        self.head_dim = head_dim
+        self.num_heads = num_heads // tp_size
+        if tp_size >= num_kv_heads:
+            assert tp_size % num_kv_heads == 0
+            self.num_kv_heads, self.kv_replicas = 1, tp_size // num_kv_heads
+        else:
+            assert num_kv_heads % tp_size == 0
+            self.num_kv_heads, self.kv_replicas = num_kv_heads // tp_size, 1
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
+        super().__init__(hidden_size, out, bias)
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: str = "q") -> None:
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
+        rank = self.tp_rank if shard_id == "q" else self.tp_rank // self.kv_replicas
+        _copy(param.data.narrow(0, offset, size), loaded.narrow(0, rank * size, size))
+
+
+class RowParallelLinear(LinearBase):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, reduce_results: bool = True):
+        tp_size = get_tp_group().size
+        assert in_features % tp_size == 0
+        super().__init__(in_features // tp_size, out_features, bias)
+        self.reduce_results = reduce_results
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+        if param.dim() == 1:  # the bias is not split; rank 0's copy is added after the reduce
+            _copy(param, loaded)
+            return
+        n = param.shape[1]
+        _copy(param, loaded.narrow(1, self.tp_rank * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.reduce_results and self.tp_size > 1:
+            y = tensor_model_parallel_all_reduce(y)
+        if self.bias is not None:
+            y = y + self.bias
+        return y

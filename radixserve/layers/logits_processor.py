@@ -1,0 +1,36 @@
+"""Computes logits only where they are needed: the last position of each request
+(what sampling needs), or every extend position when the batch asks for all of them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+
+@dataclass
+class LogitsProcessorOutput:
+    next_token_logits: torch.Tensor  # [bs, vocab], float32
+    all_logits: Optional[torch.Tensor] = None  # [num_tokens, vocab] when capture_all_logits
+
+
+class LogitsProcessor(nn.Module):
+    def __init__(self, vocab_size: int):
+        super().__init__()
+        self.vocab_size = vocab_size
+
+    def forward(self, hidden_states: torch.Tensor, lm_head, forward_batch) -> LogitsProcessorOutput:
+        if forward_batch.forward_mode.is_decode():
+            last_hidden = hidden_states
+        else:
+            lens = torch.tensor(forward_batch.extend_seq_lens_cpu, device=hidden_states.device)
+            last_hidden = hidden_states[torch.cumsum(lens, 0) - 1]
+        if forward_batch.capture_all_logits:
+            all_logits = lm_head.get_logits(hidden_states).float()
+            if forward_batch.forward_mode.is_decode():
+                return LogitsProcessorOutput(all_logits, all_logits)
+            lens = torch.tensor(forward_batch.extend_seq_lens_cpu, device=hidden_states.device)
+            return LogitsProcessorOutput(all_logits[torch.cumsum(lens, 0) - 1], all_logits)
+        return LogitsProcessorOutput(lm_head.get_logits(last_hidden).float())

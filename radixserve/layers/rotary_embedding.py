@@ -1,0 +1,66 @@
+"""Rotary position embedding (neox style, as Llama / Qwen in transformers), with the default
+and llama3 frequency scalings. cos/sin are precomputed up to max_position once at start-up."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+from torch import nn
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        base: float,
+        rope_scaling: Optional[Dict[str, Any]] = None,
+        partial_rotary_factor: float = 1.0,
+    ):
+        super().__init__()
+        self.rotary_dim = int(head_dim * partial_rotary_factor)
+        inv_freq = 1.0 / (base ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float64) / self.rotary_dim))
+        rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
+        if rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
+        elif rope_type == "linear":
+            inv_freq = inv_freq / float(rope_scaling["factor"])
+        elif rope_type not in ("default", None):
+            raise ValueError(f"unsupported rope scaling type {rope_type!r}")
+        t = torch.arange(max_position, dtype=torch.float64)
+        freqs = torch.outer(t, inv_freq)
+        # [max_position, rotary_dim]: the cos/sin of each half repeated, as rotate_half expects
+        self.register_buffer("cos_cached", torch.cat([freqs.cos()] * 2, -1).float(), persistent=False)
+        self.register_buffer("sin_cached", torch.cat([freqs.sin()] * 2, -1).float(), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, num_heads, head_dim], k: [T, num_kv_heads, head_dim]."""
+        cos = self.cos_cached[positions].unsqueeze(1)
+        sin = self.sin_cached[positions].unsqueeze(1)
+        return _apply(q, cos, sin, self.rotary_dim), _apply(k, cos, sin, self.rotary_dim)
+
+
+def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    half = rotary_dim // 2
+    rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+    out = (rot.float() * cos + rotated.float() * sin).to(x.dtype)
+    return out if rest.shape[-1] == 0 else torch.cat([out, rest], dim=-1)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, cfg: Dict[str, Any]) -> torch.Tensor:
+    factor = float(cfg["factor"])
+    low = float(cfg.get("low_freq_factor", 1.0))
+    high = float(cfg.get("high_freq_factor", 4.0))
+    old_ctx = float(cfg["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)

@@ -1,0 +1,52 @@
+"""Vocabulary-parallel embedding and LM head: rank r holds rows [r*V/tp, (r+1)*V/tp)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixserve.distributed.parallel_state import (
+    get_tp_group,
+    tensor_model_parallel_all_gather,
+    tensor_model_parallel_all_reduce,
+)
+from radixserve.layers.linear import _copy
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        super().__init__()
+        tp = get_tp_group()
+        self.tp_rank, self.tp_size = tp.rank, tp.size
+        self.num_embeddings = num_embeddings
+        self.shard_size = -(-num_embeddings // self.tp_size)  # padded so every rank is equal
+        self.vocab_start = self.tp_rank * self.shard_size
+        self.weight = nn.Parameter(torch.zeros(self.shard_size, embedding_dim), requires_grad=False)
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+        if loaded.shape[1:] != param.shape[1:] or loaded.shape[0] != self.num_embeddings:
+            raise ValueError(
+                f"expected shape ({self.num_embeddings}, {param.shape[1]}), got {tuple(loaded.shape)}"
+            )
+        n = min(self.shard_size, self.num_embeddings - self.vocab_start)
+        _copy(param.data[:n], loaded[self.vocab_start : self.vocab_start + n])
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        mask = (local < 0) | (local >= self.shard_size)
+        out = F.embedding(local.masked_fill(mask, 0), self.weight)
+        out.masked_fill_(mask.unsqueeze(-1), 0)
+        return tensor_model_parallel_all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Computes logits of its vocab shard; `get_logits` gathers them over ranks."""
+
+    def get_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        if self.tp_size > 1:
+            logits = tensor_model_parallel_all_gather(logits, dim=-1)
+        return logits[..., : self.num_embeddings]

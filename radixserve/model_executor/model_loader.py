@@ -1,0 +1,142 @@
+"""Load a model from a Hugging Face directory (single or sharded safetensors) or make dummy
+(seeded random) weights. Every error names the file and, where there is one, the tensor."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Dict, Iterable, Iterator, List, Tuple
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from radixserve.layers.linear import WeightShapeError, default_weight_loader
+from radixserve.models.model_config import LoadError, ModelConfig
+from radixserve.models.registry import get_model_class
+
+NamedWeight = Tuple[str, torch.Tensor, str]  # (checkpoint name, tensor, file)
+
+
+def get_model(config: ModelConfig, load_format: str, dtype: torch.dtype, device: str, seed: int = 0) -> nn.Module:
+    model_cls = get_model_class(config.architecture, _path(config.model_path, "config.json"))
+    with torch.device(device):
+        model = model_cls(config)
+    if load_format == "dummy":
+        weights = dummy_weights(config, seed)
+    else:
+        weights = iterate_safetensors(config.model_path)
+    model.load_weights(weights)
+    return model.to(dtype=dtype).eval()
+
+
+def safetensors_files(model_path: str) -> List[str]:
+    index = os.path.join(model_path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map", {})
+        files = sorted({os.path.join(model_path, v) for v in weight_map.values()})
+        for fn in files:
+            if not os.path.isfile(fn):
+                raise LoadError(f"{fn}: file not found (listed in {index})")
+        return files
+    files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
+    if not files:
+        raise LoadError(f"{model_path}: no *.safetensors files (use --load-format dummy for random weights)")
+    return files
+
+
+def iterate_safetensors(model_path: str) -> Iterator[NamedWeight]:
+    for fn in safetensors_files(model_path):
+        with safe_open(fn, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name), fn
+
+
+def load_named_weights(model: nn.Module, weights: Iterable[NamedWeight], stacked_params_mapping) -> None:
+    """Copy checkpoint tensors into the model, through each layer's TP-aware weight_loader.
+    q/k/v and gate/up checkpoint tensors go into the fused parameters (stacked_params_mapping)."""
+    params: Dict[str, nn.Parameter] = dict(model.named_parameters())
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    loaded = set()
+    for name, tensor, fn in weights:
+        if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
+            continue
+        target, shard_id = name, None
+        for param_name, weight_name, sid in stacked_params_mapping:
+            if weight_name in name:
+                target, shard_id = name.replace(weight_name, param_name), sid
+                break
+        param = params.get(target)
+        if param is None:
+            raise LoadError(f"{fn}: unexpected tensor {name!r} for {type(model).__name__}")
+        owner = model.get_submodule(target.rsplit(".", 1)[0])
+        loader = getattr(owner, "weight_loader", None)
+        try:
+            if loader is None:
+                default_weight_loader(param, tensor)
+            elif shard_id is None:
+                loader(param, tensor)
+            else:
+                loader(param, tensor, shard_id)
+        except (WeightShapeError, ValueError, RuntimeError) as e:
+            raise LoadError(f"{fn}: tensor {name!r}: {e}") from None
+        loaded.add((target, shard_id))
+    missing = [key for key in _expected_loads(params, stacked_params_mapping) if key not in loaded]
+    if missing:
+        where = model.config.model_path or "checkpoint"
+        name, shard = missing[0]
+        what = name if shard is None else f"{name} (shard {shard})"
+        raise LoadError(f"{where}: no tensor for parameter {what!r} ({len(missing)} missing)")
+
+
+def _expected_loads(params: Dict[str, nn.Parameter], mapping) -> List[Tuple[str, object]]:
+    """(parameter, shard id) pairs a complete checkpoint fills; fused ones need every shard."""
+    out = []
+    for name in params:
+        shards = [sid for fused, _, sid in mapping if f"{fused}." in name]
+        out += [(name, sid) for sid in shards] if shards else [(name, None)]
+    return out
+
+
+def dummy_weights(config: ModelConfig, seed: int) -> Iterator[NamedWeight]:
+    """Seeded random weights named and shaped like a Hugging Face checkpoint, so they go
+    through the same loaders (and the same TP slicing) as real ones."""
+    gen = torch.Generator().manual_seed(seed)
+    h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
+    nq, nkv = config.num_attention_heads, config.num_key_value_heads
+    qkv_bias = config.attention_bias or config.architecture == "Qwen2ForCausalLM"
+    qk_norm = config.architecture == "Qwen3ForCausalLM"
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * (shape[-1] ** -0.5 if len(shape) > 1 else 0.02)
+
+    yield "model.embed_tokens.weight", torch.randn(config.vocab_size, h, generator=gen), "dummy"
+    for layer in range(config.num_hidden_layers):
+        p = f"model.layers.{layer}."
+        shapes = {
+            "self_attn.q_proj.weight": (nq * d, h),
+            "self_attn.k_proj.weight": (nkv * d, h),
+            "self_attn.v_proj.weight": (nkv * d, h),
+            "self_attn.o_proj.weight": (h, nq * d),
+            "mlp.gate_proj.weight": (i, h),
+            "mlp.up_proj.weight": (i, h),
+            "mlp.down_proj.weight": (h, i),
+        }
+        if qkv_bias:
+            shapes.update({"self_attn.q_proj.bias": (nq * d,), "self_attn.k_proj.bias": (nkv * d,), "self_attn.v_proj.bias": (nkv * d,)})
+        for name, shape in shapes.items():
+            yield p + name, rand(*shape), "dummy"
+        norms = ["input_layernorm.weight", "post_attention_layernorm.weight"]
+        norms += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"] if qk_norm else []
+        for name in norms:
+            n = d if "_norm" in name and "self_attn" in name else h
+            yield p + name, 1.0 + 0.1 * torch.randn(n, generator=gen), "dummy"
+    yield "model.norm.weight", torch.ones(h), "dummy"
+    if not config.tie_word_embeddings:
+        yield "lm_head.weight", rand(config.vocab_size, h), "dummy"
+
+
+def _path(model_path, name: str) -> str:
+    return os.path.join(model_path, name) if model_path else name

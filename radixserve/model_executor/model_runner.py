@@ -1,0 +1,89 @@
+"""ModelRunner: owns the model, the KV pools and the sampler of one (TP rank of a) model."""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from radixserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from radixserve.layers.logits_processor import LogitsProcessorOutput
+from radixserve.layers.sampler import Sampler, SamplerOutput
+from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from radixserve.model_executor.forward_batch import ForwardBatch, ModelWorkerBatch
+from radixserve.model_executor.model_loader import get_model
+from radixserve.models.model_config import ModelConfig
+from radixserve.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, server_args: ServerArgs, tp_rank: int = 0, tp_size: int = 1):
+        self.model_config = model_config
+        self.server_args = server_args
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.device = resolve_device(server_args.device)
+        self.dtype = model_config.resolve_dtype(server_args.dtype, self.device)
+        self.page_size = server_args.page_size
+        torch.manual_seed(server_args.seed)
+        self.model = get_model(model_config, server_args.load_format, self.dtype, self.device, server_args.seed)
+        self.context_len = min(server_args.context_length or model_config.context_len, model_config.context_len)
+        self.init_memory_pool()
+        self.attn_backend = TorchNativeAttnBackend(self.device)
+        self.sampler = Sampler()
+
+    # ---- memory -------------------------------------------------------------------------
+    def kv_heads_per_rank(self) -> int:
+        return max(1, self.model_config.num_key_value_heads // self.tp_size)
+
+    def profile_max_num_token(self) -> int:
+        """KV pool size in tokens from the memory budget (seed 004)."""
+        cfg = self.model_config
+        per_token = MHATokenToKVPool.bytes_per_token(self.kv_heads_per_rank(), cfg.head_dim, cfg.num_hidden_layers, self.dtype)
+        if self.device == "cuda":
+            free, _ = torch.cuda.mem_get_info()
+            total = torch.cuda.get_device_properties(0).total_memory
+            used_by_others = total - free
+            budget = total * self.server_args.mem_fraction_static - used_by_others
+        else:
+            budget = self.server_args.cpu_kv_cache_bytes
+        return max(int(budget // per_token), 0)
+
+    def init_memory_pool(self) -> None:
+        args = self.server_args
+        max_tokens = args.max_total_tokens or self.profile_max_num_token()
+        max_tokens = max_tokens // self.page_size * self.page_size
+        if max_tokens < self.page_size:
+            raise RuntimeError("not enough memory for the KV cache; lower the model size or raise the budget")
+        self.max_total_num_tokens = max_tokens
+        max_reqs = args.max_running_requests or min(max(max_tokens // self.context_len * 512, 2048), 4096)
+        self.max_running_requests = max_reqs
+        self.req_to_token_pool = ReqToTokenPool(max_reqs + 1, self.context_len + 4, self.device)
+        self.token_to_kv_pool = MHATokenToKVPool(
+            max_tokens, self.page_size, self.dtype, self.kv_heads_per_rank(), self.model_config.head_dim,
+            self.model_config.num_hidden_layers, self.device,
+        )
+        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(max_tokens, self.page_size, self.device)
+        logger.info("KV pool: %d tokens, max running requests: %d, context: %d", max_tokens, max_reqs, self.context_len)
+
+    # ---- forward ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+        return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+
+    @torch.inference_mode()
+    def sample(self, logits_output: LogitsProcessorOutput, batch: ModelWorkerBatch) -> SamplerOutput:
+        return self.sampler(
+            logits_output.next_token_logits,
+            batch.sampling_info,
+            batch.return_logprob,
+            batch.top_logprobs_nums,
+        )

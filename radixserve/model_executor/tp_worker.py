@@ -1,0 +1,53 @@
+"""TpModelWorker: the scheduler's handle on the model (one per TP rank)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, List, Optional
+
+import torch
+
+from radixserve.layers.logits_processor import LogitsProcessorOutput
+from radixserve.model_executor.forward_batch import ForwardBatch, ModelWorkerBatch
+from radixserve.model_executor.model_runner import ModelRunner
+from radixserve.models.model_config import ModelConfig
+from radixserve.server_args import ServerArgs
+
+
+@dataclass
+class GenerationBatchResult:
+    logits_output: Optional[LogitsProcessorOutput]
+    next_token_ids: torch.Tensor  # [bs] int64
+    next_token_logprobs: Optional[torch.Tensor] = None
+    top_logprobs_val: Optional[List[List[float]]] = None
+    top_logprobs_idx: Optional[List[List[int]]] = None
+    copy_done: Any = None  # an event set when next_token_ids is readable on the host (overlap)
+
+
+class TpModelWorker:
+    def __init__(self, server_args: ServerArgs, model_config: ModelConfig, tp_rank: int = 0, tp_size: int = 1):
+        self.server_args = server_args
+        self.model_config = model_config
+        self.model_runner = ModelRunner(model_config, server_args, tp_rank, tp_size)
+        self.device = self.model_runner.device
+        self.max_total_num_tokens = self.model_runner.max_total_num_tokens
+        self.max_running_requests = self.model_runner.max_running_requests
+        self.context_len = self.model_runner.context_len
+
+    def get_memory_pool(self):
+        r = self.model_runner
+        return r.req_to_token_pool, r.token_to_kv_pool_allocator
+
+    def forward_batch_generation(self, batch: ModelWorkerBatch, skip_sample: bool = False) -> GenerationBatchResult:
+        forward_batch = ForwardBatch.init_new(batch, self.model_runner)
+        logits_output = self.model_runner.forward(forward_batch)
+        if skip_sample:
+            return GenerationBatchResult(logits_output, torch.empty(0, dtype=torch.int64))
+        out = self.model_runner.sample(logits_output, batch)
+        return GenerationBatchResult(
+            logits_output,
+            out.next_token_ids,
+            out.next_token_logprobs,
+            out.top_logprobs_val,
+            out.top_logprobs_idx,
+        )

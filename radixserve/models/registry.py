@@ -1,0 +1,28 @@
+"""Architecture name (config.json "architectures") -> model class."""
+
+from __future__ import annotations
+
+from typing import Dict, Type
+
+from torch import nn
+
+from radixserve.models.llama import LlamaForCausalLM, MistralForCausalLM
+from radixserve.models.model_config import LoadError
+from radixserve.models.qwen2 import Qwen2ForCausalLM
+from radixserve.models.qwen3 import Qwen3ForCausalLM
+
+MODEL_REGISTRY: Dict[str, Type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def get_model_class(architecture: str, where: str = "config.json") -> Type[nn.Module]:
+    try:
+        return MODEL_REGISTRY[architecture]
+    except KeyError:
+        raise LoadError(
+            f"{where}: unsupported architecture {architecture!r}; supported: {', '.join(MODEL_REGISTRY)}"
+        ) from None
