@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple, Union
@@ -44,17 +45,6 @@ _node_ids = itertools.count()
 class TreeNode:
     """One run of tokens with the KV slots that hold them."""
 
-    __slots__ = (
-        "children",
-        "parent",
-        "key",
-        "value",
-        "lock_ref",
-        "last_access_time",
-        "hit_count",
-        "id",
-    )
-
     def __init__(self) -> None:
         self.children: Dict[ChildKey, TreeNode] = {}
         self.parent: Optional[TreeNode] = None
@@ -64,6 +54,9 @@ class TreeNode:
         self.last_access_time = time.monotonic()
         self.hit_count = 0  # how many requests inserted this prefix (LFU)
         self.id = next(_node_ids)
+
+    def __lt__(self, other: "TreeNode") -> bool:
+        return self.last_access_time < other.last_access_time
 
     def __repr__(self) -> str:
         head = self.key[:8]
@@ -306,7 +299,7 @@ class RadixCache:
     # ---- internals ---------------------------------------------------------------------
     def _now(self) -> float:
         # Strictly increasing, so that LRU order is exact even for back-to-back calls.
-        t = max(time.monotonic(), self._last_time + 1e-9)
+        t = max(time.monotonic(), math.nextafter(self._last_time, math.inf))
         self._last_time = t
         return t
 

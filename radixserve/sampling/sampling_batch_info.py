@@ -69,7 +69,7 @@ class SamplingBatchInfo:
     sampling_seeds: List[Optional[int]]
     is_all_greedy: bool = True
     need_top_p_sampling: bool = False
-    need_top_k_sampling: bool = False
+    need_top_k_sampling: bool = False  # some row has 1 < top_k < TOP_K_ALL (top_k 1 = argmax)
     need_min_p_sampling: bool = False
     output_token_counts: Optional[torch.Tensor] = None
     seen_token_mask: Optional[torch.Tensor] = None
@@ -131,7 +131,7 @@ class SamplingBatchInfo:
             sampling_seeds=[p.sampling_seed for p in sps],
             is_all_greedy=all(k <= 1 for k in top_ks),
             need_top_p_sampling=any(p < 1.0 for p in top_ps),
-            need_top_k_sampling=any(k != TOP_K_ALL for k in top_ks),
+            need_top_k_sampling=any(1 < k < TOP_K_ALL for k in top_ks),
             need_min_p_sampling=any(p > 0.0 for p in min_ps),
         )
 
@@ -207,7 +207,7 @@ class SamplingBatchInfo:
             [
                 (self.top_ks <= 1).all(),
                 (self.top_ps < 1.0).any(),
-                (self.top_ks != TOP_K_ALL).any(),
+                ((self.top_ks > 1) & (self.top_ks < TOP_K_ALL)).any(),
                 (self.min_ps > 0.0).any(),
                 ((self.frequency_penalties != 0) | (self.presence_penalties != 0)).any(),
                 (self.repetition_penalties != 1.0).any(),

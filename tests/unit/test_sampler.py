@@ -217,7 +217,7 @@ def test_penalty_lowers_sampling_of_repeated_token():
 def test_min_new_tokens_suppresses_eos_until_reached():
     logits = torch.full((1, V), -5.0)
     logits[0, EOS] = 10.0  # EOS overwhelmingly likely
-    logits[0, 4] = 9.0  # stop_token_ids entry, next most likely
+    logits[0, 4] = 2.0  # stop_token_ids entry, next most likely
     r = req(min_new_tokens=3, stop_token_ids=[4])
     info = info_for([r])
     sampler = Sampler()
@@ -330,7 +330,8 @@ def test_from_reqs_flags_and_shapes():
     info = info_for([req(), req(temperature=0.0)])
     assert info.top_ks.tolist() == [TOP_K_ALL, 1]
     assert info.temperatures.shape == (2, 1)
-    assert not info.is_all_greedy and info.need_top_k_sampling and not info.need_top_p_sampling
+    assert not info.is_all_greedy and not info.need_top_k_sampling and not info.need_top_p_sampling
+    assert info_for([req(top_k=5)]).need_top_k_sampling
     assert info.output_token_counts is None and info.seen_token_mask is None
     assert info.stop_token_mask is None and info.logit_bias is None
     empty = info_for([])

@@ -1,0 +1,498 @@
+"""Req and ScheduleBatch: the scheduler's view of requests and batches (seeds 001, 003, 004).
+
+A Req's tokens and where their KV lives:
+
+    origin_input_ids + output_ids                    all tokens of the request
+    fill_ids          = the part to be in KV after this round (shorter for a prefill chunk)
+    prefix_indices    = KV slots of fill_ids[:len(prefix_indices)], already in the pool
+    extend_input_len  = len(fill_ids) - len(prefix_indices): tokens this round computes
+    req_to_token[req_pool_idx, :seq_len] = the slot of every token that has KV
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Set, Union
+
+import torch
+
+from radixserve.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
+from radixserve.model_executor.forward_batch import ForwardMode, ModelWorkerBatch
+from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
+from radixserve.sampling_params import SamplingParams
+
+# Cap of max_new_tokens when reserving decode space for a request (SGLang: CLIP_MAX_NEW_TOKENS).
+CLIP_MAX_NEW_TOKENS = 4096
+# Decode steps reserved per running request when re-estimating new_token_ratio after a retraction.
+RETRACT_DECODE_STEPS = 20
+
+
+# ---- finish reasons ----------------------------------------------------------------------
+class BaseFinishReason:
+    def __init__(self, is_error: bool = False):
+        self.is_error = is_error
+
+    def to_json(self) -> Dict[str, Any]:
+        raise NotImplementedError
+
+
+class FINISH_MATCHED_TOKEN(BaseFinishReason):
+    def __init__(self, matched: Union[int, List[int]]):
+        super().__init__()
+        self.matched = matched
+
+    def to_json(self):
+        return {"type": "stop", "matched": self.matched}
+
+
+class FINISH_MATCHED_STR(BaseFinishReason):
+    def __init__(self, matched: str):
+        super().__init__()
+        self.matched = matched
+
+    def to_json(self):
+        return {"type": "stop", "matched": self.matched}
+
+
+class FINISHED_MATCHED_REGEX(BaseFinishReason):
+    def __init__(self, matched: str):
+        super().__init__()
+        self.matched = matched
+
+    def to_json(self):
+        return {"type": "stop", "matched": self.matched}
+
+
+class FINISH_LENGTH(BaseFinishReason):
+    def __init__(self, length: int):
+        super().__init__()
+        self.length = length
+
+    def to_json(self):
+        return {"type": "length", "length": self.length}
+
+
+class FINISH_ABORT(BaseFinishReason):
+    def __init__(self, message: str = "Unknown error", status_code: Optional[int] = None, err_type: Optional[str] = None):
+        super().__init__(is_error=True)
+        self.message = message
+        self.status_code = status_code
+        self.err_type = err_type
+
+    def to_json(self):
+        return {"type": "abort", "message": self.message, "status_code": self.status_code, "err_type": self.err_type}
+
+
+# ---- Req -----------------------------------------------------------------------------------
+class Req:
+    def __init__(
+        self,
+        rid: str,
+        origin_input_text: Optional[str],
+        origin_input_ids: List[int],
+        sampling_params: SamplingParams,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        logprob_start_len: int = -1,
+        stream: bool = False,
+        priority: Optional[int] = None,
+        eos_token_ids: Optional[Set[int]] = None,
+        vocab_size: Optional[int] = None,
+        tokenizer: Any = None,
+        arrival_time: Optional[float] = None,
+    ):
+        self.rid = rid
+        self.origin_input_text = origin_input_text
+        self.origin_input_ids = list(origin_input_ids)
+        self.sampling_params = sampling_params
+        self.return_logprob = return_logprob
+        self.top_logprobs_num = top_logprobs_num
+        self.logprob_start_len = logprob_start_len
+        self.stream = stream
+        self.priority = priority
+        self.vocab_size = vocab_size
+        self.tokenizer = tokenizer
+        self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        # EOS of the model plus the request's stop_token_ids; ignore_eos drops the model's.
+        model_eos = set() if sampling_params.ignore_eos else set(eos_token_ids or ())
+        self.eos_token_ids: Set[int] = model_eos | set(sampling_params.stop_token_ids or ())
+
+        self.output_ids: List[int] = []
+        self.fill_ids: List[int] = []
+        self.prefix_indices: torch.Tensor = torch.empty(0, dtype=torch.int64)
+        self.last_node: Any = None
+        self.extend_input_len = 0
+        self.req_pool_idx: Optional[int] = None
+        # >0 while a chunk of this request's prefill is in flight (seed 001 §10.2).
+        self.is_chunked = 0
+
+        self.finished_reason: Optional[BaseFinishReason] = None
+        # Set from outside (abort); turned into finished_reason at the next check_finished,
+        # so the result of the batch in flight is still processed normally.
+        self.to_finish: Optional[BaseFinishReason] = None
+        self.is_retracted = False
+        self.retraction_count = 0
+        self.cached_tokens = 0  # prompt tokens served from the prefix cache (first prefill)
+        self.already_computed = 0
+        self.send_token_offset = 0  # output tokens already streamed out
+        self.last_stream_len = 0
+
+        self.output_token_logprobs_val: List[float] = []
+        self.output_token_logprobs_idx: List[int] = []
+        self.output_top_logprobs_val: List[List[float]] = []
+        self.output_top_logprobs_idx: List[List[int]] = []
+
+    # ---- state ---------------------------------------------------------------------------
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    def seqlen(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    def init_next_round_input(self, tree_cache: Any = None) -> None:
+        """fill_ids = everything so far; match the longest cached prefix (at least one token
+        is always left to compute, since its logits give the next token)."""
+        self.fill_ids = self.origin_input_ids + self.output_ids
+        if tree_cache is not None:
+            max_prefix_len = len(self.fill_ids) - 1
+            if self.return_logprob and self.logprob_start_len >= 0:
+                max_prefix_len = min(max_prefix_len, self.logprob_start_len)
+            match = tree_cache.match_prefix(self.fill_ids[: max(max_prefix_len, 0)])
+            self.prefix_indices, self.last_node = match.device_indices, match.last_device_node
+        self.extend_input_len = len(self.fill_ids) - len(self.prefix_indices)
+
+    def reset_for_retract(self) -> None:
+        """Back to the waiting queue: its KV is gone, the outputs so far are kept."""
+        self.prefix_indices = torch.empty(0, dtype=torch.int64)
+        self.last_node = None
+        self.extend_input_len = 0
+        self.req_pool_idx = None
+        self.is_chunked = 0
+        self.is_retracted = True
+        self.retraction_count += 1
+
+    # ---- finish conditions (seed 001 §22, in this order) ---------------------------------
+    def check_finished(self) -> None:
+        if self.finished():
+            return
+        if self.to_finish is not None:
+            self.finished_reason, self.to_finish = self.to_finish, None
+            return
+        max_new = self.sampling_params.max_new_tokens
+        if max_new is not None and len(self.output_ids) >= max_new:
+            self.finished_reason = FINISH_LENGTH(length=max_new)
+            return
+        if not self.output_ids:
+            return
+        last = self.output_ids[-1]
+        if last in self.eos_token_ids and len(self.output_ids) > self.sampling_params.min_new_tokens - 1:
+            self.finished_reason = FINISH_MATCHED_TOKEN(matched=last)
+            return
+        if self.vocab_size is not None and not 0 <= last < self.vocab_size:
+            # A NaN in the logits makes an impossible token: stop instead of emitting it.
+            if self.eos_token_ids:
+                self.output_ids[-1] = min(self.eos_token_ids)
+            self.finished_reason = FINISH_MATCHED_STR(matched="NaN happened")
+            return
+        self._check_str_based_finish()
+
+    def _check_str_based_finish(self) -> None:
+        sp = self.sampling_params
+        if not (sp.stop_strs or sp.stop_regex_strs) or self.tokenizer is None:
+            return
+        if sp.stop_strs:
+            tail = self.tokenizer.decode(self.output_ids[-(sp.stop_str_max_len + 1) :])
+            for stop in sp.stop_strs:
+                if stop in tail:
+                    self.finished_reason = FINISH_MATCHED_STR(matched=stop)
+                    return
+        if sp.stop_regex_strs:
+            text = self.tokenizer.decode(self.output_ids)
+            for pattern in sp.stop_regex_strs:
+                if re.search(pattern, text):
+                    self.finished_reason = FINISHED_MATCHED_REGEX(matched=pattern)
+                    return
+
+    def __repr__(self) -> str:
+        return f"Req(rid={self.rid}, input_len={len(self.origin_input_ids)}, output_len={len(self.output_ids)})"
+
+
+# ---- ScheduleBatch ---------------------------------------------------------------------------
+@dataclass
+class ScheduleBatch:
+    reqs: List[Req]
+    req_to_token_pool: Optional[ReqToTokenPool] = None
+    token_to_kv_pool_allocator: Optional[TokenToKVPoolAllocator] = None
+    tree_cache: Any = None
+    vocab_size: int = 0
+    device: str = "cpu"
+    forward_mode: Optional[ForwardMode] = None
+    batch_is_full: bool = False
+
+    input_ids: Optional[torch.Tensor] = None
+    req_pool_indices: Optional[torch.Tensor] = None
+    seq_lens: Optional[torch.Tensor] = None
+    seq_lens_cpu: List[int] = field(default_factory=list)
+    out_cache_loc: Optional[torch.Tensor] = None
+    # The last sampled token of each request (decode input); filled by the scheduler.
+    output_ids: Optional[torch.Tensor] = None
+    prefix_lens: List[int] = field(default_factory=list)
+    extend_lens: List[int] = field(default_factory=list)
+    extend_num_tokens: int = 0
+    sampling_info: Optional[SamplingBatchInfo] = None
+    return_logprob: bool = False
+    top_logprobs_nums: List[int] = field(default_factory=list)
+    # Mixed chunk: the running requests that decode inside this extend batch.
+    decoding_reqs: Optional[List[Req]] = None
+    chunked_req: Optional[Req] = None
+
+    @classmethod
+    def init_new(cls, reqs: List[Req], req_to_token_pool, token_to_kv_pool_allocator, tree_cache,
+                 vocab_size: int, device: str = "cpu", chunked_req: Optional[Req] = None) -> "ScheduleBatch":
+        return cls(
+            reqs=reqs,
+            req_to_token_pool=req_to_token_pool,
+            token_to_kv_pool_allocator=token_to_kv_pool_allocator,
+            tree_cache=tree_cache,
+            vocab_size=vocab_size,
+            device=device,
+            return_logprob=any(r.return_logprob for r in reqs),
+            chunked_req=chunked_req,
+        )
+
+    def batch_size(self) -> int:
+        return len(self.reqs)
+
+    def is_empty(self) -> bool:
+        return len(self.reqs) == 0
+
+    # ---- memory ----------------------------------------------------------------------------
+    def _evict_tree_cache_if_needed(self, num_tokens: int) -> None:
+        available = self.token_to_kv_pool_allocator.available_size()
+        if available < num_tokens:
+            self.tree_cache.evict(num_tokens - available)
+
+    def alloc_token_slots(self, num_tokens: int) -> torch.Tensor:
+        self._evict_tree_cache_if_needed(num_tokens)
+        out = self.token_to_kv_pool_allocator.alloc(num_tokens)
+        if out is None:
+            raise RuntimeError(f"KV cache out of memory: need {num_tokens} slots. {self._mem_report()}")
+        return out
+
+    def _alloc_paged(self, prefix_lens: List[int], seq_lens: List[int], last_locs: List[int]) -> torch.Tensor:
+        ps = self.token_to_kv_pool_allocator.page_size
+        need = sum(-(-s // ps) - -(-p // ps) for p, s in zip(prefix_lens, seq_lens)) * ps
+        self._evict_tree_cache_if_needed(need)
+        out = self.token_to_kv_pool_allocator.alloc_extend(prefix_lens, seq_lens, last_locs)
+        if out is None:
+            raise RuntimeError(f"KV cache out of memory: need {need} slots. {self._mem_report()}")
+        return out
+
+    def _mem_report(self) -> str:
+        return (
+            f"available={self.token_to_kv_pool_allocator.available_size()}, "
+            f"evictable={self.tree_cache.evictable_size()}, protected={self.tree_cache.protected_size()}"
+        )
+
+    def _last_locs(self, prefix_lens: List[int]) -> List[int]:
+        """Slot of each request's token prefix_len-1 (-1 if none): paged alloc continues its page."""
+        if self.token_to_kv_pool_allocator.page_size == 1:
+            return [-1] * len(prefix_lens)
+        req_to_token = self.req_to_token_pool.req_to_token
+        return [int(req_to_token[r.req_pool_idx, p - 1]) if p > 0 else -1 for r, p in zip(self.reqs, prefix_lens)]
+
+    # ---- extend ------------------------------------------------------------------------------
+    def prepare_for_extend(self) -> None:
+        """Rows for new requests, slots for the tokens to compute, and req_to_token filled in."""
+        self.forward_mode = ForwardMode.EXTEND
+        reqs = self.reqs
+        new_rows = [r for r in reqs if r.req_pool_idx is None]
+        if new_rows:
+            rows = self.req_to_token_pool.alloc(len(new_rows))
+            if rows is None:
+                raise RuntimeError("req_to_token_pool is full; max_running_requests is too large")
+            for r, row in zip(new_rows, rows):
+                r.req_pool_idx = row
+        self.prefix_lens = [len(r.prefix_indices) for r in reqs]
+        self.extend_lens = [r.extend_input_len for r in reqs]
+        self.seq_lens_cpu = [len(r.fill_ids) for r in reqs]
+        self.extend_num_tokens = sum(self.extend_lens)
+        req_to_token = self.req_to_token_pool.req_to_token
+        # The cached prefix goes into the row first (a paged alloc reads the last prefix slot).
+        for r, p in zip(reqs, self.prefix_lens):
+            if p > 0:
+                req_to_token[r.req_pool_idx, :p] = r.prefix_indices.to(torch.int32)
+        if self.token_to_kv_pool_allocator.page_size == 1:
+            out_cache_loc = self.alloc_token_slots(self.extend_num_tokens)
+        else:
+            out_cache_loc = self._alloc_paged(self.prefix_lens, self.seq_lens_cpu, self._last_locs(self.prefix_lens))
+        offset = 0
+        for r, p, n in zip(reqs, self.prefix_lens, self.extend_lens):
+            req_to_token[r.req_pool_idx, p : p + n] = out_cache_loc[offset : offset + n].to(torch.int32)
+            offset += n
+        for r in reqs:
+            # Only prefix hits beyond what this request computed itself count as cached.
+            r.cached_tokens += max(len(r.prefix_indices) - r.already_computed, 0)
+            r.already_computed = len(r.fill_ids)
+        self.input_ids = torch.tensor([t for r, p in zip(reqs, self.prefix_lens) for t in r.fill_ids[p:]], dtype=torch.int64)
+        self.req_pool_indices = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
+        self.seq_lens = torch.tensor(self.seq_lens_cpu, dtype=torch.int64)
+        self.out_cache_loc = out_cache_loc
+        self.top_logprobs_nums = [r.top_logprobs_num for r in reqs]
+        self.sampling_info = SamplingBatchInfo.from_reqs(reqs, self.vocab_size, self.device)
+
+    def mix_with_running(self, running_batch: "ScheduleBatch") -> None:
+        """--enable-mixed-chunk: append the decode requests (already prepared for decode)
+        to this extend batch as extend requests of length 1."""
+        self.forward_mode = ForwardMode.MIXED
+        running_bs = running_batch.batch_size()
+        for r in running_batch.reqs:
+            r.fill_ids = r.origin_input_ids + r.output_ids
+            r.extend_input_len = 1
+        self.input_ids = torch.cat([self.input_ids, running_batch.input_ids])
+        self.out_cache_loc = torch.cat([self.out_cache_loc, running_batch.out_cache_loc])
+        self.req_pool_indices = torch.cat([self.req_pool_indices, running_batch.req_pool_indices])
+        self.seq_lens = torch.cat([self.seq_lens, running_batch.seq_lens])
+        self.seq_lens_cpu = self.seq_lens_cpu + running_batch.seq_lens_cpu
+        self.prefix_lens = self.prefix_lens + [s - 1 for s in running_batch.seq_lens_cpu]
+        self.extend_lens = self.extend_lens + [1] * running_bs
+        self.extend_num_tokens += running_bs
+        self.reqs = self.reqs + running_batch.reqs
+        self.top_logprobs_nums = self.top_logprobs_nums + running_batch.top_logprobs_nums
+        self.sampling_info.merge_batch(running_batch.sampling_info)
+        self.return_logprob = self.return_logprob or running_batch.return_logprob
+
+    # ---- decode ------------------------------------------------------------------------------
+    def new_tokens_next_decode(self, indices: Optional[List[int]] = None) -> int:
+        """Slots the next decode step needs (whole new pages when page_size > 1)."""
+        ps = self.token_to_kv_pool_allocator.page_size
+        reqs = self.reqs if indices is None else [self.reqs[i] for i in indices]
+        if ps == 1:
+            return len(reqs)
+        # A request needs a new page when its next token starts one.
+        return sum(ps for r in reqs if r.seqlen() - 1 > 0 and (r.seqlen() - 1) % ps == 0) or 0
+
+    def check_decode_mem(self, indices: Optional[List[int]] = None) -> bool:
+        num_tokens = self.new_tokens_next_decode(indices)
+        self._evict_tree_cache_if_needed(num_tokens)
+        return self.token_to_kv_pool_allocator.available_size() >= num_tokens
+
+    def prepare_for_decode(self) -> None:
+        """One new slot per request, written at req_to_token[row, seq_len]; seq_lens += 1."""
+        self.forward_mode = ForwardMode.DECODE
+        self.input_ids = self.output_ids
+        self.output_ids = None
+        bs = len(self.reqs)
+        locs_before = self.seq_lens_cpu  # the new token's position in the row
+        if self.token_to_kv_pool_allocator.page_size == 1:
+            self.out_cache_loc = self.alloc_token_slots(bs)
+        else:
+            new_lens = [s + 1 for s in locs_before]
+            self.out_cache_loc = self._alloc_paged(locs_before, new_lens, self._last_locs(locs_before))
+        self.req_to_token_pool.req_to_token[self.req_pool_indices, self.seq_lens] = self.out_cache_loc.to(torch.int32)
+        self.seq_lens = self.seq_lens + 1
+        self.seq_lens_cpu = [s + 1 for s in self.seq_lens_cpu]
+
+    def release_req(self, req: Req) -> None:
+        """Free everything a running request holds that the tree does not (retract / preempt).
+        Its prefix stays in the tree, unlocked (evictable)."""
+        row = req.req_pool_idx
+        seq_len = req.seqlen() - 1 if req.output_ids else len(req.fill_ids)
+        page_size = self.token_to_kv_pool_allocator.page_size
+        # Slots of the locked tree prefix stay in the tree; everything after is private.
+        protected = 0 if self.tree_cache.disable else len(req.prefix_indices) // page_size * page_size
+        slots = self.req_to_token_pool.req_to_token[row, protected:seq_len].to(torch.int64)
+        self.token_to_kv_pool_allocator.free(slots)
+        self.req_to_token_pool.free(row)
+        if req.last_node is not None:
+            self.tree_cache.dec_lock_ref(req.last_node)
+        req.reset_for_retract()
+
+    def retract_decode(self) -> tuple:
+        """Seed 001 §9: retract requests until the rest can decode; least progress first
+        (fewest output tokens, then longest prompt). Returns (retracted, new_token_ratio)."""
+        order = sorted(
+            range(len(self.reqs)),
+            key=lambda i: (len(self.reqs[i].output_ids), -len(self.reqs[i].origin_input_ids)),
+            reverse=True,
+        )
+        retracted: List[Req] = []
+        first = True
+        while first or not self.check_decode_mem(order):
+            if len(order) == 1:
+                break  # the last request stays: the check above evicted all it could
+            first = False
+            req = self.reqs[order.pop()]
+            self.release_req(req)
+            retracted.append(req)
+            # The tree part just unlocked is evictable now; use it for the remaining requests.
+            self._evict_tree_cache_if_needed(len(order) * RETRACT_DECODE_STEPS)
+        self.filter_batch(keep_indices=sorted(order))
+        decoded = sum(len(r.output_ids) for r in self.reqs)
+        max_new = sum(min(r.sampling_params.max_new_tokens or CLIP_MAX_NEW_TOKENS, CLIP_MAX_NEW_TOKENS) for r in self.reqs)
+        new_ratio = min(1.0, (decoded + RETRACT_DECODE_STEPS * len(self.reqs)) / (max_new + 1))
+        return retracted, new_ratio
+
+    # ---- filter / merge ----------------------------------------------------------------------
+    def filter_batch(self, keep_indices: Optional[List[int]] = None, chunked_req_to_exclude: Optional[List[Req]] = None) -> None:
+        if keep_indices is None:
+            exclude = set(id(r) for r in (chunked_req_to_exclude or []))
+            keep_indices = [i for i, r in enumerate(self.reqs) if not r.finished() and id(r) not in exclude]
+        if len(keep_indices) == len(self.reqs):
+            return
+        self.reqs = [self.reqs[i] for i in keep_indices]
+        if not keep_indices:
+            self.reqs = []
+            self.seq_lens_cpu = []
+            self.sampling_info = None
+            self.output_ids = None
+            return
+        idx = torch.tensor(keep_indices, dtype=torch.int64)
+        self.req_pool_indices = self.req_pool_indices[idx]
+        self.seq_lens = self.seq_lens[idx]
+        self.seq_lens_cpu = [self.seq_lens_cpu[i] for i in keep_indices]
+        if self.output_ids is not None:
+            self.output_ids = self.output_ids[idx]
+        self.top_logprobs_nums = [self.top_logprobs_nums[i] for i in keep_indices]
+        self.return_logprob = any(r.return_logprob for r in self.reqs)
+        if self.sampling_info is not None:
+            self.sampling_info.filter_batch(keep_indices)
+
+    def merge_batch(self, other: "ScheduleBatch") -> None:
+        if other.is_empty():
+            return
+        if self.is_empty():
+            self.reqs = list(other.reqs)
+            self.req_pool_indices, self.seq_lens = other.req_pool_indices, other.seq_lens
+            self.seq_lens_cpu = list(other.seq_lens_cpu)
+            self.output_ids = other.output_ids
+            self.top_logprobs_nums = list(other.top_logprobs_nums)
+            self.sampling_info = other.sampling_info
+            self.return_logprob = other.return_logprob
+            return
+        self.sampling_info.merge_batch(other.sampling_info)
+        self.req_pool_indices = torch.cat([self.req_pool_indices, other.req_pool_indices])
+        self.seq_lens = torch.cat([self.seq_lens, other.seq_lens])
+        self.seq_lens_cpu = self.seq_lens_cpu + other.seq_lens_cpu
+        self.output_ids = torch.cat([self.output_ids, other.output_ids])
+        self.top_logprobs_nums = self.top_logprobs_nums + other.top_logprobs_nums
+        self.reqs = self.reqs + other.reqs
+        self.return_logprob = self.return_logprob or other.return_logprob
+
+    def get_model_worker_batch(self) -> ModelWorkerBatch:
+        extend = self.forward_mode.is_extend()
+        return ModelWorkerBatch(
+            forward_mode=self.forward_mode,
+            input_ids=self.input_ids,
+            req_pool_indices=self.req_pool_indices,
+            seq_lens=self.seq_lens,
+            out_cache_loc=self.out_cache_loc,
+            seq_lens_cpu=list(self.seq_lens_cpu),
+            extend_seq_lens=list(self.extend_lens) if extend else None,
+            extend_prefix_lens=list(self.prefix_lens) if extend else None,
+            sampling_info=self.sampling_info,
+            return_logprob=self.return_logprob,
+            top_logprobs_nums=list(self.top_logprobs_nums) if self.return_logprob else None,
+        )

@@ -1,0 +1,292 @@
+"""SchedulePolicy (the order of the waiting queue) and PrefillAdder (who fits in the next
+prefill), as seed 001 §5-6 and §9.4 describe them."""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+from contextlib import contextmanager
+from enum import Enum, auto
+from typing import Dict, List, Optional
+
+import torch
+
+from radixserve.managers.schedule_batch import CLIP_MAX_NEW_TOKENS, Req, ScheduleBatch
+from radixserve.mem_cache.radix_cache import RadixCache, TreeNode
+
+# In-batch prefix caching (SGLang): a request whose cached prefix is short but which shares a
+# long prefix with a request already chosen this round waits one round, so it hits the cache.
+IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD = 32
+IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD = 32
+# Sorting by prefix match costs a tree walk per request: past this queue length LPM is FCFS.
+LPM_MAX_QUEUE_LEN = 128
+
+
+class CacheAwarePolicy(Enum):
+    LPM = "lpm"
+    DFS_WEIGHT = "dfs-weight"
+
+
+class CacheAgnosticPolicy(Enum):
+    FCFS = "fcfs"
+    LOF = "lof"
+    RANDOM = "random"
+
+
+class SchedulePolicy:
+    def __init__(
+        self,
+        policy: str,
+        tree_cache,
+        enable_priority_scheduling: bool = False,
+        schedule_low_priority_values_first: bool = False,
+        seed: int = 0,
+    ):
+        self.policy = CacheAwarePolicy(policy) if policy in ("lpm", "dfs-weight") else CacheAgnosticPolicy(policy)
+        if tree_cache.disable and isinstance(self.policy, CacheAwarePolicy):
+            self.policy = CacheAgnosticPolicy.FCFS  # no tree, nothing to be aware of
+        self.tree_cache = tree_cache
+        self.enable_priority_scheduling = enable_priority_scheduling
+        self.low_first = schedule_low_priority_values_first
+        self.rng = random.Random(seed)
+        # A scratch tree of the prompts chosen so far in this round (in-batch prefix caching).
+        self.waiting_queue_radix_tree = RadixCache(None, None, page_size=1)
+
+    def priority_key(self, req: Req) -> int:
+        """Smaller sorts first."""
+        p = req.priority or 0
+        return p if self.low_first else -p
+
+    def calc_priority(self, waiting_queue: List[Req]) -> bool:
+        """Sort waiting_queue in place. Returns whether prefixes were matched (cache-aware)."""
+        policy = self.policy
+        if policy == CacheAwarePolicy.LPM and len(waiting_queue) > LPM_MAX_QUEUE_LEN:
+            policy = CacheAgnosticPolicy.FCFS
+        if isinstance(policy, CacheAwarePolicy):
+            deprioritized = self._compute_prefix_matches(waiting_queue)
+            if policy == CacheAwarePolicy.LPM:
+                self._sort_by_longest_prefix(waiting_queue, deprioritized)
+            else:
+                self._sort_by_dfs_weight(waiting_queue)
+            return True
+        if policy == CacheAgnosticPolicy.FCFS:
+            if self.enable_priority_scheduling:
+                waiting_queue.sort(key=lambda r: (self.priority_key(r), r.arrival_time))
+        elif policy == CacheAgnosticPolicy.LOF:
+            waiting_queue.sort(key=lambda r: (self._prio(r), -(r.sampling_params.max_new_tokens or 0)))
+        elif policy == CacheAgnosticPolicy.RANDOM:
+            self.rng.shuffle(waiting_queue)
+            if self.enable_priority_scheduling:
+                waiting_queue.sort(key=self._prio)
+        return False
+
+    def _prio(self, req: Req) -> int:
+        return self.priority_key(req) if self.enable_priority_scheduling else 0
+
+    def _compute_prefix_matches(self, waiting_queue: List[Req]) -> set:
+        deprioritized = set()
+        self.waiting_queue_radix_tree.reset()
+        for r in waiting_queue:
+            ids = r.origin_input_ids + r.output_ids
+            match = self.tree_cache.match_prefix(ids[: max(len(ids) - 1, 0)])
+            r.prefix_indices, r.last_node = match.device_indices, match.last_device_node
+            if len(r.prefix_indices) <= IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD:
+                in_batch = self.waiting_queue_radix_tree.match_prefix(ids).device_indices
+                if len(in_batch) >= IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD:
+                    deprioritized.add(r.rid)
+                else:
+                    self.waiting_queue_radix_tree.insert(ids, torch.zeros(len(ids), dtype=torch.int64))
+        return deprioritized
+
+    def _sort_by_longest_prefix(self, waiting_queue: List[Req], deprioritized: set) -> None:
+        def key(r: Req):
+            prefix = float("inf") if r.rid in deprioritized else -len(r.prefix_indices)
+            return (self._prio(r), prefix)
+
+        waiting_queue.sort(key=key)  # stable: ties keep arrival order
+
+    def _sort_by_dfs_weight(self, waiting_queue: List[Req]) -> None:
+        """Walk the tree depth-first, heaviest subtree (most waiting requests) first, and
+        emit the requests whose match ends at each node: requests sharing prefixes run together."""
+        node_to_reqs: Dict[TreeNode, List[Req]] = defaultdict(list)
+        for r in waiting_queue:
+            node_to_reqs[r.last_node].append(r)
+        weight: Dict[TreeNode, int] = defaultdict(int)
+        for node, reqs in node_to_reqs.items():
+            n = node
+            while n is not None:
+                weight[n] += len(reqs)
+                n = n.parent
+        out: List[Req] = []
+        stack = [self.tree_cache.root_node]
+        while stack:
+            node = stack.pop()
+            out.extend(node_to_reqs.get(node, []))
+            kids = [c for c in node.children.values() if weight.get(c, 0) > 0]
+            kids.sort(key=lambda c: weight[c])  # lightest pushed first: heaviest popped first
+            stack.extend(kids)
+        waiting_queue[:] = out
+
+
+class AddReqResult(Enum):
+    CONTINUE = auto()  # more requests may fit
+    NO_TOKEN = auto()  # the KV pool budget is exhausted
+    OTHER = auto()  # the input / chunk budget is exhausted
+
+
+class PrefillAdder:
+    """Admits requests into a prefill batch under three budgets (seed 001 §9.4, seed 004):
+
+    rem_total_tokens  = free + evictable KV - reserve for running requests' future decode
+                        (remaining max_new_tokens x new_token_ratio) - what was admitted
+    rem_input_tokens  = --max-prefill-tokens minus admitted extend tokens
+    rem_chunk_tokens  = --chunked-prefill-size minus admitted extend tokens; the last
+                        request that does not fit whole is truncated into a chunk
+    """
+
+    def __init__(
+        self,
+        page_size: int,
+        tree_cache,
+        token_to_kv_pool_allocator,
+        running_batch: Optional[ScheduleBatch],
+        new_token_ratio: float,
+        rem_input_tokens: int,
+        rem_chunk_tokens: Optional[int],
+        mixed_with_decode_tokens: int = 0,
+        priority_scheduling_preemption_threshold: int = 10,
+        policy: Optional[SchedulePolicy] = None,
+    ):
+        self.page_size = page_size
+        self.tree_cache = tree_cache
+        self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
+        self.running_batch = running_batch
+        self.new_token_ratio = new_token_ratio
+        self.rem_input_tokens = rem_input_tokens - mixed_with_decode_tokens
+        self.rem_chunk_tokens = None if rem_chunk_tokens is None else rem_chunk_tokens - mixed_with_decode_tokens
+        self.rem_total_token_offset = mixed_with_decode_tokens
+        self.cur_rem_token_offset = mixed_with_decode_tokens
+        self.preemption_threshold = priority_scheduling_preemption_threshold
+        self.policy = policy
+        self.can_run_list: List[Req] = []
+        self.preempt_list: List[Req] = []
+        self.new_chunked_req: Optional[Req] = None
+        self.log_hit_tokens = 0
+        self.log_input_tokens = 0
+        if running_batch is not None:
+            self.rem_total_token_offset += sum(self._running_offset(r) for r in running_batch.reqs)
+
+    def _running_offset(self, req: Req) -> float:
+        remaining = (req.sampling_params.max_new_tokens or CLIP_MAX_NEW_TOKENS) - len(req.output_ids)
+        return min(remaining, CLIP_MAX_NEW_TOKENS) * self.new_token_ratio
+
+    @property
+    def rem_total_tokens(self) -> float:
+        avail = self.token_to_kv_pool_allocator.available_size() + self.tree_cache.evictable_size()
+        return avail - self.rem_total_token_offset
+
+    @property
+    def cur_rem_tokens(self) -> float:
+        avail = self.token_to_kv_pool_allocator.available_size() + self.tree_cache.evictable_size()
+        return avail - self.cur_rem_token_offset
+
+    def ceil_paged_tokens(self, tokens: int) -> int:
+        return -(-tokens // self.page_size) * self.page_size
+
+    def budget_state(self) -> AddReqResult:
+        if self.rem_total_tokens <= 0 or self.cur_rem_tokens <= 0:
+            return AddReqResult.NO_TOKEN
+        if self.rem_input_tokens <= 0 or (self.rem_chunk_tokens is not None and self.rem_chunk_tokens <= 0):
+            return AddReqResult.OTHER
+        return AddReqResult.CONTINUE
+
+    def _update_prefill_budget(self, prefix_len: int, extend_input_len: int, max_new_tokens: int) -> None:
+        extend_input_len = self.ceil_paged_tokens(extend_input_len)
+        self.rem_total_token_offset += extend_input_len + max_new_tokens
+        self.cur_rem_token_offset += extend_input_len
+        self.rem_input_tokens -= extend_input_len
+        if self.rem_chunk_tokens is not None:
+            self.rem_chunk_tokens -= extend_input_len
+        self.log_hit_tokens += prefix_len
+        self.log_input_tokens += extend_input_len
+
+    @staticmethod
+    def _max_new(req: Req) -> int:
+        return min(req.sampling_params.max_new_tokens or CLIP_MAX_NEW_TOKENS, CLIP_MAX_NEW_TOKENS)
+
+    def add_chunked_req(self, req: Req) -> Optional[Req]:
+        """Continue the request whose prefill is being chunked. Returns it if still unfinished."""
+        chunk = self.rem_chunk_tokens
+        truncated = chunk is not None and req.extend_input_len > chunk
+        if truncated:
+            req.extend_input_len = chunk // self.page_size * self.page_size
+            req.fill_ids = req.fill_ids[: len(req.prefix_indices) + req.extend_input_len]
+        self.can_run_list.append(req)
+        self._update_prefill_budget(0, req.extend_input_len, 0 if truncated else self._max_new(req))
+        return req if truncated else None
+
+    @contextmanager
+    def _lock_node(self, last_node):
+        # Locked, the matched prefix is not evictable: rem_total_tokens sees the true budget.
+        self.tree_cache.inc_lock_ref(last_node)
+        try:
+            yield
+        finally:
+            self.tree_cache.dec_lock_ref(last_node)
+
+    def add_one_req(self, req: Req, has_chunked_req: bool = False) -> AddReqResult:
+        total_tokens = req.extend_input_len + self._max_new(req)
+        input_tokens = self.ceil_paged_tokens(req.extend_input_len)
+        prefix_len = len(req.prefix_indices)
+        if total_tokens >= self.rem_total_tokens:
+            return AddReqResult.NO_TOKEN
+        if input_tokens >= self.rem_input_tokens and self.can_run_list:
+            return AddReqResult.OTHER
+        with self._lock_node(req.last_node):
+            if total_tokens >= self.rem_total_tokens:
+                return AddReqResult.NO_TOKEN
+            if self.rem_chunk_tokens is None or input_tokens <= self.rem_chunk_tokens:
+                self.can_run_list.append(req)
+                self.tree_cache.inc_lock_ref(req.last_node)
+                self._update_prefill_budget(prefix_len, input_tokens, self._max_new(req))
+            else:
+                trunc_len = self.rem_chunk_tokens // self.page_size * self.page_size
+                if trunc_len <= 0:
+                    return AddReqResult.OTHER
+                req.extend_input_len = trunc_len
+                req.fill_ids = req.fill_ids[: len(req.prefix_indices) + trunc_len]
+                self.can_run_list.append(req)
+                self.new_chunked_req = req
+                self.tree_cache.inc_lock_ref(req.last_node)
+                self._update_prefill_budget(prefix_len, trunc_len, 0)
+        return self.budget_state()
+
+    # ---- priority preemption (seed 001 §13) -------------------------------------------------
+    def preempt_to_schedule(self, req: Req, need_slot: bool) -> bool:
+        """Retract running requests whose priority is worse than `req`'s by more than the
+        threshold, lowest priority (then latest arrival) first, until `req` fits.
+        need_slot: the running batch is at max_running_requests, so one request must go."""
+        if self.running_batch is None or self.policy is None:
+            return False
+        key = self.policy.priority_key
+        candidates = [
+            r for r in self.running_batch.reqs
+            if key(r) - key(req) > self.preemption_threshold and r not in self.preempt_list
+        ]
+        candidates.sort(key=lambda r: (-key(r), -r.arrival_time))
+        need = req.extend_input_len + self._max_new(req) - self.rem_total_tokens
+        chosen, freed = [], 0.0
+        for r in candidates:
+            if freed >= need and (chosen or not need_slot):
+                break
+            chosen.append(r)
+            freed += r.seqlen() + self._running_offset(r)
+        if not chosen or freed < need:
+            return False
+        for r in chosen:
+            self.rem_total_token_offset -= self._running_offset(r)
+            self.running_batch.release_req(r)
+        keep = [i for i, r in enumerate(self.running_batch.reqs) if r not in chosen]
+        self.running_batch.filter_batch(keep_indices=keep)
+        self.preempt_list.extend(chosen)
+        return True

@@ -1,0 +1,76 @@
+"""Messages between the TokenizerManager, the Scheduler and the Detokenizer (SGLang's io_struct).
+Plain dataclasses: pickled over ZeroMQ in the served runtime, passed as objects in-process."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from radixserve.sampling_params import SamplingParams
+
+
+@dataclass
+class TokenizedGenerateReqInput:
+    rid: str
+    input_text: Optional[str]
+    input_ids: List[int]
+    sampling_params: SamplingParams
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    stream: bool = False
+    priority: Optional[int] = None
+
+
+@dataclass
+class BatchTokenizedGenerateReqInput:
+    batch: List[TokenizedGenerateReqInput]
+
+
+@dataclass
+class AbortReq:
+    rid: str = ""
+    abort_all: bool = False
+
+
+@dataclass
+class FlushCacheReqInput:
+    pass
+
+
+@dataclass
+class FlushCacheReqOutput:
+    success: bool
+    message: str = ""
+
+
+@dataclass
+class GetInternalStateReq:
+    pass
+
+
+@dataclass
+class GetInternalStateReqOutput:
+    internal_state: Dict[str, Any]
+
+
+@dataclass
+class BatchTokenIDOutput:
+    """Per step, for every request with something to report: its new output tokens since the
+    last message (decode_ids), and when finished, why."""
+
+    rids: List[str]
+    finished_reasons: List[Optional[Dict[str, Any]]]
+    decode_ids: List[List[int]]  # new output token ids of each request
+    output_ids_len: List[int]  # total output tokens so far
+    prompt_tokens: List[int]
+    completion_tokens: List[int]
+    cached_tokens: List[int]
+    skip_special_tokens: List[bool]
+    spaces_between_special_tokens: List[bool]
+    no_stop_trim: List[bool]
+    output_token_logprobs_val: List[List[float]] = field(default_factory=list)
+    output_token_logprobs_idx: List[List[int]] = field(default_factory=list)
+    output_top_logprobs_val: List[List[List[float]]] = field(default_factory=list)
+    output_top_logprobs_idx: List[List[List[int]]] = field(default_factory=list)
+    retraction_counts: List[int] = field(default_factory=list)
