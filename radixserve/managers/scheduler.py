@@ -480,7 +480,7 @@ class Scheduler:
         self.stream_output([req])
 
     def flush_cache(self) -> bool:
-        if self.waiting_queue or not self.running_batch.is_empty() or self.chunked_req is not None:
+        if self.has_work():
             logger.warning("Cache not flushed because there are pending requests.")
             return False
         self.tree_cache.reset()

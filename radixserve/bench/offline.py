@@ -1,0 +1,190 @@
+"""`radixserve bench offline`: offline throughput, nano-vllm's benchmark shape scaled to a CPU.
+
+`--num-prompts` requests of random token ids (input length uniform in [min, max] input len,
+output length uniform in [min, max] output len, ignore_eos, temperature 0), all submitted at
+once to the offline `Engine` (the production scheduler, in-process); we time the whole
+`engine.generate` call and report output tokens / second.
+
+In the same run (unless `--skip-hf`) transformers' `generate` runs the same requests in
+static batches of `--hf-batch-size`, in submission order, left-padded with an attention mask.
+A static batch runs until its longest request is done (min_new_tokens = max_new_tokens = the
+batch's longest output), so HF's "useful" tok/s counts only the tokens each request asked for;
+"raw" counts every generated token, padding rows included.
+
+    radixserve bench offline                                           # 128 prompts, tiny model
+    radixserve bench offline --num-prompts 4 --max-input-len 32 --max-output-len 8 --output /tmp/o.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import random
+import time
+from typing import Any, Dict, List, Tuple
+
+import torch
+
+from radixserve.bench.one_batch import NUM_SPECIAL_IDS, _markdown_table, _write_json
+from radixserve.server_args import ServerArgs
+
+DEFAULT_OUTPUT = "benchmarks/offline.json"
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("offline", help="offline throughput of the Engine on random prompts, vs transformers generate")
+    p.add_argument("--num-prompts", type=int, default=128)
+    p.add_argument("--min-input-len", type=int, default=64)
+    p.add_argument("--max-input-len", type=int, default=512)
+    p.add_argument("--min-output-len", type=int, default=32)
+    p.add_argument("--max-output-len", type=int, default=256)
+    p.add_argument("--hf-batch-size", type=int, default=16)
+    p.add_argument("--skip-hf", action="store_true", help="do not run the transformers baseline")
+    p.add_argument("--output", default=DEFAULT_OUTPUT, help="JSON results path ('' to skip)")
+    ServerArgs.add_cli_args(p)  # --seed (the workload's seed too), --model-path, --max-total-tokens, ...
+    p.set_defaults(func=run)
+    return p
+
+
+def make_workload(args: argparse.Namespace, vocab_size: int) -> Tuple[List[List[int]], List[int]]:
+    """Random prompts and output lengths, reproducible from --seed."""
+    rng = random.Random(args.seed)
+    prompts, out_lens = [], []
+    for _ in range(args.num_prompts):
+        n = rng.randint(args.min_input_len, args.max_input_len)
+        prompts.append([rng.randrange(NUM_SPECIAL_IDS, vocab_size) for _ in range(n)])
+        out_lens.append(rng.randint(args.min_output_len, args.max_output_len))
+    return prompts, out_lens
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if args.num_prompts < 1 or args.hf_batch_size < 1:
+        raise ValueError("--num-prompts and --hf-batch-size must be >= 1")
+    if not 1 <= args.min_input_len <= args.max_input_len:
+        raise ValueError("need 1 <= --min-input-len <= --max-input-len")
+    if not 1 <= args.min_output_len <= args.max_output_len:
+        raise ValueError("need 1 <= --min-output-len <= --max-output-len")
+
+
+# ---- ours ------------------------------------------------------------------------------------
+def run_ours(engine: Any, prompts: List[List[int]], out_lens: List[int]) -> Dict[str, Any]:
+    sps = [{"max_new_tokens": n, "ignore_eos": True, "temperature": 0} for n in out_lens]
+    # Warm-up: a few short requests through the same code paths, then an empty radix cache.
+    engine.generate(input_ids=[p[:16] for p in prompts[:2]], sampling_params=[{"max_new_tokens": 4, "ignore_eos": True, "temperature": 0}] * min(2, len(prompts)), progress=False)
+    engine.flush_cache()
+    t0 = time.perf_counter()
+    outs = engine.generate(input_ids=prompts, sampling_params=sps, progress=False)
+    elapsed = time.perf_counter() - t0
+    out_tokens = sum(len(o["output_ids"]) for o in outs)
+    if out_tokens != sum(out_lens):
+        raise RuntimeError(f"radixserve generated {out_tokens} tokens, expected {sum(out_lens)} (ignore_eos)")
+    return _summary("radixserve", prompts, out_tokens, elapsed)
+
+
+# ---- transformers ------------------------------------------------------------------------------
+def run_hf(model_path: str, prompts: List[List[int]], out_lens: List[int], batch_size: int, pad_id: int) -> Dict[str, Any]:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    model.generation_config.pad_token_id = pad_id
+
+    def gen_batch(batch: List[List[int]], n_new: int) -> int:
+        width = max(len(p) for p in batch)
+        ids = torch.full((len(batch), width), pad_id, dtype=torch.int64)
+        mask = torch.zeros((len(batch), width), dtype=torch.int64)
+        for i, p in enumerate(batch):  # left padding
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=n_new, min_new_tokens=n_new,
+                do_sample=False, pad_token_id=pad_id, use_cache=True,
+            )
+        return (out.shape[1] - width) * len(batch)
+
+    gen_batch([p[:16] for p in prompts[:2]], 4)  # warm-up
+    t0 = time.perf_counter()
+    raw_tokens = 0
+    for i in range(0, len(prompts), batch_size):
+        raw_tokens += gen_batch(prompts[i : i + batch_size], max(out_lens[i : i + batch_size]))
+    elapsed = time.perf_counter() - t0
+    res = _summary(f"transformers (static batch {batch_size})", prompts, sum(out_lens), elapsed)
+    res["raw_output_tokens"] = raw_tokens
+    res["raw_output_tok_s"] = raw_tokens / elapsed
+    return res
+
+
+def _summary(system: str, prompts: List[List[int]], out_tokens: int, elapsed: float) -> Dict[str, Any]:
+    return {
+        "system": system,
+        "requests": len(prompts),
+        "input_tokens": sum(len(p) for p in prompts),
+        "output_tokens": out_tokens,
+        "time_s": elapsed,
+        "output_tok_s": out_tokens / elapsed,
+    }
+
+
+# ---- command -----------------------------------------------------------------------------------
+def run(args: argparse.Namespace) -> int:
+    from radixserve.engine import Engine
+    from radixserve.tiny_model import get_tiny_model_path
+
+    _check_args(args)
+    server_args = ServerArgs.from_cli_args(args)
+    model_path = server_args.model_path or get_tiny_model_path()
+    engine = Engine(**{**vars(server_args), "model_path": model_path})
+    vocab = engine.scheduler.vocab_size
+    prompts, out_lens = make_workload(args, vocab)
+
+    ours = run_ours(engine, prompts, out_lens)
+    print(f"radixserve: {ours['output_tok_s']:.0f} output tok/s ({ours['time_s']:.1f} s)", flush=True)
+    results = [ours]
+    if not args.skip_hf:
+        pad_id = engine.tokenizer.pad_token_id if engine.tokenizer is not None and engine.tokenizer.pad_token_id is not None else 0
+        engine.shutdown()
+        hf = run_hf(model_path, prompts, out_lens, args.hf_batch_size, pad_id)
+        ours["ratio_vs_hf"] = ours["output_tok_s"] / hf["output_tok_s"]
+        hf["ratio_vs_hf"] = 1.0
+        results.append(hf)
+
+    table = format_table(results)
+    print(table)
+    report = {
+        "benchmark": "offline",
+        "model_path": args.model_path or "tiny (embedded)",
+        "num_prompts": args.num_prompts,
+        "input_len_range": [args.min_input_len, args.max_input_len],
+        "output_len_range": [args.min_output_len, args.max_output_len],
+        "seed": args.seed,
+        "hf_batch_size": None if args.skip_hf else args.hf_batch_size,
+        "server_args": {k: v for k, v in vars(server_args).items()},
+        "torch_num_threads": torch.get_num_threads(),
+        "torch_version": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "machine": platform.machine(),
+        "notes": "output_tok_s counts the requested output tokens; for transformers raw_output_tok_s also counts "
+        "tokens generated past a request's length while its static batch finishes. "
+        "ratio_vs_hf = output_tok_s / transformers' output_tok_s (goal: radixserve >= 2).",
+        "results": results,
+        "table": table,
+    }
+    if args.output:
+        _write_json(args.output, report)
+        print(f"wrote {args.output}")
+    return 0
+
+
+def format_table(results: List[Dict[str, Any]]) -> str:
+    header = ["system", "requests", "input toks", "output toks", "time s", "output tok/s", "ratio"]
+    rows = []
+    for r in results:
+        tok_s = f"{r['output_tok_s']:.0f}"
+        if "raw_output_tok_s" in r:
+            tok_s += f" (raw {r['raw_output_tok_s']:.0f})"
+        rows.append([
+            r["system"], str(r["requests"]), str(r["input_tokens"]), str(r["output_tokens"]),
+            f"{r['time_s']:.2f}", tok_s, f"{r['ratio_vs_hf']:.2f}" if "ratio_vs_hf" in r else "-",
+        ])
+    return _markdown_table(header, rows)

@@ -1,0 +1,284 @@
+"""`radixserve bench one-batch`: the latency of one prefill and one decode step of a static batch.
+
+For each batch size B, B requests of `--input-len` random tokens are prefilled in one EXTEND
+forward, then decoded for `--decode-steps` DECODE forwards (median per step, at a context of
+input_len..input_len+steps). Ours drives `ModelRunner` directly, the way the scheduler would:
+a req_to_token row per request, KV slots from the allocator, ModelWorkerBatch ->
+ForwardBatch.init_new -> forward -> greedy argmax. No scheduler, so this isolates the model +
+paged-attention cost.
+
+In the same run the same weights are run by transformers (AutoModelForCausalLM, float32,
+contiguous DynamicCache): prefill of the [B, input_len] batch (logits of the last position
+only, as `generate` does), then one token per request per step with past_key_values.
+
+Each shape is warmed up once (one prefill and one decode step, not timed).
+
+    radixserve bench one-batch                               # B = 1 16 64, input 512, tiny model
+    radixserve bench one-batch --batch-sizes 1 2 --input-len 16 --decode-steps 2 --output /tmp/x.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from radixserve.model_executor.forward_batch import ForwardBatch, ForwardMode, ModelWorkerBatch
+from radixserve.server_args import ServerArgs
+
+DEFAULT_OUTPUT = "benchmarks/one_batch.json"
+NUM_SPECIAL_IDS = 3  # ids 0..2 are special in the tiny tokenizer; random prompts avoid them
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("one-batch", help="prefill / decode step latency of one static batch, vs transformers")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--decode-steps", type=int, default=8, help="timed decode steps (median reported)")
+    p.add_argument("--skip-hf", action="store_true", help="do not run the transformers baseline")
+    p.add_argument("--output", default=DEFAULT_OUTPUT, help="JSON results path ('' to skip)")
+    ServerArgs.add_cli_args(p)
+    p.set_defaults(func=run)
+    return p
+
+
+# ---- ours ------------------------------------------------------------------------------------
+class _OursDriver:
+    """Owns a ModelRunner; runs one static batch with explicit req_to_token rows and KV slots."""
+
+    def __init__(self, server_args: ServerArgs):
+        from radixserve.model_executor.model_runner import ModelRunner
+        from radixserve.models.model_config import ModelConfig
+        from radixserve.tiny_model import get_tiny_model_path
+
+        path = server_args.model_path or get_tiny_model_path()
+        self.runner = ModelRunner(ModelConfig.from_pretrained(path), server_args)
+        self.model_path = path
+
+    def reset(self) -> None:
+        self.runner.req_to_token_pool.clear()
+        self.runner.token_to_kv_pool_allocator.clear()
+
+    def _alloc(self, n: int) -> torch.Tensor:
+        out = self.runner.token_to_kv_pool_allocator.alloc(n)
+        if out is None:
+            raise ValueError(f"KV pool too small for this benchmark: raise --max-total-tokens (need {n} more slots)")
+        return out
+
+    def prefill(self, rows: List[int], prompts: torch.Tensor) -> torch.Tensor:
+        """One EXTEND forward of all prompts ([B, L]); returns the greedy next tokens [B]."""
+        bs, n = prompts.shape
+        locs = self._alloc(bs * n)
+        self.runner.req_to_token_pool.req_to_token[torch.tensor(rows), :n] = locs.view(bs, n).to(torch.int32)
+        batch = ModelWorkerBatch(
+            forward_mode=ForwardMode.EXTEND,
+            input_ids=prompts.reshape(-1),
+            req_pool_indices=torch.tensor(rows, dtype=torch.int64),
+            seq_lens=torch.full((bs,), n, dtype=torch.int64),
+            out_cache_loc=locs,
+            seq_lens_cpu=[n] * bs,
+            extend_seq_lens=[n] * bs,
+            extend_prefix_lens=[0] * bs,
+        )
+        out = self.runner.forward(ForwardBatch.init_new(batch, self.runner))
+        return torch.argmax(out.next_token_logits, dim=-1)
+
+    def decode(self, rows: List[int], seq_lens_before: List[int], tokens: torch.Tensor) -> torch.Tensor:
+        """One DECODE forward: token i goes at position seq_lens_before[i] of request i."""
+        bs = len(rows)
+        loc = self._alloc(bs)
+        row_t = torch.tensor(rows, dtype=torch.int64)
+        self.runner.req_to_token_pool.req_to_token[row_t, torch.tensor(seq_lens_before)] = loc.to(torch.int32)
+        seq_lens = [s + 1 for s in seq_lens_before]
+        batch = ModelWorkerBatch(
+            forward_mode=ForwardMode.DECODE,
+            input_ids=tokens,
+            req_pool_indices=row_t,
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
+            out_cache_loc=loc,
+            seq_lens_cpu=seq_lens,
+        )
+        out = self.runner.forward(ForwardBatch.init_new(batch, self.runner))
+        return torch.argmax(out.next_token_logits, dim=-1)
+
+    def run(self, prompts: torch.Tensor, decode_steps: int) -> Dict[str, float]:
+        bs, n = prompts.shape
+        rows = list(range(bs))
+        # Warm-up of this shape: one prefill + one decode step, then start from an empty pool.
+        self.reset()
+        self.decode(rows, [n] * bs, self.prefill(rows, prompts))
+        self.reset()
+
+        t0 = time.perf_counter()
+        tokens = self.prefill(rows, prompts)
+        prefill_s = time.perf_counter() - t0
+        seq = n
+        tokens = self.decode(rows, [seq] * bs, tokens)  # first decode step: not timed (warm-up)
+        seq += 1
+        step_s = []
+        for _ in range(decode_steps):
+            t0 = time.perf_counter()
+            tokens = self.decode(rows, [seq] * bs, tokens)
+            step_s.append(time.perf_counter() - t0)
+            seq += 1
+        self.reset()
+        return _summary(bs, n, prefill_s, step_s)
+
+
+# ---- transformers ------------------------------------------------------------------------------
+class _HFDriver:
+    def __init__(self, model_path: str):
+        import transformers
+
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+
+    @torch.inference_mode()
+    def _prefill(self, prompts: torch.Tensor):
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        out = self.model(input_ids=prompts, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return out.past_key_values, torch.argmax(out.logits[:, -1], dim=-1)
+
+    @torch.inference_mode()
+    def _decode(self, cache, tokens: torch.Tensor):
+        out = self.model(input_ids=tokens[:, None], past_key_values=cache, use_cache=True)
+        return out.past_key_values, torch.argmax(out.logits[:, -1], dim=-1)
+
+    def run(self, prompts: torch.Tensor, decode_steps: int) -> Dict[str, float]:
+        bs, n = prompts.shape
+        cache, tokens = self._prefill(prompts)  # warm-up
+        self._decode(cache, tokens)
+        del cache
+
+        t0 = time.perf_counter()
+        cache, tokens = self._prefill(prompts)
+        prefill_s = time.perf_counter() - t0
+        cache, tokens = self._decode(cache, tokens)  # first decode step: not timed
+        step_s = []
+        for _ in range(decode_steps):
+            t0 = time.perf_counter()
+            cache, tokens = self._decode(cache, tokens)
+            step_s.append(time.perf_counter() - t0)
+        return _summary(bs, n, prefill_s, step_s)
+
+
+def _summary(bs: int, input_len: int, prefill_s: float, step_s: List[float]) -> Dict[str, float]:
+    step = statistics.median(step_s)
+    return {
+        "prefill_ms": prefill_s * 1e3,
+        "prefill_tok_s": bs * input_len / prefill_s,
+        "decode_ms_per_step": step * 1e3,
+        "decode_ms_per_step_min": min(step_s) * 1e3,
+        "decode_tok_s": bs / step,
+    }
+
+
+# ---- command -----------------------------------------------------------------------------------
+def _bench_server_args(args: argparse.Namespace) -> ServerArgs:
+    server_args = ServerArgs.from_cli_args(args)
+    max_bs = max(args.batch_sizes)
+    # Only what the largest batch needs (prompt + warm-up step + timed steps), not the 2 GiB default.
+    need = max_bs * (args.input_len + args.decode_steps + 2) + 64
+    changes: Dict[str, Any] = {}
+    if server_args.max_total_tokens is None:
+        changes["max_total_tokens"] = need
+    if server_args.max_running_requests is None:
+        changes["max_running_requests"] = max_bs
+    if server_args.page_size != 1:
+        raise ValueError("bench one-batch allocates single slots: run it with --page-size 1")
+    return server_args.replace(**changes) if changes else server_args
+
+
+def run(args: argparse.Namespace) -> int:
+    if min(args.batch_sizes) < 1 or args.input_len < 1 or args.decode_steps < 1:
+        raise ValueError("--batch-sizes, --input-len and --decode-steps must be >= 1")
+    server_args = _bench_server_args(args)
+    ours = _OursDriver(server_args)
+    if args.input_len + args.decode_steps + 2 > ours.runner.context_len:
+        raise ValueError(f"--input-len + --decode-steps exceeds the model's context ({ours.runner.context_len})")
+    hf = None if args.skip_hf else _HFDriver(ours.model_path)
+    vocab = ours.runner.model_config.vocab_size
+    gen = torch.Generator().manual_seed(server_args.seed)
+
+    results: List[Dict[str, Any]] = []
+    for bs in args.batch_sizes:
+        prompts = torch.randint(NUM_SPECIAL_IDS, vocab, (bs, args.input_len), generator=gen, dtype=torch.int64)
+        row: Dict[str, Any] = {"batch_size": bs, "ours": ours.run(prompts, args.decode_steps)}
+        if hf is not None:
+            row["hf"] = hf.run(prompts, args.decode_steps)
+            row["prefill_ratio"] = row["ours"]["prefill_ms"] / row["hf"]["prefill_ms"]
+            row["decode_ratio"] = row["ours"]["decode_ms_per_step"] / row["hf"]["decode_ms_per_step"]
+        results.append(row)
+        print(f"batch {bs}: ours decode {row['ours']['decode_ms_per_step']:.2f} ms/step"
+              + (f", HF {row['hf']['decode_ms_per_step']:.2f} ms/step" if 'hf' in row else ""), flush=True)
+
+    table = format_table(results)
+    print(table)
+    report = {
+        "benchmark": "one_batch",
+        "model_path": server_args.model_path or "tiny (embedded)",
+        "dtype": str(ours.runner.dtype).replace("torch.", ""),
+        "device": ours.runner.device,
+        "input_len": args.input_len,
+        "decode_steps": args.decode_steps,
+        "batch_sizes": list(args.batch_sizes),
+        "torch_num_threads": torch.get_num_threads(),
+        "torch_version": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "machine": platform.machine(),
+        "notes": "decode_ms_per_step is the median over decode_steps steps after one untimed step; "
+        "decode_ratio = ours / HF (lower is better, goal at batch 64: <= 1.3)",
+        "results": results,
+        "table": table,
+    }
+    if args.output:
+        _write_json(args.output, report)
+        print(f"wrote {args.output}")
+    return 0
+
+
+def format_table(results: List[Dict[str, Any]]) -> str:
+    has_hf = any("hf" in r for r in results)
+    if has_hf:
+        header = ["batch", "ours prefill ms", "HF prefill ms", "ours decode ms/step", "HF decode ms/step",
+                  "decode ratio (ours/HF)", "decode tok/s ours / HF"]
+    else:
+        header = ["batch", "ours prefill ms", "ours decode ms/step", "decode tok/s"]
+    lines = []
+    for r in results:
+        o = r["ours"]
+        if has_hf:
+            h = r.get("hf")
+            lines.append([
+                str(r["batch_size"]), f"{o['prefill_ms']:.1f}", f"{h['prefill_ms']:.1f}" if h else "-",
+                f"{o['decode_ms_per_step']:.2f}", f"{h['decode_ms_per_step']:.2f}" if h else "-",
+                f"{r['decode_ratio']:.2f}" if h else "-",
+                f"{o['decode_tok_s']:.0f} / {h['decode_tok_s']:.0f}" if h else f"{o['decode_tok_s']:.0f} / -",
+            ])
+        else:
+            lines.append([str(r["batch_size"]), f"{o['prefill_ms']:.1f}", f"{o['decode_ms_per_step']:.2f}",
+                          f"{o['decode_tok_s']:.0f}"])
+    return _markdown_table(header, lines)
+
+
+def _markdown_table(header: List[str], rows: List[List[str]]) -> str:
+    widths = [max(len(header[i]), *(len(r[i]) for r in rows)) if rows else len(header[i]) for i in range(len(header))]
+    fmt = lambda cells: "| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+    sep = "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|"
+    return "\n".join([fmt(header), sep] + [fmt(r) for r in rows])
+
+
+def _write_json(path: str, obj: Dict[str, Any]) -> None:
+    d = os.path.dirname(path)
+    if d:
+        os.makedirs(d, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")

@@ -1,0 +1,190 @@
+"""The scheduler end to end, in-process on the tiny model: batching, chunking, retraction,
+mixed chunk, paging and the disabled cache must not change greedy outputs; memory is
+conserved; aborts leave nothing behind."""
+
+from __future__ import annotations
+
+import random
+from typing import Dict, List
+
+import pytest
+
+from radixserve.engine import Engine
+
+VOCAB_LO = 3  # ids 0-2 are special tokens of the tiny model
+NEAR_TIE = 1e-4
+
+
+def make_workload(n: int = 200, seed: int = 0):
+    """Prompts made of one of 8 shared 'system prompts' plus a unique suffix."""
+    rng = random.Random(seed)
+    systems = [[rng.randrange(VOCAB_LO, 8192) for _ in range(rng.randint(20, 120))] for _ in range(8)]
+    prompts, params = [], []
+    for _ in range(n):
+        prefix = systems[rng.randrange(len(systems))] if rng.random() < 0.8 else []
+        suffix = [rng.randrange(VOCAB_LO, 8192) for _ in range(rng.randint(1, 100))]
+        prompts.append(prefix + suffix)
+        params.append({"max_new_tokens": rng.randint(1, 16), "temperature": 0})
+    return prompts, params
+
+
+@pytest.fixture(scope="module")
+def workload():
+    return make_workload()
+
+
+@pytest.fixture(scope="module")
+def reference(workload):
+    """Each request run alone (no cache, no batching), with its top-2 logprobs to tell near-ties."""
+    prompts, params = workload
+    engine = Engine(disable_radix_cache=True, max_total_tokens=4096)
+    out = []
+    for p, sp in zip(prompts, params):
+        r = engine.generate(input_ids=[p], sampling_params=[sp], return_logprob=True, top_logprobs_num=2)[0]
+        out.append(r)
+    return out
+
+
+def assert_same_greedy(results: List[Dict], reference: List[Dict]) -> None:
+    """Outputs equal the reference, except after a position where the reference's top two
+    logits are within float tolerance of each other (a near-tie may flip)."""
+    for i, (got, ref) in enumerate(zip(results, reference)):
+        a, b = got["output_ids"], ref["output_ids"]
+        for k, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                top2 = ref["meta_info"]["output_top_logprobs"][k]
+                gap = top2[0][0] - top2[1][0]
+                assert gap < NEAR_TIE, f"request {i} diverged at token {k} with logit gap {gap}"
+                break
+        else:
+            assert len(a) == len(b), f"request {i}: {len(a)} tokens vs {len(b)} alone"
+
+
+CONFIGS = {
+    "default": dict(),
+    "chunked_prefill_64": dict(chunked_prefill_size=64),
+    "mixed_chunk": dict(chunked_prefill_size=64, enable_mixed_chunk=True),
+    "page_size_16": dict(page_size=16, chunked_prefill_size=64),
+    "radix_disabled": dict(disable_radix_cache=True),
+    "lpm": dict(schedule_policy="lpm"),
+    "dfs_weight": dict(schedule_policy="dfs-weight", chunked_prefill_size=128),
+    "tiny_pool_retracts": dict(max_total_tokens=1200, schedule_conservativeness=0.02, chunked_prefill_size=128),
+    "forced_retract": dict(test_retract_interval=3),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_batched_outputs_equal_alone(name, workload, reference):
+    prompts, params = workload
+    kw = dict(max_total_tokens=16384)
+    kw.update(CONFIGS[name])
+    engine = Engine(**kw)
+    results = engine.generate(input_ids=prompts, sampling_params=params, progress=False)
+    assert_same_greedy(results, reference)
+    sched = engine.scheduler
+    sched.check_memory()  # every slot back: free or in the tree, nothing locked
+    stats = sched.stats
+    if name in ("tiny_pool_retracts", "forced_retract"):
+        assert stats["num_retractions"] > 0 and stats["num_retracted_reqs"] > 0
+    if name.startswith("chunked") or name in ("mixed_chunk", "page_size_16"):
+        assert stats["num_chunked_prefills"] > 0
+    if name == "mixed_chunk":
+        assert stats["num_mixed_batches"] > 0
+    if name == "radix_disabled":
+        assert all(r["meta_info"]["cached_tokens"] == 0 for r in results)
+    else:
+        assert sum(r["meta_info"]["cached_tokens"] for r in results) > 0
+
+
+def test_cached_tokens_on_repeated_prefix():
+    engine = Engine(max_total_tokens=4096)
+    prompt = list(range(100, 180))
+    first = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 4, "temperature": 0})
+    second = engine.generate(input_ids=prompt + [7, 8, 9], sampling_params={"max_new_tokens": 4, "temperature": 0})
+    assert first["meta_info"]["cached_tokens"] == 0
+    # The whole first prompt (and the generated tokens but the last) are in the tree.
+    assert second["meta_info"]["cached_tokens"] == len(prompt)
+    engine.scheduler.check_memory()
+
+
+def _engine_with_reqs(n: int, **kw) -> Engine:
+    engine = Engine(max_total_tokens=4096, **kw)
+    return engine
+
+
+def test_abort_in_every_state_leaks_nothing():
+    engine = Engine(max_total_tokens=4096, chunked_prefill_size=32, max_running_requests=4)
+    rng = random.Random(1)
+    long_prompt = [rng.randrange(VOCAB_LO, 8192) for _ in range(150)]
+    reqs = engine._make_requests(None, [long_prompt] + [[rng.randrange(VOCAB_LO, 8192) for _ in range(20)] for _ in range(7)],
+                                 {"max_new_tokens": 50, "temperature": 0, "ignore_eos": True})
+    for r in reqs:
+        engine._submit(r)
+    engine.step()  # the long prompt is now the chunked request; others wait
+    sched = engine.scheduler
+    assert sched.chunked_req is not None and sched.chunked_req.rid == reqs[0].rid
+    engine.abort(reqs[0].rid)  # chunked
+    engine.abort(reqs[7].rid)  # waiting
+    for _ in range(8):
+        engine.step()
+    running = [r.rid for r in sched.running_batch.reqs]
+    assert running, "some requests should be decoding"
+    engine.abort(running[0])  # running
+    while sched.has_work():
+        engine.step()
+    states = engine._states
+    aborted = {reqs[0].rid, reqs[7].rid, running[0]}
+    for rid in aborted:
+        assert states[rid].finished_reason["type"] == "abort"
+    for r in reqs:
+        if r.rid not in aborted:
+            assert states[r.rid].finished_reason == {"type": "length", "length": 50}
+    sched.check_memory()
+
+
+def test_queue_full_aborts_with_503():
+    engine = Engine(max_total_tokens=4096, max_queued_requests=2)
+    results = engine.generate(input_ids=[[5, 6, 7]] * 4, sampling_params={"max_new_tokens": 2}, progress=False)
+    reasons = [r["meta_info"]["finish_reason"] for r in results]
+    full = [r for r in reasons if r["type"] == "abort"]
+    assert len(full) == 2 and all(r["status_code"] == 503 for r in full)
+    assert "queue is full" in full[0]["message"]
+
+
+def test_prompt_longer_than_context_is_rejected():
+    engine = Engine(max_total_tokens=4096, context_length=64)
+    r = engine.generate(input_ids=list(range(10, 80)), sampling_params={"max_new_tokens": 2})
+    assert r["meta_info"]["finish_reason"]["type"] == "abort"
+    assert r["meta_info"]["finish_reason"]["status_code"] == 400
+    ok = engine.generate(input_ids=list(range(10, 40)), sampling_params={"max_new_tokens": 100, "ignore_eos": True})
+    # max_new_tokens is clipped to the room left in the context.
+    assert ok["meta_info"]["completion_tokens"] == 64 - 30 - 1
+
+
+def test_flush_cache_refused_while_running():
+    engine = Engine(max_total_tokens=4096)
+    reqs = engine._make_requests(None, [[5, 6, 7, 8]], {"max_new_tokens": 20})
+    engine._submit(reqs[0])
+    engine.step()
+    assert engine.flush_cache() is False
+    while engine.scheduler.has_work():
+        engine.step()
+    assert engine.scheduler.tree_cache.evictable_size() > 0
+    assert engine.flush_cache() is True
+    assert engine.scheduler.tree_cache.evictable_size() == 0
+    engine.scheduler.check_memory()
+
+
+def test_stop_token_and_stop_string():
+    engine = Engine(max_total_tokens=4096)
+    base = engine.generate("Once upon a time", {"max_new_tokens": 12, "temperature": 0})
+    ids = base["output_ids"]
+    stop_tok = engine.generate("Once upon a time", {"max_new_tokens": 12, "temperature": 0, "stop_token_ids": [ids[3]]})
+    assert stop_tok["output_ids"] == ids[: ids.index(ids[3]) + 1]
+    assert stop_tok["meta_info"]["finish_reason"] == {"type": "stop", "matched": ids[3]}
+    text = base["text"]
+    stop_str = text[len(text) // 2 : len(text) // 2 + 3]
+    if stop_str.strip():
+        r = engine.generate("Once upon a time", {"max_new_tokens": 12, "temperature": 0, "stop": stop_str})
+        assert r["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_str}
+        assert stop_str not in r["text"] and text.startswith(r["text"])
