@@ -74,3 +74,67 @@ class BatchTokenIDOutput:
     output_top_logprobs_val: List[List[List[float]]] = field(default_factory=list)
     output_top_logprobs_idx: List[List[List[int]]] = field(default_factory=list)
     retraction_counts: List[int] = field(default_factory=list)
+
+
+# ---- served runtime (issue 4) ---------------------------------------------------------------
+@dataclass
+class GenerateReqInput:
+    """The body of POST /generate (SGLang's field names). One prompt or a batch: `text` (str or
+    list of str) or `input_ids` (list of int, or list of lists); per-prompt lists are allowed
+    for `sampling_params`, `rid` and `return_logprob`."""
+
+    text: Optional[Any] = None
+    input_ids: Optional[Any] = None
+    sampling_params: Optional[Any] = None
+    rid: Optional[Any] = None
+    return_logprob: Optional[Any] = None
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    priority: Optional[int] = None
+    session_params: Optional[Dict[str, Any]] = None
+
+
+@dataclass
+class BatchStrOutput:
+    """Detokenizer -> TokenizerManager: per request, the text that became final since the last
+    message. The request's text is `text[:text_offsets[i]] + output_strs[i]`; the offset is the
+    text length sent so far, except when a finished request's stop string is trimmed off text
+    that was already sent (then it is shorter)."""
+
+    rids: List[str]
+    finished_reasons: List[Optional[Dict[str, Any]]]
+    output_strs: List[str]
+    text_offsets: List[int]
+    output_ids: List[List[int]]  # new output token ids of each request
+    prompt_tokens: List[int]
+    completion_tokens: List[int]
+    cached_tokens: List[int]
+    output_token_logprobs_val: List[List[float]] = field(default_factory=list)
+    output_token_logprobs_idx: List[List[int]] = field(default_factory=list)
+    output_top_logprobs_val: List[List[List[float]]] = field(default_factory=list)
+    output_top_logprobs_idx: List[List[List[int]]] = field(default_factory=list)
+    retraction_counts: List[int] = field(default_factory=list)
+
+
+@dataclass
+class OpenSessionReqInput:
+    capacity_of_str_len: int = 8192
+    session_id: Optional[str] = None
+
+
+@dataclass
+class CloseSessionReqInput:
+    session_id: str = ""
+
+
+@dataclass
+class SessionParams:
+    """`session_params` of a generate request: continue request `rid` of session `id` (default:
+    its last request), keeping its first `offset` tokens (default: all of them)."""
+
+    id: str = ""
+    rid: Optional[str] = None
+    offset: Optional[int] = None
+    replace: bool = False

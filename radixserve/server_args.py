@@ -58,6 +58,10 @@ class ServerArgs:
     served_model_name: Optional[str] = None
     log_level: str = "info"
     skip_tokenizer_init: bool = False
+    api_key: Optional[str] = None  # every route but /health needs "Authorization: Bearer KEY"
+    max_request_body_bytes: int = 32 * 1024 * 1024  # larger request bodies get 413
+    watchdog_timeout: float = 300.0  # seconds without forward progress before the server exits
+    decode_log_interval: int = 40  # log one line every this many decode batches
 
     def __post_init__(self) -> None:
         self.check()
@@ -83,6 +87,14 @@ class ServerArgs:
             self.chunked_prefill_size = None
         if self.chunked_prefill_size is not None and self.chunked_prefill_size < self.page_size:
             raise ValueError("--chunked-prefill-size must be >= --page-size")
+        if not 1 <= self.port <= 65535:
+            raise ValueError(f"--port must be in [1, 65535], got {self.port}")
+        if self.watchdog_timeout <= 0:
+            raise ValueError("--watchdog-timeout must be > 0")
+        if self.decode_log_interval < 1:
+            raise ValueError("--decode-log-interval must be >= 1")
+        if self.max_request_body_bytes < 1024:
+            raise ValueError("--max-request-body-bytes must be >= 1024")
 
     # ---- argparse -------------------------------------------------------------------------
     @staticmethod
@@ -90,10 +102,12 @@ class ServerArgs:
         for f in dataclasses.fields(ServerArgs):
             flag = "--" + f.name.replace("_", "-")
             default = f.default
+            text = FLAG_HELP.get(f.name, "")
             if f.type in ("bool", bool):
-                parser.add_argument(flag, action="store_true", default=default)
+                parser.add_argument(flag, action="store_true", default=default, help=f"{text} (default: off)".strip())
                 continue
-            parser.add_argument(flag, type=_arg_type(f), default=default)
+            shown = "%(default)s" if f.name != "api_key" else "none"
+            parser.add_argument(flag, type=_arg_type(f), default=default, help=f"{text} (default: {shown})".strip())
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
@@ -102,6 +116,70 @@ class ServerArgs:
 
     def replace(self, **changes: Any) -> "ServerArgs":
         return dataclasses.replace(self, **changes)
+
+
+# Help text of every flag (`radixserve serve --help` adds each one's default).
+FLAG_HELP = {
+    "model_path": "Hugging Face model directory; none serves the embedded tiny model",
+    "tokenizer_path": "tokenizer directory, when it differs from --model-path",
+    "load_format": f"weights: {', '.join(LOAD_FORMATS)} (dummy = random weights)",
+    "dtype": f"model dtype: {', '.join(DTYPES)}",
+    "device": "cpu, cuda, or auto (cuda when available)",
+    "seed": "random seed for weights of dummy models and for sampling",
+    "context_length": "override the model's context length",
+    "max_total_tokens": "KV cache pool size in tokens; derived from memory when not given",
+    "mem_fraction_static": "GPU: fraction of free memory for weights and the KV cache",
+    "cpu_kv_cache_bytes": "CPU: byte budget for the KV cache pool",
+    "max_running_requests": "most requests decoding at once; derived from the pool when not given",
+    "page_size": "tokens per KV cache page",
+    "schedule_policy": f"order of the waiting queue: {', '.join(SCHEDULE_POLICIES)}",
+    "schedule_conservativeness": "higher reserves more KV for running requests (fewer retractions)",
+    "chunked_prefill_size": "split prefills longer than this many tokens; <= 0 disables chunking",
+    "max_prefill_tokens": "most new prompt tokens in one prefill batch",
+    "enable_mixed_chunk": "run the decode batch inside chunked prefill forwards",
+    "disable_radix_cache": "no prefix sharing between requests",
+    "radix_eviction_policy": "radix cache eviction: lru or lfu",
+    "max_queued_requests": "refuse new requests with 503 while this many wait; none = unbounded",
+    "prefill_max_requests": "most new requests in one prefill batch",
+    "enable_priority_scheduling": "order by the request's priority and preempt lower ones",
+    "schedule_low_priority_values_first": "with priority scheduling: smaller values first",
+    "priority_scheduling_preemption_threshold": "priority difference that allows preemption",
+    "stream_interval": "stream every this many tokens",
+    "disable_overlap_schedule": "run the scheduler's normal loop instead of the overlap loop",
+    "test_retract_interval": "testing: force a retraction every this many decode steps",
+    "host": "address to bind; 0.0.0.0 exposes the server to the network",
+    "port": "HTTP port",
+    "served_model_name": "model name in the OpenAI API; the model path when not given",
+    "log_level": "debug, info, warning or error",
+    "skip_tokenizer_init": "no tokenizer: input_ids in, output_ids out",
+    "api_key": "require 'Authorization: Bearer KEY' on every route but /health",
+    "max_request_body_bytes": "refuse larger request bodies with 413",
+    "watchdog_timeout": "seconds the scheduler may have work without progress before the server exits",
+    "decode_log_interval": "log one decode line every this many decode batches",
+}
+
+
+@dataclass
+class PortArgs:
+    """The ZeroMQ endpoints of one server: ipc sockets in a private temporary directory, so two
+    servers on one machine never collide and shutdown removes every socket file."""
+
+    ipc_dir: str
+    tokenizer_ipc_name: str  # detokenizer (and scheduler replies) -> tokenizer manager
+    scheduler_input_ipc_name: str  # tokenizer manager -> scheduler
+    detokenizer_ipc_name: str  # scheduler -> detokenizer
+
+    @classmethod
+    def init_new(cls, ipc_dir: Optional[str] = None) -> "PortArgs":
+        import tempfile
+
+        ipc_dir = ipc_dir or tempfile.mkdtemp(prefix="radixserve-ipc-")  # mode 0700
+        return cls(
+            ipc_dir,
+            f"ipc://{ipc_dir}/tokenizer",
+            f"ipc://{ipc_dir}/scheduler_input",
+            f"ipc://{ipc_dir}/detokenizer",
+        )
 
 
 def _arg_type(f: dataclasses.Field) -> Any:

@@ -42,6 +42,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--skip-hf", action="store_true", help="do not run the transformers baseline")
     p.add_argument("--output", default=DEFAULT_OUTPUT, help="JSON results path ('' to skip)")
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="torch intra-op threads (default: torch's default, one per core)")
     ServerArgs.add_cli_args(p)  # --seed (the workload's seed too), --model-path, --max-total-tokens, ...
     p.set_defaults(func=run)
     return p
@@ -71,8 +73,12 @@ def _check_args(args: argparse.Namespace) -> None:
 def run_ours(engine: Any, prompts: List[List[int]], out_lens: List[int]) -> Dict[str, Any]:
     sps = [{"max_new_tokens": n, "ignore_eos": True, "temperature": 0} for n in out_lens]
     # Warm-up: a few short requests through the same code paths, then an empty radix cache.
-    engine.generate(input_ids=[p[:16] for p in prompts[:2]], sampling_params=[{"max_new_tokens": 4, "ignore_eos": True, "temperature": 0}] * min(2, len(prompts)), progress=False)
-    engine.flush_cache()
+    warm = [p[:16] for p in prompts[:2]]
+    engine.generate(input_ids=warm, sampling_params=[{"max_new_tokens": 4, "ignore_eos": True, "temperature": 0}] * len(warm), progress=False)
+    while engine.scheduler.has_work():  # let the last batch retire, so the flush is allowed
+        engine.step()
+    if not engine.flush_cache():
+        raise RuntimeError("could not flush the radix cache after the warm-up")
     t0 = time.perf_counter()
     outs = engine.generate(input_ids=prompts, sampling_params=sps, progress=False)
     elapsed = time.perf_counter() - t0
@@ -128,6 +134,8 @@ def _summary(system: str, prompts: List[List[int]], out_tokens: int, elapsed: fl
 
 # ---- command -----------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
     from radixserve.engine import Engine
     from radixserve.tiny_model import get_tiny_model_path
 

@@ -43,6 +43,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--decode-steps", type=int, default=8, help="timed decode steps (median reported)")
     p.add_argument("--skip-hf", action="store_true", help="do not run the transformers baseline")
     p.add_argument("--output", default=DEFAULT_OUTPUT, help="JSON results path ('' to skip)")
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="torch intra-op threads (default: torch's default, one per core)")
     ServerArgs.add_cli_args(p)
     p.set_defaults(func=run)
     return p
@@ -197,6 +199,8 @@ def _bench_server_args(args: argparse.Namespace) -> ServerArgs:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
     if min(args.batch_sizes) < 1 or args.input_len < 1 or args.decode_steps < 1:
         raise ValueError("--batch-sizes, --input-len and --decode-steps must be >= 1")
     server_args = _bench_server_args(args)

@@ -6,6 +6,7 @@ differ by is new, and is emitted only once it does not end in an incomplete UTF-
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -70,3 +71,98 @@ def output_ids_for_text(output_ids: List[int], finished_reason: Optional[Dict[st
     if not no_stop_trim and finished_reason and finished_reason.get("type") == "stop" and isinstance(finished_reason.get("matched"), int):
         return output_ids[:-1]
     return output_ids
+
+
+# ---- the detokenizer process (served runtime) -------------------------------------------------
+@dataclass
+class _DetokState:
+    status: DecodeStatus = field(default_factory=DecodeStatus)
+    sent_offset: int = 0  # characters of text already sent to the tokenizer manager
+
+
+class DetokenizerManager:
+    """BatchTokenIDOutput -> BatchStrOutput: incremental text per request, never a broken UTF-8
+    sequence in a chunk, a matched stop string trimmed off a finished request's text."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.states: Dict[str, _DetokState] = {}
+
+    def handle_batch_token_id_out(self, out: Any) -> Any:
+        from radixserve.protocol import BatchStrOutput
+
+        res = BatchStrOutput([], [], [], [], [], [], [], [])
+        for i, rid in enumerate(out.rids):
+            reason = out.finished_reasons[i]
+            finished = reason is not None
+            state = self.states.pop(rid, None) if finished else self.states.setdefault(rid, _DetokState())
+            state = state or _DetokState()
+            new_ids = out.decode_ids[i]
+            if self.tokenizer is not None:
+                no_stop_trim = out.no_stop_trim[i]
+                ids = output_ids_for_text(new_ids, reason, no_stop_trim) if finished else new_ids
+                incremental_decode(self.tokenizer, state.status, ids, out.skip_special_tokens[i],
+                                   out.spaces_between_special_tokens[i], finished=finished)
+                text = state.status.decoded_text
+                if finished:
+                    text = trim_matched_stop(text, reason, no_stop_trim)
+            else:  # --skip-tokenizer-init: ids only
+                text = ""
+            offset = min(state.sent_offset, len(text))
+            state.sent_offset = len(text)
+            res.rids.append(rid)
+            res.finished_reasons.append(reason)
+            res.output_strs.append(text[offset:])
+            res.text_offsets.append(offset)
+            res.output_ids.append(list(new_ids))
+            res.prompt_tokens.append(out.prompt_tokens[i])
+            res.completion_tokens.append(out.completion_tokens[i])
+            res.cached_tokens.append(out.cached_tokens[i])
+            for key in ("output_token_logprobs_val", "output_token_logprobs_idx",
+                        "output_top_logprobs_val", "output_top_logprobs_idx", "retraction_counts"):
+                src = getattr(out, key)
+                getattr(res, key).append(src[i] if i < len(src) else ([] if key != "retraction_counts" else 0))
+        return res
+
+
+def run_detokenizer_process(server_args: Any, port_args: Any, pipe: Any) -> None:
+    """Process entry: PULL token outputs from the scheduler, PUSH text to the tokenizer manager."""
+    import os
+    import signal
+    import traceback
+
+    from radixserve.managers.scheduler_process import configure_process_logging, watch_parent
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher stops us
+    configure_process_logging(server_args, "detokenizer")
+    watch_parent(os.getppid())
+    try:
+        import zmq
+
+        from radixserve.protocol import BatchTokenIDOutput
+
+        tokenizer = None
+        if not server_args.skip_tokenizer_init:
+            from radixserve.managers.scheduler import load_tokenizer, resolve_model_path
+
+            tokenizer = load_tokenizer(server_args.tokenizer_path or resolve_model_path(server_args))
+        ctx = zmq.Context(1)
+        recv_sock = ctx.socket(zmq.PULL)
+        recv_sock.bind(port_args.detokenizer_ipc_name)
+        send_sock = ctx.socket(zmq.PUSH)
+        send_sock.setsockopt(zmq.SNDHWM, 0)
+        send_sock.connect(port_args.tokenizer_ipc_name)
+        manager = DetokenizerManager(tokenizer)
+    except Exception:
+        pipe.send({"status": "error", "error": traceback.format_exc()})
+        raise SystemExit(1)
+    pipe.send({"status": "ready", "pid": os.getpid()})
+    try:
+        while True:
+            obj = recv_sock.recv_pyobj()
+            if isinstance(obj, BatchTokenIDOutput):
+                obj = manager.handle_batch_token_id_out(obj)
+            send_sock.send_pyobj(obj)  # anything else passes through unchanged
+    except Exception:
+        logging.getLogger("radixserve.detokenizer").error("Detokenizer hit an exception:\n%s", traceback.format_exc())
+        os._exit(1)

@@ -125,6 +125,8 @@ class Req:
         self.last_node: Any = None
         self.extend_input_len = 0
         self.req_pool_idx: Optional[int] = None
+        # Tokens whose KV is in the pool (or being written by the batch in flight).
+        self.kv_committed_len = 0
         # >0 while a chunk of this request's prefill is in flight (seed 001 §10.2).
         self.is_chunked = 0
 
@@ -169,6 +171,7 @@ class Req:
         self.last_node = None
         self.extend_input_len = 0
         self.req_pool_idx = None
+        self.kv_committed_len = 0
         self.is_chunked = 0
         self.is_retracted = True
         self.retraction_count += 1
@@ -336,6 +339,7 @@ class ScheduleBatch:
             # Only prefix hits beyond what this request computed itself count as cached.
             r.cached_tokens += max(len(r.prefix_indices) - r.already_computed, 0)
             r.already_computed = len(r.fill_ids)
+            r.kv_committed_len = len(r.fill_ids)
         self.input_ids = torch.tensor([t for r, p in zip(reqs, self.prefix_lens) for t in r.fill_ids[p:]], dtype=torch.int64)
         self.req_pool_indices = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
         self.seq_lens = torch.tensor(self.seq_lens_cpu, dtype=torch.int64)
@@ -394,12 +398,14 @@ class ScheduleBatch:
         self.req_to_token_pool.req_to_token[self.req_pool_indices, self.seq_lens] = self.out_cache_loc.to(torch.int32)
         self.seq_lens = self.seq_lens + 1
         self.seq_lens_cpu = [s + 1 for s in self.seq_lens_cpu]
+        for r in self.reqs:
+            r.kv_committed_len += 1
 
     def release_req(self, req: Req) -> None:
         """Free everything a running request holds that the tree does not (retract / preempt).
         Its prefix stays in the tree, unlocked (evictable)."""
         row = req.req_pool_idx
-        seq_len = req.seqlen() - 1 if req.output_ids else len(req.fill_ids)
+        seq_len = req.kv_committed_len
         page_size = self.token_to_kv_pool_allocator.page_size
         # Slots of the locked tree prefix stay in the tree; everything after is private.
         protected = 0 if self.tree_cache.disable else len(req.prefix_indices) // page_size * page_size

@@ -75,6 +75,9 @@ def kv_committed_len(req: "Req") -> int:
 
     Every token except the last sampled one (it has not been fed to the model yet). A request
     that has no output yet stopped during (possibly chunked) prefill: its KV is its fill_ids."""
+    tracked = getattr(req, "kv_committed_len", None)  # the scheduler's Req tracks it exactly
+    if tracked is not None:
+        return tracked
     if req.output_ids:
         return len(req.origin_input_ids) + len(req.output_ids) - 1
     return len(req.fill_ids)

@@ -188,3 +188,51 @@ def test_stop_token_and_stop_string():
         r = engine.generate("Once upon a time", {"max_new_tokens": 12, "temperature": 0, "stop": stop_str})
         assert r["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_str}
         assert stop_str not in r["text"] and text.startswith(r["text"])
+
+
+def check_slot_conservation(sched) -> None:
+    """Every slot is in exactly one place: free, in the tree, or private to a live request."""
+    alloc, ps = sched.token_to_kv_pool_allocator, sched.page_size
+    free_pages = set(alloc.free_pages.tolist())
+    tree_slots = sched.tree_cache.all_values_flatten().tolist() if not sched.tree_cache.disable else []
+    tree_pages = {s // ps for s in tree_slots}
+    live = {id(r): r for r in sched.running_batch.reqs}
+    if sched.last_batch is not None:
+        live.update({id(r): r for r in sched.last_batch.reqs})
+    if sched.chunked_req is not None:
+        live[id(sched.chunked_req)] = sched.chunked_req
+    private_pages = set()
+    for r in live.values():
+        if r.finished() or r.req_pool_idx is None:
+            continue
+        protected = 0 if sched.tree_cache.disable else len(r.prefix_indices) // ps * ps
+        row = sched.req_to_token_pool.req_to_token[r.req_pool_idx, protected : r.kv_committed_len].tolist()
+        pages = {s // ps for s in row}
+        assert not pages & private_pages, "a slot is private to two requests"
+        private_pages |= pages
+    assert not free_pages & tree_pages and not free_pages & private_pages and not tree_pages & private_pages
+    assert len(free_pages) + len(tree_pages) + len(private_pages) == alloc.num_pages
+    tc = sched.tree_cache
+    assert tc.evictable_size() + tc.protected_size() == tc.total_size()
+
+
+@pytest.mark.parametrize("kw", [dict(chunked_prefill_size=48), dict(page_size=4, chunked_prefill_size=48, enable_mixed_chunk=True),
+                                dict(max_total_tokens=1000, schedule_conservativeness=0.02, test_retract_interval=5),
+                                dict(disable_radix_cache=True, chunked_prefill_size=48)])
+def test_slot_conservation_after_every_step(kw):
+    prompts, params = make_workload(60, seed=3)
+    args = dict(max_total_tokens=6000)
+    args.update(kw)
+    engine = Engine(**args)
+    reqs = engine._make_requests(None, prompts, params)
+    for i, r in enumerate(reqs):
+        engine._submit(r)
+        if i % 10 == 9:  # arrivals interleaved with steps
+            engine.step()
+            check_slot_conservation(engine.scheduler)
+        if i == 30:
+            engine.abort(reqs[25].rid)
+    while engine.scheduler.has_work():
+        engine.step()
+        check_slot_conservation(engine.scheduler)
+    engine.scheduler.check_memory()

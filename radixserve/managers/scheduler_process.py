@@ -1,0 +1,224 @@
+"""The scheduler's process in the served runtime (seed 004's diagram).
+
+    TokenizerManager --PUSH--> [scheduler_input] PULL  Scheduler  PUSH --> [detokenizer]
+                                                                  PUSH --> [tokenizer]  (replies)
+
+`run_scheduler_process` builds the production `Scheduler` with ZeroMQ-backed `recv_fn` /
+`send_fn`, reports readiness (pool sizes) through a pipe, and runs the loop. The loop polls
+the socket with a timeout while there is nothing to do, so an idle server uses no CPU.
+Around the loop: SGLang-style prefill / decode log lines, a watchdog thread (no forward
+progress while there is work for --watchdog-timeout seconds: dump every thread's stack,
+exit non-zero, the launcher takes the server down) and a parent-death check (no orphans).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Callable, List, Optional
+
+from radixserve.protocol import BatchTokenIDOutput, GetInternalStateReqOutput
+from radixserve.server_args import PortArgs, ServerArgs
+
+logger = logging.getLogger("radixserve.scheduler")
+
+IDLE_POLL_MS = 1000  # how long an idle loop blocks on the socket before looking around again
+
+
+def configure_process_logging(server_args: ServerArgs, tag: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, server_args.log_level.upper(), logging.INFO),
+        format=f"[%(asctime)s {tag}] %(message)s",
+        datefmt="%Y-%m-%d %H:%M:%S",
+        force=True,
+    )
+
+
+def watch_parent(parent_pid: int, interval: float = 1.0) -> None:
+    """Exit when the launching process is gone (killed with SIGKILL, say): never an orphan."""
+
+    def loop() -> None:
+        while True:
+            time.sleep(interval)
+            if os.getppid() != parent_pid:
+                os._exit(1)
+
+    threading.Thread(target=loop, name="parent-watch", daemon=True).start()
+
+
+def zmq_recv_drain(sock: Any) -> Callable[[], List[Any]]:
+    """recv_fn: every message waiting on the PULL socket, never blocking (seed 000)."""
+    import zmq
+
+    def recv() -> List[Any]:
+        msgs: List[Any] = []
+        while True:
+            try:
+                msgs.append(sock.recv_pyobj(zmq.NOBLOCK))
+            except zmq.Again:
+                return msgs
+
+    return recv
+
+
+class SchedulerStats:
+    """Prefill / decode log lines like SGLang's, and the numbers /get_server_info adds
+    (token usage, cache hit rate, generation throughput). Reads the scheduler; changes nothing."""
+
+    def __init__(self, scheduler: Any, decode_log_interval: int):
+        self.sched = scheduler
+        self.decode_log_interval = decode_log_interval
+        self.num_decode_steps = 0
+        self.decode_tokens_since_log = 0
+        self.last_log_time = time.monotonic()
+        self.gen_throughput = 0.0
+
+    def token_usage(self) -> float:
+        s = self.sched
+        total = s.max_total_num_tokens
+        used = total - s.token_to_kv_pool_allocator.available_size() - s.tree_cache.evictable_size()
+        return used / total if total else 0.0
+
+    def cache_hit_rate(self) -> float:
+        st = self.sched.stats
+        return st["cached_tokens"] / st["prompt_tokens"] if st.get("prompt_tokens") else 0.0
+
+    def on_batch(self, batch: Any) -> None:
+        if batch is None or batch.forward_mode is None:
+            return
+        s = self.sched
+        if batch.forward_mode.is_decode():
+            self.num_decode_steps += 1
+            self.decode_tokens_since_log += batch.batch_size()
+            if self.num_decode_steps % self.decode_log_interval == 0:
+                now = time.monotonic()
+                self.gen_throughput = self.decode_tokens_since_log / max(now - self.last_log_time, 1e-6)
+                self.decode_tokens_since_log, self.last_log_time = 0, now
+                num_tokens = sum(r.seqlen() for r in batch.reqs)
+                logger.info(
+                    "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, "
+                    "gen throughput (token/s): %.2f, #queue-req: %d",
+                    batch.batch_size(), num_tokens, self.token_usage(), self.gen_throughput, len(s.waiting_queue),
+                )
+            return
+        decoding = set(id(r) for r in (batch.decoding_reqs or []))
+        new = [(r, i) for i, r in enumerate(batch.reqs) if id(r) not in decoding]
+        new_tokens = sum(batch.extend_lens[i] for _, i in new if i < len(batch.extend_lens))
+        cached = sum(batch.prefix_lens[i] for _, i in new if i < len(batch.prefix_lens))
+        logger.info(
+            "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
+            "#running-req: %d, #queue-req: %d",
+            len(new), new_tokens, cached, self.token_usage(), s.running_batch.batch_size(), len(s.waiting_queue),
+        )
+
+    def decorate_state(self, out: Any) -> Any:
+        if isinstance(out, GetInternalStateReqOutput):
+            out.internal_state.update(
+                token_usage=self.token_usage(),
+                cache_hit_rate=self.cache_hit_rate(),
+                gen_throughput=self.gen_throughput,
+                forward_ct=self.sched.forward_ct,
+            )
+        return out
+
+
+class Watchdog:
+    """Seed 001 §30: while the scheduler has work, forward_ct must move within `timeout` s.
+    Otherwise log every thread's stack and call `on_timeout` (the process exits non-zero)."""
+
+    def __init__(self, scheduler: Any, timeout: float, on_timeout: Callable[[], None], period: Optional[float] = None):
+        self.sched = scheduler
+        self.timeout = timeout
+        self.on_timeout = on_timeout
+        self.period = period if period is not None else min(timeout / 2, 5.0)
+        self.fired = False
+
+    def check_forever(self, stop: threading.Event) -> None:
+        last_ct, last_change = self.sched.forward_ct, time.monotonic()
+        while not stop.wait(self.period):
+            ct = self.sched.forward_ct
+            if ct != last_ct or not self.sched.has_work():
+                last_ct, last_change = ct, time.monotonic()
+                continue
+            if time.monotonic() - last_change > self.timeout:
+                logger.error(
+                    "Watchdog timeout: the scheduler has work but made no forward progress for %.0f s "
+                    "(--watchdog-timeout). Stacks of all threads follow; the server exits.",
+                    self.timeout,
+                )
+                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+                self.fired = True
+                self.on_timeout()
+                return
+
+    def start(self) -> threading.Event:
+        stop = threading.Event()
+        threading.Thread(target=self.check_forever, args=(stop,), name="watchdog", daemon=True).start()
+        return stop
+
+
+def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe: Any) -> None:
+    """Process entry: build the Scheduler on ZeroMQ, report ready, loop until killed."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the launcher, which stops us
+    configure_process_logging(server_args, "scheduler")
+    watch_parent(os.getppid())
+    try:
+        import zmq
+
+        from radixserve.managers.scheduler import Scheduler
+
+        ctx = zmq.Context(2)
+        recv_sock = ctx.socket(zmq.PULL)
+        recv_sock.bind(port_args.scheduler_input_ipc_name)
+        to_detokenizer = ctx.socket(zmq.PUSH)
+        to_detokenizer.setsockopt(zmq.SNDHWM, 0)
+        to_detokenizer.connect(port_args.detokenizer_ipc_name)
+        to_tokenizer = ctx.socket(zmq.PUSH)
+        to_tokenizer.setsockopt(zmq.SNDHWM, 0)
+        to_tokenizer.connect(port_args.tokenizer_ipc_name)
+
+        holder: dict = {}
+
+        def send(obj: Any) -> None:
+            # Token outputs go through the detokenizer; replies (flush, state) straight back.
+            if isinstance(obj, BatchTokenIDOutput):
+                to_detokenizer.send_pyobj(obj)
+            else:
+                to_tokenizer.send_pyobj(holder["stats"].decorate_state(obj))
+
+        scheduler = Scheduler(server_args, recv_fn=zmq_recv_drain(recv_sock), send_fn=send)
+        holder["stats"] = stats = SchedulerStats(scheduler, server_args.decode_log_interval)
+    except Exception:
+        pipe.send({"status": "error", "error": traceback.format_exc()})
+        raise SystemExit(1)
+
+    pipe.send({
+        "status": "ready",
+        "pid": os.getpid(),
+        "max_total_num_tokens": scheduler.max_total_num_tokens,
+        "max_running_requests": scheduler.max_running_requests,
+        "context_len": scheduler.context_len,
+        "vocab_size": scheduler.vocab_size,
+        "device": str(scheduler.device),
+    })
+    Watchdog(scheduler, server_args.watchdog_timeout, lambda: os._exit(1)).start()
+
+    poller = zmq.Poller()
+    poller.register(recv_sock, zmq.POLLIN)
+    try:
+        while True:
+            scheduler.process_input_requests(scheduler.recv_requests())
+            batch = scheduler.run_step()
+            stats.on_batch(batch)
+            if batch is None and not scheduler.has_work():
+                poller.poll(IDLE_POLL_MS)  # returns as soon as a message arrives
+    except Exception:
+        logger.error("Scheduler hit an exception:\n%s", traceback.format_exc())
+        sys.stderr.flush()
+        os._exit(1)
