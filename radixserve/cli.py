@@ -1,4 +1,4 @@
-"""radixserve command line: generate | make-tiny-model | bench {one-batch, offline}."""
+"""radixserve command line: serve | generate | make-tiny-model | bench {one-batch, offline}."""
 
 from __future__ import annotations
 
@@ -38,6 +38,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from radixserve.launch import launch_server
+
+    return launch_server(ServerArgs.from_cli_args(args))
+
+
 def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
     from radixserve.tiny_model import make_tiny_model
 
@@ -49,6 +55,13 @@ def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="radixserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser(
+        "serve",
+        help="run the HTTP server (SGLang-native and OpenAI APIs); no flags: the tiny model on 127.0.0.1:30000",
+    )
+    ServerArgs.add_cli_args(serve)
+    serve.set_defaults(func=_cmd_serve)
 
     gen = sub.add_parser("generate", help="generate text for one prompt, offline (no server)")
     gen.add_argument("prompt")

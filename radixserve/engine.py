@@ -210,6 +210,7 @@ class Engine:
         return self.scheduler.internal_state()
 
     def shutdown(self) -> None:
+        self.scheduler.shutdown()
         self._states.clear()
         self._inbox.clear()
 

@@ -49,6 +49,7 @@ class ServerArgs:
     priority_scheduling_preemption_threshold: int = 10
     stream_interval: int = 1
     disable_overlap_schedule: bool = False
+    disable_consecutive_prefill_overlap: bool = False
     # Test knob (SGLang's SGLANG_TEST_RETRACT): force a retraction every N decode steps.
     test_retract_interval: Optional[int] = None
 
@@ -146,6 +147,7 @@ FLAG_HELP = {
     "priority_scheduling_preemption_threshold": "priority difference that allows preemption",
     "stream_interval": "stream every this many tokens",
     "disable_overlap_schedule": "run the scheduler's normal loop instead of the overlap loop",
+    "disable_consecutive_prefill_overlap": "overlap loop: process a prefill's result before launching the next prefill (lower TTFT)",
     "test_retract_interval": "testing: force a retraction every this many decode steps",
     "host": "address to bind; 0.0.0.0 exposes the server to the network",
     "port": "HTTP port",

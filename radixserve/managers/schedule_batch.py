@@ -139,6 +139,7 @@ class Req:
         self.cached_tokens = 0  # prompt tokens served from the prefix cache (first prefill)
         self.already_computed = 0
         self.send_token_offset = 0  # output tokens already streamed out
+        self.finished_sent = False  # the final message went out (never send it twice)
         self.last_stream_len = 0
 
         self.output_token_logprobs_val: List[float] = []
@@ -250,10 +251,14 @@ class ScheduleBatch:
     # Mixed chunk: the running requests that decode inside this extend batch.
     decoding_reqs: Optional[List[Req]] = None
     chunked_req: Optional[Req] = None
+    # Overlap mode: the DeviceStream that samples with sampling_info. Changes to
+    # sampling_info (filter / merge) are queued there, after the forwards already in flight.
+    stream: Any = None
 
     @classmethod
     def init_new(cls, reqs: List[Req], req_to_token_pool, token_to_kv_pool_allocator, tree_cache,
-                 vocab_size: int, device: str = "cpu", chunked_req: Optional[Req] = None) -> "ScheduleBatch":
+                 vocab_size: int, device: str = "cpu", chunked_req: Optional[Req] = None,
+                 stream: Any = None) -> "ScheduleBatch":
         return cls(
             reqs=reqs,
             req_to_token_pool=req_to_token_pool,
@@ -263,7 +268,21 @@ class ScheduleBatch:
             device=device,
             return_logprob=any(r.return_logprob for r in reqs),
             chunked_req=chunked_req,
+            stream=stream,
         )
+
+    def copy(self) -> "ScheduleBatch":
+        """What processing this batch's result needs, detached from later filter/merge."""
+        return ScheduleBatch(
+            reqs=list(self.reqs), forward_mode=self.forward_mode, decoding_reqs=self.decoding_reqs,
+            return_logprob=self.return_logprob, tree_cache=self.tree_cache, device=self.device,
+        )
+
+    def _sampling_op(self, fn, *args) -> None:
+        if self.stream is None:
+            fn(*args)
+        else:
+            self.stream.submit(fn, *args)
 
     def batch_size(self) -> int:
         return len(self.reqs)
@@ -365,18 +384,18 @@ class ScheduleBatch:
         self.extend_num_tokens += running_bs
         self.reqs = self.reqs + running_batch.reqs
         self.top_logprobs_nums = self.top_logprobs_nums + running_batch.top_logprobs_nums
-        self.sampling_info.merge_batch(running_batch.sampling_info)
+        self._sampling_op(self.sampling_info.merge_batch, running_batch.sampling_info)
         self.return_logprob = self.return_logprob or running_batch.return_logprob
 
     # ---- decode ------------------------------------------------------------------------------
     def new_tokens_next_decode(self, indices: Optional[List[int]] = None) -> int:
         """Slots the next decode step needs (whole new pages when page_size > 1)."""
         ps = self.token_to_kv_pool_allocator.page_size
-        reqs = self.reqs if indices is None else [self.reqs[i] for i in indices]
+        lens = self.seq_lens_cpu if indices is None else [self.seq_lens_cpu[i] for i in indices]
         if ps == 1:
-            return len(reqs)
-        # A request needs a new page when its next token starts one.
-        return sum(ps for r in reqs if r.seqlen() - 1 > 0 and (r.seqlen() - 1) % ps == 0) or 0
+            return len(lens)
+        # The next token goes at position seq_len; it starts a new page when that is aligned.
+        return sum(ps for n in lens if n % ps == 0)
 
     def check_decode_mem(self, indices: Optional[List[int]] = None) -> bool:
         num_tokens = self.new_tokens_next_decode(indices)
@@ -464,7 +483,7 @@ class ScheduleBatch:
         self.top_logprobs_nums = [self.top_logprobs_nums[i] for i in keep_indices]
         self.return_logprob = any(r.return_logprob for r in self.reqs)
         if self.sampling_info is not None:
-            self.sampling_info.filter_batch(keep_indices)
+            self._sampling_op(self.sampling_info.filter_batch, keep_indices)
 
     def merge_batch(self, other: "ScheduleBatch") -> None:
         if other.is_empty():
@@ -478,7 +497,7 @@ class ScheduleBatch:
             self.sampling_info = other.sampling_info
             self.return_logprob = other.return_logprob
             return
-        self.sampling_info.merge_batch(other.sampling_info)
+        self._sampling_op(self.sampling_info.merge_batch, other.sampling_info)
         self.req_pool_indices = torch.cat([self.req_pool_indices, other.req_pool_indices])
         self.seq_lens = torch.cat([self.seq_lens, other.seq_lens])
         self.seq_lens_cpu = self.seq_lens_cpu + other.seq_lens_cpu

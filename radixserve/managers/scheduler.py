@@ -9,7 +9,8 @@ the messages that arrived, never blocks) and `send_fn` (takes one outgoing messa
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Dict, List, Optional
+from collections import deque
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import torch
 
@@ -18,6 +19,7 @@ from radixserve.managers.schedule_batch import (
     Req,
     ScheduleBatch,
 )
+from radixserve.managers.overlap import DeviceStream, FutureMap, PendingResult
 from radixserve.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
 from radixserve.mem_cache.chunk_cache import ChunkCache
 from radixserve.mem_cache.radix_cache import RadixCache
@@ -98,6 +100,16 @@ class Scheduler:
         self.max_prefill_tokens = args.max_prefill_tokens
         self.is_mixed_chunk = args.enable_mixed_chunk and self.chunked_prefill_size is not None
 
+        # Overlap scheduling (the default): forwards run in order on a DeviceStream while
+        # this thread schedules the next batch; results are processed one iteration late.
+        self.enable_overlap = not args.disable_overlap_schedule
+        self.stream: Optional[DeviceStream] = None
+        self.result_queue: Deque[Tuple[ScheduleBatch, PendingResult]] = deque()
+        if self.enable_overlap:
+            self.stream = DeviceStream(self.device)
+            self.future_map = FutureMap(self.max_running_requests, self.chunked_prefill_size, self.context_len, self.device)
+        self.stats_overlap = dict(results_processed=0, results_processed_while_busy=0)
+
         self.waiting_queue: List[Req] = []
         self.running_batch: ScheduleBatch = self._empty_batch()
         self.cur_batch: Optional[ScheduleBatch] = None
@@ -130,7 +142,8 @@ class Scheduler:
 
     def _empty_batch(self) -> ScheduleBatch:
         return ScheduleBatch.init_new(
-            [], self.req_to_token_pool, self.token_to_kv_pool_allocator, self.tree_cache, self.vocab_size, self.device
+            [], self.req_to_token_pool, self.token_to_kv_pool_allocator, self.tree_cache, self.vocab_size,
+            self.device, stream=self.stream,
         )
 
     # ---- event loop ---------------------------------------------------------------------------
@@ -138,26 +151,79 @@ class Scheduler:
         """Receive, schedule, run, process: one batch at a time (seed 001 §2)."""
         while not should_stop():
             self.process_input_requests(self.recv_requests())
-            self.run_step()
+            self.run_step_normal()
+
+    def event_loop_overlap(self, should_stop: Callable[[], bool] = lambda: False) -> None:
+        """The four phases per iteration (seed 001 §2.2): Pre Schedule N+1, launch N+1,
+        Post Schedule N (while N+1 computes), and sampling inside N+1's launch."""
+        while not should_stop():
+            self.process_input_requests(self.recv_requests())
+            self.run_step_overlap()
 
     def run_step(self) -> Optional[ScheduleBatch]:
-        """One iteration of the normal loop after intake. Returns the batch it ran (or None)."""
+        """One loop iteration after intake (the Engine calls this). Returns the batch launched."""
+        return self.run_step_overlap() if self.enable_overlap else self.run_step_normal()
+
+    def run_step_normal(self) -> Optional[ScheduleBatch]:
         batch = self.get_next_batch_to_run()
         self.cur_batch = batch
         if batch is not None:
             result = self.run_batch(batch)
             self.process_batch_result(batch, result)
         else:
-            self.self_check_during_idle()
-            self.new_token_ratio = self.init_new_token_ratio
+            self.on_idle()
         self.last_batch = batch
         return batch
 
+    def run_step_overlap(self) -> Optional[ScheduleBatch]:
+        batch = self.get_next_batch_to_run()  # Pre Schedule N+1
+        self.cur_batch = batch
+        disable_overlap_for_batch = self.is_disable_overlap_for_batch(batch)
+        if disable_overlap_for_batch:
+            self.pop_and_process()
+        if batch is not None:
+            pending = self.run_batch(batch)  # launch N+1 on the stream
+            self.result_queue.append((batch.copy(), pending))
+        if self.last_batch is not None and not disable_overlap_for_batch:
+            self.pop_and_process()  # Post Schedule N, while N+1 computes
+        elif batch is None:
+            self.on_idle()
+        self.last_batch = batch
+        return batch
+
+    def is_disable_overlap_for_batch(self, batch: Optional[ScheduleBatch]) -> bool:
+        """Seed 001 §20: with --disable-consecutive-prefill-overlap, a prefill after a prefill
+        first processes the previous result (its first token goes out a step earlier)."""
+        return (
+            self.server_args.disable_consecutive_prefill_overlap
+            and batch is not None and batch.forward_mode.is_extend()
+            and self.last_batch is not None and self.last_batch.forward_mode.is_extend()
+        )
+
+    def pop_and_process(self) -> None:
+        if not self.result_queue:
+            return
+        batch, pending = self.result_queue.popleft()
+        self.stats_overlap["results_processed"] += 1
+        if self.stream.busy.is_set():
+            self.stats_overlap["results_processed_while_busy"] += 1
+        self.process_batch_result(batch, pending.wait())
+
+    def on_idle(self) -> None:
+        self.self_check_during_idle()
+        self.new_token_ratio = self.init_new_token_ratio
+
     def has_work(self) -> bool:
-        return bool(self.waiting_queue) or not self.running_batch.is_empty() or self.chunked_req is not None or (
+        return bool(self.waiting_queue) or not self.running_batch.is_empty() or self.chunked_req is not None or bool(
+            self.result_queue
+        ) or (
             self.last_batch is not None and self.last_batch.forward_mode is not None
             and self.last_batch.forward_mode.is_extend() and not self.last_batch.is_empty()
         )
+
+    def shutdown(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
 
     # ---- intake (seed 000) -------------------------------------------------------------------
     def recv_requests(self) -> List[Any]:
@@ -231,7 +297,6 @@ class Scheduler:
                     self.running_batch = self.last_batch
                 else:
                     self.running_batch.merge_batch(self.last_batch)
-            self.last_batch = None
 
         # 3. Prefill first; 4. otherwise decode.
         new_batch = self.get_new_batch_prefill()
@@ -310,7 +375,7 @@ class Scheduler:
 
         new_batch = ScheduleBatch.init_new(
             can_run_list, self.req_to_token_pool, self.token_to_kv_pool_allocator, self.tree_cache,
-            self.vocab_size, self.device, chunked_req=self.chunked_req,
+            self.vocab_size, self.device, chunked_req=self.chunked_req, stream=self.stream,
         )
         new_batch.prepare_for_extend()
 
@@ -352,12 +417,35 @@ class Scheduler:
         return batch
 
     # ---- running ------------------------------------------------------------------------------
-    def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult:
+    def run_batch(self, batch: ScheduleBatch) -> Any:
+        """Normal loop: run and return the GenerationBatchResult. Overlap loop: launch on the
+        stream and return a PendingResult; batch.output_ids become future placeholders."""
         self.forward_ct += 1
         mode = batch.forward_mode
         key = "num_decode_batches" if mode.is_decode() else "num_mixed_batches" if mode.is_mixed() else "num_prefill_batches"
         self.stats[key] += 1
-        return self.tp_worker.forward_batch_generation(batch.get_model_worker_batch())
+        worker_batch = batch.get_model_worker_batch()
+        if not self.enable_overlap:
+            result = self.tp_worker.forward_batch_generation(worker_batch)
+            batch.output_ids = result.next_token_ids
+            return result
+        future_indices = self.future_map.alloc_future_indices(batch.batch_size())
+        pending = PendingResult()
+        self.stream.submit(self._forward_on_stream, worker_batch, future_indices, pending)
+        batch.output_ids = -future_indices
+        return pending
+
+    def _forward_on_stream(self, worker_batch, future_indices: torch.Tensor, pending: PendingResult) -> None:
+        """Runs on the DeviceStream: resolve placeholders, forward + sample, publish tokens."""
+        try:
+            worker_batch.input_ids = self.future_map.resolve_future(worker_batch.input_ids)
+            result = self.tp_worker.forward_batch_generation(worker_batch)
+            self.future_map.store_to_map(future_indices, result.next_token_ids)
+            result.next_token_ids = self.tp_worker.to_host(result.next_token_ids)
+            pending.set(result)
+        except BaseException as e:
+            pending.fail(e)
+            raise
 
     # ---- results (seed 001 §10) ------------------------------------------------------------------
     def process_batch_result(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
@@ -374,6 +462,8 @@ class Scheduler:
             if req.is_chunked > 0:
                 req.is_chunked -= 1  # a middle chunk: its sampled token means nothing
                 continue
+            if self._is_stale(req):
+                continue
             req.output_ids.append(next_ids[i])
             req.check_finished()
             self._append_logprobs(req, result, i)
@@ -383,20 +473,26 @@ class Scheduler:
                 # The prompt enters the tree now, so requests behind it can share it.
                 self.tree_cache.cache_unfinished_req(req)
         self.token_to_kv_pool_allocator.free_group_end()
-        batch.output_ids = result.next_token_ids
         self.stream_output(batch.reqs)
+
+    @staticmethod
+    def _is_stale(req: Req) -> bool:
+        """Overlap: the batch was launched before this request finished (the extra forward of
+        seed 001 §2.8.7) or was retracted; its token is dropped."""
+        return req.finished() or req.req_pool_idx is None
 
     def process_batch_result_decode(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
         next_ids = result.next_token_ids.tolist()
         self.token_to_kv_pool_allocator.free_group_begin()
         for i, req in enumerate(batch.reqs):
+            if self._is_stale(req):
+                continue
             req.output_ids.append(next_ids[i])
             req.check_finished()
             self._append_logprobs(req, result, i)
             if req.finished():
                 self.tree_cache.cache_finished_req(req)
         self.token_to_kv_pool_allocator.free_group_end()
-        batch.output_ids = result.next_token_ids
         self.stream_output(batch.reqs)
 
     @staticmethod
@@ -417,8 +513,10 @@ class Scheduler:
             if req.is_chunked > 0:
                 continue
             n = len(req.output_ids)
+            if req.finished_sent:
+                continue
             if req.finished():
-                pass
+                req.finished_sent = True
             elif req.stream:
                 if n == 0 or (n - req.send_token_offset < interval and n != 1):
                     continue

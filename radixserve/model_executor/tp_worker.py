@@ -38,6 +38,12 @@ class TpModelWorker:
         r = self.model_runner
         return r.req_to_token_pool, r.token_to_kv_pool_allocator
 
+    @staticmethod
+    def to_host(t: torch.Tensor) -> torch.Tensor:
+        """Device -> host copy of sampled tokens (called on the forward thread, so waiting
+        for the device here never blocks the scheduler)."""
+        return t if t.device.type == "cpu" else t.to("cpu", non_blocking=False)
+
     def forward_batch_generation(self, batch: ModelWorkerBatch, skip_sample: bool = False) -> GenerationBatchResult:
         forward_batch = ForwardBatch.init_new(batch, self.model_runner)
         logits_output = self.model_runner.forward(forward_batch)

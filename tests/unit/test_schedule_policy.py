@@ -120,9 +120,9 @@ def test_running_requests_reserve_decode_space():
     assert adder.rem_total_tokens == 1000 - 5 * 100 * 0.5
 
 
-def test_priority_preemption_runs_urgent_request_first():
+def test_priority_preemption_runs_urgent_request_first(loop):
     engine = Engine(max_total_tokens=4096, enable_priority_scheduling=True, max_running_requests=2,
-                    priority_scheduling_preemption_threshold=5)
+                    priority_scheduling_preemption_threshold=5, **loop)
     low = engine._make_requests(None, [[10 + i] * 20 for i in range(2)],
                                 {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}, priority=0)
     for r in low:

@@ -74,13 +74,15 @@ CONFIGS = {
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_batched_outputs_equal_alone(name, workload, reference):
+def test_batched_outputs_equal_alone(name, loop, workload, reference):
     prompts, params = workload
-    kw = dict(max_total_tokens=16384)
+    kw = dict(max_total_tokens=16384, **loop)
     kw.update(CONFIGS[name])
     engine = Engine(**kw)
     results = engine.generate(input_ids=prompts, sampling_params=params, progress=False)
     assert_same_greedy(results, reference)
+    if name == "default":
+        _LOOP_OUTPUTS[bool(loop)] = [r["output_ids"] for r in results]
     sched = engine.scheduler
     sched.check_memory()  # every slot back: free or in the tree, nothing locked
     stats = sched.stats
@@ -96,8 +98,33 @@ def test_batched_outputs_equal_alone(name, workload, reference):
         assert sum(r["meta_info"]["cached_tokens"] for r in results) > 0
 
 
-def test_cached_tokens_on_repeated_prefix():
-    engine = Engine(max_total_tokens=4096)
+_LOOP_OUTPUTS: Dict[bool, List[List[int]]] = {}
+
+
+def test_overlap_and_normal_loops_give_identical_outputs(workload):
+    """Runs after the default config ran in both loops (same module, declared later)."""
+    prompts, params = workload
+    for normal in (False, True):
+        if normal not in _LOOP_OUTPUTS:
+            engine = Engine(max_total_tokens=16384, disable_overlap_schedule=normal)
+            _LOOP_OUTPUTS[normal] = [r["output_ids"] for r in engine.generate(input_ids=prompts, sampling_params=params, progress=False)]
+    assert _LOOP_OUTPUTS[False] == _LOOP_OUTPUTS[True]
+
+
+def test_overlap_processes_results_while_the_next_forward_runs(workload):
+    """Post Schedule of batch N runs while the forward of N+1 is in flight: if the loop waited
+    for the device before processing (a sync in the overlap window), the share would be ~0."""
+    prompts, params = workload
+    engine = Engine(max_total_tokens=16384)
+    engine.generate(input_ids=prompts, sampling_params=params, progress=False)
+    st = engine.scheduler.stats_overlap
+    assert st["results_processed"] > 10
+    print(st)
+    assert st["results_processed_while_busy"] / st["results_processed"] > 0.5, st
+
+
+def test_cached_tokens_on_repeated_prefix(loop):
+    engine = Engine(max_total_tokens=4096, **loop)
     prompt = list(range(100, 180))
     first = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 4, "temperature": 0})
     second = engine.generate(input_ids=prompt + [7, 8, 9], sampling_params={"max_new_tokens": 4, "temperature": 0})
@@ -112,8 +139,8 @@ def _engine_with_reqs(n: int, **kw) -> Engine:
     return engine
 
 
-def test_abort_in_every_state_leaks_nothing():
-    engine = Engine(max_total_tokens=4096, chunked_prefill_size=32, max_running_requests=4)
+def test_abort_in_every_state_leaks_nothing(loop):
+    engine = Engine(max_total_tokens=4096, chunked_prefill_size=32, max_running_requests=4, **loop)
     rng = random.Random(1)
     long_prompt = [rng.randrange(VOCAB_LO, 8192) for _ in range(150)]
     reqs = engine._make_requests(None, [long_prompt] + [[rng.randrange(VOCAB_LO, 8192) for _ in range(20)] for _ in range(7)],
@@ -142,8 +169,8 @@ def test_abort_in_every_state_leaks_nothing():
     sched.check_memory()
 
 
-def test_queue_full_aborts_with_503():
-    engine = Engine(max_total_tokens=4096, max_queued_requests=2)
+def test_queue_full_aborts_with_503(loop):
+    engine = Engine(max_total_tokens=4096, max_queued_requests=2, **loop)
     results = engine.generate(input_ids=[[5, 6, 7]] * 4, sampling_params={"max_new_tokens": 2}, progress=False)
     reasons = [r["meta_info"]["finish_reason"] for r in results]
     full = [r for r in reasons if r["type"] == "abort"]
@@ -161,8 +188,8 @@ def test_prompt_longer_than_context_is_rejected():
     assert ok["meta_info"]["completion_tokens"] == 64 - 30 - 1
 
 
-def test_flush_cache_refused_while_running():
-    engine = Engine(max_total_tokens=4096)
+def test_flush_cache_refused_while_running(loop):
+    engine = Engine(max_total_tokens=4096, **loop)
     reqs = engine._make_requests(None, [[5, 6, 7, 8]], {"max_new_tokens": 20})
     engine._submit(reqs[0])
     engine.step()
@@ -175,8 +202,8 @@ def test_flush_cache_refused_while_running():
     engine.scheduler.check_memory()
 
 
-def test_stop_token_and_stop_string():
-    engine = Engine(max_total_tokens=4096)
+def test_stop_token_and_stop_string(loop):
+    engine = Engine(max_total_tokens=4096, **loop)
     base = engine.generate("Once upon a time", {"max_new_tokens": 12, "temperature": 0})
     ids = base["output_ids"]
     stop_tok = engine.generate("Once upon a time", {"max_new_tokens": 12, "temperature": 0, "stop_token_ids": [ids[3]]})
@@ -219,9 +246,9 @@ def check_slot_conservation(sched) -> None:
 @pytest.mark.parametrize("kw", [dict(chunked_prefill_size=48), dict(page_size=4, chunked_prefill_size=48, enable_mixed_chunk=True),
                                 dict(max_total_tokens=1000, schedule_conservativeness=0.02, test_retract_interval=5),
                                 dict(disable_radix_cache=True, chunked_prefill_size=48)])
-def test_slot_conservation_after_every_step(kw):
+def test_slot_conservation_after_every_step(kw, loop):
     prompts, params = make_workload(60, seed=3)
-    args = dict(max_total_tokens=6000)
+    args = dict(max_total_tokens=6000, **loop)
     args.update(kw)
     engine = Engine(**args)
     reqs = engine._make_requests(None, prompts, params)

@@ -1,0 +1,144 @@
+"""Request bodies of the OpenAI-compatible API (pydantic), with SGLang's extra sampling fields.
+
+Responses are built as plain dicts in serving_completions.py / serving_chat.py; their shapes are
+OpenAI's (what the official `openai` client parses). Unknown request fields are ignored, as
+OpenAI-compatible servers do; wrong types give 400 with the field's name.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Dict, List, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: Optional[Dict[str, Any]] = None
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    n: int = 1
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    stop: Optional[Union[str, List[str]]] = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: Optional[int] = None
+    logit_bias: Optional[Dict[str, float]] = None
+    user: Optional[str] = None
+    # SGLang's extras
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: Optional[List[int]] = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    regex: Optional[str] = None
+    json_schema: Optional[str] = None
+    rid: Optional[str] = None
+    priority: Optional[int] = None
+
+    def sampling_params(self, max_new_tokens: Optional[int]) -> Dict[str, Any]:
+        return {
+            "max_new_tokens": max_new_tokens,
+            "min_new_tokens": self.min_tokens,
+            "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "ignore_eos": self.ignore_eos,
+            "skip_special_tokens": self.skip_special_tokens,
+            "spaces_between_special_tokens": self.spaces_between_special_tokens,
+            "no_stop_trim": self.no_stop_trim,
+            "n": self.n,
+            "logit_bias": self.logit_bias,
+            "sampling_seed": self.seed,
+            "regex": self.regex,
+            "json_schema": self.json_schema,
+        }
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Union[str, List[str], List[int], List[List[int]]]
+    max_tokens: Optional[int] = 16
+    logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    suffix: Optional[str] = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: Optional[Union[str, List[Dict[str, Any]]]] = None
+    name: Optional[str] = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: List[ChatMessage] = Field(min_length=1)
+    max_tokens: Optional[int] = None
+    max_completion_tokens: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    response_format: Optional[ResponseFormat] = None
+
+    def grammar_json_schema(self) -> Optional[str]:
+        """response_format as a JSON schema string (enforced once a grammar backend is there)."""
+        if self.json_schema is not None:
+            return self.json_schema
+        rf = self.response_format
+        if rf is None or rf.type == "text":
+            return None
+        if rf.type == "json_object":
+            return json.dumps({"type": "object"})
+        schema = (rf.json_schema or {}).get("schema", {"type": "object"})
+        return json.dumps(schema)
+
+
+def error_body(message: str, err_type: str = "BadRequestError", code: int = 400, param: Optional[str] = None) -> Dict[str, Any]:
+    """OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+def openai_finish_reason(reason: Optional[Dict[str, Any]]) -> Optional[str]:
+    if reason is None:
+        return None
+    return {"stop": "stop", "length": "length", "abort": "abort"}.get(reason.get("type", ""), "stop")
+
+
+def matched_stop(reason: Optional[Dict[str, Any]]) -> Any:
+    return (reason or {}).get("matched") if (reason or {}).get("type") == "stop" else None
+
+
+def usage_of(outputs: List[Dict[str, Any]], n: int) -> Dict[str, Any]:
+    """Prompt tokens count once per prompt (its n samples share it); completions all."""
+    prompt = sum(o["meta_info"]["prompt_tokens"] for i, o in enumerate(outputs) if i % n == 0)
+    cached = sum(o["meta_info"]["cached_tokens"] for i, o in enumerate(outputs) if i % n == 0)
+    completion = sum(o["meta_info"]["completion_tokens"] for o in outputs)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }

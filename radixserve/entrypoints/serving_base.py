@@ -1,0 +1,57 @@
+"""Helpers shared by the HTTP routes: SSE framing, looking at a stream's first item before
+answering (so a refused streaming request still gets its HTTP status), model-name checks."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, AsyncIterator, Optional
+
+from radixserve.managers.tokenizer_manager import RequestError
+
+_STREAM_END = object()
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode("utf-8") + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+async def peek_first(gen: AsyncIterator[Any]) -> Any:
+    """The stream's first item; RequestError raised by the request (400, 503...) propagates,
+    so the route answers with an error status instead of a 200 stream."""
+    try:
+        return await gen.__anext__()
+    except StopAsyncIteration:
+        return _STREAM_END
+
+
+async def chain_first(first: Any, gen: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    if first is _STREAM_END:
+        return
+    yield first
+    async for item in gen:
+        yield item
+
+
+async def first_result(gen: AsyncIterator[Any]) -> Any:
+    """A non-streaming request yields exactly once."""
+    try:
+        async for item in gen:
+            return item
+    finally:
+        await gen.aclose()
+    raise RequestError("The request produced no output.", 500, "InternalServerError")
+
+
+def check_model(tm: Any, model: Optional[str]) -> None:
+    if model is not None and model not in served_model_names(tm):
+        raise RequestError(f"The model `{model}` does not exist.", 404, "NotFoundError")
+
+
+def served_model_names(tm: Any) -> list:
+    names = [tm.served_model_name]
+    if tm.server_args.model_path and tm.server_args.model_path not in names:
+        names.append(tm.server_args.model_path)
+    return names

@@ -1,0 +1,137 @@
+"""POST /v1/completions (OpenAI's shape; SGLang's extra sampling fields accepted)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, AsyncIterator, Dict, List
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from radixserve.entrypoints.openai_protocol import (
+    CompletionRequest,
+    error_body,
+    matched_stop,
+    openai_finish_reason,
+    usage_of,
+)
+from radixserve.entrypoints.serving_base import SSE_DONE, chain_first, check_model, first_result, peek_first, sse
+from radixserve.managers.tokenizer_manager import RequestError, TokenizerManager
+from radixserve.protocol import GenerateReqInput
+
+
+def _prompts(req: CompletionRequest) -> Dict[str, Any]:
+    p = req.prompt
+    if isinstance(p, str):
+        return {"text": p}
+    if not p:
+        raise RequestError("prompt must not be empty.")
+    if isinstance(p[0], str):
+        return {"text": list(p)}
+    return {"input_ids": list(p)}
+
+
+def _prompt_texts(tm: TokenizerManager, req: CompletionRequest) -> List[str]:
+    p = req.prompt
+    if isinstance(p, str):
+        return [p]
+    if isinstance(p[0], str):
+        return list(p)
+    rows = [p] if isinstance(p[0], int) else p
+    return [tm.tokenizer.decode(r) if tm.tokenizer is not None else "" for r in rows]
+
+
+def _logprobs(tm: TokenizerManager, meta: Dict[str, Any], start: int, text_offset: int) -> Dict[str, Any]:
+    toks = meta.get("output_token_logprobs", [])[start:]
+    tops = meta.get("output_top_logprobs", [])[start:] if meta.get("output_top_logprobs") else []
+    tokens, offsets = [], []
+    for lp, tid, s in toks:
+        s = s if s is not None else tm.decode_token(tid)
+        tokens.append(s)
+        offsets.append(text_offset)
+        text_offset += len(s)
+    top = [{(s if s is not None else tm.decode_token(t)): lp for lp, t, s in row} for row in tops] if tops else None
+    return {"tokens": tokens, "token_logprobs": [t[0] for t in toks], "top_logprobs": top, "text_offset": offsets}
+
+
+async def serve_completions(tm: TokenizerManager, body: Dict[str, Any], raw_request: Any):
+    req = CompletionRequest.model_validate(body)
+    check_model(tm, req.model)
+    obj = GenerateReqInput(
+        **_prompts(req),
+        sampling_params=req.sampling_params(req.max_tokens),
+        rid=req.rid,
+        return_logprob=req.logprobs is not None,
+        top_logprobs_num=req.logprobs or 0,
+        return_text_in_logprobs=True,
+        stream=req.stream,
+        priority=req.priority,
+    )
+    created = int(time.time())
+    cid = f"cmpl-{uuid.uuid4().hex}"
+    prompts = _prompt_texts(tm, req) if req.echo else []
+    gen = tm.generate_request(obj, raw_request)
+
+    if not req.stream:
+        outs = await first_result(gen)
+        outs = outs if isinstance(outs, list) else [outs]
+        choices = []
+        for i, out in enumerate(outs):
+            prefix = prompts[i // req.n] if req.echo else ""
+            reason = out["meta_info"]["finish_reason"]
+            choices.append({
+                "index": i,
+                "text": prefix + out["text"],
+                "logprobs": _logprobs(tm, out["meta_info"], 0, len(prefix)) if req.logprobs is not None else None,
+                "finish_reason": openai_finish_reason(reason),
+                "matched_stop": matched_stop(reason),
+            })
+        return JSONResponse({
+            "id": cid, "object": "text_completion", "created": created, "model": req.model,
+            "choices": choices, "usage": usage_of(outs, req.n),
+        })
+
+    first = await peek_first(gen)
+
+    async def stream() -> AsyncIterator[bytes]:
+        sent_text: Dict[int, int] = {}
+        sent_tokens: Dict[int, int] = {}
+        finals: Dict[int, Dict[str, Any]] = {}
+        try:
+            async for out in chain_first(first, gen):
+                idx = out.get("index", 0)
+                meta = out["meta_info"]
+                prefix = ""
+                if idx not in sent_text:
+                    sent_text[idx], sent_tokens[idx] = 0, 0
+                    prefix = prompts[idx // req.n] if req.echo else ""
+                delta = prefix + out["text"][sent_text[idx]:]
+                reason = meta["finish_reason"]
+                logprobs = None
+                if req.logprobs is not None:
+                    logprobs = _logprobs(tm, meta, sent_tokens[idx], sent_text[idx])
+                    sent_tokens[idx] = len(meta.get("output_token_logprobs", []))
+                sent_text[idx] = len(out["text"])
+                if delta or reason is not None or (logprobs and logprobs["tokens"]):
+                    yield sse({
+                        "id": cid, "object": "text_completion", "created": created, "model": req.model,
+                        "choices": [{
+                            "index": idx, "text": delta, "logprobs": logprobs,
+                            "finish_reason": openai_finish_reason(reason), "matched_stop": matched_stop(reason),
+                        }],
+                    })
+                if reason is not None:
+                    finals[idx] = out
+            if req.stream_options and req.stream_options.include_usage:
+                outs = [finals[i] for i in sorted(finals)]
+                yield sse({
+                    "id": cid, "object": "text_completion", "created": created, "model": req.model,
+                    "choices": [], "usage": usage_of(outs, req.n),
+                })
+        except RequestError as e:
+            yield sse(error_body(e.message, e.err_type, e.status_code))
+        finally:
+            await gen.aclose()
+        yield SSE_DONE
+
+    return StreamingResponse(stream(), media_type="text/event-stream")

@@ -1,0 +1,233 @@
+"""Launching the served runtime (seed 004's process diagram):
+
+    main process:  uvicorn + FastAPI + TokenizerManager (asyncio)
+    child 1:       Scheduler (model, KV pools)       run_scheduler_process
+    child 2:       Detokenizer                       run_detokenizer_process
+
+Children are started with the "spawn" method and report ready through a pipe (the scheduler
+sends its pool sizes); only then is the HTTP port opened. A watcher thread waits on the
+children: if one dies, the server logs which and why, fails the requests in flight, and
+exits non-zero. SIGINT / SIGTERM shut everything down. The ZeroMQ ipc sockets live in a
+private temporary directory that is removed on every exit path.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import socket
+import threading
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait as mp_wait
+from typing import Any, Dict, List, Optional
+
+from radixserve.server_args import PortArgs, ServerArgs
+
+logger = logging.getLogger("radixserve.launch")
+
+STARTUP_TIMEOUT = 600.0  # s for the children to load the model and size the pools
+CHILD_STOP_TIMEOUT = 5.0
+HARD_EXIT_AFTER_CHILD_DEATH = 8.0  # s for a graceful stop before the process exits anyway
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+@dataclass
+class Runtime:
+    """The children of one server and where they listen."""
+
+    server_args: ServerArgs
+    port_args: PortArgs
+    procs: Dict[str, Any] = field(default_factory=dict)
+    ready_info: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+    stopping: bool = False
+
+    def stop(self) -> None:
+        """Terminate the children (SIGTERM, then SIGKILL) and remove the socket directory."""
+        self.stopping = True
+        for proc in self.procs.values():
+            if proc.is_alive():
+                proc.terminate()
+        for proc in self.procs.values():
+            proc.join(CHILD_STOP_TIMEOUT)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(CHILD_STOP_TIMEOUT)
+        shutil.rmtree(self.port_args.ipc_dir, ignore_errors=True)
+
+
+def check_port_free(host: str, port: int) -> None:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise LaunchError(f"Cannot bind {host}:{port}: {e.strerror or e}. Choose another --port.") from None
+
+
+def launch_subprocesses(server_args: ServerArgs, should_abort: Any = lambda: False) -> Runtime:
+    """Spawn the scheduler and the detokenizer and wait until both are ready."""
+    from radixserve.managers.detokenizer import run_detokenizer_process
+    from radixserve.managers.scheduler_process import run_scheduler_process
+
+    rt = Runtime(server_args, PortArgs.init_new())
+    logger.info("IPC sockets in %s", rt.port_args.ipc_dir)
+    ctx = mp.get_context("spawn")
+    pipes = {}
+    try:
+        for name, target in (("scheduler", run_scheduler_process), ("detokenizer", run_detokenizer_process)):
+            reader, writer = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=target, args=(server_args, rt.port_args, writer), name=f"radixserve-{name}")
+            proc.start()
+            writer.close()
+            rt.procs[name], pipes[name] = proc, reader
+        _wait_ready(rt, pipes, should_abort)
+    except BaseException:
+        rt.stop()
+        raise
+    return rt
+
+
+def _wait_ready(rt: Runtime, pipes: Dict[str, Any], should_abort: Any) -> None:
+    import time
+
+    deadline = time.monotonic() + STARTUP_TIMEOUT
+    pending = dict(pipes)
+    while pending:
+        if should_abort():
+            raise LaunchError("Interrupted during startup.")
+        if time.monotonic() > deadline:
+            raise LaunchError(f"The {', '.join(pending)} process(es) did not become ready in {STARTUP_TIMEOUT:.0f} s.")
+        waitables = list(pending.values()) + [rt.procs[n].sentinel for n in pending]
+        ready = mp_wait(waitables, timeout=0.5)
+        for name, reader in list(pending.items()):
+            proc = rt.procs[name]
+            if reader in ready:
+                try:
+                    msg = reader.recv()
+                except EOFError:
+                    msg = None
+                if not msg or msg.get("status") != "ready":
+                    proc.join(2)
+                    detail = (msg or {}).get("error", "").rstrip()
+                    raise LaunchError(
+                        f"The {name} process failed to start (exit code {proc.exitcode})." + (f"\n{detail}" if detail else "")
+                    )
+                rt.ready_info[name] = msg
+                del pending[name]
+            elif proc.sentinel in ready:
+                proc.join(1)
+                raise LaunchError(f"The {name} process died during startup (exit code {proc.exitcode}).")
+
+
+def watch_children(rt: Runtime, on_death: Any) -> threading.Thread:
+    """Call on_death(message) when a child exits while the server is not stopping."""
+
+    def loop() -> None:
+        sentinels = {p.sentinel: name for name, p in rt.procs.items()}
+        mp_wait(list(sentinels))
+        if rt.stopping:
+            return
+        for name, proc in rt.procs.items():
+            if not proc.is_alive():
+                proc.join(0.1)
+                code = proc.exitcode
+                how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+                on_death(f"The {name} process (pid {proc.pid}) died unexpectedly ({how}); the server is shutting down.")
+                return
+
+    t = threading.Thread(target=loop, name="child-watch", daemon=True)
+    t.start()
+    return t
+
+
+def configure_logging(server_args: ServerArgs) -> None:
+    logging.basicConfig(
+        level=getattr(logging, server_args.log_level.upper(), logging.INFO),
+        format="[%(asctime)s] %(message)s",
+        datefmt="%Y-%m-%d %H:%M:%S",
+        force=True,
+    )
+
+
+def launch_server(server_args: ServerArgs) -> int:
+    """Run the server until SIGINT / SIGTERM (exit code 0) or a child's death (1)."""
+    import uvicorn
+
+    from radixserve.entrypoints.http_server import create_app
+    from radixserve.managers.tokenizer_manager import TokenizerManager
+
+    configure_logging(server_args)
+    check_port_free(server_args.host, server_args.port)
+
+    stop_requested = threading.Event()
+    state: Dict[str, Any] = {"exit_code": 0, "server": None}
+
+    def on_signal(signum: int, frame: Any) -> None:
+        stop_requested.set()
+        server = state["server"]
+        if server is not None:
+            server.should_exit = True
+
+    old_handlers = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    rt: Optional[Runtime] = None
+    try:
+        try:
+            rt = launch_subprocesses(server_args, should_abort=stop_requested.is_set)
+        except LaunchError as e:
+            if stop_requested.is_set():
+                return 0
+            logger.error("%s", e)
+            return 1
+        sched = rt.ready_info["scheduler"]
+        logger.info(
+            "Scheduler ready (pid %s): max_total_num_tokens=%d, max_running_requests=%d, context_len=%d, device=%s",
+            sched["pid"], sched["max_total_num_tokens"], sched["max_running_requests"], sched["context_len"], sched["device"],
+        )
+        tm = TokenizerManager(server_args, rt.port_args, sched)
+        app = create_app(tm)
+        config = uvicorn.Config(
+            app, host=server_args.host, port=server_args.port, log_level=server_args.log_level.lower(),
+            timeout_keep_alive=5, timeout_graceful_shutdown=3, lifespan="on",
+        )
+        server = uvicorn.Server(config)
+        state["server"] = server
+
+        def on_child_death(message: str) -> None:
+            logger.error("%s", message)
+            state["exit_code"] = 1
+            tm.fail_all(message)
+            server.should_exit = True
+
+            def hard_exit() -> None:  # the graceful stop hung: go anyway, leaving nothing behind
+                logger.error("Graceful shutdown timed out; exiting.")
+                rt.stop()
+                os._exit(1)
+
+            timer = threading.Timer(HARD_EXIT_AFTER_CHILD_DEATH, hard_exit)
+            timer.daemon = True
+            timer.start()
+
+        watch_children(rt, on_child_death)
+        if stop_requested.is_set():
+            return 0
+        logger.info("Serving %s on http://%s:%d", tm.served_model_name, server_args.host, server_args.port)
+        try:
+            server.run()
+        except SystemExit as e:  # uvicorn exits when it cannot start (port taken meanwhile)
+            if e.code:
+                state["exit_code"] = 1
+        if not server.started and state["exit_code"] == 0 and not stop_requested.is_set():
+            state["exit_code"] = 1
+        return state["exit_code"]
+    finally:
+        if rt is not None:
+            rt.stop()
+            logger.info("Shut down (exit code %d).", state["exit_code"])
+        for sig, handler in old_handlers.items():
+            signal.signal(sig, handler)

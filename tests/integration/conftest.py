@@ -1,0 +1,161 @@
+"""Integration tests: a real `radixserve serve` subprocess on a free port, used through httpx and
+the official openai client. One server (session scope) serves most tests; a second, smaller one
+runs beside it for queue-full / API-key / killed-scheduler tests."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+MAX_TOTAL_TOKENS = 6000
+STARTUP_TIMEOUT = 180
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_pids(pid: int) -> List[int]:
+    out: List[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(x) for x in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is dead for our purposes
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+class ServerProcess:
+    def __init__(self, *args: str, api_key: Optional[str] = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="radixserve-test-", suffix=".log", delete=False)
+        cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--port", str(self.port), *args]
+        if api_key:
+            cmd += ["--api-key", api_key]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self._wait_healthy()
+        self.children = child_pids(self.proc.pid)
+        m = re.search(r"IPC sockets in (\S+)", self.read_log())
+        self.ipc_dir = m.group(1) if m else None
+
+    @property
+    def headers(self) -> Dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def read_log(self) -> str:
+        return Path(self.log.name).read_text(errors="replace")
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.read_log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        self.proc.kill()
+        raise RuntimeError(f"server did not become healthy:\n{self.read_log()}")
+
+    def client(self, **kw) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers=self.headers, timeout=kw.pop("timeout", 120), **kw)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="session")
+def server():
+    srv = ServerProcess(
+        "--max-total-tokens", str(MAX_TOTAL_TOKENS),
+        "--max-request-body-bytes", "200000",
+        "--decode-log-interval", "5",
+    )
+    yield srv
+    code = srv.stop()
+    # SIGTERM: a clean exit, no child left, no socket file left.
+    assert code == 0, srv.read_log()[-3000:]
+    deadline = time.monotonic() + 10
+    while any(pid_alive(p) for p in srv.children) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(pid_alive(p) for p in srv.children)
+    assert srv.ipc_dir and not os.path.exists(srv.ipc_dir)
+
+
+@pytest.fixture(scope="session")
+def http(server):
+    with server.client() as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def openai_client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def model_name(http):
+    return http.get("/v1/models").json()["data"][0]["id"]
+
+
+def greedy(max_new_tokens: int = 8, **kw) -> dict:
+    return {"max_new_tokens": max_new_tokens, "temperature": 0, **kw}
+
+
+def server_state(http: httpx.Client) -> dict:
+    r = http.get("/get_server_info")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def wait_idle(http: httpx.Client, timeout: float = 30) -> dict:
+    """Until nothing runs or waits in the scheduler and the tokenizer manager holds no request."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = server_state(http)
+        if info["num_running_reqs"] == 0 and info["num_queue_reqs"] == 0 and info["tokenizer_manager"]["num_pending_reqs"] == 0:
+            return info
+        if time.monotonic() > deadline:
+            raise AssertionError(f"server not idle: {info['internal_states']}")
+        time.sleep(0.1)

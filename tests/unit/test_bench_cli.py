@@ -1,0 +1,63 @@
+"""The benchmark commands run end to end at toy sizes and write their JSON (no timing asserts)."""
+
+from __future__ import annotations
+
+import json
+
+from radixserve.cli import main
+
+
+def test_bench_one_batch_writes_json(tmp_path, capsys):
+    out = tmp_path / "one_batch.json"
+    rc = main([
+        "bench", "one-batch", "--batch-sizes", "1", "2", "--input-len", "16", "--decode-steps", "2",
+        "--output", str(out),
+    ])
+    assert rc == 0
+    assert "decode ratio" in capsys.readouterr().out  # the table was printed
+    report = json.loads(out.read_text())
+    assert report["batch_sizes"] == [1, 2] and report["input_len"] == 16
+    assert [r["batch_size"] for r in report["results"]] == [1, 2]
+    for r in report["results"]:
+        for system in ("ours", "hf"):
+            m = r[system]
+            for key in ("prefill_ms", "prefill_tok_s", "decode_ms_per_step", "decode_tok_s"):
+                assert m[key] > 0, (system, key)
+        assert r["decode_ratio"] > 0 and r["prefill_ratio"] > 0
+
+
+def test_bench_one_batch_skip_hf(tmp_path):
+    out = tmp_path / "ob.json"
+    assert main(["bench", "one-batch", "--batch-sizes", "3", "--input-len", "8", "--decode-steps", "1",
+                 "--skip-hf", "--output", str(out)]) == 0
+    (r,) = json.loads(out.read_text())["results"]
+    assert "hf" not in r and r["ours"]["decode_tok_s"] > 0
+
+
+def test_bench_offline_writes_json(tmp_path, capsys):
+    out = tmp_path / "offline.json"
+    rc = main([
+        "bench", "offline", "--num-prompts", "4", "--min-input-len", "8", "--max-input-len", "24",
+        "--min-output-len", "2", "--max-output-len", "6", "--hf-batch-size", "2", "--max-total-tokens", "4096",
+        "--output", str(out),
+    ])
+    assert rc == 0
+    assert "output tok/s" in capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert report["num_prompts"] == 4
+    ours, hf = report["results"]
+    assert ours["system"] == "radixserve" and hf["system"].startswith("transformers")
+    for r in (ours, hf):
+        assert r["requests"] == 4
+        assert r["output_tokens"] > 0 and r["time_s"] > 0 and r["output_tok_s"] > 0
+        assert 4 * 8 <= r["input_tokens"] <= 4 * 24
+    assert ours["output_tokens"] == hf["output_tokens"]  # both count the requested tokens
+    assert hf["raw_output_tokens"] >= hf["output_tokens"]
+    assert ours["ratio_vs_hf"] > 0
+
+
+def test_bench_offline_rejects_bad_lengths(capsys):
+    rc = main(["bench", "offline", "--num-prompts", "2", "--min-input-len", "9", "--max-input-len", "4",
+               "--skip-hf", "--output", ""])
+    assert rc == 2
+    assert "--min-input-len" in capsys.readouterr().err
