@@ -364,8 +364,8 @@ class TokenizerManager:
         try:
             SamplingParams.from_dict(d)  # unknown names
             sp = _sampling_params_adapter().validate_python(dict(d or {}))
+            sp.verify(self.vocab_size)  # before normalize(), which makes temperature < eps greedy
             sp.normalize(self.tokenizer)
-            sp.verify(self.vocab_size)
         except ValueError as e:
             raise RequestError(_validation_message(e, "sampling_params")) from None
         return sp

@@ -1,0 +1,95 @@
+"""The OpenAI-compatible API through the official openai client."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def test_models(openai_client, model_name):
+    models = openai_client.models.list()
+    assert [m.id for m in models.data] == [model_name]
+    assert openai_client.models.retrieve(model_name).id == model_name
+
+
+def test_completion(openai_client, model_name, http):
+    c = openai_client.completions.create(model=model_name, prompt="The sky is", max_tokens=8, temperature=0)
+    assert c.object == "text_completion" and len(c.choices) == 1
+    assert c.choices[0].finish_reason == "length"
+    assert c.usage.completion_tokens == 8 and c.usage.prompt_tokens > 0
+    native = http.post("/generate", json={"text": "The sky is", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}).json()
+    assert c.choices[0].text == native["text"]
+    again = openai_client.completions.create(model=model_name, prompt="The sky is", max_tokens=8, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_completion_stream_with_usage(openai_client, model_name):
+    full = openai_client.completions.create(model=model_name, prompt="Stream me", max_tokens=10, temperature=0)
+    chunks = list(openai_client.completions.create(
+        model=model_name, prompt="Stream me", max_tokens=10, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    ))
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert text == full.choices[0].text
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+
+
+def test_completion_n_stop_logprobs_echo(openai_client, model_name):
+    c = openai_client.completions.create(model=model_name, prompt="Many", max_tokens=5, n=3, temperature=0.8, seed=1)
+    assert sorted(ch.index for ch in c.choices) == [0, 1, 2]
+    assert c.usage.completion_tokens == 15
+    base = openai_client.completions.create(model=model_name, prompt="Stop here", max_tokens=16, temperature=0).choices[0].text
+    stop = base[len(base) // 2 : len(base) // 2 + 2]
+    s = openai_client.completions.create(model=model_name, prompt="Stop here", max_tokens=16, temperature=0, stop=[stop])
+    assert s.choices[0].finish_reason == "stop" and s.choices[0].text == base[: base.find(stop)]
+    lp = openai_client.completions.create(model=model_name, prompt="Logprobs", max_tokens=4, temperature=0, logprobs=2)
+    l = lp.choices[0].logprobs
+    assert len(l.tokens) == 4 and len(l.token_logprobs) == 4 and all(len(t) <= 2 for t in l.top_logprobs)
+    assert "".join(l.tokens) == lp.choices[0].text or len(lp.choices[0].text) <= len("".join(l.tokens))
+    e = openai_client.completions.create(model=model_name, prompt="Echo", max_tokens=2, temperature=0, echo=True)
+    assert e.choices[0].text.startswith("Echo")
+    batch = openai_client.completions.create(model=model_name, prompt=["A", "B"], max_tokens=2, temperature=0)
+    assert len(batch.choices) == 2
+
+
+def test_chat(openai_client, model_name):
+    msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi!"}]
+    c = openai_client.chat.completions.create(model=model_name, messages=msgs, max_completion_tokens=8, temperature=0)
+    assert c.object == "chat.completion" and c.choices[0].message.role == "assistant"
+    assert c.choices[0].finish_reason in ("length", "stop")
+    chunks = list(openai_client.chat.completions.create(
+        model=model_name, messages=msgs, max_tokens=8, temperature=0, stream=True, stream_options={"include_usage": True},
+    ))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == c.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == c.usage.completion_tokens
+
+
+def test_chat_options(openai_client, model_name):
+    msgs = [{"role": "user", "content": "Options"}]
+    c = openai_client.chat.completions.create(
+        model=model_name, messages=msgs, max_tokens=4, n=2, temperature=0.7, top_p=0.9, seed=3,
+        presence_penalty=0.5, frequency_penalty=0.5, logit_bias={"5": 1.0}, user="tester",
+        logprobs=True, top_logprobs=2,
+        extra_body={"top_k": 20, "min_p": 0.01, "repetition_penalty": 1.1, "ignore_eos": True},
+    )
+    assert len(c.choices) == 2
+    for ch in c.choices:
+        assert len(ch.logprobs.content) == 4 and all(len(t.top_logprobs) == 2 for t in ch.logprobs.content)
+    assert c.usage.completion_tokens == 8
+    ok = openai_client.chat.completions.create(
+        model=model_name, messages=msgs, max_tokens=2, extra_body={"regex": "[a-z]+", "json_schema": None},
+    )
+    assert ok.choices[0].message.content is not None
+
+
+def test_auth_not_required_without_api_key(http):
+    assert http.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 200
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_openai_error_shape(http, route):
+    r = http.post(route, json={"model": "x"})
+    body = r.json()
+    assert r.status_code in (400, 404) and set(body["error"]) == {"message", "type", "param", "code"}
