@@ -13,6 +13,7 @@ private temporary directory that is removed on every exit path.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import multiprocessing as mp
 import os
@@ -163,6 +164,7 @@ def launch_server(server_args: ServerArgs) -> int:
     from radixserve.managers.tokenizer_manager import TokenizerManager
 
     configure_logging(server_args)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` prints every stack
     check_port_free(server_args.host, server_args.port)
 
     stop_requested = threading.Event()

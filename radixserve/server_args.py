@@ -53,6 +53,10 @@ class ServerArgs:
     # Test knob (SGLang's SGLANG_TEST_RETRACT): force a retraction every N decode steps.
     test_retract_interval: Optional[int] = None
 
+    # Parallelism (torch.distributed: gloo on CPU, NCCL on GPU)
+    tp_size: int = 1
+    dist_init_addr: Optional[str] = None  # host:port of rank 0's rendezvous; a free local port when None
+
     # Serving
     host: str = "127.0.0.1"
     port: int = 30000
@@ -82,6 +86,8 @@ class ServerArgs:
             raise ValueError("--max-running-requests must be >= 1")
         if not 0 < self.mem_fraction_static <= 1:
             raise ValueError("--mem-fraction-static must be in (0, 1]")
+        if self.tp_size < 1:
+            raise ValueError(f"--tp-size must be >= 1, got {self.tp_size}")
         if self.stream_interval < 1:
             raise ValueError("--stream-interval must be >= 1")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size <= 0:
@@ -121,6 +127,8 @@ class ServerArgs:
 
 # Help text of every flag (`radixserve serve --help` adds each one's default).
 FLAG_HELP = {
+    "tp_size": "tensor parallelism: number of ranks (processes) that split every layer",
+    "dist_init_addr": "host:port for torch.distributed rendezvous of the ranks (a free local port when unset)",
     "model_path": "Hugging Face model directory; none serves the embedded tiny model",
     "tokenizer_path": "tokenizer directory, when it differs from --model-path",
     "load_format": f"weights: {', '.join(LOAD_FORMATS)} (dummy = random weights)",

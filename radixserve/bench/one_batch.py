@@ -11,7 +11,9 @@ In the same run the same weights are run by transformers (AutoModelForCausalLM, 
 contiguous DynamicCache): prefill of the [B, input_len] batch (logits of the last position
 only, as `generate` does), then one token per request per step with past_key_values.
 
-Each shape is warmed up once (one prefill and one decode step, not timed).
+Each shape is warmed up once (one prefill and one decode step, not timed). The two systems'
+decode steps alternate (ours, HF, ours, HF, ...) so that load from other processes on a shared
+machine lands on both; the median step is reported, and the ratio ours / HF is the number to read.
 
     radixserve bench one-batch                               # B = 1 16 64, input 512, tiny model
     radixserve bench one-batch --batch-sizes 1 2 --input-len 16 --decode-steps 2 --output /tmp/x.json
@@ -109,28 +111,35 @@ class _OursDriver:
         out = self.runner.forward(ForwardBatch.init_new(batch, self.runner))
         return torch.argmax(out.next_token_logits, dim=-1)
 
-    def run(self, prompts: torch.Tensor, decode_steps: int) -> Dict[str, float]:
+    # The timed protocol (see _measure): warm_up, then prefill, then step() per decode step.
+    def warm_up(self, prompts: torch.Tensor) -> None:
+        """One prefill + one decode step of this shape, then an empty pool again."""
         bs, n = prompts.shape
         rows = list(range(bs))
-        # Warm-up of this shape: one prefill + one decode step, then start from an empty pool.
         self.reset()
         self.decode(rows, [n] * bs, self.prefill(rows, prompts))
         self.reset()
 
+    def start(self, prompts: torch.Tensor) -> float:
+        """The timed prefill; then one untimed decode step. Returns the prefill seconds."""
+        bs, n = prompts.shape
+        self._rows = list(range(bs))
         t0 = time.perf_counter()
-        tokens = self.prefill(rows, prompts)
-        prefill_s = time.perf_counter() - t0
-        seq = n
-        tokens = self.decode(rows, [seq] * bs, tokens)  # first decode step: not timed (warm-up)
-        seq += 1
-        step_s = []
-        for _ in range(decode_steps):
-            t0 = time.perf_counter()
-            tokens = self.decode(rows, [seq] * bs, tokens)
-            step_s.append(time.perf_counter() - t0)
-            seq += 1
+        tokens = self.prefill(self._rows, prompts)
+        elapsed = time.perf_counter() - t0
+        self._tokens = self.decode(self._rows, [n] * bs, tokens)
+        self._seq = n + 1
+        return elapsed
+
+    def step(self) -> float:
+        t0 = time.perf_counter()
+        self._tokens = self.decode(self._rows, [self._seq] * len(self._rows), self._tokens)
+        elapsed = time.perf_counter() - t0
+        self._seq += 1
+        return elapsed
+
+    def finish(self) -> None:
         self.reset()
-        return _summary(bs, n, prefill_s, step_s)
 
 
 # ---- transformers ------------------------------------------------------------------------------
@@ -153,22 +162,41 @@ class _HFDriver:
         out = self.model(input_ids=tokens[:, None], past_key_values=cache, use_cache=True)
         return out.past_key_values, torch.argmax(out.logits[:, -1], dim=-1)
 
-    def run(self, prompts: torch.Tensor, decode_steps: int) -> Dict[str, float]:
-        bs, n = prompts.shape
-        cache, tokens = self._prefill(prompts)  # warm-up
+    def warm_up(self, prompts: torch.Tensor) -> None:
+        cache, tokens = self._prefill(prompts)
         self._decode(cache, tokens)
-        del cache
 
+    def start(self, prompts: torch.Tensor) -> float:
         t0 = time.perf_counter()
         cache, tokens = self._prefill(prompts)
-        prefill_s = time.perf_counter() - t0
-        cache, tokens = self._decode(cache, tokens)  # first decode step: not timed
-        step_s = []
-        for _ in range(decode_steps):
-            t0 = time.perf_counter()
-            cache, tokens = self._decode(cache, tokens)
-            step_s.append(time.perf_counter() - t0)
-        return _summary(bs, n, prefill_s, step_s)
+        elapsed = time.perf_counter() - t0
+        self._cache, self._tokens = self._decode(cache, tokens)  # first decode step: not timed
+        return elapsed
+
+    def step(self) -> float:
+        t0 = time.perf_counter()
+        self._cache, self._tokens = self._decode(self._cache, self._tokens)
+        return time.perf_counter() - t0
+
+    def finish(self) -> None:
+        self._cache = self._tokens = None
+
+
+def _measure(drivers: Dict[str, Any], prompts: torch.Tensor, decode_steps: int) -> Dict[str, Dict[str, float]]:
+    """Run the systems side by side: warm-ups, then the prefills, then their decode steps
+    alternating (ours, HF, ours, HF...), so a burst of load from another process on this
+    shared machine hits both rather than one of them."""
+    bs, n = prompts.shape
+    for d in drivers.values():
+        d.warm_up(prompts)
+    prefill_s = {name: d.start(prompts) for name, d in drivers.items()}
+    step_s: Dict[str, List[float]] = {name: [] for name in drivers}
+    for _ in range(decode_steps):
+        for name, d in drivers.items():
+            step_s[name].append(d.step())
+    for d in drivers.values():
+        d.finish()
+    return {name: _summary(bs, n, prefill_s[name], step_s[name]) for name in drivers}
 
 
 def _summary(bs: int, input_len: int, prefill_s: float, step_s: List[float]) -> Dict[str, float]:
@@ -214,9 +242,9 @@ def run(args: argparse.Namespace) -> int:
     results: List[Dict[str, Any]] = []
     for bs in args.batch_sizes:
         prompts = torch.randint(NUM_SPECIAL_IDS, vocab, (bs, args.input_len), generator=gen, dtype=torch.int64)
-        row: Dict[str, Any] = {"batch_size": bs, "ours": ours.run(prompts, args.decode_steps)}
+        drivers: Dict[str, Any] = {"ours": ours} if hf is None else {"ours": ours, "hf": hf}
+        row: Dict[str, Any] = {"batch_size": bs, **_measure(drivers, prompts, args.decode_steps)}
         if hf is not None:
-            row["hf"] = hf.run(prompts, args.decode_steps)
             row["prefill_ratio"] = row["ours"]["prefill_ms"] / row["hf"]["prefill_ms"]
             row["decode_ratio"] = row["ours"]["decode_ms_per_step"] / row["hf"]["decode_ms_per_step"]
         results.append(row)

@@ -42,3 +42,26 @@ def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Te
     parts = [torch.empty_like(x) for _ in range(_TP.size)]
     dist.all_gather(parts, x.contiguous(), group=_TP.group)
     return torch.cat(parts, dim=dim)
+
+
+def init_distributed_environment(rank: int, world_size: int, dist_init_addr: str, device: str = "cpu") -> None:
+    """Join the process group (gloo on CPU, NCCL on GPU) and make it this process's TP group."""
+    if world_size > 1 and not dist.is_initialized():
+        backend = "nccl" if device == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://{dist_init_addr}", rank=rank, world_size=world_size)
+    set_tp_group(rank, world_size, dist.group.WORLD if world_size > 1 else None)
+
+
+def broadcast_from_first_rank(x: torch.Tensor) -> torch.Tensor:
+    """Every rank takes rank 0's copy (sampled tokens: ranks must never diverge)."""
+    if _TP.size > 1:
+        dist.broadcast(x, src=0, group=_TP.group)
+    return x
+
+
+def all_reduce_min(value: int) -> int:
+    if _TP.size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_TP.group)
+    return int(t.item())

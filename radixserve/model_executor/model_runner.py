@@ -7,6 +7,11 @@ from typing import Optional
 
 import torch
 
+from radixserve.distributed.parallel_state import (
+    all_reduce_min,
+    broadcast_from_first_rank,
+    init_distributed_environment,
+)
 from radixserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from radixserve.layers.logits_processor import LogitsProcessorOutput
 from radixserve.layers.sampler import Sampler, SamplerOutput
@@ -33,6 +38,8 @@ class ModelRunner:
         self.device = resolve_device(server_args.device)
         self.dtype = model_config.resolve_dtype(server_args.dtype, self.device)
         self.page_size = server_args.page_size
+        if tp_size > 1:
+            init_distributed_environment(tp_rank, tp_size, server_args.dist_init_addr, self.device)
         torch.manual_seed(server_args.seed)
         self.model = get_model(model_config, server_args.load_format, self.dtype, self.device, server_args.seed)
         self.context_len = min(server_args.context_length or model_config.context_len, model_config.context_len)
@@ -60,7 +67,8 @@ class ModelRunner:
     def init_memory_pool(self) -> None:
         args = self.server_args
         max_tokens = args.max_total_tokens or self.profile_max_num_token()
-        max_tokens = max_tokens // self.page_size * self.page_size
+        # Ranks must agree on the pool (they run the same schedule): take the smallest.
+        max_tokens = all_reduce_min(max_tokens) // self.page_size * self.page_size
         if max_tokens < self.page_size:
             raise RuntimeError("not enough memory for the KV cache; lower the model size or raise the budget")
         self.max_total_num_tokens = max_tokens
@@ -81,9 +89,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample(self, logits_output: LogitsProcessorOutput, batch: ModelWorkerBatch) -> SamplerOutput:
-        return self.sampler(
+        out = self.sampler(
             logits_output.next_token_logits,
             batch.sampling_info,
             batch.return_logprob,
             batch.top_logprobs_nums,
         )
+        broadcast_from_first_rank(out.next_token_ids)
+        return out

@@ -4,8 +4,10 @@ killed scheduler takes the server down with a non-zero exit, leaving nothing beh
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
+import threading
 import time
 
 import httpx
@@ -67,9 +69,29 @@ def test_killed_scheduler_takes_server_down(small):
     with small.client() as c:
         pid = c.get("/get_server_info").json()["scheduler_pid"]
     assert pid in small.children
+    events: list = []
+
+    def stream() -> None:  # a stream in flight ends with an error event, then [DONE]
+        body = {"text": "doomed", "stream": True, "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}}
+        with httpx.Client(base_url=small.url, headers=small.headers, timeout=60) as c:
+            with c.stream("POST", "/generate", json=body) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+
+    t = threading.Thread(target=stream)
+    t.start()
+    deadline = time.monotonic() + 20
+    while len(events) < 2:
+        assert time.monotonic() < deadline and t.is_alive()
+        time.sleep(0.05)
     start = time.monotonic()
     os.kill(pid, signal.SIGKILL)
     code = small.proc.wait(timeout=20)
+    t.join(10)
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert "died unexpectedly" in error["message"] and error["code"] == 500
     assert code != 0
     assert time.monotonic() - start < 15
     assert "scheduler process" in small.read_log() and "died unexpectedly" in small.read_log()
