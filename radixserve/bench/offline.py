@@ -121,8 +121,18 @@ def run_hf(model_path: str, prompts: List[List[int]], out_lens: List[int], batch
     return res
 
 
+def _loadavg() -> List[float]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:  # not on every platform
+        return []
+
+
 def _summary(system: str, prompts: List[List[int]], out_tokens: int, elapsed: float) -> Dict[str, Any]:
     return {
+        # 1/5/15-minute load average when the run ended: > ~1 on this shared 2-core machine
+        # means other processes competed for the cores and the timing is noisy.
+        "loadavg_after": _loadavg(),
         "system": system,
         "requests": len(prompts),
         "input_tokens": sum(len(p) for p in prompts),

@@ -262,6 +262,7 @@ def run(args: argparse.Namespace) -> int:
         "decode_steps": args.decode_steps,
         "batch_sizes": list(args.batch_sizes),
         "torch_num_threads": torch.get_num_threads(),
+        "loadavg_after": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else [],
         "torch_version": torch.__version__,
         "cpu_count": os.cpu_count(),
         "machine": platform.machine(),

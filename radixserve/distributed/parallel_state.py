@@ -15,6 +15,9 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     group: Optional[Any] = None  # a torch.distributed ProcessGroup when size > 1
+    # A second gloo group for the scheduler's control messages: the forward thread uses
+    # `group` at the same time, and collectives of two threads must not share a group.
+    cpu_group: Optional[Any] = None
 
 
 _TP = TPGroup()
@@ -50,6 +53,8 @@ def init_distributed_environment(rank: int, world_size: int, dist_init_addr: str
         backend = "nccl" if device == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=f"tcp://{dist_init_addr}", rank=rank, world_size=world_size)
     set_tp_group(rank, world_size, dist.group.WORLD if world_size > 1 else None)
+    if world_size > 1:
+        _TP.cpu_group = dist.new_group(backend="gloo")
 
 
 def broadcast_from_first_rank(x: torch.Tensor) -> torch.Tensor:
@@ -65,3 +70,12 @@ def all_reduce_min(value: int) -> int:
     t = torch.tensor([value], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_TP.group)
     return int(t.item())
+
+
+def broadcast_pyobj(obj: Any) -> Any:
+    """Rank 0's Python object on every rank (requests received by rank 0, each loop)."""
+    if _TP.size == 1:
+        return obj
+    box = [obj if _TP.rank == 0 else None]
+    dist.broadcast_object_list(box, src=0, group=_TP.cpu_group)
+    return box[0]

@@ -19,6 +19,7 @@ from radixserve.managers.schedule_batch import (
     Req,
     ScheduleBatch,
 )
+from radixserve.distributed.parallel_state import broadcast_pyobj
 from radixserve.managers.overlap import DeviceStream, FutureMap, PendingResult
 from radixserve.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
 from radixserve.mem_cache.chunk_cache import ChunkCache
@@ -76,7 +77,9 @@ class Scheduler:
         tp_size: int = 1,
     ):
         self.server_args = args = server_args
-        self.recv_fn, self.send_fn = recv_fn, send_fn
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.recv_fn = recv_fn
+        self.send_fn = send_fn if tp_rank == 0 else (lambda obj: None)
         model_path = resolve_model_path(args)
         self.model_config = ModelConfig.from_pretrained(model_path)
         self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer_path or model_path)
@@ -227,7 +230,10 @@ class Scheduler:
 
     # ---- intake (seed 000) -------------------------------------------------------------------
     def recv_requests(self) -> List[Any]:
-        return self.recv_fn()
+        """Rank 0 reads the socket; with --tp-size > 1 it broadcasts what it got, so every
+        rank schedules the same batches (only rank 0 talks to the outside)."""
+        reqs = self.recv_fn() if self.tp_rank == 0 else None
+        return broadcast_pyobj(reqs) if self.tp_size > 1 else reqs
 
     def process_input_requests(self, recv_reqs: List[Any]) -> None:
         for recv_req in recv_reqs:

@@ -73,3 +73,56 @@ def test_tp2_logits_equal_tp1(name, tmp_path):
     for a, b in zip(ref, got):
         assert a.shape == b.shape
         assert (a - b).abs().max().item() <= 1e-4
+
+
+def _run_scheduler(tp_rank: int, tp_size: int, addr: str, requests, out_path: str, overlap: bool) -> None:
+    from radixserve.managers.scheduler import Scheduler
+    from radixserve.protocol import BatchTokenIDOutput
+    from radixserve.server_args import ServerArgs
+
+    args = ServerArgs(max_total_tokens=4096, tp_size=tp_size, dist_init_addr=addr,
+                      disable_overlap_schedule=not overlap, chunked_prefill_size=64)
+    inbox = [list(requests)]
+    outputs = {}
+
+    def send(obj):
+        if isinstance(obj, BatchTokenIDOutput):
+            for rid, ids in zip(obj.rids, obj.decode_ids):
+                outputs.setdefault(rid, []).extend(ids)
+
+    sched = Scheduler(args, recv_fn=lambda: inbox.pop() if inbox else [], send_fn=send, tp_rank=tp_rank, tp_size=tp_size)
+    for it in range(10_000):
+        sched.process_input_requests(sched.recv_requests())
+        sched.run_step()
+        if it > 0 and not sched.has_work():
+            break
+    sched.check_memory()
+    sched.shutdown()
+    if tp_rank == 0:
+        torch.save(outputs, out_path)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_tp2_scheduler_matches_tp1(tmp_path, overlap):
+    """Rank 0 receives the requests and broadcasts them; both ranks run the same batches."""
+    from radixserve.protocol import TokenizedGenerateReqInput
+    from radixserve.sampling_params import SamplingParams
+
+    g = torch.Generator().manual_seed(0)
+    reqs = []
+    for i in range(12):
+        sp = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+        sp.normalize()
+        ids = torch.randint(3, 8192, (int(torch.randint(5, 120, (1,), generator=g)),), generator=g).tolist()
+        reqs.append(TokenizedGenerateReqInput(f"r{i}", None, ids, sp))
+    _run_scheduler(0, 1, "", reqs, str(tmp_path / "tp1.pt"), overlap)
+    ctx = mp.get_context("spawn")
+    addr = f"127.0.0.1:{_free_port()}"
+    procs = [ctx.Process(target=_run_scheduler, args=(r, 2, addr, reqs, str(tmp_path / "tp2.pt"), overlap)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=180)
+        assert p.exitcode == 0
+    ref, got = torch.load(tmp_path / "tp1.pt"), torch.load(tmp_path / "tp2.pt")
+    assert set(ref) == {f"r{i}" for i in range(12)} and ref == got
