@@ -1,4 +1,4 @@
-"""radixserve command line: serve | generate | make-tiny-model | bench {one-batch, offline}."""
+"""radixserve command line: serve | generate | make-tiny-model | simulate | bench {one-batch, offline, serving}."""
 
 from __future__ import annotations
 
@@ -79,10 +79,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks (print a table, write JSON)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from radixserve.bench import offline, one_batch
+    from radixserve.bench import offline, one_batch, serving
 
     one_batch.add_parser(bench_sub)
     offline.add_parser(bench_sub)
+    serving.add_parser(bench_sub)
+
+    from radixserve.sim import command as simulate
+
+    simulate.add_parser(sub)
     return parser
 
 

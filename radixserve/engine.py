@@ -85,8 +85,8 @@ class Engine:
         reqs = []
         for i, (text, ids, sp_dict) in enumerate(zip(prompts, ids_list, sp_list)):
             sp = SamplingParams.from_dict(sp_dict)
-            sp.normalize(self.tokenizer)
             sp.verify(self.scheduler.vocab_size)
+            sp.normalize(self.tokenizer)
             rid = rids[i] if rids else uuid.uuid4().hex
             reqs.append(TokenizedGenerateReqInput(rid, text, ids, sp, **kw))
         return reqs

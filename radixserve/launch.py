@@ -23,7 +23,7 @@ import socket
 import threading
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait as mp_wait
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 from radixserve.server_args import PortArgs, ServerArgs
 
@@ -62,6 +62,12 @@ class Runtime:
         shutil.rmtree(self.port_args.ipc_dir, ignore_errors=True)
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def check_port_free(host: str, port: int) -> None:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -76,14 +82,20 @@ def launch_subprocesses(server_args: ServerArgs, should_abort: Any = lambda: Fal
     from radixserve.managers.detokenizer import run_detokenizer_process
     from radixserve.managers.scheduler_process import run_scheduler_process
 
+    if server_args.tp_size > 1 and not server_args.dist_init_addr:
+        # one rendezvous address for all ranks (each would otherwise pick its own)
+        server_args = server_args.replace(dist_init_addr=f"127.0.0.1:{_free_port()}")
     rt = Runtime(server_args, PortArgs.init_new())
     logger.info("IPC sockets in %s", rt.port_args.ipc_dir)
     ctx = mp.get_context("spawn")
     pipes = {}
+    # "scheduler" is TP rank 0 (it owns the sockets); ranks 1.. are "scheduler_tp1"...
+    children = [("scheduler" if r == 0 else f"scheduler_tp{r}", run_scheduler_process, (r,)) for r in range(server_args.tp_size)]
+    children.append(("detokenizer", run_detokenizer_process, ()))
     try:
-        for name, target in (("scheduler", run_scheduler_process), ("detokenizer", run_detokenizer_process)):
+        for name, target, extra in children:
             reader, writer = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=target, args=(server_args, rt.port_args, writer), name=f"radixserve-{name}")
+            proc = ctx.Process(target=target, args=(server_args, rt.port_args, writer, *extra), name=f"radixserve-{name}")
             proc.start()
             writer.close()
             rt.procs[name], pipes[name] = proc, reader
@@ -131,16 +143,16 @@ def watch_children(rt: Runtime, on_death: Any) -> threading.Thread:
 
     def loop() -> None:
         sentinels = {p.sentinel: name for name, p in rt.procs.items()}
-        mp_wait(list(sentinels))
+        ready = mp_wait(list(sentinels))
         if rt.stopping:
             return
-        for name, proc in rt.procs.items():
-            if not proc.is_alive():
-                proc.join(0.1)
-                code = proc.exitcode
-                how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-                on_death(f"The {name} process (pid {proc.pid}) died unexpectedly ({how}); the server is shutting down.")
-                return
+        # The sentinel closes while the child is still exiting: join (not is_alive) for its code.
+        name = sentinels[ready[0]]
+        proc = rt.procs[name]
+        proc.join(5)
+        code = proc.exitcode
+        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        on_death(f"The {name} process (pid {proc.pid}) died unexpectedly ({how}); the server is shutting down.")
 
     t = threading.Thread(target=loop, name="child-watch", daemon=True)
     t.start()

@@ -51,7 +51,7 @@ class SamplingParams:
 
     def normalize(self, tokenizer: Any = None) -> None:
         """Make stops lists; greedy when temperature is ~0 (SGLang: top_k = 1)."""
-        if self.temperature < _SAMPLING_EPS:
+        if 0 <= self.temperature < _SAMPLING_EPS:
             self.temperature = 1.0
             self.top_k = 1
         if self.top_k == -1:

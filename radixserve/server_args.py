@@ -14,6 +14,7 @@ from typing import Any, Optional
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+GRAMMAR_BACKENDS = ("xgrammar", "none")
 
 
 @dataclass
@@ -68,6 +69,12 @@ class ServerArgs:
     watchdog_timeout: float = 300.0  # seconds without forward progress before the server exits
     decode_log_interval: int = 40  # log one line every this many decode batches
 
+    # Structured output (json_schema / regex / ebnf requests)
+    grammar_backend: str = "xgrammar"  # or "none"
+    grammar_timeout: float = 60.0  # seconds a grammar may compile; below --watchdog-timeout
+    # None: compact JSON (no whitespace), so a weak model cannot pad JSON until max_new_tokens.
+    constrained_json_whitespace_pattern: Optional[str] = None
+
     def __post_init__(self) -> None:
         self.check()
 
@@ -98,6 +105,9 @@ class ServerArgs:
             raise ValueError(f"--port must be in [1, 65535], got {self.port}")
         if self.watchdog_timeout <= 0:
             raise ValueError("--watchdog-timeout must be > 0")
+        _choice("--grammar-backend", self.grammar_backend, GRAMMAR_BACKENDS)
+        if self.grammar_timeout <= 0:
+            raise ValueError("--grammar-timeout must be > 0")
         if self.decode_log_interval < 1:
             raise ValueError("--decode-log-interval must be >= 1")
         if self.max_request_body_bytes < 1024:
@@ -166,6 +176,9 @@ FLAG_HELP = {
     "max_request_body_bytes": "refuse larger request bodies with 413",
     "watchdog_timeout": "seconds the scheduler may have work without progress before the server exits",
     "decode_log_interval": "log one decode line every this many decode batches",
+    "grammar_backend": f"structured output backend: {', '.join(GRAMMAR_BACKENDS)}",
+    "grammar_timeout": "abort a request whose grammar has not compiled after this many seconds",
+    "constrained_json_whitespace_pattern": "regex of the whitespace allowed in JSON-schema output; none = compact JSON",
 }
 
 

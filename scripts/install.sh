@@ -9,3 +9,10 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   "$PY" -m pip install -q "torch==2.13.0"
 fi
 "$PY" -m pip install -q -e ".[test]"
+# xgrammar (structured output: json_schema / regex / ebnf). Not a dependency in pyproject.toml:
+# its requirements include triton (~1 GB), used only by its CUDA kernel (CUDA builds of torch
+# bring their own triton; on the CPU we never load it). So: xgrammar without its requirement
+# list, plus exactly what it imports at run time besides torch/transformers/numpy (which we
+# have): apache-tvm-ffi (its C++ binding) and pydantic. The pin keeps that list checked.
+"$PY" -m pip install -q "apache-tvm-ffi>=0.1.11" "pydantic>=2" "typing-extensions>=4.9"
+"$PY" -m pip install -q --no-deps "xgrammar==0.2.8"

@@ -42,6 +42,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--skip-hf", action="store_true", help="do not run the transformers baseline")
     p.add_argument("--output", default=DEFAULT_OUTPUT, help="JSON results path ('' to skip)")
+    p.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="also run the prompts constrained by this JSON schema, vs unconstrained at the same output lengths")
     p.add_argument("--num-threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's default, one per core)")
     ServerArgs.add_cli_args(p)  # --seed (the workload's seed too), --model-path, --max-total-tokens, ...
@@ -89,10 +91,11 @@ def run_ours(engine: Any, prompts: List[List[int]], out_lens: List[int]) -> Dict
 
 
 # ---- transformers ------------------------------------------------------------------------------
-def run_hf(model_path: str, prompts: List[List[int]], out_lens: List[int], batch_size: int, pad_id: int) -> Dict[str, Any]:
+def run_hf(model_path: str, prompts: List[List[int]], out_lens: List[int], batch_size: int, pad_id: int,
+           dtype: torch.dtype = torch.float32) -> Dict[str, Any]:
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
     model.generation_config.pad_token_id = pad_id
 
     def gen_batch(batch: List[List[int]], n_new: int) -> int:
@@ -154,15 +157,19 @@ def run(args: argparse.Namespace) -> int:
     model_path = server_args.model_path or get_tiny_model_path()
     engine = Engine(**{**vars(server_args), "model_path": model_path})
     vocab = engine.scheduler.vocab_size
+    runner = engine.scheduler.tp_worker.model_runner
     prompts, out_lens = make_workload(args, vocab)
 
     ours = run_ours(engine, prompts, out_lens)
     print(f"radixserve: {ours['output_tok_s']:.0f} output tok/s ({ours['time_s']:.1f} s)", flush=True)
     results = [ours]
+    if args.json_schema:  # structured output's cost: see run_json_schema at the end of this file
+        results += run_json_schema(engine, prompts, out_lens, args.json_schema)
     if not args.skip_hf:
         pad_id = engine.tokenizer.pad_token_id if engine.tokenizer is not None and engine.tokenizer.pad_token_id is not None else 0
         engine.shutdown()
-        hf = run_hf(model_path, prompts, out_lens, args.hf_batch_size, pad_id)
+        # Same weights and dtype; transformers runs on the CPU.
+        hf = run_hf(model_path, prompts, out_lens, args.hf_batch_size, pad_id, runner.dtype)
         ours["ratio_vs_hf"] = ours["output_tok_s"] / hf["output_tok_s"]
         hf["ratio_vs_hf"] = 1.0
         results.append(hf)
@@ -172,6 +179,8 @@ def run(args: argparse.Namespace) -> int:
     report = {
         "benchmark": "offline",
         "model_path": args.model_path or "tiny (embedded)",
+        "dtype": str(runner.dtype).replace("torch.", ""),
+        "device": runner.device,
         "num_prompts": args.num_prompts,
         "input_len_range": [args.min_input_len, args.max_input_len],
         "output_len_range": [args.min_output_len, args.max_output_len],
@@ -206,3 +215,82 @@ def format_table(results: List[Dict[str, Any]]) -> str:
             f"{r['time_s']:.2f}", tok_s, f"{r['ratio_vs_hf']:.2f}" if "ratio_vs_hf" in r else "-",
         ])
     return _markdown_table(header, rows)
+
+
+# ---- structured output (--json-schema FILE) -------------------------------------------------------
+def run_json_schema(engine: Any, prompts: List[List[int]], out_lens: List[int], path: str) -> List[Dict[str, Any]]:
+    """The same prompts with the schema (greedy, max_new_tokens as in the workload): each
+    request stops where its JSON is complete. Then the same prompts unconstrained with exactly
+    those output lengths (ignore_eos), so both rows do the same forwards: the difference is
+    the grammar's cost (mask fill on the scheduler thread, mask apply in the sampler,
+    accept_token, and the overlap given up for decode batches with grammar requests)."""
+    import json
+
+    from radixserve.constrained.base_grammar_backend import TokenBitmask
+
+    with open(path) as f:
+        schema = json.dumps(json.load(f))
+    backend = engine.scheduler.grammar_backend
+    if backend is None:
+        raise RuntimeError("--json-schema needs the xgrammar grammar backend (scripts/install.sh installs it)")
+    t0 = time.perf_counter()  # cold compile: tokenizer info (first use) + schema
+    backend.get_cached_or_future_value(("json", schema))[0].result()
+    first_compile_s = time.perf_counter() - t0
+    backend.reset()
+    t0 = time.perf_counter()
+    backend.get_cached_or_future_value(("json", schema))[0].result()
+    compile_s = time.perf_counter() - t0
+
+    # Time the per-step mask work (fill: scheduler thread; apply: in the sampler).
+    timers = {"fill_s": 0.0, "fill_calls": 0, "apply_s": 0.0, "apply_rows": 0}
+    fill, apply_ = backend.fill_token_bitmask, TokenBitmask.apply_
+
+    def timed_fill(reqs):
+        t = time.perf_counter()
+        out = fill(reqs)
+        if out is not None:
+            timers["fill_s"] += time.perf_counter() - t
+            timers["fill_calls"] += 1
+        return out
+
+    def timed_apply(self, logits, vocab_size):
+        t = time.perf_counter()
+        out = apply_(self, logits, vocab_size)
+        timers["apply_s"] += time.perf_counter() - t
+        timers["apply_rows"] += len(self.rows)
+        return out
+
+    sps = [{"max_new_tokens": n, "temperature": 0, "json_schema": schema} for n in out_lens]
+    while engine.scheduler.has_work():
+        engine.step()
+    if not engine.flush_cache():
+        raise RuntimeError("could not flush the radix cache before the constrained run")
+    backend.fill_token_bitmask, TokenBitmask.apply_ = timed_fill, timed_apply
+    try:
+        t0 = time.perf_counter()
+        outs = engine.generate(input_ids=prompts, sampling_params=sps, progress=False)
+        elapsed = time.perf_counter() - t0
+    finally:
+        backend.fill_token_bitmask, TokenBitmask.apply_ = fill, apply_
+    lens = [len(o["output_ids"]) for o in outs]
+    finished = [o["meta_info"]["finish_reason"]["type"] for o in outs]
+    constrained = _summary("radixserve + json_schema", prompts, sum(lens), elapsed)
+    constrained.update(
+        first_compile_s=first_compile_s, compile_s=compile_s,
+        num_stopped=finished.count("stop"), num_length=finished.count("length"),
+        mask_fill_ms_per_step=1e3 * timers["fill_s"] / max(timers["fill_calls"], 1),
+        mask_apply_us_per_row=1e6 * timers["apply_s"] / max(timers["apply_rows"], 1),
+    )
+    unconstrained = run_ours(engine, prompts, lens)
+    unconstrained["system"] = "radixserve, same lengths unconstrained"
+    constrained["cost_vs_unconstrained"] = 1 - constrained["output_tok_s"] / unconstrained["output_tok_s"]
+    print(
+        f"radixserve + json_schema: {constrained['output_tok_s']:.0f} output tok/s ({elapsed:.1f} s; "
+        f"{constrained['num_stopped']} stopped by the grammar, {constrained['num_length']} at max_new_tokens; "
+        f"compile {1e3 * compile_s:.1f} ms, mask fill {constrained['mask_fill_ms_per_step']:.2f} ms/step, "
+        f"apply {constrained['mask_apply_us_per_row']:.0f} us/row)", flush=True)
+    print(
+        f"radixserve unconstrained, same output lengths: {unconstrained['output_tok_s']:.0f} output tok/s "
+        f"({unconstrained['time_s']:.1f} s); constrained costs {100 * constrained['cost_vs_unconstrained']:.1f}% of throughput",
+        flush=True)
+    return [constrained, unconstrained]

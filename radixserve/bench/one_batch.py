@@ -144,10 +144,10 @@ class _OursDriver:
 
 # ---- transformers ------------------------------------------------------------------------------
 class _HFDriver:
-    def __init__(self, model_path: str):
+    def __init__(self, model_path: str, dtype: torch.dtype = torch.float32):
         import transformers
 
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
 
     @torch.inference_mode()
     def _prefill(self, prompts: torch.Tensor):
@@ -235,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
     ours = _OursDriver(server_args)
     if args.input_len + args.decode_steps + 2 > ours.runner.context_len:
         raise ValueError(f"--input-len + --decode-steps exceeds the model's context ({ours.runner.context_len})")
-    hf = None if args.skip_hf else _HFDriver(ours.model_path)
+    hf = None if args.skip_hf else _HFDriver(ours.model_path, ours.runner.dtype)  # same weights, same dtype
     vocab = ours.runner.model_config.vocab_size
     gen = torch.Generator().manual_seed(server_args.seed)
 

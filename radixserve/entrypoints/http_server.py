@@ -17,7 +17,7 @@ import hmac
 import json
 import logging
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Callable, Dict, Optional
+from typing import Any, AsyncIterator, Callable, Dict
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -77,6 +77,9 @@ async def handle_errors(fn: Callable[[], Any], openai: bool = False) -> Response
         return error_response(_validation_message(e, "body").replace("body.", ""), 400, "BadRequestError", openai)
     except ClientDisconnected:
         return Response(status_code=499)
+    except Exception as e:  # a bug: log it, answer JSON, keep serving
+        logger.exception("Error while handling a request")
+        return error_response(f"Internal server error: {type(e).__name__}: {e}", 500, "InternalServerError", openai)
 
 
 # ---- middleware (pure ASGI, so streams are not buffered) ---------------------------------------

@@ -15,7 +15,7 @@ other rows, nor on whether this batch needed the sort for top-k/top-p.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import torch
 from torch import nn
@@ -40,10 +40,13 @@ class Sampler(nn.Module):
         sampling_info: SamplingBatchInfo,
         return_logprob: bool = False,
         top_logprobs_nums: Optional[List[int]] = None,
+        token_bitmask: Any = None,
     ) -> SamplerOutput:
         info = sampling_info
         logits = info.apply_logits_bias(logits)
         logits = logits.float()
+        if token_bitmask is not None:  # grammar bans (constrained.TokenBitmask), -inf like the others
+            token_bitmask.apply_(logits, info.vocab_size)
         # A NaN logit must never win an argmax; +inf is kept (softmax then gives NaN and
         # the row falls back to argmax, which picks the +inf token).
         logits = logits.masked_fill(torch.isnan(logits), float("-inf"))

@@ -135,7 +135,7 @@ def run_detokenizer_process(server_args: Any, port_args: Any, pipe: Any) -> None
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher stops us
     configure_process_logging(server_args, "detokenizer")
-    watch_parent(os.getppid())
+    watch_parent(os.getppid(), port_args.ipc_dir)
     try:
         import zmq
 

@@ -11,6 +11,7 @@ A Req's tokens and where their KV lives:
 
 from __future__ import annotations
 
+import itertools
 import re
 import time
 from dataclasses import dataclass, field
@@ -141,6 +142,11 @@ class Req:
         self.send_token_offset = 0  # output tokens already streamed out
         self.finished_sent = False  # the final message went out (never send it twice)
         self.last_stream_len = 0
+        # Structured output: the grammar matcher (a Future while it compiles in the grammar
+        # queue), its cache key, and when it entered the grammar queue (--grammar-timeout).
+        self.grammar: Any = None
+        self.grammar_key: Optional[tuple] = None
+        self.grammar_queued_at = 0.0
 
         self.output_token_logprobs_val: List[float] = []
         self.output_token_logprobs_idx: List[int] = []
@@ -187,6 +193,9 @@ class Req:
         max_new = self.sampling_params.max_new_tokens
         if max_new is not None and len(self.output_ids) >= max_new:
             self.finished_reason = FINISH_LENGTH(length=max_new)
+            return
+        if self.grammar is not None and self.grammar.is_terminated():
+            self.finished_reason = FINISH_MATCHED_TOKEN(matched=self.output_ids[-1])
             return
         if not self.output_ids:
             return
@@ -359,7 +368,8 @@ class ScheduleBatch:
             r.cached_tokens += max(len(r.prefix_indices) - r.already_computed, 0)
             r.already_computed = len(r.fill_ids)
             r.kv_committed_len = len(r.fill_ids)
-        self.input_ids = torch.tensor([t for r, p in zip(reqs, self.prefix_lens) for t in r.fill_ids[p:]], dtype=torch.int64)
+        new_tokens = itertools.chain.from_iterable(r.fill_ids[p:] for r, p in zip(reqs, self.prefix_lens))
+        self.input_ids = torch.tensor(list(new_tokens), dtype=torch.int64)
         self.req_pool_indices = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
         self.seq_lens = torch.tensor(self.seq_lens_cpu, dtype=torch.int64)
         self.out_cache_loc = out_cache_loc

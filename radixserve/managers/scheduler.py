@@ -9,11 +9,20 @@ the messages that arrived, never blocks) and `send_fn` (takes one outgoing messa
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
+from concurrent import futures
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import torch
 
+from radixserve.constrained.base_grammar_backend import (
+    InvalidGrammarObject,
+    create_grammar_backend,
+    grammar_key,
+    grammar_unavailable_message,
+    is_invalid_grammar,
+)
 from radixserve.managers.schedule_batch import (
     FINISH_ABORT,
     Req,
@@ -75,15 +84,16 @@ class Scheduler:
         send_fn: Callable[[Any], None] = lambda obj: None,
         tp_rank: int = 0,
         tp_size: int = 1,
+        tp_worker: Optional[Any] = None,  # an injected worker (the simulator's); None: load the model
     ):
         self.server_args = args = server_args
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.recv_fn = recv_fn
         self.send_fn = send_fn if tp_rank == 0 else (lambda obj: None)
-        model_path = resolve_model_path(args)
-        self.model_config = ModelConfig.from_pretrained(model_path)
+        model_path = None if tp_worker is not None else resolve_model_path(args)
+        self.model_config = tp_worker.model_config if tp_worker is not None else ModelConfig.from_pretrained(model_path)
         self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer_path or model_path)
-        self.tp_worker = TpModelWorker(args, self.model_config, tp_rank, tp_size)
+        self.tp_worker = tp_worker or TpModelWorker(args, self.model_config, tp_rank, tp_size)
         self.device = self.tp_worker.device
         self.max_total_num_tokens = self.tp_worker.max_total_num_tokens
         self.max_running_requests = self.tp_worker.max_running_requests
@@ -114,6 +124,9 @@ class Scheduler:
         self.stats_overlap = dict(results_processed=0, results_processed_while_busy=0)
 
         self.waiting_queue: List[Req] = []
+        # Structured output: requests wait here while their grammar compiles (seed 000).
+        self.grammar_queue: List[Req] = []
+        self.grammar_backend = create_grammar_backend(args, self.tokenizer, self.vocab_size, self.model_config.eos_token_ids)
         self.running_batch: ScheduleBatch = self._empty_batch()
         self.cur_batch: Optional[ScheduleBatch] = None
         self.last_batch: Optional[ScheduleBatch] = None
@@ -196,11 +209,17 @@ class Scheduler:
 
     def is_disable_overlap_for_batch(self, batch: Optional[ScheduleBatch]) -> bool:
         """Seed 001 §20: with --disable-consecutive-prefill-overlap, a prefill after a prefill
-        first processes the previous result (its first token goes out a step earlier)."""
+        first processes the previous result (its first token goes out a step earlier).
+        Structured output: a decode (or mixed) batch with grammar requests needs the token in
+        flight accepted by their matchers before its mask can be filled, so it waits too."""
         return (
             self.server_args.disable_consecutive_prefill_overlap
             and batch is not None and batch.forward_mode.is_extend()
             and self.last_batch is not None and self.last_batch.forward_mode.is_extend()
+        ) or (
+            batch is not None and bool(self.result_queue)
+            and (batch.forward_mode.is_decode() or batch.forward_mode.is_mixed())
+            and any(r.grammar is not None for r in batch.reqs)
         )
 
     def pop_and_process(self) -> None:
@@ -217,7 +236,7 @@ class Scheduler:
         self.new_token_ratio = self.init_new_token_ratio
 
     def has_work(self) -> bool:
-        return bool(self.waiting_queue) or not self.running_batch.is_empty() or self.chunked_req is not None or bool(
+        return bool(self.waiting_queue) or bool(self.grammar_queue) or not self.running_batch.is_empty() or self.chunked_req is not None or bool(
             self.result_queue
         ) or (
             self.last_batch is not None and self.last_batch.forward_mode is not None
@@ -227,6 +246,8 @@ class Scheduler:
     def shutdown(self) -> None:
         if self.stream is not None:
             self.stream.close()
+        if self.grammar_backend is not None:
+            self.grammar_backend.shutdown()
 
     # ---- intake (seed 000) -------------------------------------------------------------------
     def recv_requests(self) -> List[Any]:
@@ -259,7 +280,69 @@ class Scheduler:
             req.finished_reason = FINISH_ABORT(message, status_code=status, err_type="BadRequestError" if status == 400 else "ServiceUnavailable")
             self.stream_output([req])
             return
+        key = grammar_key(req.sampling_params)
+        if key is not None:
+            if self.grammar_backend is None:
+                self._abort_grammar_req(req, grammar_unavailable_message(self.server_args))
+                return
+            value, cache_hit = self.grammar_backend.get_cached_or_future_value(key)
+            if not cache_hit:  # compiling: wait in the grammar queue
+                req.grammar, req.grammar_key = value, key
+                req.grammar_queued_at = time.monotonic()
+                self.grammar_queue.append(req)
+                return
+            if is_invalid_grammar(value):  # a cached invalid grammar fails fast
+                self._abort_grammar_req(req, value.message)
+                return
+            req.grammar = value
         self._add_request_to_queue(req)
+
+    # ---- grammar queue (seed 000, seed 001 §12) ---------------------------------------------
+    def move_ready_grammar_requests(self) -> None:
+        """Requests whose grammar compiled go to the waiting queue (in arrival order); an
+        invalid grammar or one older than --grammar-timeout finishes the request with a 400.
+        With TP, rank 0 decides and the other ranks follow (they wait for their own compile)."""
+        if self.grammar_backend is None:
+            return
+        if self._grammar_idle():
+            # Nothing else to run: wait a little for a compile instead of spinning.
+            futures.wait([self.grammar_queue[0].grammar], timeout=0.005)
+        timeout = self.server_args.grammar_timeout
+        now = time.monotonic()
+        decisions = [
+            "ready" if req.grammar.done() else "timeout" if now - req.grammar_queued_at > timeout else "wait"
+            for req in self.grammar_queue
+        ]
+        if self.tp_size > 1:
+            decisions = broadcast_pyobj(decisions if self.tp_rank == 0 else None)
+        still_waiting: List[Req] = []
+        for req, decision in zip(self.grammar_queue, decisions):
+            if decision == "wait":
+                still_waiting.append(req)
+            elif decision == "timeout":
+                req.grammar.cancel()
+                message = f"Grammar compilation timed out after {timeout:g} s (--grammar-timeout)."
+                # Cache it as invalid: the same grammar fails fast instead of timing out again.
+                self.grammar_backend.set_cache(req.grammar_key, InvalidGrammarObject(message))
+                self._abort_grammar_req(req, message)
+            else:
+                value = req.grammar.result()
+                if is_invalid_grammar(value):
+                    self._abort_grammar_req(req, value.message)
+                else:
+                    req.grammar = value
+                    self._add_request_to_queue(req)
+        self.grammar_queue = still_waiting
+
+    def _grammar_idle(self) -> bool:
+        return bool(self.grammar_queue) and not self.waiting_queue and self.running_batch.is_empty() and (
+            self.chunked_req is None and not self.result_queue
+        )
+
+    def _abort_grammar_req(self, req: Req, message: str) -> None:
+        req.grammar = None
+        req.finished_reason = FINISH_ABORT(message, status_code=400, err_type="BadRequestError")
+        self.stream_output([req])
 
     def _validate_request(self, req: Req) -> Optional[tuple]:
         n = len(req.origin_input_ids)
@@ -276,11 +359,13 @@ class Scheduler:
         room = self.context_len - n - 1
         sp.max_new_tokens = room if sp.max_new_tokens is None else min(sp.max_new_tokens, room)
         max_queued = self.server_args.max_queued_requests
-        if max_queued is not None and len(self.waiting_queue) >= max_queued:
+        if max_queued is not None and len(self.waiting_queue) + len(self.grammar_queue) >= max_queued:
             return "The request queue is full.", 503
         return None
 
     def _add_request_to_queue(self, req: Req, is_retracted: bool = False) -> None:
+        if is_retracted and req.grammar is not None:
+            req.grammar.reset_to(req.output_ids)  # the matcher follows the output_ids kept
         self.waiting_queue.append(req)
 
     # ---- batch selection (seed 001 §4) ----------------------------------------------------------
@@ -305,6 +390,8 @@ class Scheduler:
                     self.running_batch.merge_batch(self.last_batch)
 
         # 3. Prefill first; 4. otherwise decode.
+        if self.grammar_queue:
+            self.move_ready_grammar_requests()
         new_batch = self.get_new_batch_prefill()
         if new_batch is not None:
             return new_batch
@@ -431,6 +518,10 @@ class Scheduler:
         key = "num_decode_batches" if mode.is_decode() else "num_mixed_batches" if mode.is_mixed() else "num_prefill_batches"
         self.stats[key] += 1
         worker_batch = batch.get_model_worker_batch()
+        if self.grammar_backend is not None:
+            # This forward's grammar mask, filled now on this thread (the matchers have seen
+            # every earlier token: see is_disable_overlap_for_batch).
+            worker_batch.token_bitmask = self.grammar_backend.fill_token_bitmask(batch.reqs)
         if not self.enable_overlap:
             result = self.tp_worker.forward_batch_generation(worker_batch)
             batch.output_ids = result.next_token_ids
@@ -471,15 +562,29 @@ class Scheduler:
             if self._is_stale(req):
                 continue
             req.output_ids.append(next_ids[i])
+            if req.grammar is not None:
+                self._accept_grammar_token(req, next_ids[i])
             req.check_finished()
             self._append_logprobs(req, result, i)
             if req.finished():
+                req.grammar = None  # release the matcher
                 self.tree_cache.cache_finished_req(req)
             elif id(req) not in decoding:
                 # The prompt enters the tree now, so requests behind it can share it.
                 self.tree_cache.cache_unfinished_req(req)
         self.token_to_kv_pool_allocator.free_group_end()
         self.stream_output(batch.reqs)
+
+    @staticmethod
+    def _accept_grammar_token(req: Req, token: int) -> None:
+        """Advance the request's matcher; a rejected token (the mask was not applied, or a
+        NaN made an impossible token) ends the request instead of corrupting its output."""
+        if not req.grammar.accept_token(token) and req.to_finish is None:
+            logger.error("Request %s: the grammar rejected token %d after %d tokens.", req.rid, token, len(req.output_ids) - 1)
+            req.to_finish = FINISH_ABORT(
+                f"Internal error: the grammar rejected the sampled token {token}.", status_code=500,
+                err_type="InternalServerError",
+            )
 
     @staticmethod
     def _is_stale(req: Req) -> bool:
@@ -494,9 +599,12 @@ class Scheduler:
             if self._is_stale(req):
                 continue
             req.output_ids.append(next_ids[i])
+            if req.grammar is not None:
+                self._accept_grammar_token(req, next_ids[i])
             req.check_finished()
             self._append_logprobs(req, result, i)
             if req.finished():
+                req.grammar = None  # release the matcher
                 self.tree_cache.cache_finished_req(req)
         self.token_to_kv_pool_allocator.free_group_end()
         self.stream_output(batch.reqs)
@@ -560,9 +668,13 @@ class Scheduler:
             return recv.abort_all or r.rid == recv.rid
 
         message = "Aborted by AbortReq."
-        aborted = [r for r in self.waiting_queue if match(r)]
+        aborted = [r for r in self.waiting_queue + self.grammar_queue if match(r)]
         self.waiting_queue = [r for r in self.waiting_queue if not match(r)]
+        self.grammar_queue = [r for r in self.grammar_queue if not match(r)]
         for r in aborted:  # holds no KV: finish now
+            if isinstance(r.grammar, futures.Future):
+                r.grammar.cancel()  # still compiling
+            r.grammar = None
             r.finished_reason = FINISH_ABORT(message)
         if aborted:
             self.stream_output(aborted)
@@ -590,6 +702,8 @@ class Scheduler:
         self.tree_cache.reset()
         self.token_to_kv_pool_allocator.clear()
         self.req_to_token_pool.clear()
+        if self.grammar_backend is not None:
+            self.grammar_backend.reset()  # compiled grammars too (SGLang does the same)
         self.new_token_ratio = self.init_new_token_ratio
         self.last_batch = None
         return True
@@ -609,6 +723,7 @@ class Scheduler:
             context_len=self.context_len,
             new_token_ratio=self.new_token_ratio,
             num_waiting_reqs=len(self.waiting_queue),
+            num_grammar_queue_reqs=len(self.grammar_queue),
             num_running_reqs=self.running_batch.batch_size(),
             available_tokens=self.token_to_kv_pool_allocator.available_size(),
             evictable_tokens=self.tree_cache.evictable_size(),

@@ -40,13 +40,18 @@ def configure_process_logging(server_args: ServerArgs, tag: str) -> None:
     )
 
 
-def watch_parent(parent_pid: int, interval: float = 1.0) -> None:
-    """Exit when the launching process is gone (killed with SIGKILL, say): never an orphan."""
+def watch_parent(parent_pid: int, ipc_dir: Optional[str] = None, interval: float = 1.0) -> None:
+    """Exit when the launching process is gone (killed with SIGKILL, say): never an orphan, and
+    the socket directory the launcher could not remove goes too."""
 
     def loop() -> None:
         while True:
             time.sleep(interval)
             if os.getppid() != parent_pid:
+                if ipc_dir:
+                    import shutil
+
+                    shutil.rmtree(ipc_dir, ignore_errors=True)
                 os._exit(1)
 
     threading.Thread(target=loop, name="parent-watch", daemon=True).start()
@@ -163,36 +168,43 @@ class Watchdog:
         return stop
 
 
-def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe: Any) -> None:
-    """Process entry: build the Scheduler on ZeroMQ, report ready, loop until killed."""
+def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe: Any, tp_rank: int = 0) -> None:
+    """Process entry: build the Scheduler on ZeroMQ, report ready, loop until killed.
+    With --tp-size N there are N of these; rank 0 owns the sockets and broadcasts what it
+    receives (Scheduler.recv_requests), the other ranks follow in lockstep."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the launcher, which stops us
-    configure_process_logging(server_args, "scheduler")
-    watch_parent(os.getppid())
+    tag = "scheduler" if server_args.tp_size == 1 else f"scheduler TP{tp_rank}"
+    configure_process_logging(server_args, tag)
+    watch_parent(os.getppid(), port_args.ipc_dir)
+    recv_sock = None
     try:
         import zmq
 
         from radixserve.managers.scheduler import Scheduler
 
-        ctx = zmq.Context(2)
-        recv_sock = ctx.socket(zmq.PULL)
-        recv_sock.bind(port_args.scheduler_input_ipc_name)
-        to_detokenizer = ctx.socket(zmq.PUSH)
-        to_detokenizer.setsockopt(zmq.SNDHWM, 0)
-        to_detokenizer.connect(port_args.detokenizer_ipc_name)
-        to_tokenizer = ctx.socket(zmq.PUSH)
-        to_tokenizer.setsockopt(zmq.SNDHWM, 0)
-        to_tokenizer.connect(port_args.tokenizer_ipc_name)
-
         holder: dict = {}
+        recv_fn: Callable[[], List[Any]] = lambda: []
+        send: Callable[[Any], None] = lambda obj: None
+        if tp_rank == 0:
+            ctx = zmq.Context(2)
+            recv_sock = ctx.socket(zmq.PULL)
+            recv_sock.bind(port_args.scheduler_input_ipc_name)
+            to_detokenizer = ctx.socket(zmq.PUSH)
+            to_detokenizer.setsockopt(zmq.SNDHWM, 0)
+            to_detokenizer.connect(port_args.detokenizer_ipc_name)
+            to_tokenizer = ctx.socket(zmq.PUSH)
+            to_tokenizer.setsockopt(zmq.SNDHWM, 0)
+            to_tokenizer.connect(port_args.tokenizer_ipc_name)
+            recv_fn = zmq_recv_drain(recv_sock)
 
-        def send(obj: Any) -> None:
-            # Token outputs go through the detokenizer; replies (flush, state) straight back.
-            if isinstance(obj, BatchTokenIDOutput):
-                to_detokenizer.send_pyobj(obj)
-            else:
-                to_tokenizer.send_pyobj(holder["stats"].decorate_state(obj))
+            def send(obj: Any) -> None:
+                # Token outputs go through the detokenizer; replies (flush, state) straight back.
+                if isinstance(obj, BatchTokenIDOutput):
+                    to_detokenizer.send_pyobj(obj)
+                else:
+                    to_tokenizer.send_pyobj(holder["stats"].decorate_state(obj))
 
-        scheduler = Scheduler(server_args, recv_fn=zmq_recv_drain(recv_sock), send_fn=send)
+        scheduler = Scheduler(server_args, recv_fn=recv_fn, send_fn=send, tp_rank=tp_rank, tp_size=server_args.tp_size)
         holder["stats"] = stats = SchedulerStats(scheduler, server_args.decode_log_interval)
     except Exception:
         pipe.send({"status": "error", "error": traceback.format_exc()})
@@ -201,6 +213,7 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe: An
     pipe.send({
         "status": "ready",
         "pid": os.getpid(),
+        "tp_rank": tp_rank,
         "max_total_num_tokens": scheduler.max_total_num_tokens,
         "max_running_requests": scheduler.max_running_requests,
         "context_len": scheduler.context_len,
@@ -209,15 +222,19 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe: An
     })
     Watchdog(scheduler, server_args.watchdog_timeout, lambda: os._exit(1)).start()
 
-    poller = zmq.Poller()
-    poller.register(recv_sock, zmq.POLLIN)
+    poller = None
+    if recv_sock is not None:
+        poller = zmq.Poller()
+        poller.register(recv_sock, zmq.POLLIN)
     try:
         while True:
             scheduler.process_input_requests(scheduler.recv_requests())
             batch = scheduler.run_step()
-            stats.on_batch(batch)
-            if batch is None and not scheduler.has_work():
-                poller.poll(IDLE_POLL_MS)  # returns as soon as a message arrives
+            if tp_rank == 0:
+                stats.on_batch(batch)
+            if poller is not None and batch is None and not scheduler.has_work():
+                # Idle: block until a message arrives. Other TP ranks wait in the broadcast.
+                poller.poll(IDLE_POLL_MS)
     except Exception:
         logger.error("Scheduler hit an exception:\n%s", traceback.format_exc())
         sys.stderr.flush()

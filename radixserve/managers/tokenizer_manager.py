@@ -503,7 +503,12 @@ class TokenizerManager:
                         pass
                     yield final if single else [final]
                 else:
-                    results = await asyncio.gather(*[self._final_output(s, request) for s in states])
+                    tasks = [asyncio.create_task(self._final_output(s, request)) for s in states]
+                    try:
+                        results = await asyncio.gather(*tasks)
+                    finally:  # one failed: stop waiting for the others (they are aborted below)
+                        for t in tasks:
+                            t.cancel()
                     yield list(results)
         finally:
             for s in states:
@@ -609,9 +614,13 @@ class TokenizerManager:
         )
 
         async def run() -> bool:
-            async for out in self.generate_request(obj):
-                return bool(out["meta_info"]["finish_reason"])
-            return False
+            gen = self.generate_request(obj)
+            try:
+                async for out in gen:
+                    return bool(out["meta_info"]["finish_reason"])
+                return False
+            finally:
+                await gen.aclose()
 
         try:
             return await asyncio.wait_for(run(), HEALTH_CHECK_TIMEOUT)

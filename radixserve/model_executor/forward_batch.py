@@ -58,6 +58,9 @@ class ModelWorkerBatch:
     top_logprobs_nums: Optional[List[int]] = None
     # Logits of every extend position (tests, input logprobs); default: last positions only.
     capture_all_logits: bool = False
+    # Structured output: this forward's grammar mask (constrained.TokenBitmask), None when no
+    # request has a grammar. Per forward, not on the shared sampling_info (overlap mode).
+    token_bitmask: Any = None
 
     @property
     def batch_size(self) -> int:

@@ -94,6 +94,7 @@ class ModelRunner:
             batch.sampling_info,
             batch.return_logprob,
             batch.top_logprobs_nums,
+            token_bitmask=batch.token_bitmask,
         )
         broadcast_from_first_rank(out.next_token_ids)
         return out

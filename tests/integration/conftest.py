@@ -51,6 +51,14 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
+def assert_children_gone(pids: List[int], timeout: float = 10) -> None:
+    """Every child process exits soon after the server (no orphans)."""
+    deadline = time.monotonic() + timeout
+    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in pids if pid_alive(p)]
+
+
 class ServerProcess:
     def __init__(self, *args: str, api_key: Optional[str] = None):
         self.port = free_port()
@@ -114,10 +122,7 @@ def server():
     code = srv.stop()
     # SIGTERM: a clean exit, no child left, no socket file left.
     assert code == 0, srv.read_log()[-3000:]
-    deadline = time.monotonic() + 10
-    while any(pid_alive(p) for p in srv.children) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not any(pid_alive(p) for p in srv.children)
+    assert_children_gone(srv.children)
     assert srv.ipc_dir and not os.path.exists(srv.ipc_dir)
 
 

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from conftest import ServerProcess, pid_alive
+from conftest import ServerProcess, assert_children_gone
 
 KEY = "test-secret"
 
@@ -95,8 +95,5 @@ def test_killed_scheduler_takes_server_down(small):
     assert code != 0
     assert time.monotonic() - start < 15
     assert "scheduler process" in small.read_log() and "died unexpectedly" in small.read_log()
-    deadline = time.monotonic() + 10
-    while any(pid_alive(p) for p in small.children) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not any(pid_alive(p) for p in small.children)
+    assert_children_gone(small.children)
     assert not os.path.exists(small.ipc_dir)

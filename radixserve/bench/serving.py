@@ -1,0 +1,499 @@
+"""`radixserve bench serving`: a load generator for a running server, reporting what SGLang's
+bench_serving reports (completed, duration, request / input / output / total throughput,
+TTFT / TPOT / ITL / E2E mean, median, p90, p99, the server's cache hit rate).
+
+    radixserve serve &                                     # the tiny model on :30000
+    radixserve bench serving --num-prompts 64 --max-concurrency 16 \\
+        --random-input-len 256 --random-output-len 64 --plot /tmp/serving.png
+
+Backends: `sglang` (POST /generate, SSE with cumulative text and meta_info) or `openai`
+(POST /v1/completions with stream and usage), so other engines can be measured too.
+
+Per request: TTFT = first streamed chunk with output - send time; ITL = the gaps between
+later chunks; TPOT = (E2E - TTFT) / (output tokens - 1); E2E = last chunk - send time. The send
+time is after the --max-concurrency semaphore is taken (SGLang's definition). ignore_eos is on
+(unless --disable-ignore-eos), so output lengths are the dataset's.
+
+The metrics code here is shared with `radixserve simulate` (virtual times instead of wall times).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from radixserve.bench.datasets import DatasetRow, add_dataset_args, arrival_times, get_dataset
+
+PERCENTILES = (50, 90, 99)
+
+
+# ---- per-request results and metrics (shared with the simulator) --------------------------------
+@dataclass
+class RequestOutput:
+    success: bool = False
+    prompt_len: int = 0
+    output_len: int = 0
+    ttft: float = 0.0  # s
+    latency: float = 0.0  # E2E, s
+    itl: List[float] = field(default_factory=list)  # s
+    start_time: float = 0.0  # send time, s from the benchmark start
+    cached_tokens: int = 0
+    error: str = ""
+    # (time from the benchmark start, new output tokens) per streamed chunk: throughput over time
+    chunks: List[Tuple[float, int]] = field(default_factory=list)
+
+
+def _pct(values: Sequence[float], q: float) -> float:
+    if not values:
+        return 0.0
+    s = sorted(values)
+    k = (len(s) - 1) * q / 100.0
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def _stats(prefix: str, values_s: Sequence[float]) -> Dict[str, float]:
+    ms = [v * 1e3 for v in values_s]
+    out = {f"mean_{prefix}_ms": sum(ms) / len(ms) if ms else 0.0}
+    if ms:
+        mean = out[f"mean_{prefix}_ms"]
+        out[f"std_{prefix}_ms"] = math.sqrt(sum((v - mean) ** 2 for v in ms) / len(ms))
+    else:
+        out[f"std_{prefix}_ms"] = 0.0
+    for q in PERCENTILES:
+        name = "median" if q == 50 else f"p{q}"
+        out[f"{name}_{prefix}_ms"] = _pct(ms, q)
+    return out
+
+
+def calculate_metrics(outputs: Sequence[RequestOutput], duration: float) -> Dict[str, Any]:
+    ok = [o for o in outputs if o.success]
+    total_in = sum(o.prompt_len for o in ok)
+    total_out = sum(o.output_len for o in ok)
+    duration = max(duration, 1e-9)
+    tpots = [(o.latency - o.ttft) / (o.output_len - 1) for o in ok if o.output_len > 1]
+    itls = [x for o in ok for x in o.itl]
+    m: Dict[str, Any] = {
+        "completed": len(ok),
+        "failed": len(outputs) - len(ok),
+        "duration": duration,
+        "total_input_tokens": total_in,
+        "total_output_tokens": total_out,
+        "request_throughput": len(ok) / duration,
+        "input_throughput": total_in / duration,
+        "output_throughput": total_out / duration,
+        "total_throughput": (total_in + total_out) / duration,
+        "concurrency": sum(o.latency for o in ok) / duration,
+        "cached_tokens": sum(o.cached_tokens for o in ok),
+    }
+    m.update(_stats("e2e_latency", [o.latency for o in ok]))
+    m.update(_stats("ttft", [o.ttft for o in ok]))
+    m.update(_stats("tpot", tpots))
+    m.update(_stats("itl", itls))
+    return m
+
+
+def format_report(m: Dict[str, Any], title: str, header: Sequence[Tuple[str, Any]] = ()) -> str:
+    w = 50
+    lines = ["{s:{c}^{n}}".format(s=f" {title} ", n=w, c="=")]
+
+    def row(name: str, value: Any) -> None:
+        if isinstance(value, float):
+            value = f"{value:.2f}"
+        lines.append(f"{name + ':':<40} {value!s:<10}")
+
+    for k, v in header:
+        row(k, v)
+    row("Successful requests", m["completed"])
+    if m.get("failed"):
+        row("Failed requests", m["failed"])
+    row("Benchmark duration (s)", m["duration"])
+    row("Total input tokens", m["total_input_tokens"])
+    row("Total generated tokens", m["total_output_tokens"])
+    row("Request throughput (req/s)", m["request_throughput"])
+    row("Input token throughput (tok/s)", m["input_throughput"])
+    row("Output token throughput (tok/s)", m["output_throughput"])
+    row("Total token throughput (tok/s)", m["total_throughput"])
+    row("Concurrency", m["concurrency"])
+    if m.get("cache_hit_rate") is not None:
+        row("Cache hit rate", f"{m['cache_hit_rate']:.4f}")
+    for key, name in (("e2e_latency", "End-to-End Latency"), ("ttft", "Time to First Token"),
+                      ("tpot", "Time per Output Token (excl. 1st token)"), ("itl", "Inter-Token Latency")):
+        lines.append("{s:{c}^{n}}".format(s=name, n=w, c="-"))
+        short = {"e2e_latency": "E2E Latency"}.get(key, key.upper())
+        for stat in ("mean", "median", "p90", "p99"):
+            row(f"{stat.capitalize() if stat in ('mean', 'median') else stat.upper()} {short} (ms)", m[f"{stat}_{key}_ms"])
+    lines.append("=" * w)
+    return "\n".join(lines)
+
+
+def plot_results(outputs: Sequence[RequestOutput], m: Dict[str, Any], path: str, title: str) -> None:
+    """TTFT and ITL distributions and output throughput over time, in one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [o for o in outputs if o.success]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
+    ttft = [o.ttft * 1e3 for o in ok]
+    itl = [x * 1e3 for o in ok for x in o.itl]
+    for ax, data, name, key in ((axes[0], ttft, "TTFT (ms)", "ttft"), (axes[1], itl, "ITL (ms)", "itl")):
+        if data:
+            ax.hist(data, bins=50, color="tab:blue", alpha=0.8)
+            for stat, style in (("median", "--"), ("p99", ":")):
+                ax.axvline(m[f"{stat}_{key}_ms"], color="k", linestyle=style, label=f"{stat} {m[f'{stat}_{key}_ms']:.1f}")
+            ax.legend()
+        ax.set_xlabel(name)
+        ax.set_ylabel("count")
+        ax.set_title(f"{name.split()[0]} distribution")
+    chunks = sorted((t, n) for o in ok for t, n in o.chunks)
+    ax = axes[2]
+    if chunks:
+        end = max(t for t, _ in chunks)
+        width = max(end / 60, 1e-3)
+        bins = [0.0] * (int(end / width) + 1)
+        for t, n in chunks:
+            bins[min(int(t / width), len(bins) - 1)] += n
+        ax.step([i * width for i in range(len(bins))], [b / width for b in bins], where="post")
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("output throughput over time")
+    fig.suptitle(title)
+    fig.tight_layout()
+    d = os.path.dirname(path)
+    if d:
+        os.makedirs(d, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def json_safe(x: Any) -> Any:
+    """inf / nan become strings, so the line is strict JSON (request_rate defaults to inf)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, dict):
+        return {k: json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_safe(v) for v in x]
+    return x
+
+
+def append_jsonl(path: str, record: Dict[str, Any]) -> None:
+    d = os.path.dirname(path)
+    if d:
+        os.makedirs(d, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(json_safe(record)) + "\n")
+
+
+# ---- the load generator ----------------------------------------------------------------------------
+def _sse_events(line: str) -> Optional[str]:
+    line = line.strip()
+    if not line.startswith("data:"):
+        return None
+    return line[5:].strip()
+
+
+async def request_sglang(client: Any, base_url: str, row: DatasetRow, args: argparse.Namespace,
+                         t_bench0: float) -> RequestOutput:
+    sp = {"max_new_tokens": row.output_len, "temperature": 0.0, "ignore_eos": not args.disable_ignore_eos}
+    payload: Dict[str, Any] = {"sampling_params": sp, "stream": True}
+    if row.input_ids is not None:
+        payload["input_ids"] = row.input_ids
+    else:
+        payload["text"] = row.prompt
+    out = RequestOutput(prompt_len=row.prompt_len)
+    st = time.perf_counter()
+    out.start_time = st - t_bench0
+    last, tokens = st, 0
+    try:
+        async with client.stream("POST", f"{base_url}/generate", json=payload, headers=args.headers) as resp:
+            if resp.status_code != 200:
+                out.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:200]}"
+                return out
+            async for line in resp.aiter_lines():
+                data = _sse_events(line)
+                if data is None:
+                    continue
+                if data == "[DONE]":
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    out.error = str(obj["error"])
+                    return out
+                meta = obj.get("meta_info", {})
+                n = int(meta.get("completion_tokens", tokens))
+                now = time.perf_counter()
+                if n > tokens:
+                    if tokens == 0:
+                        out.ttft = now - st
+                    else:
+                        out.itl.append(now - last)
+                    out.chunks.append((now - t_bench0, n - tokens))
+                    last, tokens = now, n
+                out.prompt_len = int(meta.get("prompt_tokens", out.prompt_len))
+                out.cached_tokens = int(meta.get("cached_tokens", 0))
+        out.latency = time.perf_counter() - st
+        out.output_len = tokens
+        out.success = tokens > 0
+        if not out.success:
+            out.error = "no output tokens"
+    except Exception as e:  # network errors count as failed requests, the run goes on
+        out.error = f"{type(e).__name__}: {e}"
+    return out
+
+
+async def request_openai(client: Any, base_url: str, row: DatasetRow, args: argparse.Namespace,
+                         t_bench0: float) -> RequestOutput:
+    payload: Dict[str, Any] = {
+        "model": args.model, "prompt": row.input_ids if row.input_ids is not None else row.prompt,
+        "max_tokens": row.output_len, "temperature": 0.0, "stream": True,
+        "stream_options": {"include_usage": True}, "ignore_eos": not args.disable_ignore_eos,
+    }
+    out = RequestOutput(prompt_len=row.prompt_len)
+    st = time.perf_counter()
+    out.start_time = st - t_bench0
+    last, chunks = st, 0
+    try:
+        async with client.stream("POST", f"{base_url}/v1/completions", json=payload, headers=args.headers) as resp:
+            if resp.status_code != 200:
+                out.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:200]}"
+                return out
+            async for line in resp.aiter_lines():
+                data = _sse_events(line)
+                if data is None:
+                    continue
+                if data == "[DONE]":
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    out.error = str(obj["error"])
+                    return out
+                usage = obj.get("usage")
+                if usage:
+                    out.output_len = int(usage.get("completion_tokens", 0))
+                    out.prompt_len = int(usage.get("prompt_tokens", out.prompt_len))
+                    details = usage.get("prompt_tokens_details") or {}
+                    out.cached_tokens = int(details.get("cached_tokens", 0) or 0)
+                choices = obj.get("choices") or []
+                if choices and choices[0].get("text"):
+                    now = time.perf_counter()
+                    if chunks == 0:
+                        out.ttft = now - st
+                    else:
+                        out.itl.append(now - last)
+                    out.chunks.append((now - t_bench0, 1))
+                    last, chunks = now, chunks + 1
+        out.latency = time.perf_counter() - st
+        out.output_len = out.output_len or chunks
+        out.success = chunks > 0
+        if not out.success:
+            out.error = "no output text"
+    except Exception as e:
+        out.error = f"{type(e).__name__}: {e}"
+    return out
+
+
+_PROM_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([0-9.eE+\-naNinf]+)$")
+
+
+def parse_prometheus(text: str) -> Dict[str, float]:
+    """Unlabeled samples (and labeled ones summed by name) of a Prometheus text page."""
+    out: Dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _PROM_LINE.match(line.strip())
+        if m:
+            try:
+                out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(3))
+            except ValueError:
+                pass
+    return out
+
+
+def _find(metrics: Dict[str, float], suffix: str) -> Optional[float]:
+    """radixserve:cached_tokens_total, sglang:cached_tokens_total, ...: the first name ending so."""
+    for k, v in metrics.items():
+        if k.endswith(suffix) and not k.endswith("_created"):
+            return v
+    return None
+
+
+async def scrape_server_counters(client: Any, base_url: str, headers: Dict[str, str]) -> Dict[str, float]:
+    """The server's request / token counters from /metrics, and its cache hit rate from
+    /get_server_info when there is one. Missing routes give an empty answer."""
+    out: Dict[str, float] = {}
+    try:
+        r = await client.get(f"{base_url}/metrics", headers=headers)
+        if r.status_code == 200:
+            prom = parse_prometheus(r.text)
+            for key, suffix in (("num_requests", "num_requests_total"), ("prompt_tokens", "prompt_tokens_total"),
+                                ("generation_tokens", "generation_tokens_total"),
+                                ("cached_tokens", "cached_tokens_total"), ("cache_hit_rate", "cache_hit_rate")):
+                v = _find(prom, suffix)
+                if v is not None:
+                    out[key] = v
+    except Exception:
+        pass
+    try:
+        r = await client.get(f"{base_url}/get_server_info", headers=headers)
+        if r.status_code == 200:
+            info = r.json()
+            if "cache_hit_rate" in info:
+                out["server_info_cache_hit_rate"] = float(info["cache_hit_rate"])
+    except Exception:
+        pass
+    return out
+
+
+def server_deltas(before: Dict[str, float], after: Dict[str, float]) -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
+    for key in ("num_requests", "prompt_tokens", "generation_tokens", "cached_tokens"):
+        if key in before and key in after:
+            out[f"server_{key}"] = int(round(after[key] - before[key]))
+    if out.get("server_prompt_tokens") and "server_cached_tokens" in out:
+        out["cache_hit_rate"] = out["server_cached_tokens"] / out["server_prompt_tokens"]
+    elif "cache_hit_rate" in after:
+        out["cache_hit_rate"] = after["cache_hit_rate"]
+    elif "server_info_cache_hit_rate" in after:
+        out["cache_hit_rate"] = after["server_info_cache_hit_rate"]
+    return out
+
+
+async def _get_json(client: Any, url: str, headers: Dict[str, str]) -> Optional[Dict[str, Any]]:
+    try:
+        r = await client.get(url, headers=headers)
+        return r.json() if r.status_code == 200 else None
+    except Exception:
+        return None
+
+
+async def benchmark(args: argparse.Namespace) -> Dict[str, Any]:
+    import httpx
+    from tqdm import tqdm
+
+    base_url = args.base_url or f"http://{args.host}:{args.port}"
+    args.headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits) as client:
+        model_info = await _get_json(client, f"{base_url}/get_model_info", args.headers) or {}
+        if args.backend == "openai" and not args.model:
+            models = await _get_json(client, f"{base_url}/v1/models", args.headers) or {}
+            data = models.get("data") or [{}]
+            args.model = data[0].get("id", "default")
+        tokenizer = _load_tokenizer(args.tokenizer or model_info.get("tokenizer_path") or model_info.get("model_path"))
+        vocab = args.vocab_size or (model_info.get("vocab_size") or (len(tokenizer) if tokenizer is not None else 8192))
+        rows = get_dataset(args, vocab, tokenizer)
+        request_fn = request_sglang if args.backend == "sglang" else request_openai
+
+        if args.warmup_requests > 0:
+            w = [rows[i % len(rows)] for i in range(args.warmup_requests)]
+            w = [DatasetRow(r.prompt, r.input_ids, r.prompt_len, min(r.output_len, 16)) for r in w]
+            outs = await asyncio.gather(*(request_fn(client, base_url, r, args, time.perf_counter()) for r in w))
+            bad = [o.error for o in outs if not o.success]
+            if bad:
+                raise RuntimeError(f"warm-up request failed: {bad[0]}")
+        if args.flush_cache:
+            r = await client.post(f"{base_url}/flush_cache", headers=args.headers)
+            if r.status_code != 200:
+                print(f"warning: /flush_cache answered {r.status_code}: {r.text[:200]}")
+        before = await scrape_server_counters(client, base_url, args.headers)
+
+        times = [r.arrival_time for r in rows] if all(r.arrival_time is not None for r in rows) else \
+            arrival_times(len(rows), args.request_rate, args.burstiness, args.seed)
+        sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+        bar = tqdm(total=len(rows), disable=args.disable_tqdm, desc="bench serving")
+        t0 = time.perf_counter()
+
+        async def one(row: DatasetRow, at: float) -> RequestOutput:
+            delay = at - (time.perf_counter() - t0)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if sem is None:
+                out = await request_fn(client, base_url, row, args, t0)
+            else:
+                async with sem:
+                    out = await request_fn(client, base_url, row, args, t0)
+            bar.update(1)
+            return out
+
+        outputs = await asyncio.gather(*(one(r, t) for r, t in zip(rows, times)))
+        duration = time.perf_counter() - t0
+        bar.close()
+        after = await scrape_server_counters(client, base_url, args.headers)
+
+    metrics = calculate_metrics(outputs, duration)
+    metrics.update(server_deltas(before, after))
+    errors = [o.error for o in outputs if not o.success]
+    return dict(outputs=outputs, metrics=metrics, errors=errors, base_url=base_url)
+
+
+def _load_tokenizer(path: Optional[str]) -> Any:
+    from radixserve.tiny_model import get_tiny_model_path
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path or str(get_tiny_model_path()))
+    except Exception:
+        return AutoTokenizer.from_pretrained(str(get_tiny_model_path()))
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("serving", help="load-test a running server (SGLang native or OpenAI API)")
+    p.add_argument("--backend", choices=("sglang", "openai"), default="sglang")
+    p.add_argument("--base-url", default=None, help="default: http://HOST:PORT")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--model", default=None, help="openai backend: model name (default: the first of /v1/models)")
+    p.add_argument("--tokenizer", default=None, help="for text prompts (default: the server's model, else the tiny one)")
+    p.add_argument("--vocab-size", type=int, default=None, help="range of random token ids (default: the server's)")
+    add_dataset_args(p)
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf: all at once")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1 = Poisson")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--disable-ignore-eos", action="store_true", help="let requests stop at EOS")
+    p.add_argument("--warmup-requests", type=int, default=1)
+    p.add_argument("--flush-cache", action="store_true", help="flush the server's prefix cache before the run")
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
+    p.add_argument("--output-file", default=None, help="append one JSON line with the metrics and the arguments")
+    p.add_argument("--output-details", action="store_true", help="include per-request TTFT / ITL / lengths in the JSON line")
+    p.add_argument("--plot", default=None, help="PNG: TTFT and ITL distributions, throughput over time")
+    p.add_argument("--tag", default=None, help="a label stored in the JSON line")
+    p.add_argument("--disable-tqdm", action="store_true")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError("--max-concurrency must be >= 1")
+    res = asyncio.run(benchmark(args))
+    m = res["metrics"]
+    header = [("Backend", args.backend), ("Dataset", args.dataset_name),
+              ("Traffic request rate", args.request_rate), ("Max request concurrency", args.max_concurrency or "not set")]
+    print(format_report(m, "Serving Benchmark Result", header))
+    if res["errors"]:
+        print(f"{len(res['errors'])} failed; first error: {res['errors'][0]}")
+    if args.output_file:
+        record = dict(tag=args.tag, backend=args.backend, base_url=res["base_url"], dataset_name=args.dataset_name,
+                      request_rate=args.request_rate, max_concurrency=args.max_concurrency, num_prompts=args.num_prompts,
+                      seed=args.seed, **m)
+        record["args"] = {k: v for k, v in vars(args).items() if k not in ("func", "headers", "api_key")}
+        if args.output_details:
+            record["details"] = [asdict(o) for o in res["outputs"]]
+        append_jsonl(args.output_file, record)
+        print(f"appended to {args.output_file}")
+    if args.plot:
+        plot_results(res["outputs"], m, args.plot, f"bench serving: {args.dataset_name}, concurrency {args.max_concurrency}")
+        print(f"wrote {args.plot}")
+    return 0 if m["completed"] else 1

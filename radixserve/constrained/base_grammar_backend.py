@@ -1,0 +1,270 @@
+"""Grammar backends for constrained decoding (seed 000 "grammar queue", seed 001 §12).
+
+A request with `json_schema`, `regex` or `ebnf` needs a compiled grammar before it can be
+scheduled. Compiling takes milliseconds (a pathological schema: much longer), so it runs
+in a thread pool while the request waits in the scheduler's `grammar_queue`:
+
+    handle_generate_request
+        key = grammar_key(sampling_params)             ("json" | "regex" | "ebnf", text)
+        value, cache_hit = backend.get_cached_or_future_value(key)
+            cache hit:   a fresh grammar object, or an InvalidGrammarObject (fails fast)
+            cache miss:  a Future -> req waits in grammar_queue
+    move_ready_grammar_requests (every loop iteration)
+        done futures -> waiting_queue (or abort 400 when the grammar is invalid),
+        older than --grammar-timeout -> abort; the key is cached as invalid
+
+Per step, each running request's grammar object writes its row of a packed token bitmask
+(`fill_vocab_mask`); the sampler bans every token whose bit is 0 (`TokenBitmask.apply_`).
+After each sampled token the scheduler calls `accept_token`; `is_terminated()` (the
+grammar accepted a stop token) finishes the request with FINISH_MATCHED_TOKEN.
+
+Bitmask layout (xgrammar's): int32 [B, ceil(V/32)], token t of row i is allowed iff
+bit (t % 32) of bitmask[i, t // 32] is 1. A row of all ones (-1) allows every token.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+GrammarKey = Tuple[str, str]  # (kind, text): kind is "json", "regex" or "ebnf"
+GRAMMAR_KINDS = {"json_schema": "json", "regex": "regex", "ebnf": "ebnf"}
+
+
+def grammar_key(sampling_params: Any) -> Optional[GrammarKey]:
+    """The cache key of a request's grammar, or None for an unconstrained request.
+    (verify() already rejects more than one of regex / json_schema / ebnf.)"""
+    import json
+
+    for field, kind in GRAMMAR_KINDS.items():
+        value = getattr(sampling_params, field, None)
+        if value is None:
+            continue
+        if field == "json_schema" and not isinstance(value, str):
+            value = json.dumps(value, sort_keys=True)  # a dict from the offline API
+        return kind, value
+    return None
+
+
+# ---- grammar objects (one per request) ------------------------------------------------------
+class BaseGrammarObject:
+    """The matcher state of one request."""
+
+    def accept_token(self, token: int) -> bool:
+        """Advance by one sampled token; False if the grammar does not allow it."""
+        raise NotImplementedError
+
+    def fill_vocab_mask(self, bitmask: torch.Tensor, idx: int) -> None:
+        """Write the allowed next tokens into row `idx` of the packed bitmask."""
+        raise NotImplementedError
+
+    def is_terminated(self) -> bool:
+        """The grammar is complete and accepted a stop token: the request is done."""
+        raise NotImplementedError
+
+    def copy(self) -> "BaseGrammarObject":
+        """A fresh matcher (initial state) over the same compiled grammar."""
+        raise NotImplementedError
+
+    def reset_to(self, output_ids: List[int]) -> None:
+        """Make the matcher state match `output_ids` (retraction keeps them): rebuild it
+        from the initial state when it has accepted a different number of tokens."""
+        raise NotImplementedError
+
+
+class InvalidGrammarObject(BaseGrammarObject):
+    """A grammar that failed to compile (or timed out). Cached, so a request with the same
+    grammar fails fast; `message` names the problem and goes back to the client (400)."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+    def __repr__(self) -> str:
+        return f"InvalidGrammarObject({self.message!r})"
+
+
+# SGLang's name for "this grammar is invalid" (ours carries the reason; see is_invalid_grammar).
+INVALID_GRAMMAR_OBJ = InvalidGrammarObject("Invalid grammar.")
+
+
+def is_invalid_grammar(value: Any) -> bool:
+    return isinstance(value, InvalidGrammarObject)
+
+
+# ---- the per-forward mask -------------------------------------------------------------------
+@dataclass
+class TokenBitmask:
+    """The grammar mask of one forward: the packed bitmask of every row of the batch and
+    the rows that have a grammar (the others are all ones and are skipped)."""
+
+    bitmask: torch.Tensor  # int32 [B, ceil(V/32)], CPU
+    rows: List[int]
+
+    def apply_(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """Set the banned logits of the grammar rows to -inf, in place."""
+        if not self.rows:
+            return logits
+        if logits.device.type == "cpu":
+            try:  # xgrammar's CPU kernel is ~2-3x faster than the torch unpack below
+                from xgrammar import apply_token_bitmask_inplace
+
+                if logits.dtype == torch.float32 and logits.is_contiguous():
+                    apply_token_bitmask_inplace(logits, self.bitmask, vocab_size=vocab_size, indices=self.rows)
+                    return logits
+            except ImportError:
+                pass
+        rows = torch.tensor(self.rows, dtype=torch.int64, device=logits.device)
+        banned = unpack_banned(self.bitmask.to(logits.device, non_blocking=True).index_select(0, rows), vocab_size)
+        view = logits[:, :vocab_size]
+        view[rows] = view[rows].masked_fill(banned, float("-inf"))
+        return logits
+
+
+_SHIFTS: Dict[torch.device, torch.Tensor] = {}
+
+
+def unpack_banned(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Packed int32 [R, W] bitmask -> bool [R, vocab_size], True where the token is banned."""
+    shifts = _SHIFTS.get(bitmask.device)
+    if shifts is None:
+        shifts = _SHIFTS[bitmask.device] = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # arithmetic shift: bit 31 is still right after & 1
+    return bits.view(bitmask.shape[0], -1)[:, :vocab_size] == 0
+
+
+def allocate_token_bitmask(batch_size: int, vocab_size: int) -> torch.Tensor:
+    """All-ones (every token allowed) packed bitmask, xgrammar's layout and dtype."""
+    return torch.full((batch_size, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+
+# ---- backends ---------------------------------------------------------------------------------
+class BaseGrammarBackend:
+    """Compiles grammars in a thread pool and caches the results by (kind, text)."""
+
+    def __init__(self, vocab_size: int, max_workers: int = 2):
+        self.vocab_size = vocab_size
+        self.executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar-compile")
+        self.cache: Dict[GrammarKey, BaseGrammarObject] = {}
+        self._lock = threading.Lock()
+
+    # Subclasses compile; they raise ValueError (the message goes to the client) on a bad grammar.
+    def dispatch_json(self, schema: str) -> BaseGrammarObject:
+        raise ValueError("json_schema is not supported by this grammar backend.")
+
+    def dispatch_regex(self, regex: str) -> BaseGrammarObject:
+        raise ValueError("regex is not supported by this grammar backend.")
+
+    def dispatch_ebnf(self, ebnf: str) -> BaseGrammarObject:
+        raise ValueError("ebnf is not supported by this grammar backend.")
+
+    def _init_value_dispatch(self, key: GrammarKey) -> BaseGrammarObject:
+        """Runs in the pool: compile (or take the cache), cache the result, return a fresh
+        grammar object for the request. Never raises: errors become InvalidGrammarObject."""
+        with self._lock:
+            cached = self.cache.get(key)
+        if cached is not None:
+            return cached if is_invalid_grammar(cached) else cached.copy()
+        kind, text = key
+        try:
+            if kind == "json":
+                value = self.dispatch_json(text)
+            elif kind == "regex":
+                value = self.dispatch_regex(text)
+            elif kind == "ebnf":
+                value = self.dispatch_ebnf(text)
+            else:
+                raise ValueError(f"Unknown grammar kind {kind!r}.")
+        except Exception as e:  # a bad grammar must never take the scheduler down
+            label = {"json": "json_schema"}.get(kind, kind)
+            value = InvalidGrammarObject(f"Invalid {label}: {clean_error(e)}")
+            logger.info("Grammar rejected: %s", value.message)
+        with self._lock:
+            # Keep an entry set meanwhile (a timeout caches the key as invalid: it stays so).
+            value = self.cache.setdefault(key, value)
+        return value if is_invalid_grammar(value) else value.copy()
+
+    def get_cached_or_future_value(self, key: GrammarKey) -> Tuple[Union[BaseGrammarObject, Future], bool]:
+        """(grammar object or InvalidGrammarObject, True) on a cache hit, else (Future, False)."""
+        with self._lock:
+            cached = self.cache.get(key)
+        if cached is not None:
+            return (cached if is_invalid_grammar(cached) else cached.copy()), True
+        return self.executor.submit(self._init_value_dispatch, key), False
+
+    def set_cache(self, key: GrammarKey, value: BaseGrammarObject) -> None:
+        with self._lock:
+            self.cache[key] = value
+
+    def allocate_vocab_mask(self, batch_size: int) -> torch.Tensor:
+        return allocate_token_bitmask(batch_size, self.vocab_size)
+
+    def fill_token_bitmask(self, reqs: Iterable[Any]) -> Optional[TokenBitmask]:
+        """The mask of one forward over `reqs` (a batch, in row order): rows of requests
+        with a live grammar are filled, the rest stay all ones. None when no row needs it."""
+        reqs = list(reqs)
+        rows = [i for i, r in enumerate(reqs) if r.grammar is not None and not r.finished()]
+        if not rows:
+            return None
+        bitmask = self.allocate_vocab_mask(len(reqs))
+        for i in rows:
+            reqs[i].grammar.fill_vocab_mask(bitmask, i)
+        return TokenBitmask(bitmask, rows)
+
+    def reset(self) -> None:
+        with self._lock:
+            self.cache.clear()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def clean_error(e: BaseException) -> str:
+    """xgrammar's messages start with '[time] /path/file.cc:123: '; keep what a user reads."""
+    import re
+
+    text = str(e).strip()
+    text = re.sub(r"^\[[0-9:]+\]\s+\S+\.(cc|h|cpp):\d+:\s*", "", text)
+    text = re.sub(r"^Check failed: \(.*?\) is false:\s*", "", text)
+    return text or type(e).__name__
+
+
+def create_grammar_backend(server_args: Any, tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int]) -> Optional[BaseGrammarBackend]:
+    """The backend named by --grammar-backend, or None ("none", no tokenizer, or xgrammar
+    not installed: grammar requests then finish with a 400 that says why)."""
+    name = server_args.grammar_backend
+    if name == "none":
+        return None
+    if name != "xgrammar":
+        raise ValueError(f"Invalid grammar backend: {name!r}")
+    if tokenizer is None:
+        logger.info("No tokenizer (--skip-tokenizer-init): structured output is off.")
+        return None
+    import importlib.util
+
+    if importlib.util.find_spec("xgrammar") is None:
+        logger.warning("xgrammar is not installed: requests with json_schema / regex / ebnf will be rejected "
+                       "(scripts/install.sh installs it).")
+        return None
+    from radixserve.constrained.xgrammar_backend import XGrammarGrammarBackend
+
+    return XGrammarGrammarBackend(
+        tokenizer, vocab_size, eos_token_ids,
+        whitespace_pattern=server_args.constrained_json_whitespace_pattern,
+    )
+
+
+def grammar_unavailable_message(server_args: Any) -> str:
+    if server_args.grammar_backend == "none":
+        reason = "the server runs with --grammar-backend none"
+    elif server_args.skip_tokenizer_init:
+        reason = "the server runs with --skip-tokenizer-init (a grammar needs the tokenizer)"
+    else:
+        reason = "xgrammar is not installed (scripts/install.sh installs it)"
+    return f"Structured output (json_schema, regex, ebnf) is not available: {reason}."

@@ -1,0 +1,99 @@
+"""SimModelWorker: stands in for TpModelWorker under the real Scheduler. No model, no KV tensors:
+the real ReqToTokenPool and TokenToKVPoolAllocator (sized as ModelRunner would size them, from
+the model config and the device description), and a forward that only asks the cost model how
+long it would take and returns a fixed token.
+
+The token is never an EOS id, so a request runs exactly max_new_tokens (with or without
+ignore_eos): output lengths come from the workload, as in a benchmark with ignore_eos.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import List, Optional
+
+import torch
+
+from radixserve.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
+from radixserve.model_executor.forward_batch import ModelWorkerBatch
+from radixserve.model_executor.tp_worker import GenerationBatchResult
+from radixserve.models.model_config import ModelConfig
+from radixserve.server_args import ServerArgs
+from radixserve.sim.cost_model import CostModel, DeviceSpec
+
+logger = logging.getLogger(__name__)
+
+
+def pick_sim_token(model_config: ModelConfig) -> int:
+    """The largest id that is not an EOS id (nor a low special id)."""
+    eos = set(model_config.eos_token_ids)
+    for t in range(model_config.vocab_size - 1, -1, -1):
+        if t not in eos:
+            return t
+    raise ValueError("every token id is an EOS id")
+
+
+class SimModelWorker:
+    def __init__(self, server_args: ServerArgs, model_config: ModelConfig, device: DeviceSpec):
+        self.server_args = server_args
+        self.model_config = model_config
+        self.device = "cpu"  # where the scheduler's tensors live; the simulated device is `device`
+        dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}.get(server_args.dtype, device.dtype_bytes)
+        self.cost_model = CostModel(model_config, device, server_args.tp_size, dtype_bytes)
+        self.context_len = min(server_args.context_length or model_config.context_len, model_config.context_len)
+        self.page_size = server_args.page_size
+        if server_args.max_total_tokens:
+            max_tokens = server_args.max_total_tokens
+        elif device.name == "cpu":  # ModelRunner on CPU: a byte budget, not a memory fraction
+            max_tokens = server_args.cpu_kv_cache_bytes // self.cost_model.shape.kv_bytes_per_token
+        else:
+            max_tokens = self.cost_model.kv_pool_tokens(server_args.mem_fraction_static)
+        max_tokens = max_tokens // self.page_size * self.page_size
+        if max_tokens < self.page_size:
+            raise ValueError(
+                f"the model's weights ({self.cost_model.shape.weight_bytes / 1e9:.1f} GB) leave no room for a KV "
+                f"cache on {device.name}: raise --tp-size or --mem-fraction-static, or give --max-total-tokens"
+            )
+        self.max_total_num_tokens = max_tokens
+        # The same rule as ModelRunner.init_memory_pool.
+        self.max_running_requests = server_args.max_running_requests or min(
+            max(max_tokens // self.context_len * 512, 2048), 4096
+        )
+        self.req_to_token_pool = ReqToTokenPool(self.max_running_requests + 1, self.context_len + 4, self.device)
+        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(max_tokens, self.page_size, self.device)
+        self.token_id = pick_sim_token(model_config)
+        # The simulator reads and resets this after every scheduler step.
+        self.elapsed = 0.0
+        self.num_forwards = 0
+
+    def get_memory_pool(self):
+        return self.req_to_token_pool, self.token_to_kv_pool_allocator
+
+    @staticmethod
+    def to_host(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def forward_batch_generation(self, batch: ModelWorkerBatch, skip_sample: bool = False) -> GenerationBatchResult:
+        if batch.forward_mode.is_decode():
+            ext: List[int] = [1] * batch.batch_size
+            pre: List[int] = [s - 1 for s in batch.seq_lens_cpu]
+        else:
+            ext, pre = list(batch.extend_seq_lens), list(batch.extend_prefix_lens)
+        self.elapsed += self.cost_model.step(ext, pre).seconds
+        self.num_forwards += 1
+        n = 0 if skip_sample else batch.batch_size
+        return GenerationBatchResult(None, torch.full((n,), self.token_id, dtype=torch.int64))
+
+    def take_elapsed(self) -> float:
+        t, self.elapsed = self.elapsed, 0.0
+        return t
+
+
+def make_sim_scheduler(server_args: ServerArgs, model_config: ModelConfig, device: DeviceSpec,
+                       recv_fn=lambda: [], send_fn=lambda obj: None):
+    """The production Scheduler over a SimModelWorker (normal loop, no tokenizer)."""
+    from radixserve.managers.scheduler import Scheduler
+
+    args = server_args.replace(disable_overlap_schedule=True, skip_tokenizer_init=True)
+    worker = SimModelWorker(args, model_config, device)
+    return Scheduler(args, recv_fn=recv_fn, send_fn=send_fn, tp_worker=worker), worker
