@@ -82,20 +82,30 @@ def launch_subprocesses(server_args: ServerArgs, should_abort: Any = lambda: Fal
     from radixserve.managers.detokenizer import run_detokenizer_process
     from radixserve.managers.scheduler_process import run_scheduler_process
 
-    if server_args.tp_size > 1 and not server_args.dist_init_addr:
-        # one rendezvous address for all ranks (each would otherwise pick its own)
-        server_args = server_args.replace(dist_init_addr=f"127.0.0.1:{_free_port()}")
     rt = Runtime(server_args, PortArgs.init_new())
     logger.info("IPC sockets in %s", rt.port_args.ipc_dir)
     ctx = mp.get_context("spawn")
     pipes = {}
-    # "scheduler" is TP rank 0 (it owns the sockets); ranks 1.. are "scheduler_tp1"...
-    children = [("scheduler" if r == 0 else f"scheduler_tp{r}", run_scheduler_process, (r,)) for r in range(server_args.tp_size)]
-    children.append(("detokenizer", run_detokenizer_process, ()))
+    children = []  # (name, target, server_args, extra args)
+    for dp in range(server_args.dp_size):
+        group_args = server_args
+        if server_args.tp_size > 1 and (not server_args.dist_init_addr or server_args.dp_size > 1):
+            # one rendezvous address per TP group (each rank would otherwise pick its own)
+            group_args = server_args.replace(dist_init_addr=f"127.0.0.1:{_free_port()}")
+        for r in range(server_args.tp_size):
+            # "scheduler" is the first group's rank 0; the others are "scheduler_dp1_tp0"...
+            name = "scheduler" if dp == 0 and r == 0 else "scheduler" + (f"_dp{dp}" if server_args.dp_size > 1 else "") + f"_tp{r}"
+            extra = (r, dp) if server_args.dp_size > 1 else (r,)
+            children.append((name, run_scheduler_process, group_args, extra))
+    if server_args.dp_size > 1:
+        from radixserve.managers.dp_controller import run_data_parallel_controller_process
+
+        children.append(("dp_controller", run_data_parallel_controller_process, server_args, ()))
+    children.append(("detokenizer", run_detokenizer_process, server_args, ()))
     try:
-        for name, target, extra in children:
+        for name, target, child_args, extra in children:
             reader, writer = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=target, args=(server_args, rt.port_args, writer, *extra), name=f"radixserve-{name}")
+            proc = ctx.Process(target=target, args=(child_args, rt.port_args, writer, *extra), name=f"radixserve-{name}")
             proc.start()
             writer.close()
             rt.procs[name], pipes[name] = proc, reader

@@ -138,3 +138,11 @@ class SessionParams:
     rid: Optional[str] = None
     offset: Optional[int] = None
     replace: bool = False
+
+
+@dataclass
+class SchedulerLoad:
+    """A data-parallel replica's load, reported to the DataParallelController when it changes."""
+
+    dp_rank: int
+    num_reqs: int  # waiting + running

@@ -56,6 +56,8 @@ class ServerArgs:
 
     # Parallelism (torch.distributed: gloo on CPU, NCCL on GPU)
     tp_size: int = 1
+    dp_size: int = 1
+    load_balance_method: str = "round_robin"  # or "shortest_queue" (--dp-size > 1)
     dist_init_addr: Optional[str] = None  # host:port of rank 0's rendezvous; a free local port when None
 
     # Serving
@@ -93,6 +95,9 @@ class ServerArgs:
             raise ValueError("--max-running-requests must be >= 1")
         if not 0 < self.mem_fraction_static <= 1:
             raise ValueError("--mem-fraction-static must be in (0, 1]")
+        _choice("--load-balance-method", self.load_balance_method, ("round_robin", "shortest_queue"))
+        if self.dp_size < 1:
+            raise ValueError(f"--dp-size must be >= 1, got {self.dp_size}")
         if self.tp_size < 1:
             raise ValueError(f"--tp-size must be >= 1, got {self.tp_size}")
         if self.stream_interval < 1:
@@ -106,8 +111,9 @@ class ServerArgs:
         if self.watchdog_timeout <= 0:
             raise ValueError("--watchdog-timeout must be > 0")
         _choice("--grammar-backend", self.grammar_backend, GRAMMAR_BACKENDS)
-        if self.grammar_timeout <= 0:
-            raise ValueError("--grammar-timeout must be > 0")
+        if not 0 < self.grammar_timeout < self.watchdog_timeout:
+            # A compile still running at the watchdog's limit would take the server down.
+            raise ValueError("--grammar-timeout must be > 0 and below --watchdog-timeout")
         if self.decode_log_interval < 1:
             raise ValueError("--decode-log-interval must be >= 1")
         if self.max_request_body_bytes < 1024:
@@ -137,6 +143,8 @@ class ServerArgs:
 
 # Help text of every flag (`radixserve serve --help` adds each one's default).
 FLAG_HELP = {
+    "dp_size": "data parallelism: number of model replicas (each with --tp-size ranks) behind one server",
+    "load_balance_method": "how --dp-size routes requests: round_robin or shortest_queue",
     "tp_size": "tensor parallelism: number of ranks (processes) that split every layer",
     "dist_init_addr": "host:port for torch.distributed rendezvous of the ranks (a free local port when unset)",
     "model_path": "Hugging Face model directory; none serves the embedded tiny model",

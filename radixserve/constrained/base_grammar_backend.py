@@ -48,7 +48,7 @@ def grammar_key(sampling_params: Any) -> Optional[GrammarKey]:
         if value is None:
             continue
         if field == "json_schema" and not isinstance(value, str):
-            value = json.dumps(value, sort_keys=True)  # a dict from the offline API
+            value = json.dumps(value)  # a dict from the offline API (key order kept: it is the output order)
         return kind, value
     return None
 

@@ -20,7 +20,11 @@ from typing import Any, Iterable, List, Optional
 
 import torch
 
-from radixserve.constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject
+from radixserve.constrained.base_grammar_backend import (
+    BaseGrammarBackend,
+    BaseGrammarObject,
+    clean_error,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +148,11 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
         import xgrammar as xgr
 
         ebnf = str(xgr.Grammar.from_json_schema(schema, any_whitespace=True))
-        ws = _rename_rules(str(xgr.Grammar.from_regex(self.whitespace_pattern)), "root", "json_ws")
+        try:
+            ws_ebnf = str(xgr.Grammar.from_regex(self.whitespace_pattern))
+        except Exception as e:  # the server's flag is wrong, not the request's schema
+            raise ValueError(f"the server's --constrained-json-whitespace-pattern is not a valid regex ({clean_error(e)})") from None
+        ws = _rename_rules(ws_ebnf, "root", "json_ws")
         return ebnf.replace(_XGRAMMAR_ANY_WHITESPACE, "json_ws") + "\n" + ws
 
     def reset(self) -> None:

@@ -192,7 +192,7 @@ def create_app(tm: TokenizerManager) -> FastAPI:
             st = await tm.get_internal_state()
             info = {k: v for k, v in dataclasses.asdict(args).items() if k != "api_key"}
             info.update(
-                internal_states=[st],
+                internal_states=st.pop("dp_states", None) or [st],  # one per DP replica, as SGLang
                 num_running_reqs=st.get("num_running_reqs", 0),
                 num_queue_reqs=st.get("num_waiting_reqs", 0),
                 token_usage=st.get("token_usage", 0.0),

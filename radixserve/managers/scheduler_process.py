@@ -23,7 +23,7 @@ import time
 import traceback
 from typing import Any, Callable, List, Optional
 
-from radixserve.protocol import BatchTokenIDOutput, GetInternalStateReqOutput
+from radixserve.protocol import BatchTokenIDOutput, GetInternalStateReqOutput, SchedulerLoad
 from radixserve.server_args import PortArgs, ServerArgs
 
 logger = logging.getLogger("radixserve.scheduler")
@@ -168,12 +168,19 @@ class Watchdog:
         return stop
 
 
-def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe: Any, tp_rank: int = 0) -> None:
+def run_scheduler_process(
+    server_args: ServerArgs, port_args: PortArgs, pipe: Any, tp_rank: int = 0, dp_rank: Optional[int] = None
+) -> None:
     """Process entry: build the Scheduler on ZeroMQ, report ready, loop until killed.
     With --tp-size N there are N of these; rank 0 owns the sockets and broadcasts what it
     receives (Scheduler.recv_requests), the other ranks follow in lockstep."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the launcher, which stops us
     tag = "scheduler" if server_args.tp_size == 1 else f"scheduler TP{tp_rank}"
+    if dp_rank is not None:  # a replica behind the DataParallelController
+        from radixserve.managers.dp_controller import dp_port_args
+
+        tag = f"scheduler DP{dp_rank}" + (f" TP{tp_rank}" if server_args.tp_size > 1 else "")
+        port_args = dp_port_args(port_args, dp_rank)
     configure_process_logging(server_args, tag)
     watch_parent(os.getppid(), port_args.ipc_dir)
     recv_sock = None
@@ -226,12 +233,18 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe: An
     if recv_sock is not None:
         poller = zmq.Poller()
         poller.register(recv_sock, zmq.POLLIN)
+    last_load = -1
     try:
         while True:
             scheduler.process_input_requests(scheduler.recv_requests())
             batch = scheduler.run_step()
             if tp_rank == 0:
                 stats.on_batch(batch)
+                if dp_rank is not None:  # shortest_queue routing needs each replica's load
+                    load = len(scheduler.waiting_queue) + scheduler.running_batch.batch_size()
+                    if load != last_load:
+                        send(SchedulerLoad(dp_rank, load))
+                        last_load = load
             if poller is not None and batch is None and not scheduler.has_work():
                 # Idle: block until a message arrives. Other TP ranks wait in the broadcast.
                 poller.poll(IDLE_POLL_MS)

@@ -16,7 +16,11 @@ import pytest
 import torch
 
 from radixserve.constrained import response_format_to_constraint
-from radixserve.constrained.base_grammar_backend import TokenBitmask, allocate_token_bitmask, unpack_banned
+from radixserve.constrained.base_grammar_backend import (
+    TokenBitmask,
+    allocate_token_bitmask,
+    unpack_banned,
+)
 from radixserve.engine import Engine
 
 VOCAB_LO = 3  # ids 0-2 are the tiny model's special tokens
@@ -390,7 +394,7 @@ def test_bench_offline_json_schema_rows(tmp_path, capsys):
                "--json-schema", str(schema_file), "--output", str(out)])
     assert rc == 0
     assert "constrained costs" in capsys.readouterr().out
-    ours, constrained, same_len = json.loads(out.read_text())["results"]
+    _ours, constrained, same_len = json.loads(out.read_text())["results"]
     assert constrained["system"] == "radixserve + json_schema" and constrained["num_stopped"] == 4
     assert same_len["output_tokens"] == constrained["output_tokens"] > 0
     assert constrained["compile_s"] > 0 and constrained["mask_fill_ms_per_step"] > 0

@@ -1,0 +1,187 @@
+"""DataParallelController (seed 001 §25.5): with --dp-size M, one process between the
+TokenizerManager and M scheduler groups (each of --tp-size ranks, its own model copy).
+
+    TokenizerManager --PUSH--> [scheduler_input] PULL  controller  PUSH --> [scheduler_input-dp{i}]
+    scheduler dp{i} rank 0 --PUSH--> [controller_reply] PULL  controller  PUSH --> [tokenizer]
+    scheduler dp{i} rank 0 --PUSH--> [detokenizer]   (token outputs go straight on)
+
+Generate requests go to one replica (round_robin, or shortest_queue from the load each
+replica reports); aborts, flushes and state queries go to all, and the controller merges
+their replies into one, so the TokenizerManager never knows there are several.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import traceback
+from dataclasses import dataclass, replace
+from typing import Any, Dict, List, Optional
+
+from radixserve.protocol import (
+    AbortReq,
+    BatchTokenizedGenerateReqInput,
+    FlushCacheReqInput,
+    FlushCacheReqOutput,
+    GetInternalStateReq,
+    GetInternalStateReqOutput,
+    SchedulerLoad,
+    TokenizedGenerateReqInput,
+)
+from radixserve.server_args import PortArgs, ServerArgs
+
+logger = logging.getLogger("radixserve.dp_controller")
+
+# Internal-state keys that add up over replicas; the others are averaged.
+_SUMMED = {
+    "num_retractions", "num_retracted_reqs", "num_preempted_reqs", "num_prefill_batches", "num_decode_batches",
+    "num_mixed_batches", "num_chunked_prefills", "prompt_tokens", "cached_tokens", "max_total_num_tokens",
+    "max_running_requests", "num_waiting_reqs", "num_running_reqs", "available_tokens", "evictable_tokens",
+    "protected_tokens", "forward_ct", "gen_throughput",
+}
+
+
+def dp_port_args(port_args: PortArgs, dp_rank: int) -> PortArgs:
+    """The endpoints a replica's rank 0 uses: its own input socket, replies to the controller."""
+    return replace(
+        port_args,
+        scheduler_input_ipc_name=f"{port_args.scheduler_input_ipc_name}-dp{dp_rank}",
+        tokenizer_ipc_name=controller_reply_ipc_name(port_args),
+    )
+
+
+def controller_reply_ipc_name(port_args: PortArgs) -> str:
+    return f"ipc://{port_args.ipc_dir}/controller_reply"
+
+
+@dataclass
+class _Gather:
+    """Replies still expected from the replicas for one fanned-out query."""
+
+    kind: type
+    replies: List[Any]
+
+
+class DataParallelController:
+    def __init__(self, server_args: ServerArgs, port_args: PortArgs, context: Any = None):
+        import zmq
+
+        self.dp_size = server_args.dp_size
+        self.method = server_args.load_balance_method
+        self.ctx = context or zmq.Context(2)
+        self.recv_from_tokenizer = self.ctx.socket(zmq.PULL)
+        self.recv_from_tokenizer.bind(port_args.scheduler_input_ipc_name)
+        self.recv_from_schedulers = self.ctx.socket(zmq.PULL)
+        self.recv_from_schedulers.bind(controller_reply_ipc_name(port_args))
+        self.send_to_tokenizer = self.ctx.socket(zmq.PUSH)
+        self.send_to_tokenizer.connect(port_args.tokenizer_ipc_name)
+        self.workers = []
+        for i in range(self.dp_size):
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.connect(dp_port_args(port_args, i).scheduler_input_ipc_name)
+            self.workers.append(sock)
+        self.round_robin_counter = 0
+        # shortest_queue: the last load each replica reported plus what we sent it since.
+        self.reported_load = [0] * self.dp_size
+        self.sent_since_report = [0] * self.dp_size
+        self.num_dispatched = [0] * self.dp_size
+        self.pending: List[_Gather] = []
+
+    # ---- routing --------------------------------------------------------------------------
+    def choose_replica(self) -> int:
+        if self.method == "shortest_queue":
+            loads = [r + s for r, s in zip(self.reported_load, self.sent_since_report)]
+            return loads.index(min(loads))
+        i = self.round_robin_counter
+        self.round_robin_counter = (i + 1) % self.dp_size
+        return i
+
+    def dispatch(self, req: TokenizedGenerateReqInput) -> None:
+        i = self.choose_replica()
+        self.sent_since_report[i] += 1
+        self.num_dispatched[i] += 1
+        self.workers[i].send_pyobj(req)
+
+    def handle_tokenizer_message(self, obj: Any) -> None:
+        if isinstance(obj, TokenizedGenerateReqInput):
+            self.dispatch(obj)
+        elif isinstance(obj, BatchTokenizedGenerateReqInput):
+            for r in obj.batch:
+                self.dispatch(r)
+        else:
+            if isinstance(obj, (FlushCacheReqInput, GetInternalStateReq)):
+                kind = FlushCacheReqOutput if isinstance(obj, FlushCacheReqInput) else GetInternalStateReqOutput
+                self.pending.append(_Gather(kind, []))
+            for w in self.workers:  # aborts and queries: every replica
+                w.send_pyobj(obj)
+
+    def handle_scheduler_message(self, obj: Any) -> None:
+        if isinstance(obj, SchedulerLoad):
+            self.reported_load[obj.dp_rank] = obj.num_reqs
+            self.sent_since_report[obj.dp_rank] = 0
+            return
+        gather = next((g for g in self.pending if isinstance(obj, g.kind)), None)
+        if gather is None:
+            self.send_to_tokenizer.send_pyobj(obj)
+            return
+        gather.replies.append(obj)
+        if len(gather.replies) == self.dp_size:
+            self.pending.remove(gather)
+            self.send_to_tokenizer.send_pyobj(self.merge(gather.replies))
+
+    def merge(self, replies: List[Any]) -> Any:
+        if isinstance(replies[0], FlushCacheReqOutput):
+            ok = all(r.success for r in replies)
+            return FlushCacheReqOutput(ok, "; ".join(r.message for r in replies if r.message))
+        states = [r.internal_state for r in replies]
+        merged: Dict[str, Any] = {}
+        for key in states[0]:
+            values = [s.get(key) for s in states]
+            if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+                merged[key] = sum(values) if key in _SUMMED else sum(values) / len(values)
+            else:
+                merged[key] = values[0]
+        merged["dp_size"] = self.dp_size
+        merged["dp_states"] = states
+        merged["dp_num_dispatched"] = list(self.num_dispatched)
+        return GetInternalStateReqOutput(merged)
+
+    # ---- loop -----------------------------------------------------------------------------
+    def event_loop(self) -> None:
+        import zmq
+
+        poller = zmq.Poller()
+        poller.register(self.recv_from_tokenizer, zmq.POLLIN)
+        poller.register(self.recv_from_schedulers, zmq.POLLIN)
+        while True:
+            for sock, _ in poller.poll(1000):
+                while True:
+                    try:
+                        obj = sock.recv_pyobj(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    if sock is self.recv_from_tokenizer:
+                        self.handle_tokenizer_message(obj)
+                    else:
+                        self.handle_scheduler_message(obj)
+
+
+def run_data_parallel_controller_process(server_args: ServerArgs, port_args: PortArgs, pipe: Any) -> None:
+    from radixserve.managers.scheduler_process import configure_process_logging, watch_parent
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    configure_process_logging(server_args, "dp controller")
+    watch_parent(os.getppid(), port_args.ipc_dir)
+    try:
+        controller = DataParallelController(server_args, port_args)
+    except Exception:
+        pipe.send({"status": "error", "error": traceback.format_exc()})
+        raise SystemExit(1)
+    pipe.send({"status": "ready", "pid": os.getpid()})
+    try:
+        controller.event_loop()
+    except Exception:
+        logger.error("DataParallelController hit an exception:\n%s", traceback.format_exc())
+        os._exit(1)

@@ -1,0 +1,61 @@
+"""`--dp-size 2`: a DataParallelController routes requests to two replicas. Outputs equal the
+dp=1 server's, both replicas serve (from /get_server_info), and killing a TP rank of a
+`--tp-size 2` server takes the whole server down."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from conftest import ServerProcess, assert_children_gone
+
+
+def _prompts(n: int):
+    rng = random.Random(5)
+    shared = [rng.randrange(3, 8192) for _ in range(40)]
+    return [shared + [rng.randrange(3, 8192) for _ in range(rng.randint(1, 30))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("method", ["round_robin", "shortest_queue"])
+def test_dp2_serves_64_concurrent_requests_like_dp1(http, method):
+    prompts = _prompts(64)
+    body = lambda ids: {"input_ids": ids, "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+    srv = ServerProcess("--dp-size", "2", "--load-balance-method", method, "--max-total-tokens", "3000")
+    try:
+        assert "dp controller" in srv.read_log() or len(srv.children) >= 4
+        with srv.client() as c, ThreadPoolExecutor(16) as pool:
+            got = list(pool.map(lambda ids: c.post("/generate", json=body(ids)).json(), prompts))
+            info = c.get("/get_server_info").json()
+        ref = [http.post("/generate", json=body(ids)).json() for ids in prompts]
+        assert [g["output_ids"] for g in got] == [r["output_ids"] for r in ref]
+        states = info["internal_states"]  # one per replica: both served
+        assert len(states) == 2 and all(s["prompt_tokens"] > 0 for s in states), info
+        with srv.client() as c:
+            assert c.post("/flush_cache").status_code == 200
+    finally:
+        assert srv.stop(signal.SIGTERM) == 0
+    assert_children_gone(srv.children)
+
+
+def test_killing_a_tp_rank_takes_the_server_down():
+    srv = ServerProcess("--tp-size", "2", "--max-total-tokens", "2000")
+    try:
+        children = srv.children
+        log = srv.read_log()
+        # Children start in order: scheduler (rank 0), scheduler_tp1, detokenizer.
+        target = sorted(children)[1]
+        os.kill(target, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while srv.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert srv.proc.returncode not in (None, 0), log
+        assert "died unexpectedly" in srv.read_log()
+    finally:
+        srv.stop(signal.SIGKILL)
+    assert_children_gone(children)
+
