@@ -87,12 +87,14 @@ def launch_subprocesses(server_args: ServerArgs, should_abort: Any = lambda: Fal
     ctx = mp.get_context("spawn")
     pipes = {}
     children = []  # (name, target, server_args, extra args)
+    ranks_per_node = server_args.tp_size // server_args.nnodes
+    local_ranks = range(server_args.node_rank * ranks_per_node, (server_args.node_rank + 1) * ranks_per_node)
     for dp in range(server_args.dp_size):
         group_args = server_args
         if server_args.tp_size > 1 and (not server_args.dist_init_addr or server_args.dp_size > 1):
             # one rendezvous address per TP group (each rank would otherwise pick its own)
             group_args = server_args.replace(dist_init_addr=f"127.0.0.1:{_free_port()}")
-        for r in range(server_args.tp_size):
+        for r in local_ranks:
             # "scheduler" is the first group's rank 0; the others are "scheduler_dp1_tp0"...
             name = "scheduler" if dp == 0 and r == 0 else "scheduler" + (f"_dp{dp}" if server_args.dp_size > 1 else "") + f"_tp{r}"
             extra = (r, dp) if server_args.dp_size > 1 else (r,)
@@ -101,7 +103,8 @@ def launch_subprocesses(server_args: ServerArgs, should_abort: Any = lambda: Fal
         from radixserve.managers.dp_controller import run_data_parallel_controller_process
 
         children.append(("dp_controller", run_data_parallel_controller_process, server_args, ()))
-    children.append(("detokenizer", run_detokenizer_process, server_args, ()))
+    if server_args.node_rank == 0:
+        children.append(("detokenizer", run_detokenizer_process, server_args, ()))
     try:
         for name, target, child_args, extra in children:
             reader, writer = ctx.Pipe(duplex=False)
@@ -169,6 +172,17 @@ def watch_children(rt: Runtime, on_death: Any) -> threading.Thread:
     return t
 
 
+def _serve_follower_node(rt: Runtime, stop_requested: threading.Event) -> int:
+    """Nodes other than 0 only run their TP ranks (rank 0 on node 0 talks to the world);
+    they exit with the first rank that dies, or on SIGINT / SIGTERM."""
+    logger.info("Node %d: TP ranks running; serving happens on node 0.", rt.server_args.node_rank)
+    dead = threading.Event()
+    watch_children(rt, lambda message: (logger.error("%s", message), dead.set()))
+    while not stop_requested.is_set() and not dead.is_set():
+        stop_requested.wait(0.5)
+    return 1 if dead.is_set() else 0
+
+
 def configure_logging(server_args: ServerArgs) -> None:
     logging.basicConfig(
         level=getattr(logging, server_args.log_level.upper(), logging.INFO),
@@ -208,6 +222,8 @@ def launch_server(server_args: ServerArgs) -> int:
                 return 0
             logger.error("%s", e)
             return 1
+        if server_args.node_rank > 0:
+            return _serve_follower_node(rt, stop_requested)
         sched = rt.ready_info["scheduler"]
         logger.info(
             "Scheduler ready (pid %s): max_total_num_tokens=%d, max_running_requests=%d, context_len=%d, device=%s",

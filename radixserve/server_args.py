@@ -57,6 +57,8 @@ class ServerArgs:
     # Parallelism (torch.distributed: gloo on CPU, NCCL on GPU)
     tp_size: int = 1
     dp_size: int = 1
+    nnodes: int = 1  # machines the TP ranks span (rank r runs on node r // (tp_size // nnodes))
+    node_rank: int = 0  # this machine; only node 0 serves HTTP
     load_balance_method: str = "round_robin"  # or "shortest_queue" (--dp-size > 1)
     dist_init_addr: Optional[str] = None  # host:port of rank 0's rendezvous; a free local port when None
 
@@ -98,6 +100,13 @@ class ServerArgs:
         _choice("--load-balance-method", self.load_balance_method, ("round_robin", "shortest_queue"))
         if self.dp_size < 1:
             raise ValueError(f"--dp-size must be >= 1, got {self.dp_size}")
+        if self.nnodes > 1:
+            if self.tp_size % self.nnodes or self.dp_size > 1:
+                raise ValueError("--nnodes must divide --tp-size (and --dp-size must be 1 across nodes)")
+            if not self.dist_init_addr:
+                raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT of node 0, the same on every node")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must be in [0, --nnodes), got {self.node_rank}")
         if self.tp_size < 1:
             raise ValueError(f"--tp-size must be >= 1, got {self.tp_size}")
         if self.stream_interval < 1:
@@ -143,6 +152,8 @@ class ServerArgs:
 
 # Help text of every flag (`radixserve serve --help` adds each one's default).
 FLAG_HELP = {
+    "nnodes": "number of machines the tensor-parallel ranks span",
+    "node_rank": "this machine's index among --nnodes (node 0 serves HTTP)",
     "dp_size": "data parallelism: number of model replicas (each with --tp-size ranks) behind one server",
     "load_balance_method": "how --dp-size routes requests: round_robin or shortest_queue",
     "tp_size": "tensor parallelism: number of ranks (processes) that split every layer",

@@ -276,7 +276,7 @@ def run_json_schema(engine: Any, prompts: List[List[int]], out_lens: List[int], 
     finished = [o["meta_info"]["finish_reason"]["type"] for o in outs]
     constrained = _summary("radixserve + json_schema", prompts, sum(lens), elapsed)
     constrained.update(
-        first_compile_s=first_compile_s, compile_s=compile_s,
+        json_schema_file=path, first_compile_s=first_compile_s, compile_s=compile_s,
         num_stopped=finished.count("stop"), num_length=finished.count("length"),
         mask_fill_ms_per_step=1e3 * timers["fill_s"] / max(timers["fill_calls"], 1),
         mask_apply_us_per_row=1e6 * timers["apply_s"] / max(timers["apply_rows"], 1),

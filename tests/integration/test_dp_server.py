@@ -59,3 +59,30 @@ def test_killing_a_tp_rank_takes_the_server_down():
         srv.stop(signal.SIGKILL)
     assert_children_gone(children)
 
+
+
+def test_tp_across_two_nodes(http):
+    """--nnodes 2: node 1 runs TP rank 1 only; node 0 serves. Both "nodes" run on this machine."""
+    import subprocess
+    import sys
+
+    from conftest import REPO, free_port
+
+    addr = f"127.0.0.1:{free_port()}"
+    common = ["--tp-size", "2", "--nnodes", "2", "--dist-init-addr", addr, "--max-total-tokens", "2000"]
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "radixserve.cli", "serve", "--port", str(free_port()), "--node-rank", "1", *common],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    srv = None
+    try:
+        srv = ServerProcess("--node-rank", "0", *common)
+        body = {"text": "Across two nodes", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+        with srv.client() as c:
+            got = c.post("/generate", json=body).json()
+        assert got["output_ids"] == http.post("/generate", json=body).json()["output_ids"]
+    finally:
+        if srv is not None:
+            srv.stop(signal.SIGTERM)
+        follower.send_signal(signal.SIGTERM)
+        assert follower.wait(30) in (0, 1, -signal.SIGTERM)  # it stops, whichever went first
