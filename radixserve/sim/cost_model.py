@@ -69,13 +69,15 @@ DEVICE_PRESETS: Dict[str, DeviceSpec] = {
         flops_efficiency=0.6, attn_efficiency=0.4, bw_efficiency=0.8,
         step_overhead_s=3e-4, per_req_overhead_s=2e-6, per_token_overhead_s=0.0, combine="max", dtype_bytes=2,
     ),
-    # This machine (2 shared x86 cores, torch CPU, float32), fitted with fit_cpu_device() on
-    # benchmarks/simulate_cpu_calibration.json (bench one-batch, tiny model, batch 1-64).
-    # peak_flops and mem_bandwidth are effective rates, so the efficiencies are 1.
+    # This machine (2 shared x86 cores, torch CPU, float32, the torch-native attention backend),
+    # fitted with `radixserve simulate --fit-cpu` on bench one-batch runs (tiny model, batch
+    # 1-64, input 128 and 512): benchmarks/simulate_cpu_calibration.json. peak_flops and
+    # mem_bandwidth are effective rates (efficiency 1); attention runs at 18% of the GEMM rate
+    # (one SDPA call per request); the fixed cost per step is the weights' bytes.
     "cpu": DeviceSpec(
-        name="cpu", peak_flops=8.0e10, mem_bandwidth=8.0e9, memory_bytes=16 * GiB,
-        flops_efficiency=1.0, attn_efficiency=1.0, bw_efficiency=1.0,
-        step_overhead_s=3.0e-3, per_req_overhead_s=1.0e-4, per_token_overhead_s=0.0, combine="sum", dtype_bytes=4,
+        name="cpu", peak_flops=1.355e11, mem_bandwidth=4.217e9, memory_bytes=16 * GiB,
+        flops_efficiency=1.0, attn_efficiency=0.181, bw_efficiency=1.0,
+        step_overhead_s=0.0, per_req_overhead_s=1.70e-4, per_token_overhead_s=0.0, combine="sum", dtype_bytes=4,
     ),
 }
 
@@ -173,12 +175,15 @@ class CostModel:
 
 
 # ---- calibration (CPU) -------------------------------------------------------------------------
-def load_one_batch_points(paths: Sequence[str], stat: str = "median") -> List[Dict[str, float]]:
+def load_one_batch_points(paths: Sequence[str], stat: str = "median", keep_within: Optional[float] = None) -> List[Dict[str, float]]:
     """Measured points from `bench one-batch` JSON files: one prefill and one decode point per
     batch size and input length. The same point in several files keeps its fastest
-    measurement (on a shared machine, load from others only ever adds time). stat "min" uses
-    decode_ms_per_step_min instead of the median step."""
+    measurement (on a shared machine, load from others only ever adds time); with
+    keep_within=f, every measurement within f times the fastest is kept (the fit then covers
+    the spread of undisturbed runs). stat "min" uses decode_ms_per_step_min instead of the
+    median step."""
     best: Dict[tuple, Dict[str, float]] = {}
+    every: List[Dict[str, float]] = []
     for path in paths:
         with open(path) as f:
             data = json.load(f)
@@ -192,8 +197,11 @@ def load_one_batch_points(paths: Sequence[str], stat: str = "median") -> List[Di
                 for p in (dict(kind="prefill", batch_size=bs, input_len=n, seq_len=n, seconds=o["prefill_ms"] / 1e3),
                           dict(kind="decode", batch_size=bs, input_len=n, seq_len=n + 2 + steps // 2, seconds=dec / 1e3)):
                     key = (p["kind"], bs, n)
+                    every.append(p)
                     if key not in best or p["seconds"] < best[key]["seconds"]:
                         best[key] = p
+    if keep_within is not None:
+        return [p for p in every if p["seconds"] <= keep_within * best[(p["kind"], p["batch_size"], p["input_len"])]["seconds"]]
     return [best[k] for k in sorted(best)]
 
 
