@@ -106,8 +106,9 @@ class SchedulePolicy:
         waiting_queue.sort(key=key)  # stable: ties keep arrival order
 
     def _sort_by_dfs_weight(self, waiting_queue: List[Req]) -> None:
-        """Walk the tree depth-first, heaviest subtree (most waiting requests) first, and
-        emit the requests whose match ends at each node: requests sharing prefixes run together."""
+        """Walk the tree depth-first, heaviest subtree (most waiting requests) first, emitting a
+        node's requests after its subtree's (SGLang's order): requests sharing the deepest
+        prefixes run together, and requests that match nothing (at the root) go last."""
         node_to_reqs: Dict[TreeNode, List[Req]] = defaultdict(list)
         for r in waiting_queue:
             node_to_reqs[r.last_node].append(r)
@@ -118,13 +119,16 @@ class SchedulePolicy:
                 weight[n] += len(reqs)
                 n = n.parent
         out: List[Req] = []
-        stack = [self.tree_cache.root_node]
+        stack = [(self.tree_cache.root_node, False)]  # iterative post-order
         while stack:
-            node = stack.pop()
-            out.extend(node_to_reqs.get(node, []))
+            node, children_done = stack.pop()
+            if children_done:
+                out.extend(node_to_reqs.get(node, []))
+                continue
+            stack.append((node, True))
             kids = [c for c in node.children.values() if weight.get(c, 0) > 0]
-            kids.sort(key=lambda c: weight[c])  # lightest pushed first: heaviest popped first
-            stack.extend(kids)
+            kids.sort(key=lambda c: weight[c])  # lightest pushed first: heaviest visited first
+            stack.extend((c, False) for c in kids)
         waiting_queue[:] = out
 
 

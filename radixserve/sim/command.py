@@ -278,7 +278,8 @@ def run(args: argparse.Namespace) -> int:
     _write(args, [dict(command_meta, **r) for r in results], table=table)
     if args.plot:
         plot_sweep(results, args.plot, f"simulate --sweep: {cfg.model_path} on {device.name}, {args.dataset_name}, "
-                                        f"{len(rows)} requests, rate {args.request_rate}")
+                                        f"{len(rows)} requests, rate {args.request_rate}, "
+                                        f"max concurrency {args.max_concurrency or 'not set'}")
         print(f"wrote {args.plot}")
     return 0
 

@@ -10,7 +10,7 @@ ignore_eos): output lengths come from the workload, as in a benchmark with ignor
 from __future__ import annotations
 
 import logging
-from typing import List, Optional
+from typing import List
 
 import torch
 

@@ -66,10 +66,12 @@ def test_dfs_weight_runs_heaviest_subtree_first():
         _req("a2", a + [2], arrival=2),
         _req("b2", b + [2], arrival=3),
         _req("b3", b + [3], arrival=4),
+        _req("none", [7, 7, 7], arrival=5),
     ]
     SchedulePolicy("dfs-weight", cache).calc_priority(queue)
     order = [r.rid for r in queue]
-    assert set(order[:3]) == {"b1", "b2", "b3"} and set(order[3:]) == {"a1", "a2"}
+    # heaviest subtree first; requests that match nothing (at the root) last
+    assert set(order[:3]) == {"b1", "b2", "b3"} and set(order[3:5]) == {"a1", "a2"} and order[5] == "none"
 
 
 def test_priority_scheduling_orders_by_priority_then_arrival():

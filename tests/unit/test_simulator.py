@@ -4,7 +4,6 @@ virtual clock, its cost model, and the `radixserve simulate` command."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -143,16 +142,18 @@ def test_roofline_shapes(llama8b):
     assert h200.decode_time(1, 1024) < t1
 
 
-def _one_batch_files():
-    files = [REPO / "benchmarks" / "simulate_cpu_calibration.json", REPO / "benchmarks" / "one_batch.json"]
-    return [f for f in files if f.exists()]
+CALIBRATION = REPO / "benchmarks" / "simulate_cpu_calibration.json"
 
 
-@pytest.mark.parametrize("path", _one_batch_files(), ids=lambda p: p.name)
-def test_cpu_preset_predicts_bench_one_batch_within_30_percent(path):
+@pytest.mark.skipif(not CALIBRATION.exists(), reason="no CPU calibration measurements")
+def test_cpu_preset_predicts_bench_one_batch_within_30_percent():
     """The cpu preset against `bench one-batch` on this machine (tiny model, float32), batch
-    sizes 1-64, prefill and decode. Re-fit with `radixserve simulate --fit-cpu FILE...` when
-    the model's CPU speed changes."""
+    sizes 1-64, input 128 and 512, prefill and decode: the fastest of several runs of each
+    point, kept in benchmarks/simulate_cpu_calibration.json (this machine is shared, and a
+    single run under load can be many times slower). benchmarks/one_batch.json is rewritten by
+    every `bench one-batch`, so it is not the reference here; compare a new run with
+    `radixserve simulate --fit-cpu benchmarks/one_batch.json` (it prints the preset's errors)."""
+    path = CALIBRATION
     report = json.loads(path.read_text())
     if report.get("device") != "cpu" or report.get("model_path") not in (None, "tiny (embedded)"):
         pytest.skip("not a tiny-model CPU measurement")
@@ -164,7 +165,7 @@ def test_cpu_preset_predicts_bench_one_batch_within_30_percent(path):
         if abs(pred / p["seconds"] - 1) > 0.30:
             bad.append(f"{p['kind']} bs={p['batch_size']} len={p['input_len']}: measured {p['seconds'] * 1e3:.1f} ms, "
                        f"predicted {pred * 1e3:.1f} ms")
-    assert {int(p["batch_size"]) for p in points} >= {1, 64}
+    assert {int(p["batch_size"]) for p in points} >= {1, 2, 4, 8, 16, 32, 64}
     assert not bad, "\n".join(bad)
 
 
