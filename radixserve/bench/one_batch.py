@@ -27,7 +27,7 @@ import os
 import platform
 import statistics
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import torch
 
@@ -191,17 +191,23 @@ def _measure(drivers: Dict[str, Any], prompts: torch.Tensor, decode_steps: int) 
         d.warm_up(prompts)
     prefill_s = {name: d.start(prompts) for name, d in drivers.items()}
     step_s: Dict[str, List[float]] = {name: [] for name in drivers}
+    step_cpu_s: Dict[str, List[float]] = {name: [] for name in drivers}
     for _ in range(decode_steps):
         for name, d in drivers.items():
+            c0 = time.process_time()
             step_s[name].append(d.step())
+            step_cpu_s[name].append(time.process_time() - c0)
     for d in drivers.values():
         d.finish()
-    return {name: _summary(bs, n, prefill_s[name], step_s[name]) for name in drivers}
+    return {name: _summary(bs, n, prefill_s[name], step_s[name], step_cpu_s[name]) for name in drivers}
 
 
-def _summary(bs: int, input_len: int, prefill_s: float, step_s: List[float]) -> Dict[str, float]:
+def _summary(bs: int, input_len: int, prefill_s: float, step_s: List[float], step_cpu_s: List[float]) -> Dict[str, float]:
     step = statistics.median(step_s)
     return {
+        # CPU seconds of the step (all threads of this process): with --num-threads 1 it
+        # measures the work and hardly moves when other processes load the machine.
+        "decode_cpu_ms_per_step": statistics.median(step_cpu_s) * 1e3,
         "prefill_ms": prefill_s * 1e3,
         "prefill_tok_s": bs * input_len / prefill_s,
         "decode_ms_per_step": step * 1e3,
@@ -247,6 +253,7 @@ def run(args: argparse.Namespace) -> int:
         if hf is not None:
             row["prefill_ratio"] = row["ours"]["prefill_ms"] / row["hf"]["prefill_ms"]
             row["decode_ratio"] = row["ours"]["decode_ms_per_step"] / row["hf"]["decode_ms_per_step"]
+            row["decode_cpu_ratio"] = row["ours"]["decode_cpu_ms_per_step"] / row["hf"]["decode_cpu_ms_per_step"]
         results.append(row)
         print(f"batch {bs}: ours decode {row['ours']['decode_ms_per_step']:.2f} ms/step"
               + (f", HF {row['hf']['decode_ms_per_step']:.2f} ms/step" if 'hf' in row else ""), flush=True)
@@ -267,7 +274,8 @@ def run(args: argparse.Namespace) -> int:
         "cpu_count": os.cpu_count(),
         "machine": platform.machine(),
         "notes": "decode_ms_per_step is the median over decode_steps steps after one untimed step; "
-        "decode_ratio = ours / HF (lower is better, goal at batch 64: <= 1.3)",
+        "decode_ratio = ours / HF (lower is better, goal at batch 64: <= 1.3); decode_cpu_ratio is the same "
+        "with CPU time per step (robust to other processes' load with --num-threads 1)",
         "results": results,
         "table": table,
     }
@@ -281,7 +289,7 @@ def format_table(results: List[Dict[str, Any]]) -> str:
     has_hf = any("hf" in r for r in results)
     if has_hf:
         header = ["batch", "ours prefill ms", "HF prefill ms", "ours decode ms/step", "HF decode ms/step",
-                  "decode ratio (ours/HF)", "decode tok/s ours / HF"]
+                  "decode ratio (ours/HF)", "decode tok/s ours / HF", "CPU-time ratio"]
     else:
         header = ["batch", "ours prefill ms", "ours decode ms/step", "decode tok/s"]
     lines = []
@@ -294,6 +302,7 @@ def format_table(results: List[Dict[str, Any]]) -> str:
                 f"{o['decode_ms_per_step']:.2f}", f"{h['decode_ms_per_step']:.2f}" if h else "-",
                 f"{r['decode_ratio']:.2f}" if h else "-",
                 f"{o['decode_tok_s']:.0f} / {h['decode_tok_s']:.0f}" if h else f"{o['decode_tok_s']:.0f} / -",
+                f"{r['decode_cpu_ratio']:.2f}" if h else "-",
             ])
         else:
             lines.append([str(r["batch_size"]), f"{o['prefill_ms']:.1f}", f"{o['decode_ms_per_step']:.2f}",
@@ -303,7 +312,10 @@ def format_table(results: List[Dict[str, Any]]) -> str:
 
 def _markdown_table(header: List[str], rows: List[List[str]]) -> str:
     widths = [max(len(header[i]), *(len(r[i]) for r in rows)) if rows else len(header[i]) for i in range(len(header))]
-    fmt = lambda cells: "| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+
+    def fmt(cells: List[str]) -> str:
+        return "| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths)) + " |"
+
     sep = "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|"
     return "\n".join([fmt(header), sep] + [fmt(r) for r in rows])
 

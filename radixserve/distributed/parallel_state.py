@@ -79,3 +79,11 @@ def broadcast_pyobj(obj: Any) -> Any:
     box = [obj if _TP.rank == 0 else None]
     dist.broadcast_object_list(box, src=0, group=_TP.cpu_group)
     return box[0]
+
+
+def destroy_distributed_environment() -> None:
+    """Leave the group together (a rank exiting with the group alive aborts in gloo)."""
+    if dist.is_initialized():
+        dist.barrier(group=_TP.cpu_group)
+        dist.destroy_process_group()
+    set_tp_group(0, 1, None)

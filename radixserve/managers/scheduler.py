@@ -28,7 +28,7 @@ from radixserve.managers.schedule_batch import (
     Req,
     ScheduleBatch,
 )
-from radixserve.distributed.parallel_state import broadcast_pyobj
+from radixserve.distributed.parallel_state import broadcast_pyobj, destroy_distributed_environment
 from radixserve.managers.overlap import DeviceStream, FutureMap, PendingResult
 from radixserve.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
 from radixserve.mem_cache.chunk_cache import ChunkCache
@@ -248,6 +248,8 @@ class Scheduler:
             self.stream.close()
         if self.grammar_backend is not None:
             self.grammar_backend.shutdown()
+        if self.tp_size > 1:
+            destroy_distributed_environment()
 
     # ---- intake (seed 000) -------------------------------------------------------------------
     def recv_requests(self) -> List[Any]:

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import ServerProcess, assert_children_gone
+from conftest import REPO, ServerProcess, assert_children_gone, free_port
 
 
 def _prompts(n: int):
@@ -65,8 +65,6 @@ def test_tp_across_two_nodes(http):
     """--nnodes 2: node 1 runs TP rank 1 only; node 0 serves. Both "nodes" run on this machine."""
     import subprocess
     import sys
-
-    from conftest import REPO, free_port
 
     addr = f"127.0.0.1:{free_port()}"
     common = ["--tp-size", "2", "--nnodes", "2", "--dist-init-addr", addr, "--max-total-tokens", "2000"]

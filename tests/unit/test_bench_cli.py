@@ -23,7 +23,7 @@ def test_bench_one_batch_writes_json(tmp_path, capsys):
             m = r[system]
             for key in ("prefill_ms", "prefill_tok_s", "decode_ms_per_step", "decode_tok_s"):
                 assert m[key] > 0, (system, key)
-        assert r["decode_ratio"] > 0 and r["prefill_ratio"] > 0
+        assert r["decode_ratio"] > 0 and r["prefill_ratio"] > 0 and r["decode_cpu_ratio"] > 0
 
 
 def test_bench_one_batch_skip_hf(tmp_path):
@@ -53,7 +53,7 @@ def test_bench_offline_writes_json(tmp_path, capsys):
         assert 4 * 8 <= r["input_tokens"] <= 4 * 24
     assert ours["output_tokens"] == hf["output_tokens"]  # both count the requested tokens
     assert hf["raw_output_tokens"] >= hf["output_tokens"]
-    assert ours["ratio_vs_hf"] > 0
+    assert ours["ratio_vs_hf"] > 0 and ours["cpu_ratio_vs_hf"] > 0
 
 
 def test_bench_offline_rejects_bad_lengths(capsys):

@@ -35,6 +35,7 @@ def _run(model_dir: str, tp_rank: int, tp_size: int, addr: str, out_path: str) -
     sys.path.insert(0, "tests/reference")
     from hf_utils import KVDriver
 
+    from radixserve.distributed.parallel_state import destroy_distributed_environment
     from radixserve.model_executor.model_runner import ModelRunner
     from radixserve.models.model_config import ModelConfig
     from radixserve.server_args import ServerArgs
@@ -53,6 +54,7 @@ def _run(model_dir: str, tp_rank: int, tp_size: int, addr: str, out_path: str) -
         lens = [n + 1 for n in lens]
     if tp_rank == 0:
         torch.save(logits, out_path)
+    destroy_distributed_environment()
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

@@ -34,7 +34,8 @@ class ExtendSeq:
 @dataclass
 class TorchNativeMetadata:
     decode_token_idx: Optional[torch.Tensor] = None  # rows of q that are decode-like
-    decode_kv_slots: Optional[torch.Tensor] = None  # [Bd, max_len]
+    decode_kv_slots: Optional[torch.Tensor] = None  # [Bd * max_len], row-major
+    decode_shape: tuple = (0, 0)  # (Bd, max_len)
     decode_mask: Optional[torch.Tensor] = None  # [Bd, 1, 1, max_len] bool, True = attend
     all_decode: bool = False
     extend_seqs: List[ExtendSeq] = field(default_factory=list)
@@ -58,7 +59,9 @@ class TorchNativeAttnBackend(AttentionBackend):
             seq_lens = fb.seq_lens[rows.to(fb.seq_lens.device)]
             max_len = max(fb.seq_lens_cpu[i] for i in dec_rows)
             pool_idx = fb.req_pool_indices[rows.to(fb.req_pool_indices.device)]
-            md.decode_kv_slots = req_to_token[pool_idx, :max_len].long()
+            # flattened: index_select on a 1-D index is several times faster than 2-D indexing
+            md.decode_kv_slots = req_to_token[pool_idx, :max_len].reshape(-1).long()
+            md.decode_shape = (len(dec_rows), max_len)
             ar = torch.arange(max_len, device=seq_lens.device)
             md.decode_mask = (ar[None, :] < seq_lens[:, None])[:, None, None, :]
             if not md.all_decode:
@@ -112,8 +115,9 @@ class TorchNativeAttnBackend(AttentionBackend):
     @staticmethod
     def _decode(q, layer, md: TorchNativeMetadata, pool) -> torch.Tensor:
         k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
-        keys = k_buf[md.decode_kv_slots].transpose(1, 2)  # [B, kv_heads, L, D]
-        values = v_buf[md.decode_kv_slots].transpose(1, 2)
+        shape = (*md.decode_shape, k_buf.shape[1], k_buf.shape[2])
+        keys = k_buf.index_select(0, md.decode_kv_slots).view(shape).transpose(1, 2)  # [B, kv_heads, L, D]
+        values = v_buf.index_select(0, md.decode_kv_slots).view(shape).transpose(1, 2)
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2),  # [B, heads, 1, D]
             keys.to(q.dtype),
