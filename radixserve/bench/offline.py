@@ -41,6 +41,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--max-output-len", type=int, default=256)
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--skip-hf", action="store_true", help="do not run the transformers baseline")
+    p.add_argument("--skip-other-loop", action="store_true",
+                   help="run only the selected event loop (default: overlap and normal side by side)")
     p.add_argument("--output", default=DEFAULT_OUTPUT, help="JSON results path ('' to skip)")
     p.add_argument("--json-schema", default=None, metavar="FILE",
                    help="also run the prompts constrained by this JSON schema, vs unconstrained at the same output lengths")
@@ -72,7 +74,7 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 # ---- ours ------------------------------------------------------------------------------------
-def run_ours(engine: Any, prompts: List[List[int]], out_lens: List[int]) -> Dict[str, Any]:
+def run_ours(engine: Any, prompts: List[List[int]], out_lens: List[int], label: str = "radixserve") -> Dict[str, Any]:
     sps = [{"max_new_tokens": n, "ignore_eos": True, "temperature": 0} for n in out_lens]
     # Warm-up: a few short requests through the same code paths, then an empty radix cache.
     warm = [p[:16] for p in prompts[:2]]
@@ -81,13 +83,27 @@ def run_ours(engine: Any, prompts: List[List[int]], out_lens: List[int]) -> Dict
         engine.step()
     if not engine.flush_cache():
         raise RuntimeError("could not flush the radix cache after the warm-up")
+    sched = engine.scheduler
+    timing0 = dict(sched.timing)
+    busy0 = sched.stream.busy_s if sched.stream is not None else 0.0
     t0, c0 = time.perf_counter(), time.process_time()
     outs = engine.generate(input_ids=prompts, sampling_params=sps, progress=False)
     elapsed, cpu_s = time.perf_counter() - t0, time.process_time() - c0
+    timing = {k: v - timing0[k] for k, v in sched.timing.items()}
+    # "Forward" = model forward + sampling: on the forward thread (overlap), inline (normal).
+    forward_s = sched.stream.busy_s - busy0 if sched.stream is not None else timing["forward_s"]
     out_tokens = sum(len(o["output_ids"]) for o in outs)
     if out_tokens != sum(out_lens):
         raise RuntimeError(f"radixserve generated {out_tokens} tokens, expected {sum(out_lens)} (ignore_eos)")
-    return _summary("radixserve", prompts, out_tokens, elapsed, cpu_s)
+    summary = _summary(label, prompts, out_tokens, elapsed, cpu_s)
+    summary.update(
+        # share of the wall time the scheduling thread spent scheduling / processing results
+        sched_share=(timing["schedule_s"] + timing["process_s"]) / elapsed,
+        forward_s=forward_s,
+        wall_over_forward=elapsed / forward_s if forward_s else None,
+        steps=sum(sched.stats[k] for k in ("num_prefill_batches", "num_decode_batches", "num_mixed_batches")),
+    )
+    return summary
 
 
 # ---- transformers ------------------------------------------------------------------------------
@@ -168,9 +184,19 @@ def run(args: argparse.Namespace) -> int:
     runner = engine.scheduler.tp_worker.model_runner
     prompts, out_lens = make_workload(args, vocab)
 
-    ours = run_ours(engine, prompts, out_lens)
-    print(f"radixserve: {ours['output_tok_s']:.0f} output tok/s ({ours['time_s']:.1f} s)", flush=True)
+    loop = "normal" if server_args.disable_overlap_schedule else "overlap"
+    ours = run_ours(engine, prompts, out_lens, f"radixserve ({loop} loop)")
+    print(f"{ours['system']}: {ours['output_tok_s']:.0f} output tok/s ({ours['time_s']:.1f} s)", flush=True)
     results = [ours]
+    if not args.skip_other_loop:  # the other event loop, same workload, same process
+        other = Engine(**{**vars(server_args), "model_path": model_path,
+                          "disable_overlap_schedule": not server_args.disable_overlap_schedule})
+        other_loop = "overlap" if loop == "normal" else "normal"
+        results.append(run_ours(other, prompts, out_lens, f"radixserve ({other_loop} loop)"))
+        other.shutdown()
+        print(f"{results[-1]['system']}: {results[-1]['output_tok_s']:.0f} output tok/s", flush=True)
+        by_loop = {loop: ours, other_loop: results[-1]}
+        by_loop["overlap"]["ratio_vs_normal_loop"] = by_loop["overlap"]["output_tok_s"] / by_loop["normal"]["output_tok_s"]
     if args.json_schema:  # structured output's cost: see run_json_schema at the end of this file
         results += run_json_schema(engine, prompts, out_lens, args.json_schema)
     if not args.skip_hf:
@@ -178,8 +204,9 @@ def run(args: argparse.Namespace) -> int:
         engine.shutdown()
         # Same weights and dtype; transformers runs on the CPU.
         hf = run_hf(model_path, prompts, out_lens, args.hf_batch_size, pad_id, runner.dtype)
-        ours["ratio_vs_hf"] = ours["output_tok_s"] / hf["output_tok_s"]
-        ours["cpu_ratio_vs_hf"] = ours["output_tok_per_cpu_s"] / hf["output_tok_per_cpu_s"]
+        for r in results:
+            r["ratio_vs_hf"] = r["output_tok_s"] / hf["output_tok_s"]
+            r["cpu_ratio_vs_hf"] = r["output_tok_per_cpu_s"] / hf["output_tok_per_cpu_s"]
         hf["ratio_vs_hf"] = hf["cpu_ratio_vs_hf"] = 1.0
         results.append(hf)
 
@@ -214,7 +241,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def format_table(results: List[Dict[str, Any]]) -> str:
-    header = ["system", "requests", "input toks", "output toks", "time s", "output tok/s", "ratio", "CPU s", "CPU ratio"]
+    header = ["system", "requests", "input toks", "output toks", "time s", "output tok/s", "ratio", "CPU s", "CPU ratio",
+              "sched share", "wall / forward"]
     rows = []
     for r in results:
         tok_s = f"{r['output_tok_s']:.0f}"
@@ -225,6 +253,8 @@ def format_table(results: List[Dict[str, Any]]) -> str:
             f"{r['time_s']:.2f}", tok_s, f"{r['ratio_vs_hf']:.2f}" if "ratio_vs_hf" in r else "-",
             f"{r['cpu_time_s']:.1f}" if "cpu_time_s" in r else "-",
             f"{r['cpu_ratio_vs_hf']:.2f}" if "cpu_ratio_vs_hf" in r else "-",
+            f"{r['sched_share']:.1%}" if "sched_share" in r else "-",
+            f"{r['wall_over_forward']:.2f}" if r.get("wall_over_forward") else "-",
         ])
     return _markdown_table(header, rows)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import queue
 import threading
+import time
 from typing import Any, Callable, Optional
 
 import torch
@@ -57,6 +58,7 @@ class DeviceStream:
         self._tasks: "queue.Queue[Optional[tuple]]" = queue.Queue()
         self._error: Optional[BaseException] = None
         self.busy = threading.Event()  # set while a task runs (tests check overlap with it)
+        self.busy_s = 0.0  # seconds spent running tasks (the "device" time)
         self._thread = threading.Thread(target=self._run, name="radixserve-forward", daemon=True)
         self._thread.start()
         atexit.register(self.close)  # stop the thread before the interpreter tears torch down
@@ -88,12 +90,14 @@ class DeviceStream:
                 return
             fn, args = item
             self.busy.set()
+            t0 = time.perf_counter()
             try:
                 with torch.inference_mode():
                     fn(*args)
             except BaseException as e:  # surfaced to the scheduler thread by result.wait()
                 self._error = e
             finally:
+                self.busy_s += time.perf_counter() - t0
                 self.busy.clear()
 
 

@@ -122,6 +122,8 @@ class Scheduler:
             self.stream = DeviceStream(self.device)
             self.future_map = FutureMap(self.max_running_requests, self.chunked_prefill_size, self.context_len, self.device)
         self.stats_overlap = dict(results_processed=0, results_processed_while_busy=0)
+        # Seconds of this (CPU scheduling) thread per phase, for bench offline's breakdown.
+        self.timing = dict(schedule_s=0.0, forward_s=0.0, process_s=0.0, wait_s=0.0)
 
         self.waiting_queue: List[Req] = []
         # Structured output: requests wait here while their grammar compiles (seed 000).
@@ -181,19 +183,27 @@ class Scheduler:
         return self.run_step_overlap() if self.enable_overlap else self.run_step_normal()
 
     def run_step_normal(self) -> Optional[ScheduleBatch]:
+        t0 = time.perf_counter()
         batch = self.get_next_batch_to_run()
         self.cur_batch = batch
+        t1 = time.perf_counter()
+        self.timing["schedule_s"] += t1 - t0
         if batch is not None:
             result = self.run_batch(batch)
+            t2 = time.perf_counter()
             self.process_batch_result(batch, result)
+            self.timing["forward_s"] += t2 - t1
+            self.timing["process_s"] += time.perf_counter() - t2
         else:
             self.on_idle()
         self.last_batch = batch
         return batch
 
     def run_step_overlap(self) -> Optional[ScheduleBatch]:
+        t0 = time.perf_counter()
         batch = self.get_next_batch_to_run()  # Pre Schedule N+1
         self.cur_batch = batch
+        self.timing["schedule_s"] += time.perf_counter() - t0
         disable_overlap_for_batch = self.is_disable_overlap_for_batch(batch)
         if disable_overlap_for_batch:
             self.pop_and_process()
@@ -229,7 +239,12 @@ class Scheduler:
         self.stats_overlap["results_processed"] += 1
         if self.stream.busy.is_set():
             self.stats_overlap["results_processed_while_busy"] += 1
-        self.process_batch_result(batch, pending.wait())
+        t0 = time.perf_counter()
+        result = pending.wait()
+        t1 = time.perf_counter()
+        self.process_batch_result(batch, result)
+        self.timing["wait_s"] += t1 - t0
+        self.timing["process_s"] += time.perf_counter() - t1
 
     def on_idle(self) -> None:
         self.self_check_during_idle()
