@@ -3,9 +3,9 @@
 The KV of request i is scattered over the pool: its slots are req_to_token[req_pool_idx, :seq_len].
 
 - Decode-like requests (one new token: every request of a DECODE batch, and extend requests
-  whose extend length is 1) are done together: gather their KV into a padded
-  [B, max_len, kv_heads, head_dim] block with one index op per layer, mask the padding, and
-  run one SDPA call (GQA without repeating K/V).
+  whose extend length is 1) are done in a few groups of similar length: each group's KV is
+  gathered into a padded [B, max_len, kv_heads, head_dim] block with one index_select per
+  layer, the padding is masked, and one SDPA call runs (GQA without repeating K/V).
 - Longer extend requests run one SDPA call each: with no cached prefix the fresh k/v are used
   directly (causal); with a prefix the prefix KV is gathered and the mask is causal with an offset.
 The index tables are built once per forward in init_forward_metadata, not once per layer.
@@ -32,13 +32,25 @@ class ExtendSeq:
 
 
 @dataclass
+class DecodeGroup:
+    """Decode-like requests of similar length, gathered into one padded block."""
+
+    token_idx: torch.Tensor  # their rows in q
+    kv_slots: torch.Tensor  # [B * max_len] slots, row-major (index_select wants 1-D)
+    shape: tuple  # (B, max_len)
+    mask: torch.Tensor  # [B, 1, 1, max_len] bool, True = attend
+
+
+@dataclass
 class TorchNativeMetadata:
-    decode_token_idx: Optional[torch.Tensor] = None  # rows of q that are decode-like
-    decode_kv_slots: Optional[torch.Tensor] = None  # [Bd * max_len], row-major
-    decode_shape: tuple = (0, 0)  # (Bd, max_len)
-    decode_mask: Optional[torch.Tensor] = None  # [Bd, 1, 1, max_len] bool, True = attend
+    decode_groups: List[DecodeGroup] = field(default_factory=list)
     all_decode: bool = False
     extend_seqs: List[ExtendSeq] = field(default_factory=list)
+
+
+# A decode group's shortest request is at least this share of its longest, so at most ~30%
+# of the gathered KV is padding (one padded block over ragged lengths read 1.6x the KV).
+DECODE_GROUP_MIN_FILL = 0.7
 
 
 class TorchNativeAttnBackend(AttentionBackend):
@@ -48,27 +60,18 @@ class TorchNativeAttnBackend(AttentionBackend):
     def init_forward_metadata(self, fb) -> None:
         md = TorchNativeMetadata()
         ext_lens, prefix_lens = fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu
-        req_to_token = fb.req_to_token_pool.req_to_token
         if fb.forward_mode.is_decode():
             dec_rows = list(range(fb.batch_size))
             md.all_decode = True
+            token_of_row = dec_rows
         else:
             dec_rows = [i for i, n in enumerate(ext_lens) if n == 1]
-        if dec_rows:
-            rows = torch.tensor(dec_rows, dtype=torch.int64)
-            seq_lens = fb.seq_lens[rows.to(fb.seq_lens.device)]
-            max_len = max(fb.seq_lens_cpu[i] for i in dec_rows)
-            pool_idx = fb.req_pool_indices[rows.to(fb.req_pool_indices.device)]
-            # flattened: index_select on a 1-D index is several times faster than 2-D indexing
-            md.decode_kv_slots = req_to_token[pool_idx, :max_len].reshape(-1).long()
-            md.decode_shape = (len(dec_rows), max_len)
-            ar = torch.arange(max_len, device=seq_lens.device)
-            md.decode_mask = (ar[None, :] < seq_lens[:, None])[:, None, None, :]
-            if not md.all_decode:
-                starts = _starts(ext_lens)
-                md.decode_token_idx = torch.tensor([starts[i] for i in dec_rows], device=self.device)
-        if not md.all_decode:
             starts = _starts(ext_lens)
+            token_of_row = {i: starts[i] for i in dec_rows}
+        if dec_rows:
+            md.decode_groups = self._decode_groups(fb, dec_rows, token_of_row)
+        if not md.all_decode:
+            req_to_token = fb.req_to_token_pool.req_to_token
             for i, n in enumerate(ext_lens):
                 if n == 1:
                     continue
@@ -84,15 +87,41 @@ class TorchNativeAttnBackend(AttentionBackend):
     def forward_decode(self, q, k, v, layer, fb) -> torch.Tensor:
         pool = fb.token_to_kv_pool
         pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
-        return self._decode(q, layer, fb.attn_metadata, pool)
+        out = torch.empty_like(q)
+        self._decode_into(out, q, layer, fb.attn_metadata, pool)
+        return out
+
+    def _decode_groups(self, fb, dec_rows: List[int], token_of_row) -> List[DecodeGroup]:
+        req_to_token = fb.req_to_token_pool.req_to_token
+        lens = fb.seq_lens_cpu
+        order = sorted(dec_rows, key=lambda i: -lens[i])
+        groups, cur = [], [order[0]]
+        for i in order[1:]:
+            if lens[i] >= DECODE_GROUP_MIN_FILL * lens[cur[0]]:
+                cur.append(i)
+            else:
+                groups.append(cur)
+                cur = [i]
+        groups.append(cur)
+        out = []
+        for rows in groups:
+            max_len = lens[rows[0]]
+            idx = torch.tensor(rows, dtype=torch.int64)
+            seq_lens = torch.tensor([lens[i] for i in rows], dtype=torch.int64, device=self.device)
+            slots = req_to_token[fb.req_pool_indices[idx.to(fb.req_pool_indices.device)], :max_len]
+            ar = torch.arange(max_len, device=self.device)
+            mask = (ar[None, :] < seq_lens[:, None])[:, None, None, :]
+            token_idx = torch.tensor([token_of_row[i] for i in rows], dtype=torch.int64, device=self.device)
+            out.append(DecodeGroup(token_idx, slots.reshape(-1).long(), (len(rows), max_len), mask))
+        return out
 
     def forward_extend(self, q, k, v, layer, fb) -> torch.Tensor:
         pool = fb.token_to_kv_pool
         pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
         md: TorchNativeMetadata = fb.attn_metadata
         out = torch.empty_like(q)
-        if md.decode_token_idx is not None:
-            out[md.decode_token_idx] = self._decode(q[md.decode_token_idx], layer, md, pool)
+        if md.decode_groups:
+            self._decode_into(out, q, layer, md, pool)
         k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
         for s in md.extend_seqs:
             sl = slice(s.start, s.start + s.extend_len)
@@ -113,20 +142,21 @@ class TorchNativeAttnBackend(AttentionBackend):
         return out
 
     @staticmethod
-    def _decode(q, layer, md: TorchNativeMetadata, pool) -> torch.Tensor:
+    def _decode_into(out: torch.Tensor, q: torch.Tensor, layer, md: TorchNativeMetadata, pool) -> None:
         k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
-        shape = (*md.decode_shape, k_buf.shape[1], k_buf.shape[2])
-        keys = k_buf.index_select(0, md.decode_kv_slots).view(shape).transpose(1, 2)  # [B, kv_heads, L, D]
-        values = v_buf.index_select(0, md.decode_kv_slots).view(shape).transpose(1, 2)
-        o = F.scaled_dot_product_attention(
-            q.unsqueeze(2),  # [B, heads, 1, D]
-            keys.to(q.dtype),
-            values.to(q.dtype),
-            attn_mask=md.decode_mask,
-            scale=layer.scaling,
-            enable_gqa=True,
-        )
-        return o.squeeze(2)
+        for g in md.decode_groups:
+            shape = (*g.shape, k_buf.shape[1], k_buf.shape[2])
+            keys = k_buf.index_select(0, g.kv_slots).view(shape).transpose(1, 2)  # [B, kv_heads, L, D]
+            values = v_buf.index_select(0, g.kv_slots).view(shape).transpose(1, 2)
+            o = F.scaled_dot_product_attention(
+                q[g.token_idx].unsqueeze(2),  # [B, heads, 1, D]
+                keys.to(q.dtype),
+                values.to(q.dtype),
+                attn_mask=g.mask,
+                scale=layer.scaling,
+                enable_gqa=True,
+            )
+            out[g.token_idx] = o.squeeze(2)
 
 
 def _starts(lens: List[int]) -> List[int]:
