@@ -578,19 +578,27 @@ class Scheduler:
                 continue
             if self._is_stale(req):
                 continue
-            req.output_ids.append(next_ids[i])
-            if req.grammar is not None:
-                self._accept_grammar_token(req, next_ids[i])
-            req.check_finished()
-            self._append_logprobs(req, result, i)
-            if req.finished():
-                req.grammar = None  # release the matcher
-                self.tree_cache.cache_finished_req(req)
-            elif id(req) not in decoding:
+            if self._append_token(req, next_ids[i], result, i):
+                continue
+            if id(req) not in decoding:
                 # The prompt enters the tree now, so requests behind it can share it.
                 self.tree_cache.cache_unfinished_req(req)
         self.token_to_kv_pool_allocator.free_group_end()
         self.stream_output(batch.reqs)
+
+    def _append_token(self, req: Req, token: int, result: GenerationBatchResult, i: int) -> bool:
+        """Append a sampled token, check the finish conditions; a finished request hands its
+        KV to the tree. Returns whether it finished."""
+        req.output_ids.append(token)
+        if req.grammar is not None:
+            self._accept_grammar_token(req, token)
+        req.check_finished()
+        self._append_logprobs(req, result, i)
+        if not req.finished():
+            return False
+        req.grammar = None  # release the matcher
+        self.tree_cache.cache_finished_req(req)
+        return True
 
     @staticmethod
     def _accept_grammar_token(req: Req, token: int) -> None:
@@ -613,16 +621,8 @@ class Scheduler:
         next_ids = result.next_token_ids.tolist()
         self.token_to_kv_pool_allocator.free_group_begin()
         for i, req in enumerate(batch.reqs):
-            if self._is_stale(req):
-                continue
-            req.output_ids.append(next_ids[i])
-            if req.grammar is not None:
-                self._accept_grammar_token(req, next_ids[i])
-            req.check_finished()
-            self._append_logprobs(req, result, i)
-            if req.finished():
-                req.grammar = None  # release the matcher
-                self.tree_cache.cache_finished_req(req)
+            if not self._is_stale(req):
+                self._append_token(req, next_ids[i], result, i)
         self.token_to_kv_pool_allocator.free_group_end()
         self.stream_output(batch.reqs)
 

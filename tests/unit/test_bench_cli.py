@@ -45,9 +45,11 @@ def test_bench_offline_writes_json(tmp_path, capsys):
     assert "output tok/s" in capsys.readouterr().out
     report = json.loads(out.read_text())
     assert report["num_prompts"] == 4
-    ours, hf = report["results"]
-    assert ours["system"] == "radixserve" and hf["system"].startswith("transformers")
-    for r in (ours, hf):
+    ours, other_loop, hf = report["results"]
+    assert ours["system"] == "radixserve (overlap loop)" and other_loop["system"] == "radixserve (normal loop)"
+    assert hf["system"].startswith("transformers")
+    assert ours["ratio_vs_normal_loop"] > 0 and 0 <= ours["sched_share"] < 1 and ours["wall_over_forward"] >= 0.9
+    for r in (ours, other_loop, hf):
         assert r["requests"] == 4
         assert r["output_tokens"] > 0 and r["time_s"] > 0 and r["output_tok_s"] > 0
         assert 4 * 8 <= r["input_tokens"] <= 4 * 24

@@ -391,7 +391,7 @@ def test_bench_offline_json_schema_rows(tmp_path, capsys):
     out = tmp_path / "offline.json"
     rc = main(["bench", "offline", "--num-prompts", "4", "--min-input-len", "8", "--max-input-len", "16",
                "--min-output-len", "40", "--max-output-len", "60", "--skip-hf", "--max-total-tokens", "4096",
-               "--json-schema", str(schema_file), "--output", str(out)])
+               "--skip-other-loop", "--json-schema", str(schema_file), "--output", str(out)])
     assert rc == 0
     assert "constrained costs" in capsys.readouterr().out
     _ours, constrained, same_len = json.loads(out.read_text())["results"]
