@@ -12,7 +12,7 @@ With tp_size 1 every layer is a plain F.linear.
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List
 
 import torch
 import torch.nn.functional as F

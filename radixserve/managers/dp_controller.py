@@ -17,10 +17,9 @@ import os
 import signal
 import traceback
 from dataclasses import dataclass, replace
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 from radixserve.protocol import (
-    AbortReq,
     BatchTokenizedGenerateReqInput,
     FlushCacheReqInput,
     FlushCacheReqOutput,

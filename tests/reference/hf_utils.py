@@ -3,9 +3,7 @@ ModelRunner that fills the KV pool the way the scheduler would."""
 
 from __future__ import annotations
 
-import json
-import os
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Sequence
 
 import torch
 import transformers

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 
 from radixserve.engine import Engine
 from radixserve.managers.schedule_batch import Req, ScheduleBatch

@@ -134,11 +134,6 @@ def test_cached_tokens_on_repeated_prefix(loop):
     engine.scheduler.check_memory()
 
 
-def _engine_with_reqs(n: int, **kw) -> Engine:
-    engine = Engine(max_total_tokens=4096, **kw)
-    return engine
-
-
 def test_abort_in_every_state_leaks_nothing(loop):
     engine = Engine(max_total_tokens=4096, chunked_prefill_size=32, max_running_requests=4, **loop)
     rng = random.Random(1)
