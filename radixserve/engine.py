@@ -49,7 +49,7 @@ class _ReqState:
     finished: bool = False
 
 
-_LOGPROB_KEYS = ("output_token_logprobs_val", "output_token_logprobs_idx", "output_top_logprobs_val", "output_top_logprobs_idx")
+_LOGPROB_KEYS = ("input_token_logprobs_val", "input_token_logprobs_idx", "output_token_logprobs_val", "output_token_logprobs_idx", "output_top_logprobs_val", "output_top_logprobs_idx")
 
 
 class Engine:
@@ -98,6 +98,7 @@ class Engine:
         input_ids: Optional[Union[List[int], List[List[int]]]] = None,
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
+        logprob_start_len: int = -1,
         stream: bool = False,
         priority: Optional[int] = None,
         rid: Optional[Union[str, List[str]]] = None,
@@ -107,7 +108,8 @@ class Engine:
         of prompts; with stream=True an iterator of such dicts with the text so far."""
         reqs = self._make_requests(
             prompt, input_ids, sampling_params, return_logprob=return_logprob,
-            top_logprobs_num=top_logprobs_num, stream=stream, priority=priority, rid=rid,
+            top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len, stream=stream,
+            priority=priority, rid=rid,
         )
         is_single = isinstance(prompt, str) or (input_ids is not None and bool(input_ids) and isinstance(input_ids[0], int))
         for r in reqs:
@@ -186,6 +188,8 @@ class Engine:
             "cached_tokens": state.cached_tokens,
             "e2e_latency": time.monotonic() - state.start,
         }
+        if state.logprobs["input_token_logprobs_idx"]:
+            meta["input_token_logprobs"] = list(zip(state.logprobs["input_token_logprobs_val"], state.logprobs["input_token_logprobs_idx"]))
         if state.logprobs["output_token_logprobs_val"]:
             meta["output_token_logprobs"] = list(zip(state.logprobs["output_token_logprobs_val"], state.logprobs["output_token_logprobs_idx"]))
             if state.logprobs["output_top_logprobs_val"]:

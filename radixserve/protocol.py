@@ -71,6 +71,8 @@ class BatchTokenIDOutput:
     no_stop_trim: List[bool]
     output_token_logprobs_val: List[List[float]] = field(default_factory=list)
     output_token_logprobs_idx: List[List[int]] = field(default_factory=list)
+    input_token_logprobs_val: List[List[Optional[float]]] = field(default_factory=list)
+    input_token_logprobs_idx: List[List[int]] = field(default_factory=list)
     output_top_logprobs_val: List[List[List[float]]] = field(default_factory=list)
     output_top_logprobs_idx: List[List[List[int]]] = field(default_factory=list)
     retraction_counts: List[int] = field(default_factory=list)
@@ -111,6 +113,8 @@ class BatchStrOutput:
     prompt_tokens: List[int]
     completion_tokens: List[int]
     cached_tokens: List[int]
+    input_token_logprobs_val: List[List[Optional[float]]] = field(default_factory=list)
+    input_token_logprobs_idx: List[List[int]] = field(default_factory=list)
     output_token_logprobs_val: List[List[float]] = field(default_factory=list)
     output_token_logprobs_idx: List[List[int]] = field(default_factory=list)
     output_top_logprobs_val: List[List[List[float]]] = field(default_factory=list)

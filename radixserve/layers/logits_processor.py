@@ -14,6 +14,7 @@ from torch import nn
 class LogitsProcessorOutput:
     next_token_logits: torch.Tensor  # [bs, vocab], float32
     all_logits: Optional[torch.Tensor] = None  # [num_tokens, vocab] when capture_all_logits
+    input_token_logprobs: Optional[torch.Tensor] = None  # [n] for input_logprob_positions
 
 
 class LogitsProcessor(nn.Module):
@@ -22,6 +23,16 @@ class LogitsProcessor(nn.Module):
         self.vocab_size = vocab_size
 
     def forward(self, hidden_states: torch.Tensor, lm_head, forward_batch) -> LogitsProcessorOutput:
+        out = self._forward(hidden_states, lm_head, forward_batch)
+        pos = forward_batch.input_logprob_positions
+        if pos is not None and pos.numel():
+            # logits only at the positions asked for, then the logprob of each next prompt token
+            logprobs = torch.log_softmax(lm_head.get_logits(hidden_states[pos.to(hidden_states.device)]).float(), -1)
+            ids = forward_batch.input_logprob_token_ids.to(logprobs.device)
+            out.input_token_logprobs = logprobs.gather(1, ids[:, None]).squeeze(1)
+        return out
+
+    def _forward(self, hidden_states: torch.Tensor, lm_head, forward_batch) -> LogitsProcessorOutput:
         if forward_batch.forward_mode.is_decode():
             last_hidden = hidden_states
         else:

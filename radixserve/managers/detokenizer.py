@@ -118,7 +118,8 @@ class DetokenizerManager:
             res.prompt_tokens.append(out.prompt_tokens[i])
             res.completion_tokens.append(out.completion_tokens[i])
             res.cached_tokens.append(out.cached_tokens[i])
-            for key in ("output_token_logprobs_val", "output_token_logprobs_idx",
+            for key in ("input_token_logprobs_val", "input_token_logprobs_idx",
+                        "output_token_logprobs_val", "output_token_logprobs_idx",
                         "output_top_logprobs_val", "output_top_logprobs_idx", "retraction_counts"):
                 src = getattr(out, key)
                 getattr(res, key).append(src[i] if i < len(src) else ([] if key != "retraction_counts" else 0))

@@ -148,6 +148,11 @@ class Req:
         self.grammar_key: Optional[tuple] = None
         self.grammar_queued_at = 0.0
 
+        # Input logprobs (logprob_start_len >= 0): logprob of prompt token j given tokens < j,
+        # for j >= logprob_start_len; token 0 has none. Filled chunk by chunk.
+        self.input_token_logprobs_val: List[Optional[float]] = []
+        self.input_token_logprobs_idx: List[int] = []
+        self.input_logprob_send_offset = 0
         self.output_token_logprobs_val: List[float] = []
         self.output_token_logprobs_idx: List[int] = []
         self.output_top_logprobs_val: List[List[float]] = []
@@ -156,6 +161,22 @@ class Req:
     # ---- state ---------------------------------------------------------------------------
     def finished(self) -> bool:
         return self.finished_reason is not None
+
+    def wants_input_logprobs(self) -> bool:
+        return self.return_logprob and 0 <= self.logprob_start_len < len(self.origin_input_ids)
+
+    def next_input_logprob_token(self) -> int:
+        """The next prompt token whose logprob is still to compute (token 0 has none)."""
+        done = len(self.input_token_logprobs_idx) - (self.logprob_start_len == 0 and bool(self.input_token_logprobs_idx))
+        return max(self.logprob_start_len, 1) + done
+
+    def input_logprob_positions(self, prefix_len: int, extend_len: int) -> range:
+        """Positions of this round whose logits score prompt tokens still to compute (the
+        logits at position q give token q+1's logprob)."""
+        if not self.wants_input_logprobs():
+            return range(0)
+        start = self.next_input_logprob_token() - 1
+        return range(max(start, prefix_len), min(prefix_len + extend_len, len(self.origin_input_ids) - 1))
 
     def seqlen(self) -> int:
         return len(self.origin_input_ids) + len(self.output_ids)
@@ -166,8 +187,9 @@ class Req:
         self.fill_ids = self.origin_input_ids + self.output_ids
         if tree_cache is not None:
             max_prefix_len = len(self.fill_ids) - 1
-            if self.return_logprob and self.logprob_start_len >= 0:
-                max_prefix_len = min(max_prefix_len, self.logprob_start_len)
+            if self.wants_input_logprobs():
+                # the logits at position start-1 give token start's logprob: compute from there
+                max_prefix_len = min(max_prefix_len, self.next_input_logprob_token() - 1)
             match = tree_cache.match_prefix(self.fill_ids[: max(max_prefix_len, 0)])
             self.prefix_indices, self.last_node = match.device_indices, match.last_device_node
         self.extend_input_len = len(self.fill_ids) - len(self.prefix_indices)
@@ -257,6 +279,10 @@ class ScheduleBatch:
     sampling_info: Optional[SamplingBatchInfo] = None
     return_logprob: bool = False
     top_logprobs_nums: List[int] = field(default_factory=list)
+    # Input logprobs: flat token positions to score, the prompt tokens they score, per-req counts.
+    input_logprob_positions: Optional[torch.Tensor] = None
+    input_logprob_token_ids: Optional[torch.Tensor] = None
+    input_logprob_counts: List[int] = field(default_factory=list)
     # Mixed chunk: the running requests that decode inside this extend batch.
     decoding_reqs: Optional[List[Req]] = None
     chunked_req: Optional[Req] = None
@@ -285,6 +311,7 @@ class ScheduleBatch:
         return ScheduleBatch(
             reqs=list(self.reqs), forward_mode=self.forward_mode, decoding_reqs=self.decoding_reqs,
             return_logprob=self.return_logprob, tree_cache=self.tree_cache, device=self.device,
+            input_logprob_counts=self.input_logprob_counts,
         )
 
     def _sampling_op(self, fn, *args) -> None:
@@ -375,6 +402,21 @@ class ScheduleBatch:
         self.out_cache_loc = out_cache_loc
         self.top_logprobs_nums = [r.top_logprobs_num for r in reqs]
         self.sampling_info = SamplingBatchInfo.from_reqs(reqs, self.vocab_size, self.device)
+        self._prepare_input_logprobs()
+
+    def _prepare_input_logprobs(self) -> None:
+        if not any(r.wants_input_logprobs() for r in self.reqs):
+            return
+        positions, token_ids, counts, offset = [], [], [], 0
+        for r, p, n in zip(self.reqs, self.prefix_lens, self.extend_lens):
+            pos = r.input_logprob_positions(p, n)
+            positions += [offset + q - p for q in pos]
+            token_ids += [r.origin_input_ids[q + 1] for q in pos]
+            counts.append(len(pos))
+            offset += n
+        self.input_logprob_positions = torch.tensor(positions, dtype=torch.int64)
+        self.input_logprob_token_ids = torch.tensor(token_ids, dtype=torch.int64)
+        self.input_logprob_counts = counts
 
     def mix_with_running(self, running_batch: "ScheduleBatch") -> None:
         """--enable-mixed-chunk: append the decode requests (already prepared for decode)
@@ -530,4 +572,6 @@ class ScheduleBatch:
             sampling_info=self.sampling_info,
             return_logprob=self.return_logprob,
             top_logprobs_nums=list(self.top_logprobs_nums) if self.return_logprob else None,
+            input_logprob_positions=self.input_logprob_positions if extend else None,
+            input_logprob_token_ids=self.input_logprob_token_ids if extend else None,
         )

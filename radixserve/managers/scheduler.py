@@ -570,6 +570,8 @@ class Scheduler:
 
     def process_batch_result_prefill(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
         next_ids = result.next_token_ids.tolist()
+        if batch.input_logprob_counts:
+            self._add_input_logprobs(batch, result)
         decoding = set(id(r) for r in (batch.decoding_reqs or []))
         self.token_to_kv_pool_allocator.free_group_begin()
         for i, req in enumerate(batch.reqs):
@@ -585,6 +587,23 @@ class Scheduler:
                 self.tree_cache.cache_unfinished_req(req)
         self.token_to_kv_pool_allocator.free_group_end()
         self.stream_output(batch.reqs)
+
+    @staticmethod
+    def _add_input_logprobs(batch: ScheduleBatch, result: GenerationBatchResult) -> None:
+        values = result.logits_output.input_token_logprobs
+        values = values.tolist() if values is not None else []
+        offset = 0
+        for req, n in zip(batch.reqs, batch.input_logprob_counts):
+            if n == 0 or req.req_pool_idx is None:  # retracted while in flight: recomputed later
+                offset += n
+                continue
+            if not req.input_token_logprobs_idx and req.logprob_start_len == 0:
+                req.input_token_logprobs_val.append(None)  # the first token has no context
+                req.input_token_logprobs_idx.append(req.origin_input_ids[0])
+            first = req.next_input_logprob_token()
+            req.input_token_logprobs_val += values[offset : offset + n]
+            req.input_token_logprobs_idx += req.origin_input_ids[first : first + n]
+            offset += n
 
     def _append_token(self, req: Req, token: int, result: GenerationBatchResult, i: int) -> bool:
         """Append a sampled token, check the finish conditions; a finished request hands its
@@ -667,12 +686,17 @@ class Scheduler:
             out.no_stop_trim.append(sp.no_stop_trim)
             out.retraction_counts.append(req.retraction_count)
             if req.return_logprob:
+                k = req.input_logprob_send_offset
+                out.input_token_logprobs_val.append(req.input_token_logprobs_val[k:])
+                out.input_token_logprobs_idx.append(req.input_token_logprobs_idx[k:])
+                req.input_logprob_send_offset = len(req.input_token_logprobs_idx)
                 out.output_token_logprobs_val.append(req.output_token_logprobs_val[start:])
                 out.output_token_logprobs_idx.append(req.output_token_logprobs_idx[start:])
                 out.output_top_logprobs_val.append(req.output_top_logprobs_val[start:])
                 out.output_top_logprobs_idx.append(req.output_top_logprobs_idx[start:])
             else:
-                for lst in (out.output_token_logprobs_val, out.output_token_logprobs_idx,
+                for lst in (out.input_token_logprobs_val, out.input_token_logprobs_idx,
+                            out.output_token_logprobs_val, out.output_token_logprobs_idx,
                             out.output_top_logprobs_val, out.output_top_logprobs_idx):
                     lst.append([])
             req.send_token_offset = n

@@ -57,7 +57,7 @@ class RequestError(Exception):
         self.err_type = err_type
 
 
-_LOGPROB_KEYS = ("output_token_logprobs_val", "output_token_logprobs_idx", "output_top_logprobs_val", "output_top_logprobs_idx")
+_LOGPROB_KEYS = ("input_token_logprobs_val", "input_token_logprobs_idx", "output_token_logprobs_val", "output_token_logprobs_idx", "output_top_logprobs_val", "output_top_logprobs_idx")
 
 
 @dataclass
@@ -323,6 +323,10 @@ class TokenizerManager:
             meta["output_token_logprobs"] = self._logprob_triples(
                 lp["output_token_logprobs_val"], lp["output_token_logprobs_idx"], state.return_text_in_logprobs
             )
+            if lp["input_token_logprobs_idx"]:
+                meta["input_token_logprobs"] = self._logprob_triples(
+                    lp["input_token_logprobs_val"], lp["input_token_logprobs_idx"], state.return_text_in_logprobs
+                )
             if state.top_logprobs_num > 0:
                 meta["output_top_logprobs"] = [
                     self._logprob_triples(v, ix, state.return_text_in_logprobs)
@@ -332,7 +336,7 @@ class TokenizerManager:
 
     def _logprob_triples(self, vals: List[float], ids: List[int], with_text: bool) -> List[list]:
         texts = [self.decode_token(t) for t in ids] if with_text else [None] * len(ids)
-        return [[float(v), int(t), s] for v, t, s in zip(vals, ids, texts)]
+        return [[None if v is None else float(v), int(t), s] for v, t, s in zip(vals, ids, texts)]
 
     def decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([int(token_id)]) if self.tokenizer is not None else ""

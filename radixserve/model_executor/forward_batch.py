@@ -61,6 +61,8 @@ class ModelWorkerBatch:
     # Structured output: this forward's grammar mask (constrained.TokenBitmask), None when no
     # request has a grammar. Per forward, not on the shared sampling_info (overlap mode).
     token_bitmask: Any = None
+    input_logprob_positions: Optional[torch.Tensor] = None  # flat token positions to score
+    input_logprob_token_ids: Optional[torch.Tensor] = None  # the prompt token each one scores
 
     @property
     def batch_size(self) -> int:
@@ -83,6 +85,8 @@ class ForwardBatch:
     token_to_kv_pool: Any = None
     attn_backend: Any = None
     capture_all_logits: bool = False
+    input_logprob_positions: Optional[torch.Tensor] = None
+    input_logprob_token_ids: Optional[torch.Tensor] = None
     attn_metadata: Any = field(default=None, repr=False)  # set by attn_backend.init_forward_metadata
 
     @classmethod
@@ -112,6 +116,8 @@ class ForwardBatch:
             token_to_kv_pool=model_runner.token_to_kv_pool,
             attn_backend=model_runner.attn_backend,
             capture_all_logits=batch.capture_all_logits,
+            input_logprob_positions=batch.input_logprob_positions,
+            input_logprob_token_ids=batch.input_logprob_token_ids,
         )
         model_runner.attn_backend.init_forward_metadata(fb)
         return fb

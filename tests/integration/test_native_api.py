@@ -214,3 +214,13 @@ def test_scheduler_log_lines(server):
     assert "Prefill batch. #new-seq:" in log and "#cached-token:" in log and "#queue-req:" in log
     assert "Decode batch. #running-req:" in log and "gen throughput (token/s)" in log
     assert "max_total_num_tokens=6000" in log
+
+
+def test_input_logprobs_over_http(http):
+    ids = list(range(200, 230))
+    body = {"input_ids": ids, "return_logprob": True, "logprob_start_len": 10,
+            "sampling_params": {"max_new_tokens": 3, "temperature": 0}}
+    meta = http.post("/generate", json=body).json()["meta_info"]
+    lp = meta["input_token_logprobs"]
+    assert [t for _, t, _ in lp] == ids[10:] and all(v <= 0 for v, _, _ in lp)
+    assert len(meta["output_token_logprobs"]) == 3
