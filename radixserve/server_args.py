@@ -34,6 +34,7 @@ class ServerArgs:
     cpu_kv_cache_bytes: int = 2 * 1024**3  # CPU: byte budget for the KV pool
     max_running_requests: Optional[int] = None
     page_size: int = 1
+    attention_backend: str = "torch_native"  # "triton": the Triton kernels (GPU)
 
     # Scheduling
     schedule_policy: str = "fcfs"
@@ -89,6 +90,7 @@ class ServerArgs:
         _choice("--schedule-policy", self.schedule_policy, SCHEDULE_POLICIES)
         _choice("--radix-eviction-policy", self.radix_eviction_policy, ("lru", "lfu"))
         _choice("--device", self.device, ("auto", "cpu", "cuda"))
+        _choice("--attention-backend", self.attention_backend, ("torch_native", "triton"))
         if self.page_size < 1:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
@@ -170,6 +172,7 @@ FLAG_HELP = {
     "cpu_kv_cache_bytes": "CPU: byte budget for the KV cache pool",
     "max_running_requests": "most requests decoding at once; derived from the pool when not given",
     "page_size": "tokens per KV cache page",
+    "attention_backend": "attention kernels: torch_native (any device) or triton (GPU; CPU only under TRITON_INTERPRET=1)",
     "schedule_policy": f"order of the waiting queue: {', '.join(SCHEDULE_POLICIES)}",
     "schedule_conservativeness": "higher reserves more KV for running requests (fewer retractions)",
     "chunked_prefill_size": "split prefills longer than this many tokens; <= 0 disables chunking",

@@ -43,7 +43,12 @@ class ModelRunner:
         self.model = get_model(model_config, server_args.load_format, self.dtype, self.device, server_args.seed)
         self.context_len = min(server_args.context_length or model_config.context_len, model_config.context_len)
         self.init_memory_pool()
-        self.attn_backend = TorchNativeAttnBackend(self.device)
+        if server_args.attention_backend == "triton":
+            from radixserve.layers.attention.triton_backend import TritonAttnBackend  # imports triton
+
+            self.attn_backend = TritonAttnBackend(self.device)
+        else:
+            self.attn_backend = TorchNativeAttnBackend(self.device)
         self.sampler = Sampler()
 
     # ---- memory -------------------------------------------------------------------------

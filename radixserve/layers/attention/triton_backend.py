@@ -1,0 +1,85 @@
+"""Attention with Triton kernels over the paged KV pool (`--attention-backend triton`).
+
+Same contract as TorchNativeAttnBackend (the reference it is tested against):
+- store_kv_cache writes the new K/V rows at out_cache_loc (one kernel for K and V);
+- extend: extend_attention_fwd (cached prefix through req_to_token + the new k/v, causal, GQA);
+  MIXED batches' decode rows are extend rows of length 1 there;
+- decode: decode_attention_fwd, split-KV (stage 1 per (request, head, split), stage 2 merges
+  the splits by log-sum-exp).
+The per-forward index tensors are built once in init_forward_metadata, not once per layer.
+Made for the GPU; on the CPU the kernels run only under Triton's interpreter (TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from radixserve.layers.attention.base_attn_backend import AttentionBackend
+
+
+@dataclass
+class TritonMetadata:
+    req_pool_indices: torch.Tensor  # [bs] int64
+    seq_lens: torch.Tensor  # [bs] int64
+    prefix_lens: Optional[torch.Tensor] = None  # [bs] int64 (extend only)
+    extend_lens: Optional[torch.Tensor] = None
+    extend_start: Optional[torch.Tensor] = None
+    max_extend_len: int = 0
+
+
+class TritonAttnBackend(AttentionBackend):
+    def __init__(self, device: str = "cuda", num_kv_splits: int = 8):
+        from radixserve.layers.attention import triton_ops  # imports triton: only when chosen
+
+        self.ops = triton_ops
+        self.device = device
+        self.num_kv_splits = num_kv_splits
+
+    def init_forward_metadata(self, fb) -> None:
+        dev = self.device
+        md = TritonMetadata(
+            req_pool_indices=fb.req_pool_indices.to(dev, torch.int64),
+            seq_lens=fb.seq_lens.to(dev, torch.int64),
+        )
+        if not fb.forward_mode.is_decode():
+            ext, pre = fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu
+            starts, acc = [], 0
+            for n in ext:
+                starts.append(acc)
+                acc += n
+            md.prefix_lens = torch.tensor(pre, dtype=torch.int64).to(dev)
+            md.extend_lens = torch.tensor(ext, dtype=torch.int64).to(dev)
+            md.extend_start = torch.tensor(starts, dtype=torch.int64).to(dev)
+            md.max_extend_len = max(ext) if ext else 0
+        fb.attn_metadata = md
+
+    def _store(self, k, v, layer, fb):
+        pool = fb.token_to_kv_pool
+        k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
+        self.ops.store_kv_cache(k, v, k_buf, v_buf, fb.out_cache_loc)
+        return k_buf, v_buf
+
+    def forward_extend(self, q, k, v, layer, fb) -> torch.Tensor:
+        k_buf, v_buf = self._store(k, v, layer, fb)
+        md: TritonMetadata = fb.attn_metadata
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        self.ops.extend_attention_fwd(
+            q, k, v, out, k_buf, v_buf,
+            fb.req_to_token_pool.req_to_token, md.req_pool_indices,
+            md.prefix_lens, md.extend_lens, md.extend_start, md.max_extend_len, layer.scaling,
+        )
+        return out
+
+    def forward_decode(self, q, k, v, layer, fb) -> torch.Tensor:
+        k_buf, v_buf = self._store(k, v, layer, fb)
+        md: TritonMetadata = fb.attn_metadata
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        self.ops.decode_attention_fwd(
+            q, k_buf, v_buf, out,
+            fb.req_to_token_pool.req_to_token, md.req_pool_indices, md.seq_lens,
+            layer.scaling, num_kv_splits=self.num_kv_splits,
+        )
+        return out
