@@ -18,15 +18,13 @@ batch's longest output), so HF's "useful" tok/s counts only the tokens each requ
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import random
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from radixserve.bench.one_batch import NUM_SPECIAL_IDS, _markdown_table, _write_json
+from radixserve.bench.one_batch import NUM_SPECIAL_IDS, _markdown_table, _write_json, loadavg, machine_info
 from radixserve.server_args import ServerArgs
 
 DEFAULT_OUTPUT = "benchmarks/offline.json"
@@ -140,13 +138,6 @@ def run_hf(model_path: str, prompts: List[List[int]], out_lens: List[int], batch
     return res
 
 
-def _loadavg() -> List[float]:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:  # not on every platform
-        return []
-
-
 def _summary(system: str, prompts: List[List[int]], out_tokens: int, elapsed: float,
              cpu_s: Optional[float] = None) -> Dict[str, Any]:
     extra: Dict[str, Any] = {}
@@ -158,7 +149,7 @@ def _summary(system: str, prompts: List[List[int]], out_tokens: int, elapsed: fl
     return {
         # 1/5/15-minute load average when the run ended: > ~1 on this shared 2-core machine
         # means other processes competed for the cores and the timing is noisy.
-        "loadavg_after": _loadavg(),
+        "loadavg_after": loadavg(),
         "system": system,
         "requests": len(prompts),
         "input_tokens": sum(len(p) for p in prompts),
@@ -223,10 +214,7 @@ def run(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "hf_batch_size": None if args.skip_hf else args.hf_batch_size,
         "server_args": {k: v for k, v in vars(server_args).items()},
-        "torch_num_threads": torch.get_num_threads(),
-        "torch_version": torch.__version__,
-        "cpu_count": os.cpu_count(),
-        "machine": platform.machine(),
+        **machine_info(),
         "notes": "output_tok_s counts the requested output tokens; for transformers raw_output_tok_s also counts "
         "tokens generated past a request's length while its static batch finishes. "
         "ratio_vs_hf = output_tok_s / transformers' output_tok_s (goal: radixserve >= 2); "

@@ -268,11 +268,7 @@ def run(args: argparse.Namespace) -> int:
         "input_len": args.input_len,
         "decode_steps": args.decode_steps,
         "batch_sizes": list(args.batch_sizes),
-        "torch_num_threads": torch.get_num_threads(),
-        "loadavg_after": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else [],
-        "torch_version": torch.__version__,
-        "cpu_count": os.cpu_count(),
-        "machine": platform.machine(),
+        **machine_info(),
         "notes": "decode_ms_per_step is the median over decode_steps steps after one untimed step; "
         "decode_ratio = ours / HF (lower is better, goal at batch 64: <= 1.3); decode_cpu_ratio is the same "
         "with CPU time per step (robust to other processes' load with --num-threads 1)",
@@ -318,6 +314,25 @@ def _markdown_table(header: List[str], rows: List[List[str]]) -> str:
 
     sep = "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|"
     return "\n".join([fmt(header), sep] + [fmt(r) for r in rows])
+
+
+def loadavg() -> List[float]:
+    """1/5/15-minute load average: > ~1 on a 2-core machine means the timing was contended."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (OSError, AttributeError):  # not on every platform
+        return []
+
+
+def machine_info() -> Dict[str, Any]:
+    """What a benchmark report records about where it ran (timings depend on all of it)."""
+    return {
+        "torch_num_threads": torch.get_num_threads(),
+        "loadavg_after": loadavg(),
+        "torch_version": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "machine": platform.machine(),
+    }
 
 
 def _write_json(path: str, obj: Dict[str, Any]) -> None:

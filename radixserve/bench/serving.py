@@ -202,6 +202,28 @@ def _sse_events(line: str) -> Optional[str]:
     return line[5:].strip()
 
 
+class _StreamError(Exception):
+    pass
+
+
+async def _stream_json(client: Any, url: str, payload: Dict[str, Any], headers: Any):
+    """The JSON objects of an SSE response until `[DONE]`; a non-200 status or an error event
+    raises _StreamError with its message."""
+    async with client.stream("POST", url, json=payload, headers=headers) as resp:
+        if resp.status_code != 200:
+            raise _StreamError(f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:200]}")
+        async for line in resp.aiter_lines():
+            data = _sse_events(line)
+            if data is None:
+                continue
+            if data == "[DONE]":
+                return
+            obj = json.loads(data)
+            if "error" in obj:
+                raise _StreamError(str(obj["error"]))
+            yield obj
+
+
 async def request_sglang(client: Any, base_url: str, row: DatasetRow, args: argparse.Namespace,
                          t_bench0: float) -> RequestOutput:
     sp = {"max_new_tokens": row.output_len, "temperature": 0.0, "ignore_eos": not args.disable_ignore_eos}
@@ -215,37 +237,26 @@ async def request_sglang(client: Any, base_url: str, row: DatasetRow, args: argp
     out.start_time = st - t_bench0
     last, tokens = st, 0
     try:
-        async with client.stream("POST", f"{base_url}/generate", json=payload, headers=args.headers) as resp:
-            if resp.status_code != 200:
-                out.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:200]}"
-                return out
-            async for line in resp.aiter_lines():
-                data = _sse_events(line)
-                if data is None:
-                    continue
-                if data == "[DONE]":
-                    break
-                obj = json.loads(data)
-                if "error" in obj:
-                    out.error = str(obj["error"])
-                    return out
-                meta = obj.get("meta_info", {})
-                n = int(meta.get("completion_tokens", tokens))
-                now = time.perf_counter()
-                if n > tokens:
-                    if tokens == 0:
-                        out.ttft = now - st
-                    else:
-                        out.itl.append(now - last)
-                    out.chunks.append((now - t_bench0, n - tokens))
-                    last, tokens = now, n
-                out.prompt_len = int(meta.get("prompt_tokens", out.prompt_len))
-                out.cached_tokens = int(meta.get("cached_tokens", 0))
+        async for obj in _stream_json(client, f"{base_url}/generate", payload, args.headers):
+            meta = obj.get("meta_info", {})
+            n = int(meta.get("completion_tokens", tokens))
+            now = time.perf_counter()
+            if n > tokens:
+                if tokens == 0:
+                    out.ttft = now - st
+                else:
+                    out.itl.append(now - last)
+                out.chunks.append((now - t_bench0, n - tokens))
+                last, tokens = now, n
+            out.prompt_len = int(meta.get("prompt_tokens", out.prompt_len))
+            out.cached_tokens = int(meta.get("cached_tokens", 0))
         out.latency = time.perf_counter() - st
         out.output_len = tokens
         out.success = tokens > 0
         if not out.success:
             out.error = "no output tokens"
+    except _StreamError as e:
+        out.error = str(e)
     except Exception as e:  # network errors count as failed requests, the run goes on
         out.error = f"{type(e).__name__}: {e}"
     return out
@@ -263,40 +274,29 @@ async def request_openai(client: Any, base_url: str, row: DatasetRow, args: argp
     out.start_time = st - t_bench0
     last, chunks = st, 0
     try:
-        async with client.stream("POST", f"{base_url}/v1/completions", json=payload, headers=args.headers) as resp:
-            if resp.status_code != 200:
-                out.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:200]}"
-                return out
-            async for line in resp.aiter_lines():
-                data = _sse_events(line)
-                if data is None:
-                    continue
-                if data == "[DONE]":
-                    break
-                obj = json.loads(data)
-                if "error" in obj:
-                    out.error = str(obj["error"])
-                    return out
-                usage = obj.get("usage")
-                if usage:
-                    out.output_len = int(usage.get("completion_tokens", 0))
-                    out.prompt_len = int(usage.get("prompt_tokens", out.prompt_len))
-                    details = usage.get("prompt_tokens_details") or {}
-                    out.cached_tokens = int(details.get("cached_tokens", 0) or 0)
-                choices = obj.get("choices") or []
-                if choices and choices[0].get("text"):
-                    now = time.perf_counter()
-                    if chunks == 0:
-                        out.ttft = now - st
-                    else:
-                        out.itl.append(now - last)
-                    out.chunks.append((now - t_bench0, 1))
-                    last, chunks = now, chunks + 1
+        async for obj in _stream_json(client, f"{base_url}/v1/completions", payload, args.headers):
+            usage = obj.get("usage")
+            if usage:
+                out.output_len = int(usage.get("completion_tokens", 0))
+                out.prompt_len = int(usage.get("prompt_tokens", out.prompt_len))
+                details = usage.get("prompt_tokens_details") or {}
+                out.cached_tokens = int(details.get("cached_tokens", 0) or 0)
+            choices = obj.get("choices") or []
+            if choices and choices[0].get("text"):
+                now = time.perf_counter()
+                if chunks == 0:
+                    out.ttft = now - st
+                else:
+                    out.itl.append(now - last)
+                out.chunks.append((now - t_bench0, 1))
+                last, chunks = now, chunks + 1
         out.latency = time.perf_counter() - st
         out.output_len = out.output_len or chunks
         out.success = chunks > 0
         if not out.success:
             out.error = "no output text"
+    except _StreamError as e:
+        out.error = str(e)
     except Exception as e:
         out.error = f"{type(e).__name__}: {e}"
     return out
