@@ -29,7 +29,7 @@ from radixserve.protocol import (
     FlushCacheReqOutput,
     TokenizedGenerateReqInput,
 )
-from radixserve.sampling_params import SamplingParams
+from radixserve.sampling_params import SamplingParams, context_length_error
 from radixserve.server_args import ServerArgs
 
 SamplingArg = Optional[Union[Dict[str, Any], List[Dict[str, Any]]]]
@@ -86,6 +86,10 @@ class Engine:
         for i, (text, ids, sp_dict) in enumerate(zip(prompts, ids_list, sp_list)):
             sp = SamplingParams.from_dict(sp_dict)
             sp.verify(self.scheduler.vocab_size)
+            explicit = sp_dict.get("max_new_tokens") if isinstance(sp_dict, dict) else None
+            error = context_length_error(len(ids), explicit, self.scheduler.context_len)
+            if error is not None:
+                raise ValueError(error)
             sp.normalize(self.tokenizer)
             rid = rids[i] if rids else uuid.uuid4().hex
             reqs.append(TokenizedGenerateReqInput(rid, text, ids, sp, **kw))
@@ -171,9 +175,10 @@ class Engine:
                 state.logprobs[key].extend(getattr(out, key)[i])
             finished = out.finished_reasons[i] is not None
             sp = state.sampling_params
-            ids = output_ids_for_text(out.decode_ids[i], out.finished_reasons[i], sp.no_stop_trim) if finished else out.decode_ids[i]
-            incremental_decode(self.tokenizer, state.status, ids, sp.skip_special_tokens,
-                               sp.spaces_between_special_tokens, finished=finished)
+            if self.tokenizer is not None:  # --skip-tokenizer-init: output_ids only, text stays ""
+                ids = output_ids_for_text(out.decode_ids[i], out.finished_reasons[i], sp.no_stop_trim) if finished else out.decode_ids[i]
+                incremental_decode(self.tokenizer, state.status, ids, sp.skip_special_tokens,
+                                   sp.spaces_between_special_tokens, finished=finished)
             if finished:
                 state.finished_reason = out.finished_reasons[i]
                 state.finished = True

@@ -112,3 +112,17 @@ class SamplingParams:
             for t in self.stop_token_ids:
                 if not 0 <= int(t) < vocab_size:
                     raise ValueError(f"stop_token_ids entry {t} is out of the vocabulary [0, {vocab_size}).")
+
+
+def context_length_error(input_len: int, max_new_tokens: Optional[int], context_len: int) -> Optional[str]:
+    """SGLang's message when an explicit max_new_tokens cannot fit beside the input. (An input
+    that alone fills the context gets the scheduler's own message; a default or absent
+    max_new_tokens is clipped to the room left instead.)"""
+    if max_new_tokens is None or input_len >= context_len or input_len + max_new_tokens < context_len:
+        return None
+    return (
+        f"Requested token count exceeds the model's maximum context length of {context_len} tokens. "
+        f"You requested a total of {input_len + max_new_tokens} tokens: {input_len} tokens from the input "
+        f"messages and {max_new_tokens} tokens for the completion. Please reduce the number of tokens in "
+        f"the input messages or the completion to fit within the limit."
+    )

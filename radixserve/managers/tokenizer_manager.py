@@ -33,7 +33,7 @@ from radixserve.protocol import (
     SessionParams,
     TokenizedGenerateReqInput,
 )
-from radixserve.sampling_params import SamplingParams
+from radixserve.sampling_params import SamplingParams, context_length_error
 from radixserve.server_args import PortArgs, ServerArgs
 
 logger = logging.getLogger("radixserve.tokenizer_manager")
@@ -430,6 +430,9 @@ class TokenizerManager:
         parents: Dict[str, str] = {}
         for text, ids, sp_dict, rid, ret_lp in zip(texts, ids_list, sp_dicts, rids, return_logprobs):
             sp = self.make_sampling_params(sp_dict)
+            error = context_length_error(len(ids), (sp_dict or {}).get("max_new_tokens"), self.context_len)
+            if error is not None:
+                raise RequestError(error)
             n = sp.n
             if n > 1 and session is not None:
                 raise RequestError("n > 1 cannot continue a session.")

@@ -58,6 +58,28 @@ def test_empty_and_too_long_prompts(http):
     assert "Input token ids must be in" in err(http.post("/generate", json={"input_ids": [10**6]}), 400)
 
 
+def test_max_new_tokens_beyond_the_context_is_400(http, openai_client, model_name):
+    """An explicit max_new_tokens that can't fit beside the input is refused (SGLang's message);
+    one that fits exactly, or none at all (clipped to the room left), is served."""
+    import openai
+
+    context = http.get("/get_model_info").json()["context_length"]
+    body = {"input_ids": [5] * 100, "sampling_params": greedy(context - 100)}
+    msg = err(http.post("/generate", json=body), 400)
+    assert f"maximum context length of {context} tokens" in msg and f"{context} tokens: 100 tokens from the input" in msg
+    fits = {"input_ids": [5] * (context - 3), "sampling_params": greedy(2)}
+    assert len(http.post("/generate", json=fits).json()["output_ids"]) == 2
+    with pytest.raises(openai.BadRequestError) as e:
+        openai_client.completions.create(model=model_name, prompt=[5] * 100, max_tokens=context)
+    assert "maximum context length" in str(e.value)
+    with pytest.raises(openai.BadRequestError):
+        openai_client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=context)
+    # The default max_new_tokens (128) is not the user's: it is clipped to the room left.
+    default = {"input_ids": [5] * (context - 3), "sampling_params": {"temperature": 0, "ignore_eos": True}}
+    assert len(http.post("/generate", json=default).json()["output_ids"]) == 2
+
+
 def test_body_too_large_is_413(http):
     r = http.post("/generate", json={"text": "x" * 300_000})
     assert "larger than 200000 bytes" in err(r, 413)

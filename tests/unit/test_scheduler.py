@@ -178,8 +178,9 @@ def test_prompt_longer_than_context_is_rejected():
     r = engine.generate(input_ids=list(range(10, 80)), sampling_params={"max_new_tokens": 2})
     assert r["meta_info"]["finish_reason"]["type"] == "abort"
     assert r["meta_info"]["finish_reason"]["status_code"] == 400
-    ok = engine.generate(input_ids=list(range(10, 40)), sampling_params={"max_new_tokens": 100, "ignore_eos": True})
-    # max_new_tokens is clipped to the room left in the context.
+    ok = engine.generate(input_ids=list(range(10, 40)), sampling_params={"ignore_eos": True})
+    # The default max_new_tokens (128) is clipped to the room left in the context (an explicit
+    # one that does not fit is refused: test_engine_refuses_max_new_tokens_beyond_the_context).
     assert ok["meta_info"]["completion_tokens"] == 64 - 30 - 1
 
 
@@ -258,3 +259,21 @@ def test_slot_conservation_after_every_step(kw, loop):
         engine.step()
         check_slot_conservation(engine.scheduler)
     engine.scheduler.check_memory()
+
+
+def test_engine_refuses_max_new_tokens_beyond_the_context():
+    engine = Engine(max_total_tokens=4096, context_length=64)
+    with pytest.raises(ValueError, match="maximum context length of 64 tokens"):
+        engine.generate(input_ids=[5] * 10, sampling_params={"max_new_tokens": 54}, progress=False)
+    out = engine.generate(input_ids=[5] * 10, sampling_params={"max_new_tokens": 53, "temperature": 0, "ignore_eos": True},
+                          progress=False)
+    assert len(out["output_ids"]) == 53
+    engine.shutdown()
+
+
+def test_engine_with_skip_tokenizer_init_returns_ids_only():
+    engine = Engine(max_total_tokens=4096, skip_tokenizer_init=True)
+    out = engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 4, "temperature": 0, "ignore_eos": True},
+                          progress=False)
+    assert len(out["output_ids"]) == 4 and out["text"] == ""
+    engine.shutdown()
