@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
+from radixserve.sampling_params import TOP_K_ALL
 
 _MASK64 = (1 << 64) - 1
 
@@ -101,6 +102,10 @@ class Sampler(nn.Module):
         return torch.where(use_argmax, greedy_ids, sampled)
 
 
+# Above this many candidates a full sort is as cheap as torch.topk (which is a partial sort).
+TOPK_CANDIDATES_MAX = 1024
+
+
 def filter_probs(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
     """Zero the probabilities top-k, top-p and min-p exclude (rows are not renormalized).
 
@@ -110,26 +115,45 @@ def filter_probs(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
       (SGLang's torch fallback drops only when that mass is > p; the difference is an
       exact tie, which we resolve by the definition.)
     min_p = m: drop tokens with prob < m * max prob (the max is never dropped).
+
+    Top-k and top-p look only at a row's `filter_bound` most likely tokens, so when every
+    row's bound is small (top-k rows, top-p under a top-k) this takes torch.topk of that
+    many instead of sorting the whole vocabulary.
     """
     if info.need_top_k_sampling or info.need_top_p_sampling:
-        sorted_probs, sorted_idx = probs.sort(dim=-1, descending=True)
         vocab = probs.shape[-1]
-        remove_sorted = torch.zeros_like(sorted_probs, dtype=torch.bool)
-        if info.need_top_k_sampling:
-            ranks = torch.arange(vocab, device=probs.device).view(1, -1)
-            remove_sorted |= ranks >= info.top_ks.view(-1, 1)
-        if info.need_top_p_sampling:
-            kept = sorted_probs.masked_fill(remove_sorted, 0.0)
-            mass_before = kept.cumsum(dim=-1) - kept
-            total = kept.sum(dim=-1, keepdim=True)
-            top_ps = info.top_ps.view(-1, 1)
-            remove_sorted |= (mass_before >= top_ps * total) & (top_ps < 1.0)
-        remove = torch.zeros_like(remove_sorted).scatter_(1, sorted_idx, remove_sorted)
-        probs = probs.masked_fill(remove, 0.0)
+        bound = info.filter_bound
+        if bound <= TOPK_CANDIDATES_MAX and bound < vocab:
+            sorted_probs, sorted_idx = probs.topk(bound, dim=-1)
+        else:
+            sorted_probs, sorted_idx = probs.sort(dim=-1, descending=True)
+        remove_sorted = _top_k_top_p_remove(sorted_probs, info)
+        kept = torch.zeros_like(probs).scatter_(1, sorted_idx, sorted_probs.masked_fill(remove_sorted, 0.0))
+        if sorted_probs.shape[-1] < vocab:
+            # Tokens outside the candidates are dropped only for rows that filter at all
+            # (their bound is within the candidates); the other rows keep everything.
+            filters = (info.top_ks < TOP_K_ALL) | (info.top_ps < 1.0)
+            kept = torch.where(filters.view(-1, 1), kept, probs)
+        probs = kept
     if info.need_min_p_sampling:
         max_p = probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < info.min_ps.view(-1, 1) * max_p, 0.0)
     return probs
+
+
+def _top_k_top_p_remove(sorted_probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """Which of the most-likely-first candidates [B, C] top-k and then top-p remove."""
+    remove = torch.zeros_like(sorted_probs, dtype=torch.bool)
+    if info.need_top_k_sampling:
+        ranks = torch.arange(sorted_probs.shape[-1], device=sorted_probs.device).view(1, -1)
+        remove |= ranks >= info.top_ks.view(-1, 1)
+    if info.need_top_p_sampling:
+        kept = sorted_probs.masked_fill(remove, 0.0)
+        mass_before = kept.cumsum(dim=-1) - kept
+        total = kept.sum(dim=-1, keepdim=True)
+        top_ps = info.top_ps.view(-1, 1)
+        remove |= (mass_before >= top_ps * total) & (top_ps < 1.0)
+    return remove
 
 
 def seed_for_step(seed: int, step: int) -> int:

@@ -71,6 +71,10 @@ class SamplingBatchInfo:
     need_top_p_sampling: bool = False
     need_top_k_sampling: bool = False  # some row has 1 < top_k < TOP_K_ALL (top_k 1 = argmax)
     need_min_p_sampling: bool = False
+    # Top-k/top-p only ever keep a row's `filter_bound` most likely tokens: its top_k, or V for
+    # a top-p row without one. The sampler takes torch.topk(max over rows) instead of a full
+    # sort when that is small. Kept on the host so choosing costs no device sync.
+    filter_bound: int = 0
     output_token_counts: Optional[torch.Tensor] = None
     seen_token_mask: Optional[torch.Tensor] = None
     stop_token_mask: Optional[torch.Tensor] = None
@@ -133,6 +137,7 @@ class SamplingBatchInfo:
             need_top_p_sampling=any(p < 1.0 for p in top_ps),
             need_top_k_sampling=any(1 < k < TOP_K_ALL for k in top_ks),
             need_min_p_sampling=any(p > 0.0 for p in min_ps),
+            filter_bound=max((_filter_bound(k, p, v) for k, p in zip(top_ks, top_ps)), default=0),
         )
 
         if any(f != 0.0 for f in freq) or any(p != 0.0 for p in pres):
@@ -199,6 +204,7 @@ class SamplingBatchInfo:
         self.need_top_p_sampling |= other.need_top_p_sampling
         self.need_top_k_sampling |= other.need_top_k_sampling
         self.need_min_p_sampling |= other.need_min_p_sampling
+        self.filter_bound = max(self.filter_bound, other.filter_bound)
 
     def _refresh_flags(self) -> None:
         """Recompute the flags from the rows (one device sync) and drop [B,V] tensors
@@ -213,10 +219,12 @@ class SamplingBatchInfo:
                 (self.repetition_penalties != 1.0).any(),
                 (self.min_new_tokens > 0).any(),
                 self.logit_bias.any() if self.logit_bias is not None else torch.tensor(False, device=self.device),
+                _filter_bounds(self.top_ks, self.top_ps, self.vocab_size).max(),
             ]
         ).tolist()
         (self.is_all_greedy, self.need_top_p_sampling, self.need_top_k_sampling,
-         self.need_min_p_sampling, need_counts, need_seen, need_stop, need_bias) = flags
+         self.need_min_p_sampling, need_counts, need_seen, need_stop, need_bias) = map(bool, flags[:-1])
+        self.filter_bound = int(flags[-1])
         if not need_counts:
             self.output_token_counts = None
         if not need_seen:
@@ -266,6 +274,20 @@ class SamplingBatchInfo:
         if self.vocab_mask is not None:
             view.masked_fill_(self.vocab_mask, float("-inf"))
         return logits
+
+
+def _filter_bound(top_k: int, top_p: float, vocab_size: int) -> int:
+    if 1 < top_k < TOP_K_ALL:
+        return min(top_k, vocab_size)
+    return vocab_size if top_p < 1.0 and top_k > 1 else 0
+
+
+def _filter_bounds(top_ks: torch.Tensor, top_ps: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """_filter_bound of every row, on the device (int64; empty batches give a 0 row)."""
+    limited = (top_ks > 1) & (top_ks < TOP_K_ALL)
+    top_p_only = (top_ps < 1.0) & (top_ks >= TOP_K_ALL)
+    bounds = torch.where(limited, top_ks.clamp(max=vocab_size), torch.where(top_p_only, vocab_size, 0))
+    return torch.cat([bounds.to(torch.int64), bounds.new_zeros(1)])
 
 
 def _dense_from_ids(ids_per_row: List[List[int]], vocab_size: int, device: str, dtype: torch.dtype) -> torch.Tensor:

@@ -133,6 +133,55 @@ def test_top_p_filter_matches_definition_on_random_rows():
         assert torch.equal(kept[i], expected), i
 
 
+def _mixed_filter_rows(vocab: int):
+    """Rows that filter (top-k, top-k + top-p) beside rows that don't (plain, greedy, min-p)."""
+    params = [dict(top_k=3), dict(top_k=7, top_p=0.5), dict(), dict(temperature=0.0),
+              dict(min_p=0.2), dict(top_k=2, top_p=0.9, min_p=0.1)]
+    return [req(**p) for p in params for _ in range(4)]
+
+
+def test_filter_bound_tracks_rows_through_merge_and_filter():
+    v = 30
+    info = info_for([req(top_k=5), req()], vocab=v)
+    assert info.filter_bound == 5
+    info.merge_batch(info_for([req(top_k=9, top_p=0.5)], vocab=v))
+    assert info.filter_bound == 9
+    info.merge_batch(info_for([req(top_p=0.5)], vocab=v))  # top-p with no top-k: all of V
+    assert info.filter_bound == v
+    info.filter_batch([0, 1, 2])
+    assert info.filter_bound == 9
+    info.filter_batch([1])
+    assert info.filter_bound == 0
+
+
+def test_top_k_rows_filter_without_a_full_sort(monkeypatch):
+    """With every filtering row's bound small, top-k/top-p take torch.topk, not a sort of
+    the vocabulary, and keep exactly the tokens the full sort keeps."""
+    vocab = 64
+    reqs = _mixed_filter_rows(vocab)
+    for r in reqs:
+        r.sampling_params.verify(vocab)
+    g = torch.Generator().manual_seed(3)
+    probs = torch.softmax(torch.randn(len(reqs), vocab, generator=g) * 2, -1)
+    info = info_for(reqs, vocab=vocab)
+    assert info.filter_bound == 7
+
+    expected = filter_probs(probs, info)  # bound < TOPK_CANDIDATES_MAX: the topk path...
+    monkeypatch.setattr("radixserve.layers.sampler.TOPK_CANDIDATES_MAX", 0)
+    full_sort = filter_probs(probs, info)  # ...and the full sort, as the reference
+    assert torch.equal(expected, full_sort)
+    monkeypatch.undo()
+
+    def no_sort(*a, **k):
+        raise AssertionError("full sort called")
+
+    monkeypatch.setattr(torch.Tensor, "sort", no_sort)
+    assert torch.equal(filter_probs(probs, info), full_sort)
+    unfiltered = [i for i, r in enumerate(reqs) if r.sampling_params.top_k in (-1, None, TOP_K_ALL)
+                  and r.sampling_params.top_p == 1.0 and r.sampling_params.min_p == 0.0]
+    assert unfiltered and torch.equal(full_sort[unfiltered], probs[unfiltered])
+
+
 def test_min_p_drops_tokens_below_fraction_of_max():
     logits = base_logits()
     probs = torch.softmax(logits, -1)
