@@ -1,4 +1,5 @@
-"""RMSNorm, with the residual add fused into the same call (saves a pass over the hidden states)."""
+"""RMSNorm, with the residual add fused into the same call (saves a pass over the hidden states).
+On CUDA this is one Triton kernel (radixserve.layers.fused); the CPU keeps the torch code."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ from typing import Optional, Tuple, Union
 
 import torch
 from torch import nn
+
+from radixserve.layers import fused
 
 
 class RMSNorm(nn.Module):
@@ -17,6 +20,10 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
     ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+        kernels = fused.kernels_for(x)
+        if kernels is not None and kernels.can_fuse_rmsnorm(x, self.weight, residual):
+            out, residual = kernels.fused_add_rmsnorm(x, self.weight, self.variance_epsilon, residual)
+            return out if residual is None else (out, residual)
         if residual is not None:
             x = x + residual
             residual = x

@@ -1,5 +1,6 @@
 """Rotary position embedding (neox style, as Llama / Qwen in transformers), with the default
-and llama3 frequency scalings. cos/sin are precomputed up to max_position once at start-up."""
+and llama3 frequency scalings. cos/sin are precomputed up to max_position once at start-up.
+On CUDA q and k are rotated by one Triton kernel (radixserve.layers.fused); the CPU keeps torch."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch import nn
+
+from radixserve.layers import fused
 
 
 class RotaryEmbedding(nn.Module):
@@ -39,6 +42,9 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         """q: [T, num_heads, head_dim], k: [T, num_kv_heads, head_dim]."""
+        kernels = fused.kernels_for(q)
+        if kernels is not None and kernels.can_fuse_rotary(q, k, self.cos_cached, self.sin_cached):
+            return kernels.apply_rotary(positions, q, k, self.cos_cached, self.sin_cached, self.rotary_dim)
         cos = self.cos_cached[positions].unsqueeze(1)
         sin = self.sin_cached[positions].unsqueeze(1)
         return _apply(q, cos, sin, self.rotary_dim), _apply(k, cos, sin, self.rotary_dim)
