@@ -35,6 +35,9 @@ class ServerArgs:
     max_running_requests: Optional[int] = None
     page_size: int = 1
     attention_backend: str = "torch_native"  # "triton": the Triton kernels (GPU)
+    # CUDA graphs for decode (cuda_graph_runner.py): on CUDA with a backend that supports them.
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int = 256
 
     # Scheduling
     schedule_policy: str = "fcfs"
@@ -97,6 +100,8 @@ class ServerArgs:
             raise ValueError("--max-total-tokens must hold at least one page")
         if self.max_running_requests is not None and self.max_running_requests < 1:
             raise ValueError("--max-running-requests must be >= 1")
+        if self.cuda_graph_max_bs < 1:
+            raise ValueError(f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}")
         if not 0 < self.mem_fraction_static <= 1:
             raise ValueError("--mem-fraction-static must be in (0, 1]")
         _choice("--load-balance-method", self.load_balance_method, ("round_robin", "shortest_queue"))
@@ -173,6 +178,8 @@ FLAG_HELP = {
     "max_running_requests": "most requests decoding at once; derived from the pool when not given",
     "page_size": "tokens per KV cache page",
     "attention_backend": "attention kernels: torch_native (any device) or triton (GPU; CPU only under TRITON_INTERPRET=1)",
+    "disable_cuda_graph": "run decode eagerly instead of replaying captured CUDA graphs",
+    "cuda_graph_max_bs": "largest decode batch captured as a CUDA graph; larger batches run eagerly",
     "schedule_policy": f"order of the waiting queue: {', '.join(SCHEDULE_POLICIES)}",
     "schedule_conservativeness": "higher reserves more KV for running requests (fewer retractions)",
     "chunked_prefill_size": "split prefills longer than this many tokens; <= 0 disables chunking",

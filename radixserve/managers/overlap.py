@@ -102,7 +102,8 @@ class DeviceStream:
 
 
 class PendingResult:
-    """Filled by the stream; `wait()` blocks the scheduler until the tokens are on the host."""
+    """Filled by the stream once the batch is launched; `wait()` blocks the scheduler until
+    the sampled tokens are on the host."""
 
     def __init__(self) -> None:
         self.copy_done = threading.Event()
@@ -121,4 +122,7 @@ class PendingResult:
         self.copy_done.wait()
         if self.error is not None:
             raise RuntimeError("the forward of a batch failed") from self.error
+        event = getattr(self.result, "copy_done", None)
+        if event is not None:  # CUDA: the launch is done; wait for the device -> host copy
+            event.synchronize()
         return self.result

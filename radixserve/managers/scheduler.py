@@ -555,7 +555,7 @@ class Scheduler:
             worker_batch.input_ids = self.future_map.resolve_future(worker_batch.input_ids)
             result = self.tp_worker.forward_batch_generation(worker_batch)
             self.future_map.store_to_map(future_indices, result.next_token_ids)
-            result.next_token_ids = self.tp_worker.to_host(result.next_token_ids)
+            result.next_token_ids, result.copy_done = self.tp_worker.to_host(result.next_token_ids)
             pending.set(result)
         except BaseException as e:
             pending.fail(e)

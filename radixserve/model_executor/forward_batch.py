@@ -119,7 +119,10 @@ class ForwardBatch:
             input_logprob_positions=batch.input_logprob_positions,
             input_logprob_token_ids=batch.input_logprob_token_ids,
         )
-        model_runner.attn_backend.init_forward_metadata(fb)
+        # A batch a CUDA graph will replay needs none of the eager metadata.
+        graph_runner = getattr(model_runner, "cuda_graph_runner", None)
+        if graph_runner is None or not graph_runner.can_run(fb):
+            model_runner.attn_backend.init_forward_metadata(fb)
         return fb
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import torch
 
@@ -11,16 +12,25 @@ from radixserve.distributed.parallel_state import (
     broadcast_from_first_rank,
     init_distributed_environment,
 )
+from radixserve.layers.attention.base_attn_backend import AttentionBackend
 from radixserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from radixserve.layers.logits_processor import LogitsProcessorOutput
 from radixserve.layers.sampler import Sampler, SamplerOutput
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from radixserve.model_executor.cuda_graph_runner import CudaGraphRunner
 from radixserve.model_executor.forward_batch import ForwardBatch, ModelWorkerBatch
 from radixserve.model_executor.model_loader import get_model
 from radixserve.models.model_config import ModelConfig
 from radixserve.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
+
+# GPU memory left outside the KV pool for the decode graphs' shared pool (one forward's
+# activations at the largest captured batch): a fixed part plus, per row, the float32 logits
+# and their low-precision original with slack. Loosely SGLang's reserve that grows with
+# --cuda-graph-max-bs; without it the graphs' pool would eat into what the KV pool counted on.
+CUDA_GRAPH_FIXED_RESERVE_BYTES = 256 * 1024**2
+CUDA_GRAPH_BYTES_PER_VOCAB_ENTRY = 8
 
 
 def resolve_device(device: str) -> str:
@@ -42,14 +52,35 @@ class ModelRunner:
         torch.manual_seed(server_args.seed)
         self.model = get_model(model_config, server_args.load_format, self.dtype, self.device, server_args.seed)
         self.context_len = min(server_args.context_length or model_config.context_len, model_config.context_len)
+        self.attn_backend = self.init_attention_backend()
         self.init_memory_pool()
-        if server_args.attention_backend == "triton":
+        self.sampler = Sampler()
+        self.cuda_graph_runner = self.init_cuda_graphs()
+
+    def init_attention_backend(self) -> AttentionBackend:
+        if self.server_args.attention_backend == "triton":
             from radixserve.layers.attention.triton_backend import TritonAttnBackend  # imports triton
 
-            self.attn_backend = TritonAttnBackend(self.device)
-        else:
-            self.attn_backend = TorchNativeAttnBackend(self.device)
-        self.sampler = Sampler()
+            return TritonAttnBackend(self.device)
+        return TorchNativeAttnBackend(self.device)
+
+    def use_cuda_graph(self) -> bool:
+        return (
+            self.device == "cuda"
+            and not self.server_args.disable_cuda_graph
+            and self.attn_backend.cuda_graph_unsupported_reason is None
+        )
+
+    def init_cuda_graphs(self) -> Optional[CudaGraphRunner]:
+        if not self.use_cuda_graph():
+            reason = self.attn_backend.cuda_graph_unsupported_reason
+            if self.device == "cuda" and not self.server_args.disable_cuda_graph:
+                logger.info("CUDA graphs off: %s: %s", type(self.attn_backend).__name__, reason)
+            return None
+        try:
+            return CudaGraphRunner(self)
+        except Exception as e:
+            raise RuntimeError(f"capturing the decode CUDA graphs failed ({e}); retry with --disable-cuda-graph") from e
 
     # ---- memory -------------------------------------------------------------------------
     def kv_heads_per_rank(self) -> int:
@@ -64,6 +95,10 @@ class ModelRunner:
             total = torch.cuda.get_device_properties(0).total_memory
             used_by_others = total - free
             budget = total * self.server_args.mem_fraction_static - used_by_others
+            if self.use_cuda_graph():
+                budget -= CUDA_GRAPH_FIXED_RESERVE_BYTES + (
+                    self.server_args.cuda_graph_max_bs * cfg.vocab_size * CUDA_GRAPH_BYTES_PER_VOCAB_ENTRY
+                )
         else:
             budget = self.server_args.cpu_kv_cache_bytes
         return max(int(budget // per_token), 0)
@@ -89,6 +124,10 @@ class ModelRunner:
     # ---- forward ------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+        if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(forward_batch):
+            return self.cuda_graph_runner.replay(forward_batch)
+        if forward_batch.attn_metadata is None:  # ForwardBatch.init_new left it for a replay
+            self.attn_backend.init_forward_metadata(forward_batch)
         return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
 
     @torch.inference_mode()

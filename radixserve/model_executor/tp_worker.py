@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 import torch
 
@@ -21,7 +21,7 @@ class GenerationBatchResult:
     next_token_logprobs: Optional[torch.Tensor] = None
     top_logprobs_val: Optional[List[List[float]]] = None
     top_logprobs_idx: Optional[List[List[int]]] = None
-    copy_done: Any = None  # an event set when next_token_ids is readable on the host (overlap)
+    copy_done: Any = None  # CUDA event: next_token_ids (pinned host memory) is filled (overlap)
 
 
 class TpModelWorker:
@@ -39,10 +39,20 @@ class TpModelWorker:
         return r.req_to_token_pool, r.token_to_kv_pool_allocator
 
     @staticmethod
-    def to_host(t: torch.Tensor) -> torch.Tensor:
-        """Device -> host copy of sampled tokens (called on the forward thread, so waiting
-        for the device here never blocks the scheduler)."""
-        return t if t.device.type == "cpu" else t.to("cpu", non_blocking=False)
+    def to_host(t: torch.Tensor) -> Tuple[torch.Tensor, Any]:
+        """Start the device -> host copy of sampled tokens; returns (host tensor, event).
+
+        On CUDA the copy goes into pinned memory without blocking, and the event marks when it
+        is done: the forward thread goes straight on to launch the next batch, and only the
+        scheduler thread waits (PendingResult.wait), right before it reads the tokens.
+        """
+        if t.device.type == "cpu":
+            return t, None
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        copy_done = torch.cuda.Event()
+        copy_done.record()
+        return host, copy_done
 
     def forward_batch_generation(self, batch: ModelWorkerBatch, skip_sample: bool = False) -> GenerationBatchResult:
         forward_batch = ForwardBatch.init_new(batch, self.model_runner)

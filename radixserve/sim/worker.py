@@ -10,7 +10,7 @@ ignore_eos): output lengths come from the workload, as in a benchmark with ignor
 from __future__ import annotations
 
 import logging
-from typing import List
+from typing import List, Tuple
 
 import torch
 
@@ -70,8 +70,8 @@ class SimModelWorker:
         return self.req_to_token_pool, self.token_to_kv_pool_allocator
 
     @staticmethod
-    def to_host(t: torch.Tensor) -> torch.Tensor:
-        return t
+    def to_host(t: torch.Tensor) -> Tuple[torch.Tensor, None]:
+        return t, None  # already on the host: nothing to wait for
 
     def forward_batch_generation(self, batch: ModelWorkerBatch, skip_sample: bool = False) -> GenerationBatchResult:
         if batch.forward_mode.is_decode():

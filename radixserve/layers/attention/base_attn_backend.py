@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Any, Optional
 
 import torch
 
 
 class AttentionBackend(ABC):
+    # Why this backend cannot run under CUDA graphs (cuda_graph_runner.py); None when it can.
+    # A graph replays with only the contents of its device tensors changed: work planned from
+    # per-step Python values (e.g. torch_native grouping requests by seq_lens_cpu) stays frozen.
+    cuda_graph_unsupported_reason: Optional[str] = (
+        "it has no CUDA-graph hooks; a replayed graph keeps the work it planned at capture, so a backend "
+        "that plans from CPU-side lengths (torch_native groups requests by seq_lens_cpu) cannot be captured"
+    )
+
     @abstractmethod
     def init_forward_metadata(self, forward_batch) -> None:
         """Build, once per forward, what every layer needs (index tables, masks)."""
@@ -24,3 +33,31 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward_decode(self, q, k, v, layer, forward_batch) -> torch.Tensor:
         """Store k/v at out_cache_loc; one query per request attends to its whole sequence."""
+
+    # ---- CUDA graphs (decode only) ----------------------------------------------------------
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        """seq_len of the padding requests a replay adds to reach a captured batch size."""
+        return 1
+
+    def init_cuda_graph_state(self, max_bs: int, num_heads: int, head_dim: int) -> None:
+        """Allocate, once, the static buffers every captured decode forward reads and writes."""
+        self._raise_no_cuda_graph()
+
+    def init_forward_metadata_capture_cuda_graph(
+        self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor
+    ) -> Any:
+        """The metadata a decode forward of bs requests is captured with (forward_batch.attn_metadata).
+        Everything in it that changes between steps must live in static tensors."""
+        self._raise_no_cuda_graph()
+
+    def init_forward_metadata_replay_cuda_graph(
+        self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor
+    ) -> None:
+        """Refill, in place, the metadata captured for bs from this step's (padded) inputs."""
+        self._raise_no_cuda_graph()
+
+    def _raise_no_cuda_graph(self) -> None:
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot run under CUDA graphs: {self.cuda_graph_unsupported_reason}. "
+            "Use --attention-backend triton, or --disable-cuda-graph."
+        )

@@ -7,6 +7,9 @@ Same contract as TorchNativeAttnBackend (the reference it is tested against):
 - decode: decode_attention_fwd, split-KV (stage 1 per (request, head, split), stage 2 merges
   the splits by log-sum-exp).
 The per-forward index tensors are built once in init_forward_metadata, not once per layer.
+CUDA graphs (decode): the decode kernels read req_pool_indices and seq_lens from device tensors
+only, so a captured forward reads static copies of them (refilled in place before each replay)
+and preallocated split buffers; nothing depends on CPU-side lengths.
 Made for the GPU; on the CPU the kernels run only under Triton's interpreter (TRITON_INTERPRET=1).
 """
 
@@ -28,15 +31,31 @@ class TritonMetadata:
     extend_lens: Optional[torch.Tensor] = None
     extend_start: Optional[torch.Tensor] = None
     max_extend_len: int = 0
+    # Decode split-KV scratch: preallocated under CUDA graphs, else allocated per layer call.
+    mid_o: Optional[torch.Tensor] = None  # [bs, heads, splits, head_dim] float32
+    mid_lse: Optional[torch.Tensor] = None  # [bs, heads, splits] float32
+
+
+@dataclass
+class TritonGraphState:
+    """Static buffers of max_bs rows shared by every captured batch size (one replays at a time)."""
+
+    req_pool_indices: torch.Tensor  # [max_bs] int64
+    seq_lens: torch.Tensor  # [max_bs] int64
+    mid_o: torch.Tensor
+    mid_lse: torch.Tensor
 
 
 class TritonAttnBackend(AttentionBackend):
+    cuda_graph_unsupported_reason = None
+
     def __init__(self, device: str = "cuda", num_kv_splits: int = 8):
         from radixserve.layers.attention import triton_ops  # imports triton: only when chosen
 
         self.ops = triton_ops
         self.device = device
         self.num_kv_splits = num_kv_splits
+        self.graph_state: Optional[TritonGraphState] = None
 
     def init_forward_metadata(self, fb) -> None:
         dev = self.device
@@ -80,6 +99,32 @@ class TritonAttnBackend(AttentionBackend):
         self.ops.decode_attention_fwd(
             q, k_buf, v_buf, out,
             fb.req_to_token_pool.req_to_token, md.req_pool_indices, md.seq_lens,
-            layer.scaling, num_kv_splits=self.num_kv_splits,
+            layer.scaling, num_kv_splits=self.num_kv_splits, mid_o=md.mid_o, mid_lse=md.mid_lse,
         )
         return out
+
+    # ---- CUDA graphs ----------------------------------------------------------------------
+    def init_cuda_graph_state(self, max_bs: int, num_heads: int, head_dim: int) -> None:
+        dev, splits = self.device, self.num_kv_splits
+        self.graph_state = TritonGraphState(
+            req_pool_indices=torch.zeros(max_bs, dtype=torch.int64, device=dev),
+            seq_lens=torch.full((max_bs,), self.get_cuda_graph_seq_len_fill_value(), dtype=torch.int64, device=dev),
+            mid_o=torch.empty((max_bs, num_heads, splits, head_dim), dtype=torch.float32, device=dev),
+            mid_lse=torch.empty((max_bs, num_heads, splits), dtype=torch.float32, device=dev),
+        )
+
+    def init_forward_metadata_capture_cuda_graph(self, bs, req_pool_indices, seq_lens) -> TritonMetadata:
+        st = self.graph_state
+        assert st is not None and bs <= st.seq_lens.numel(), "init_cuda_graph_state(max_bs) first"
+        # Leading-dim slices of contiguous buffers stay contiguous (the kernels assume it).
+        md = TritonMetadata(
+            req_pool_indices=st.req_pool_indices[:bs], seq_lens=st.seq_lens[:bs],
+            mid_o=st.mid_o[:bs], mid_lse=st.mid_lse[:bs],
+        )
+        self.init_forward_metadata_replay_cuda_graph(bs, req_pool_indices, seq_lens)  # warm-up runs read them
+        return md
+
+    def init_forward_metadata_replay_cuda_graph(self, bs, req_pool_indices, seq_lens) -> None:
+        st = self.graph_state
+        st.req_pool_indices[:bs].copy_(req_pool_indices)
+        st.seq_lens[:bs].copy_(seq_lens)
