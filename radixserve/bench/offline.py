@@ -106,10 +106,10 @@ def run_ours(engine: Any, prompts: List[List[int]], out_lens: List[int], label: 
 
 # ---- transformers ------------------------------------------------------------------------------
 def run_hf(model_path: str, prompts: List[List[int]], out_lens: List[int], batch_size: int, pad_id: int,
-           dtype: torch.dtype = torch.float32) -> Dict[str, Any]:
+           dtype: torch.dtype = torch.float32, device: str = "cpu") -> Dict[str, Any]:
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
     model.generation_config.pad_token_id = pad_id
 
     def gen_batch(batch: List[List[int]], n_new: int) -> int:
@@ -121,7 +121,7 @@ def run_hf(model_path: str, prompts: List[List[int]], out_lens: List[int], batch
             mask[i, width - len(p):] = 1
         with torch.inference_mode():
             out = model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=n_new, min_new_tokens=n_new,
+                input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=n_new, min_new_tokens=n_new,
                 do_sample=False, pad_token_id=pad_id, use_cache=True,
             )
         return (out.shape[1] - width) * len(batch)
@@ -193,8 +193,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.skip_hf:
         pad_id = engine.tokenizer.pad_token_id if engine.tokenizer is not None and engine.tokenizer.pad_token_id is not None else 0
         engine.shutdown()
-        # Same weights and dtype; transformers runs on the CPU.
-        hf = run_hf(model_path, prompts, out_lens, args.hf_batch_size, pad_id, runner.dtype)
+        # Same weights, dtype and device.
+        hf = run_hf(model_path, prompts, out_lens, args.hf_batch_size, pad_id, runner.dtype, runner.device)
         for r in results:
             r["ratio_vs_hf"] = r["output_tok_s"] / hf["output_tok_s"]
             r["cpu_ratio_vs_hf"] = r["output_tok_per_cpu_s"] / hf["output_tok_per_cpu_s"]

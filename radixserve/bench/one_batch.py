@@ -14,6 +14,12 @@ only, as `generate` does), then one token per request per step with past_key_val
 Each shape is warmed up once (one prefill and one decode step, not timed). The two systems'
 decode steps alternate (ours, HF, ours, HF, ...) so that load from other processes on a shared
 machine lands on both; the median step is reported, and the ratio ours / HF is the number to read.
+On a GPU each timed call ends with a device synchronize.
+
+Model-bandwidth utilization (MBU) of a decode step: the bytes it must read (the weights, less
+an untied input embedding, of which it reads bs rows, plus the K and V of every cached token
+of every request) / step time / the memory bandwidth measured here by a large device copy
+(`--mem-bandwidth-gbs` overrides it). A decode step at small batch is bound by those reads.
 
     radixserve bench one-batch                               # B = 1 16 64, input 512, tiny model
     radixserve bench one-batch --batch-sizes 1 2 --input-len 16 --decode-steps 2 --output /tmp/x.json
@@ -47,6 +53,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--output", default=DEFAULT_OUTPUT, help="JSON results path ('' to skip)")
     p.add_argument("--num-threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's default, one per core)")
+    p.add_argument("--mem-bandwidth-gbs", type=float, default=None,
+                   help="memory bandwidth in GB/s for MBU (default: measured by a device copy)")
     ServerArgs.add_cli_args(p)
     p.set_defaults(func=run)
     return p
@@ -126,6 +134,7 @@ class _OursDriver:
         self._rows = list(range(bs))
         t0 = time.perf_counter()
         tokens = self.prefill(self._rows, prompts)
+        _sync(tokens)
         elapsed = time.perf_counter() - t0
         self._tokens = self.decode(self._rows, [n] * bs, tokens)
         self._seq = n + 1
@@ -134,6 +143,7 @@ class _OursDriver:
     def step(self) -> float:
         t0 = time.perf_counter()
         self._tokens = self.decode(self._rows, [self._seq] * len(self._rows), self._tokens)
+        _sync(self._tokens)
         elapsed = time.perf_counter() - t0
         self._seq += 1
         return elapsed
@@ -144,10 +154,11 @@ class _OursDriver:
 
 # ---- transformers ------------------------------------------------------------------------------
 class _HFDriver:
-    def __init__(self, model_path: str, dtype: torch.dtype = torch.float32):
+    def __init__(self, model_path: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
         import transformers
 
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
+        self.device = device
 
     @torch.inference_mode()
     def _prefill(self, prompts: torch.Tensor):
@@ -163,12 +174,14 @@ class _HFDriver:
         return out.past_key_values, torch.argmax(out.logits[:, -1], dim=-1)
 
     def warm_up(self, prompts: torch.Tensor) -> None:
-        cache, tokens = self._prefill(prompts)
+        cache, tokens = self._prefill(prompts.to(self.device))
         self._decode(cache, tokens)
 
     def start(self, prompts: torch.Tensor) -> float:
+        prompts = prompts.to(self.device)
         t0 = time.perf_counter()
         cache, tokens = self._prefill(prompts)
+        _sync(tokens)
         elapsed = time.perf_counter() - t0
         self._cache, self._tokens = self._decode(cache, tokens)  # first decode step: not timed
         return elapsed
@@ -176,10 +189,66 @@ class _HFDriver:
     def step(self) -> float:
         t0 = time.perf_counter()
         self._cache, self._tokens = self._decode(self._cache, self._tokens)
+        _sync(self._tokens)
         return time.perf_counter() - t0
 
     def finish(self) -> None:
         self._cache = self._tokens = None
+
+
+def _sync(t: torch.Tensor) -> None:
+    """Timings must include the device work, not only its launch."""
+    if t.is_cuda:
+        torch.cuda.synchronize(t.device)
+
+
+# ---- model-bandwidth utilization ---------------------------------------------------------------
+def weight_bytes_read_per_step(model: torch.nn.Module) -> int:
+    """Bytes of the weights one decode step reads: every parameter once (shared ones once),
+    except an input embedding that is not also the LM head (only bs rows of it are read)."""
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    lm_head = getattr(model, "lm_head", None)
+    skip = set()
+    if embed is not None and (lm_head is None or lm_head.weight is not embed.weight):
+        skip.add(id(embed.weight))
+    return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)
+
+
+def kv_bytes_read_per_step(runner: Any, batch_size: int, context_len: float) -> float:
+    """K and V of `context_len` tokens of each request, in every layer (this rank's heads)."""
+    pool = runner.token_to_kv_pool
+    k = pool.get_key_buffer(0)
+    per_token = 2 * pool.layer_num * k.shape[1] * k.shape[2] * k.element_size()
+    return batch_size * context_len * per_token
+
+
+def measure_mem_bandwidth_gbs(device: str, nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Best-of-`repeats` device-to-device copy bandwidth, counting the read and the write."""
+    if device == "cpu":
+        nbytes = min(nbytes, 256 << 20)  # larger than the caches, cheap to allocate
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _sync(dst)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * nbytes / best / 1e9
+
+
+def add_mbu(row: Dict[str, Any], runner: Any, input_len: int, decode_steps: int, bandwidth_gbs: float) -> None:
+    """bytes read per decode step, the rate it implies and MBU, into `row` (ours only)."""
+    bs = row["batch_size"]
+    # Timed steps run at contexts input_len+2 .. input_len+1+decode_steps (one untimed step first).
+    context = input_len + 1 + (decode_steps + 1) / 2
+    weights = weight_bytes_read_per_step(runner.model)
+    kv = kv_bytes_read_per_step(runner, bs, context)
+    step_s = row["ours"]["decode_ms_per_step"] / 1e3
+    achieved = (weights + kv) / step_s / 1e9
+    row["ours"].update(weight_bytes=weights, kv_bytes_per_step=kv, decode_gb_s=achieved,
+                       mem_bandwidth_gbs=bandwidth_gbs, mbu=achieved / bandwidth_gbs)
 
 
 def _measure(drivers: Dict[str, Any], prompts: torch.Tensor, decode_steps: int) -> Dict[str, Dict[str, float]]:
@@ -241,7 +310,8 @@ def run(args: argparse.Namespace) -> int:
     ours = _OursDriver(server_args)
     if args.input_len + args.decode_steps + 2 > ours.runner.context_len:
         raise ValueError(f"--input-len + --decode-steps exceeds the model's context ({ours.runner.context_len})")
-    hf = None if args.skip_hf else _HFDriver(ours.model_path, ours.runner.dtype)  # same weights, same dtype
+    hf = None if args.skip_hf else _HFDriver(ours.model_path, ours.runner.dtype, ours.runner.device)  # same weights, dtype, device
+    bandwidth = args.mem_bandwidth_gbs or measure_mem_bandwidth_gbs(ours.runner.device)
     vocab = ours.runner.model_config.vocab_size
     gen = torch.Generator().manual_seed(server_args.seed)
 
@@ -250,12 +320,13 @@ def run(args: argparse.Namespace) -> int:
         prompts = torch.randint(NUM_SPECIAL_IDS, vocab, (bs, args.input_len), generator=gen, dtype=torch.int64)
         drivers: Dict[str, Any] = {"ours": ours} if hf is None else {"ours": ours, "hf": hf}
         row: Dict[str, Any] = {"batch_size": bs, **_measure(drivers, prompts, args.decode_steps)}
+        add_mbu(row, ours.runner, args.input_len, args.decode_steps, bandwidth)
         if hf is not None:
             row["prefill_ratio"] = row["ours"]["prefill_ms"] / row["hf"]["prefill_ms"]
             row["decode_ratio"] = row["ours"]["decode_ms_per_step"] / row["hf"]["decode_ms_per_step"]
             row["decode_cpu_ratio"] = row["ours"]["decode_cpu_ms_per_step"] / row["hf"]["decode_cpu_ms_per_step"]
         results.append(row)
-        print(f"batch {bs}: ours decode {row['ours']['decode_ms_per_step']:.2f} ms/step"
+        print(f"batch {bs}: ours decode {row['ours']['decode_ms_per_step']:.2f} ms/step (MBU {row['ours']['mbu']:.0%})"
               + (f", HF {row['hf']['decode_ms_per_step']:.2f} ms/step" if 'hf' in row else ""), flush=True)
 
     table = format_table(results)
@@ -268,6 +339,8 @@ def run(args: argparse.Namespace) -> int:
         "input_len": args.input_len,
         "decode_steps": args.decode_steps,
         "batch_sizes": list(args.batch_sizes),
+        "mem_bandwidth_gbs": bandwidth,
+        "mem_bandwidth_source": "--mem-bandwidth-gbs" if args.mem_bandwidth_gbs else "measured (device copy)",
         **machine_info(),
         "notes": "decode_ms_per_step is the median over decode_steps steps after one untimed step; "
         "decode_ratio = ours / HF (lower is better, goal at batch 64: <= 1.3); decode_cpu_ratio is the same "
@@ -285,9 +358,9 @@ def format_table(results: List[Dict[str, Any]]) -> str:
     has_hf = any("hf" in r for r in results)
     if has_hf:
         header = ["batch", "ours prefill ms", "HF prefill ms", "ours decode ms/step", "HF decode ms/step",
-                  "decode ratio (ours/HF)", "decode tok/s ours / HF", "CPU-time ratio"]
+                  "decode ratio (ours/HF)", "decode tok/s ours / HF", "CPU-time ratio", "ours MBU"]
     else:
-        header = ["batch", "ours prefill ms", "ours decode ms/step", "decode tok/s"]
+        header = ["batch", "ours prefill ms", "ours decode ms/step", "decode tok/s", "ours MBU"]
     lines = []
     for r in results:
         o = r["ours"]
@@ -298,12 +371,16 @@ def format_table(results: List[Dict[str, Any]]) -> str:
                 f"{o['decode_ms_per_step']:.2f}", f"{h['decode_ms_per_step']:.2f}" if h else "-",
                 f"{r['decode_ratio']:.2f}" if h else "-",
                 f"{o['decode_tok_s']:.0f} / {h['decode_tok_s']:.0f}" if h else f"{o['decode_tok_s']:.0f} / -",
-                f"{r['decode_cpu_ratio']:.2f}" if h else "-",
+                f"{r['decode_cpu_ratio']:.2f}" if h else "-", _mbu_cell(o),
             ])
         else:
             lines.append([str(r["batch_size"]), f"{o['prefill_ms']:.1f}", f"{o['decode_ms_per_step']:.2f}",
-                          f"{o['decode_tok_s']:.0f}"])
+                          f"{o['decode_tok_s']:.0f}", _mbu_cell(o)])
     return _markdown_table(header, lines)
+
+
+def _mbu_cell(o: Dict[str, Any]) -> str:
+    return f"{o['mbu']:.1%}" if "mbu" in o else "-"
 
 
 def _markdown_table(header: List[str], rows: List[List[str]]) -> str:

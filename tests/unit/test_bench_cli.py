@@ -63,3 +63,40 @@ def test_bench_offline_rejects_bad_lengths(capsys):
                "--skip-hf", "--output", ""])
     assert rc == 2
     assert "--min-input-len" in capsys.readouterr().err
+
+
+def test_bench_one_batch_mbu_counts_weights_and_kv(tmp_path):
+    """MBU = (weight bytes + KV bytes read per decode step) / step time / bandwidth, with the
+    byte counts checked against transformers' copy of the model and the config."""
+    import transformers
+
+    from radixserve.models.model_config import ModelConfig
+    from radixserve.tiny_model import get_tiny_model_path
+
+    out = tmp_path / "ob.json"
+    bs, input_len, steps = 2, 8, 2
+    assert main(["bench", "one-batch", "--batch-sizes", str(bs), "--input-len", str(input_len), "--decode-steps",
+                 str(steps), "--skip-hf", "--mem-bandwidth-gbs", "10", "--output", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["mem_bandwidth_gbs"] == 10 and report["mem_bandwidth_source"] == "--mem-bandwidth-gbs"
+    o = report["results"][0]["ours"]
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(get_tiny_model_path(), dtype="float32")
+    weights = sum(p.numel() * 4 for p in hf.parameters())  # shared (tied) tensors counted once
+    if not hf.config.tie_word_embeddings:  # decode reads only bs rows of an untied input embedding
+        weights -= hf.model.embed_tokens.weight.numel() * 4
+    assert o["weight_bytes"] == weights
+
+    cfg = ModelConfig.from_pretrained(get_tiny_model_path())
+    context = input_len + 1 + (steps + 1) / 2  # the mean context of the timed steps
+    kv = bs * context * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 4
+    assert o["kv_bytes_per_step"] == kv
+    step_s = o["decode_ms_per_step"] / 1e3
+    assert abs(o["mbu"] - (weights + kv) / step_s / 1e9 / 10) < 1e-9
+
+
+def test_measured_memory_bandwidth_is_plausible():
+    from radixserve.bench.one_batch import measure_mem_bandwidth_gbs
+
+    gbs = measure_mem_bandwidth_gbs("cpu", nbytes=32 << 20, repeats=2)
+    assert 0.1 < gbs < 10_000  # a real copy rate in GB/s, not seconds or bytes
