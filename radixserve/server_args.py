@@ -168,7 +168,7 @@ FLAG_HELP = {
     "model_path": "Hugging Face model directory; none serves the embedded tiny model",
     "tokenizer_path": "tokenizer directory, when it differs from --model-path",
     "load_format": f"weights: {', '.join(LOAD_FORMATS)} (dummy = random weights)",
-    "dtype": f"model dtype: {', '.join(DTYPES)}",
+    "dtype": f"model dtype: {', '.join(DTYPES)}; auto: float32 for a float32 checkpoint, else bf16 on a GPU and on a CPU with native bf16 (AVX512_BF16 / AMX), else float32",
     "device": "cpu, cuda, or auto (cuda when available)",
     "seed": "random seed for weights of dummy models and for sampling",
     "context_length": "override the model's context length",

@@ -33,3 +33,8 @@ fi
 # apache-tvm-ffi (its C++ binding) and pydantic. The pin keeps that list checked.
 "$PY" -m pip install -q "apache-tvm-ffi>=0.1.11" "pydantic>=2" "typing-extensions>=4.9"
 "$PY" -m pip install -q --no-deps "xgrammar==0.2.8"
+
+# The C++ CPU kernels (radixserve/csrc): compiled now, once per machine (~30 s), into torch's
+# extension cache, so that no server or test pays for it at start-up. A machine without a
+# compiler still serves, on the torch path (the build logs why).
+"$PY" -m radixserve.layers.cpu_kernels

@@ -1,10 +1,16 @@
-"""SiLU-and-mul: the gated MLP's activation on a fused [gate | up] projection."""
+"""SiLU-and-mul: the gated MLP's activation on a fused [gate | up] projection (one C++ kernel
+on the CPU, radixserve.layers.cpu_kernels; the torch code is the fallback and the reference)."""
 
 import torch
 from torch import nn
 
+from radixserve.layers import cpu_kernels
+
 
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = cpu_kernels.kernels_for(x)
+        if ops is not None:
+            return ops.silu_and_mul(x)
         d = x.shape[-1] // 2
         return nn.functional.silu(x[..., :d]) * x[..., d:]

@@ -1,5 +1,6 @@
 """RMSNorm, with the residual add fused into the same call (saves a pass over the hidden states).
-On CUDA this is one Triton kernel (radixserve.layers.fused); the CPU keeps the torch code."""
+On CUDA this is one Triton kernel (radixserve.layers.fused), on the CPU one C++ kernel
+(radixserve.layers.cpu_kernels); the torch code is the fallback and the reference."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import nn
 
-from radixserve.layers import fused
+from radixserve.layers import cpu_kernels, fused
 
 
 class RMSNorm(nn.Module):
@@ -24,6 +25,10 @@ class RMSNorm(nn.Module):
         if kernels is not None and kernels.can_fuse_rmsnorm(x, self.weight, residual):
             out, residual = kernels.fused_add_rmsnorm(x, self.weight, self.variance_epsilon, residual)
             return out if residual is None else (out, residual)
+        ops = cpu_kernels.kernels_for(x)
+        if ops is not None:
+            outs = ops.fused_add_rmsnorm(x, residual, self.weight, self.variance_epsilon)
+            return outs[0] if residual is None else (outs[0], outs[1])
         if residual is not None:
             x = x + residual
             residual = x

@@ -1,6 +1,7 @@
 """Rotary position embedding (neox style, as Llama / Qwen in transformers), with the default
 and llama3 frequency scalings. cos/sin are precomputed up to max_position once at start-up.
-On CUDA q and k are rotated by one Triton kernel (radixserve.layers.fused); the CPU keeps torch."""
+On CUDA q and k are rotated by one Triton kernel (radixserve.layers.fused), on the CPU by one
+C++ kernel (radixserve.layers.cpu_kernels); the torch code is the fallback and the reference."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import nn
 
-from radixserve.layers import fused
+from radixserve.layers import cpu_kernels, fused
 
 
 class RotaryEmbedding(nn.Module):
@@ -38,6 +39,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cached", torch.cat([freqs.cos()] * 2, -1).float(), persistent=False)
         self.register_buffer("sin_cached", torch.cat([freqs.sin()] * 2, -1).float(), persistent=False)
 
+    def _apply(self, fn, recurse=True):
+        # model.to(bfloat16) moves the tables with the model but must not round them: the
+        # angles keep float32 precision whatever the model's dtype (every path computes in fp32).
+        super()._apply(fn, recurse)
+        self.cos_cached, self.sin_cached = self.cos_cached.float(), self.sin_cached.float()
+        return self
+
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -45,6 +53,10 @@ class RotaryEmbedding(nn.Module):
         kernels = fused.kernels_for(q)
         if kernels is not None and kernels.can_fuse_rotary(q, k, self.cos_cached, self.sin_cached):
             return kernels.apply_rotary(positions, q, k, self.cos_cached, self.sin_cached, self.rotary_dim)
+        ops = cpu_kernels.kernels_for(q)
+        if ops is not None:
+            q_out, k_out = ops.rotary_embedding(positions, q, k, self.cos_cached, self.sin_cached, self.rotary_dim)
+            return q_out, k_out
         cos = self.cos_cached[positions].unsqueeze(1)
         sin = self.sin_cached[positions].unsqueeze(1)
         return _apply(q, cos, sin, self.rotary_dim), _apply(k, cos, sin, self.rotary_dim)

@@ -101,14 +101,22 @@ class ModelConfig:
         return config
 
     def resolve_dtype(self, dtype: str, device: str) -> torch.dtype:
-        """--dtype auto: float32 on CPU (bf16 matmuls are slow there), the checkpoint's on GPU."""
+        """--dtype auto: a float32 checkpoint runs in float32; any other runs in its own dtype on a
+        GPU (bf16 when unsaid) and in bf16 on a CPU with native bf16 math (AVX512_BF16 or AMX:
+        2-4x faster matmuls than float32), else in float32 (emulated bf16 is slower)."""
         if dtype == "auto":
-            if device == "cpu":
-                return torch.float32
             dtype = self.torch_dtype or "bfloat16"
             if dtype == "float32":
                 return torch.float32
+            if device == "cpu":
+                return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
         return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def cpu_has_native_bf16() -> bool:
+    cpu = getattr(torch, "cpu", None)
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(bool(getattr(cpu, name, lambda: False)()) for name in checks)
 
 
 def _as_list(x: Any) -> List[int]:

@@ -9,6 +9,10 @@ The KV of request i is scattered over the pool: its slots are req_to_token[req_p
 - Longer extend requests run one SDPA call each: with no cached prefix the fresh k/v are used
   directly (causal); with a prefix the prefix KV is gathered and the mask is causal with an offset.
 The index tables are built once per forward in init_forward_metadata, not once per layer.
+
+On the CPU, decode-like requests instead go to one C++ kernel (radixserve.layers.cpu_kernels)
+that reads K/V through req_to_token in place: no gather copy, no padding, an online softmax,
+GQA-aware. `use_cpu_kernels=False` keeps the torch path, the reference the kernel is tested on.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import List, Optional
 import torch
 import torch.nn.functional as F
 
+from radixserve.layers import cpu_kernels
 from radixserve.layers.attention.base_attn_backend import AttentionBackend
 
 
@@ -42,8 +47,19 @@ class DecodeGroup:
 
 
 @dataclass
+class DecodeRows:
+    """Decode-like requests for the C++ paged decode kernel (no gather, no padding)."""
+
+    token_idx: Optional[torch.Tensor]  # their rows in q; None: every row, in order (DECODE)
+    req_pool_indices: torch.Tensor  # [n] int64
+    seq_lens: torch.Tensor  # [n] int64
+    req_to_token: torch.Tensor
+
+
+@dataclass
 class TorchNativeMetadata:
     decode_groups: List[DecodeGroup] = field(default_factory=list)
+    decode_rows: Optional[DecodeRows] = None  # instead of decode_groups, with the C++ kernel
     all_decode: bool = False
     extend_seqs: List[ExtendSeq] = field(default_factory=list)
 
@@ -54,8 +70,9 @@ DECODE_GROUP_MIN_FILL = 0.7
 
 
 class TorchNativeAttnBackend(AttentionBackend):
-    def __init__(self, device: str = "cpu"):
+    def __init__(self, device: str = "cpu", use_cpu_kernels: bool = True):
         self.device = device
+        self.cpu_ops = cpu_kernels.get() if use_cpu_kernels and device == "cpu" else None
 
     def init_forward_metadata(self, fb) -> None:
         md = TorchNativeMetadata()
@@ -68,7 +85,9 @@ class TorchNativeAttnBackend(AttentionBackend):
             dec_rows = [i for i, n in enumerate(ext_lens) if n == 1]
             starts = _starts(ext_lens)
             token_of_row = {i: starts[i] for i in dec_rows}
-        if dec_rows:
+        if dec_rows and self.cpu_ops is not None:
+            md.decode_rows = self._decode_rows(fb, dec_rows, token_of_row, md.all_decode)
+        elif dec_rows:
             md.decode_groups = self._decode_groups(fb, dec_rows, token_of_row)
         if not md.all_decode:
             req_to_token = fb.req_to_token_pool.req_to_token
@@ -90,6 +109,15 @@ class TorchNativeAttnBackend(AttentionBackend):
         out = torch.empty_like(q)
         self._decode_into(out, q, layer, fb.attn_metadata, pool)
         return out
+
+    def _decode_rows(self, fb, dec_rows: List[int], token_of_row, all_decode: bool) -> DecodeRows:
+        req_to_token = fb.req_to_token_pool.req_to_token
+        if all_decode:
+            return DecodeRows(None, fb.req_pool_indices.long().contiguous(), fb.seq_lens.long().contiguous(), req_to_token)
+        idx = torch.tensor(dec_rows, dtype=torch.int64)
+        token_idx = torch.tensor([token_of_row[i] for i in dec_rows], dtype=torch.int64)
+        seq_lens = torch.tensor([fb.seq_lens_cpu[i] for i in dec_rows], dtype=torch.int64)
+        return DecodeRows(token_idx, fb.req_pool_indices[idx].long().contiguous(), seq_lens, req_to_token)
 
     def _decode_groups(self, fb, dec_rows: List[int], token_of_row) -> List[DecodeGroup]:
         req_to_token = fb.req_to_token_pool.req_to_token
@@ -120,7 +148,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
         md: TorchNativeMetadata = fb.attn_metadata
         out = torch.empty_like(q)
-        if md.decode_groups:
+        if md.decode_groups or md.decode_rows is not None:
             self._decode_into(out, q, layer, md, pool)
         k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
         for s in md.extend_seqs:
@@ -141,9 +169,17 @@ class TorchNativeAttnBackend(AttentionBackend):
             out[sl] = o.squeeze(0).transpose(0, 1)
         return out
 
-    @staticmethod
-    def _decode_into(out: torch.Tensor, q: torch.Tensor, layer, md: TorchNativeMetadata, pool) -> None:
+    def _decode_into(self, out: torch.Tensor, q: torch.Tensor, layer, md: TorchNativeMetadata, pool) -> None:
         k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
+        rows = md.decode_rows
+        if rows is not None:
+            args = (k_buf, v_buf, rows.req_to_token, rows.req_pool_indices, rows.seq_lens, layer.scaling)
+            if rows.token_idx is None:
+                self.cpu_ops.decode_attention(out, q, *args)
+            else:
+                o = torch.empty((len(rows.token_idx), *q.shape[1:]), dtype=q.dtype)
+                self.cpu_ops.decode_attention(o, q[rows.token_idx], *args)
+                out[rows.token_idx] = o
         for g in md.decode_groups:
             shape = (*g.shape, k_buf.shape[1], k_buf.shape[2])
             keys = k_buf.index_select(0, g.kv_slots).view(shape).transpose(1, 2)  # [B, kv_heads, L, D]

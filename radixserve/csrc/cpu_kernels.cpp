@@ -1,0 +1,382 @@
+// CPU kernels for the decode hot path: paged decode attention, fused add+RMSNorm, rotary
+// embedding and SiLU-and-mul. Built on first use (or by scripts/install.sh) with
+// torch.utils.cpp_extension, see radixserve/layers/cpu_kernels.py; the torch code those
+// layers fall back to is the reference the tests compare against.
+//
+// Every kernel computes in float32 and reads/writes float32, bfloat16 or float16 tensors.
+// Parallel loops use at::parallel_for, i.e. torch's own OpenMP thread pool.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlockTokens = 64;     // keys scored per online-softmax block
+constexpr int64_t kMinSplitTokens = 128; // a split-KV chunk holds at least this many keys
+constexpr int64_t kPrefetch = 4;         // K/V rows fetched ahead (slots are scattered)
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// ---- loads and stores in float32 -------------------------------------------------------------
+inline void load_row(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+
+inline void load_row(const at::BFloat16* src, float* dst, int64_t n) {
+  // bfloat16 is the high half of a float32: a shift, which the compiler vectorizes.
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* d = reinterpret_cast<uint32_t*>(dst);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) d[i] = static_cast<uint32_t>(s[i]) << 16;
+}
+
+inline void load_row(const at::Half* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <typename T>
+inline void store_row(const float* src, T* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);  // round to nearest even
+}
+
+// exp(x) for x <= 0 (softmax weights), vectorizable (std::exp is a scalar libm call, which
+// cost most of the decode kernel): 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2, and a degree-6
+// Taylor polynomial for exp(r) (relative error ~1e-7). x below -87 (and -inf) gives ~0.
+inline float exp_neg(float x) {
+  x = std::max(x, -87.f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;  // ln2 split in two for precision
+  float p = 1.f / 720;
+  p = p * r + 1.f / 120;
+  p = p * r + 1.f / 24;
+  p = p * r + 1.f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+inline void axpy(float* y, float a, const float* x, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+inline void scale_row(float* y, float a, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] *= a;
+}
+
+// float32, bfloat16, float16: the dtypes a model runs in (AT_DISPATCH would add double).
+#define DISPATCH_FLOAT_TYPES(TYPE, NAME, ...)                                         \
+  [&] {                                                                              \
+    switch (TYPE) {                                                                  \
+      case at::kFloat: { using scalar_t = float; return __VA_ARGS__(); }             \
+      case at::kBFloat16: { using scalar_t = at::BFloat16; return __VA_ARGS__(); }   \
+      case at::kHalf: { using scalar_t = at::Half; return __VA_ARGS__(); }           \
+      default: TORCH_CHECK(false, NAME, ": unsupported dtype ", TYPE);               \
+    }                                                                                \
+  }()
+
+void check_last_dim_contiguous(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.stride(-1) == 1, name, " must be contiguous in its last dimension");
+}
+
+// ---- paged decode attention -------------------------------------------------------------------
+//
+// One query per request attends to its whole sequence, whose KV slots are
+//   req_to_token[req_pool_indices[b], 0 : seq_lens[b]].
+// The work item is (request b, split s): every query head scores a chunk of the sequence with an
+// online softmax, the G = H / Hkv heads of a group against their shared KV head, so each slot's
+// K/V row (all KV heads, contiguous) is read once (GQA without repeating K/V, no gather copy). With few requests the sequence is split (flash
+// decoding) so that every thread has work; a second pass merges the splits.
+template <typename T>
+void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
+                           const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
+                           const at::Tensor& seq_lens, double scale) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t Hkv = k_buf.size(1), G = H / Hkv;
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_buf.data_ptr<T>();
+  const T* vp = v_buf.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int32_t* r2t = req_to_token.data_ptr<int32_t>();
+  const int64_t* rows = req_pool_indices.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
+  const int64_t ks0 = k_buf.stride(0), vs0 = v_buf.stride(0);  // a slot's heads are contiguous
+  const int64_t r2t_s0 = req_to_token.stride(0);
+
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < B; ++b) max_len = std::max(max_len, lens[b]);
+  const int64_t items = B;
+  const int64_t want = 4 * static_cast<int64_t>(at::get_num_threads());
+  int64_t nsplit = 1;
+  if (items < want) nsplit = std::max<int64_t>(1, std::min(ceil_div(want, items), ceil_div(max_len, kMinSplitTokens)));
+
+  // Split partials: acc [B, H, nsplit, D] and (max, sum) [B, H, nsplit, 2], float32.
+  std::vector<float> part_acc(nsplit > 1 ? B * H * nsplit * D : 0);
+  std::vector<float> part_ml(nsplit > 1 ? B * H * nsplit * 2 : 0);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+
+  at::parallel_for(0, B * nsplit, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(H * D), acc(H * D), m(H), l(H), s(H * kBlockTokens), row(Hkv * D);
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t b = w / nsplit, sp = w % nsplit;
+      const int64_t len = lens[b], chunk = ceil_div(len, nsplit);
+      const int64_t t0 = std::min(len, sp * chunk), t1 = std::min(len, t0 + chunk);
+      const int32_t* slots = r2t + rows[b] * r2t_s0;
+      for (int64_t hq = 0; hq < H; ++hq) {
+        load_row(qp + b * qs0 + hq * qs1, qf.data() + hq * D, D);
+        scale_row(qf.data() + hq * D, static_cast<float>(scale), D);
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(m.begin(), m.end(), neg_inf);
+      std::fill(l.begin(), l.end(), 0.f);
+      for (int64_t tb = t0; tb < t1; tb += kBlockTokens) {
+        const int64_t n = std::min(kBlockTokens, t1 - tb);
+        for (int64_t j = 0; j < n; ++j) {  // scores of every query head against key tb + j
+          if (j + kPrefetch < n) __builtin_prefetch(kp + static_cast<int64_t>(slots[tb + j + kPrefetch]) * ks0);
+          load_row(kp + static_cast<int64_t>(slots[tb + j]) * ks0, row.data(), Hkv * D);
+          for (int64_t hq = 0; hq < H; ++hq)
+            s[hq * kBlockTokens + j] = dot(qf.data() + hq * D, row.data() + (hq / G) * D, D);
+        }
+        for (int64_t hq = 0; hq < H; ++hq) {  // online softmax: rescale what came before
+          float* sh = s.data() + hq * kBlockTokens;
+          float mb = m[hq];
+          for (int64_t j = 0; j < n; ++j) mb = std::max(mb, sh[j]);
+          const float corr = exp_neg(m[hq] - mb);  // ~0 on the first block (m = -inf)
+          l[hq] *= corr;
+          scale_row(acc.data() + hq * D, corr, D);
+          float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t j = 0; j < n; ++j) {
+            sh[j] = exp_neg(sh[j] - mb);
+            sum += sh[j];
+          }
+          l[hq] += sum;
+          m[hq] = mb;
+        }
+        for (int64_t j = 0; j < n; ++j) {
+          if (j + kPrefetch < n) __builtin_prefetch(vp + static_cast<int64_t>(slots[tb + j + kPrefetch]) * vs0);
+          load_row(vp + static_cast<int64_t>(slots[tb + j]) * vs0, row.data(), Hkv * D);
+          for (int64_t hq = 0; hq < H; ++hq)
+            axpy(acc.data() + hq * D, s[hq * kBlockTokens + j], row.data() + (hq / G) * D, D);
+        }
+      }
+      for (int64_t hq = 0; hq < H; ++hq) {
+        if (nsplit == 1) {
+          scale_row(acc.data() + hq * D, 1.f / l[hq], D);
+          store_row(acc.data() + hq * D, op + b * os0 + hq * os1, D);
+        } else {
+          const int64_t idx = (b * H + hq) * nsplit + sp;
+          std::memcpy(part_acc.data() + idx * D, acc.data() + hq * D, D * sizeof(float));
+          part_ml[idx * 2] = m[hq];
+          part_ml[idx * 2 + 1] = l[hq];
+        }
+      }
+    }
+  });
+  if (nsplit == 1) return;
+
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> res(D);
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const float* ml = part_ml.data() + bh * nsplit * 2;
+      float mx = neg_inf;
+      for (int64_t sp = 0; sp < nsplit; ++sp) mx = std::max(mx, ml[sp * 2]);
+      std::fill(res.begin(), res.end(), 0.f);
+      float total = 0.f;
+      for (int64_t sp = 0; sp < nsplit; ++sp) {
+        if (ml[sp * 2 + 1] == 0.f) continue;  // an empty split (its request is short)
+        const float w = std::exp(ml[sp * 2] - mx);
+        total += ml[sp * 2 + 1] * w;
+        axpy(res.data(), w, part_acc.data() + (bh * nsplit + sp) * D, D);
+      }
+      scale_row(res.data(), 1.f / total, D);
+      const int64_t b = bh / H, head = bh % H;
+      store_row(res.data(), op + b * os0 + head * os1, D);
+    }
+  });
+}
+
+void decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
+                      const at::Tensor& req_to_token, const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
+                      double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_buf.dim() == 3 && v_buf.dim() == 3 && out.sizes() == q.sizes(),
+              "decode_attention: q/out [B, H, D], k_buf/v_buf [slots, Hkv, D]");
+  TORCH_CHECK(q.size(1) % k_buf.size(1) == 0, "decode_attention: heads must be a multiple of KV heads");
+  TORCH_CHECK(q.size(2) == k_buf.size(2) && v_buf.sizes() == k_buf.sizes(), "decode_attention: head_dim mismatch");
+  TORCH_CHECK(q.scalar_type() == k_buf.scalar_type() && q.scalar_type() == out.scalar_type() &&
+                  v_buf.scalar_type() == k_buf.scalar_type(),
+              "decode_attention: q, out and the KV pool must share a dtype");
+  TORCH_CHECK(req_to_token.scalar_type() == at::kInt && req_to_token.stride(1) == 1, "req_to_token: int32, rows contiguous");
+  TORCH_CHECK(req_pool_indices.scalar_type() == at::kLong && req_pool_indices.is_contiguous() &&
+                  seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous() &&
+                  seq_lens.numel() == q.size(0) && req_pool_indices.numel() == q.size(0),
+              "decode_attention: req_pool_indices / seq_lens: contiguous int64 [B]");
+  check_last_dim_contiguous(q, "decode_attention q");
+  check_last_dim_contiguous(out, "decode_attention out");
+  TORCH_CHECK(k_buf.stride(1) == k_buf.size(2) && v_buf.stride(1) == v_buf.size(2) && k_buf.stride(2) == 1 &&
+                  v_buf.stride(2) == 1,
+              "decode_attention: a slot's K/V heads must be contiguous");
+  DISPATCH_FLOAT_TYPES(q.scalar_type(), "decode_attention", [&] {
+    decode_attention_impl<scalar_t>(out, q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, scale);
+  });
+}
+
+// ---- RMSNorm, with the residual add fused --------------------------------------------------
+//
+// With a residual: s = x + residual (rounded to x's dtype, as the torch path adds), returns
+// (rmsnorm(s) * weight, s). Without: (rmsnorm(x) * weight, undefined). Rows of x: [..., N].
+template <typename T>
+void rmsnorm_impl(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight, double eps,
+                  at::Tensor& out, at::Tensor* res_out) {
+  const int64_t N = x.size(-1), rows = x.numel() / N;
+  const T* xp = x.data_ptr<T>();
+  const T* rp = residual ? residual->data_ptr<T>() : nullptr;
+  T* op = out.data_ptr<T>();
+  T* sp = res_out ? res_out->data_ptr<T>() : nullptr;
+  std::vector<float> w(N);
+  const at::Tensor wf = weight.to(at::kFloat).contiguous();
+  std::memcpy(w.data(), wf.data_ptr<float>(), N * sizeof(float));
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> a(N), r(N);
+    for (int64_t i = begin; i < end; ++i) {
+      load_row(xp + i * N, a.data(), N);
+      if (rp) {
+        load_row(rp + i * N, r.data(), N);
+        for (int64_t j = 0; j < N; ++j) a[j] = static_cast<float>(static_cast<T>(a[j] + r[j]));
+        store_row(a.data(), sp + i * N, N);
+      }
+      const float inv = 1.f / std::sqrt(dot(a.data(), a.data(), N) / N + static_cast<float>(eps));
+#pragma omp simd
+      for (int64_t j = 0; j < N; ++j) a[j] = a[j] * inv * w[j];
+      store_row(a.data(), op + i * N, N);
+    }
+  });
+}
+
+std::vector<at::Tensor> fused_add_rmsnorm(const at::Tensor& x_in, const c10::optional<at::Tensor>& residual_in,
+                                          const at::Tensor& weight, double eps) {
+  const at::Tensor x = x_in.contiguous();
+  TORCH_CHECK(weight.numel() == x.size(-1), "rmsnorm: weight size must equal the last dim");
+  at::Tensor out = at::empty_like(x);
+  at::Tensor residual, res_out;
+  if (residual_in.has_value()) {
+    residual = residual_in->contiguous();
+    TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(), "rmsnorm: residual like x");
+    res_out = at::empty_like(x);
+  }
+  DISPATCH_FLOAT_TYPES(x.scalar_type(), "fused_add_rmsnorm", [&] {
+    rmsnorm_impl<scalar_t>(x, residual.defined() ? &residual : nullptr, weight, eps, out,
+                           res_out.defined() ? &res_out : nullptr);
+  });
+  if (res_out.defined()) return {out, res_out};
+  return {out};
+}
+
+// ---- rotary embedding (neox style: the two halves of the rotary dims rotate together) -------
+//
+// x [T, heads, head_dim] (any token/head strides), cos/sin [max_position, rotary_dim] float32
+// with each half repeated; returns a contiguous rotated copy. Dims past rotary_dim pass through.
+template <typename T>
+void rotary_impl(const at::Tensor& x, const int64_t* pos, const float* cos, const float* sin, int64_t cs_stride,
+                 int64_t rotary_dim, at::Tensor& out) {
+  const int64_t Tn = x.size(0), Hn = x.size(1), D = x.size(2), half = rotary_dim / 2;
+  const int64_t xs0 = x.stride(0), xs1 = x.stride(1);
+  const T* xp = x.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, Tn * Hn, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> a(D), o(D);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t t = i / Hn, h = i % Hn;
+      const float* c = cos + pos[t] * cs_stride;
+      const float* s = sin + pos[t] * cs_stride;
+      load_row(xp + t * xs0 + h * xs1, a.data(), D);
+#pragma omp simd
+      for (int64_t j = 0; j < half; ++j) {
+        o[j] = a[j] * c[j] - a[j + half] * s[j];
+        o[j + half] = a[j + half] * c[j + half] + a[j] * s[j + half];
+      }
+      for (int64_t j = rotary_dim; j < D; ++j) o[j] = a[j];
+      store_row(o.data(), op + i * D, D);
+    }
+  });
+}
+
+std::vector<at::Tensor> rotary_embedding(const at::Tensor& positions, const at::Tensor& q, const at::Tensor& k,
+                                         const at::Tensor& cos, const at::Tensor& sin, int64_t rotary_dim) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(0) == k.size(0) && q.size(2) == k.size(2), "rotary: q/k [T, heads, D]");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.size(1) == rotary_dim,
+              "rotary: cos/sin contiguous float32 [max_position, rotary_dim]");
+  TORCH_CHECK(rotary_dim % 2 == 0 && rotary_dim <= q.size(2), "rotary: bad rotary_dim");
+  check_last_dim_contiguous(q, "rotary q");
+  check_last_dim_contiguous(k, "rotary k");
+  const at::Tensor pos = positions.to(at::kLong).contiguous();
+  TORCH_CHECK(pos.numel() == q.size(0), "rotary: one position per token");
+  if (pos.numel() > 0) {
+    const int64_t lo = pos.min().item<int64_t>(), hi = pos.max().item<int64_t>();
+    TORCH_CHECK(lo >= 0 && hi < cos.size(0), "rotary: position ", hi, " outside the table of ", cos.size(0));
+  }
+  at::Tensor q_out = at::empty(q.sizes(), q.options()), k_out = at::empty(k.sizes(), k.options());
+  DISPATCH_FLOAT_TYPES(q.scalar_type(), "rotary_embedding", [&] {
+    rotary_impl<scalar_t>(q, pos.data_ptr<int64_t>(), cos.data_ptr<float>(), sin.data_ptr<float>(), rotary_dim,
+                          rotary_dim, q_out);
+    rotary_impl<scalar_t>(k, pos.data_ptr<int64_t>(), cos.data_ptr<float>(), sin.data_ptr<float>(), rotary_dim,
+                          rotary_dim, k_out);
+  });
+  return {q_out, k_out};
+}
+
+// ---- SiLU-and-mul: out = silu(x[:, :d]) * x[:, d:] ---------------------------------------------
+template <typename T>
+void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
+  const int64_t d = out.size(-1), rows = out.numel() / d;
+  const T* xp = x.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> g(d), u(d);
+    for (int64_t i = begin; i < end; ++i) {
+      load_row(xp + i * 2 * d, g.data(), d);
+      load_row(xp + i * 2 * d + d, u.data(), d);
+      for (int64_t j = 0; j < d; ++j) g[j] = g[j] / (1.f + std::exp(-g[j])) * u[j];
+      store_row(g.data(), op + i * d, d);
+    }
+  });
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x_in) {
+  const at::Tensor x = x_in.contiguous();
+  TORCH_CHECK(x.size(-1) % 2 == 0, "silu_and_mul: last dim must be even");
+  auto sizes = x.sizes().vec();
+  sizes.back() /= 2;
+  at::Tensor out = at::empty(sizes, x.options());
+  DISPATCH_FLOAT_TYPES(x.scalar_type(), "silu_and_mul",
+                                  [&] { silu_and_mul_impl<scalar_t>(x, out); });
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention, "paged decode attention (writes out)");
+  m.def("fused_add_rmsnorm", &fused_add_rmsnorm, "RMSNorm with an optional fused residual add");
+  m.def("rotary_embedding", &rotary_embedding, "neox-style rotary embedding of q and k");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
+}

@@ -1,0 +1,69 @@
+"""The C++ CPU kernels (radixserve/csrc/cpu_kernels.cpp): paged decode attention, fused
+add+RMSNorm, rotary embedding and SiLU-and-mul, the decode hot path on the CPU.
+
+They are compiled once per machine with torch.utils.cpp_extension (`-O3 -march=native`,
+torch's own OpenMP pool) into torch's extension cache; `scripts/install.sh` builds them, and
+otherwise the first process that needs them does (about a minute on two cores). Where no
+compiler is at hand, or RADIXSERVE_DISABLE_CPU_KERNELS=1 is set, `get()` returns None and every
+layer takes its torch path, which stays the reference the kernels are tested against.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+from types import ModuleType
+from typing import Mapping, Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DISABLE_ENV = "RADIXSERVE_DISABLE_CPU_KERNELS"
+SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_kernels.cpp"
+EXTENSION_NAME = "radixserve_cpu_kernels"
+
+
+def enabled_from_env(environ: Mapping[str, str] = os.environ) -> bool:
+    return environ.get(DISABLE_ENV, "").strip().lower() not in ("1", "true", "yes", "on")
+
+
+ENABLED: bool = enabled_from_env()
+
+
+@functools.lru_cache(maxsize=1)
+def build() -> Optional[ModuleType]:
+    """Compile (or load the cached build of) the extension; None when that fails."""
+    try:
+        from torch.utils.cpp_extension import load
+
+        return load(
+            name=EXTENSION_NAME,
+            sources=[str(SOURCE)],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as e:  # no compiler, no headers: the torch path serves
+        logger.warning("CPU kernels unavailable, using the torch path: %s", str(e).splitlines()[0] if str(e) else e)
+        return None
+
+
+def get() -> Optional[ModuleType]:
+    """The kernels module for CPU tensors, or None (use torch)."""
+    return build() if ENABLED else None
+
+
+def kernels_for(x: torch.Tensor) -> Optional[ModuleType]:
+    """The kernels module when `x` (a CPU tensor) should take the C++ path, else None."""
+    if not ENABLED or x.device.type != "cpu":
+        return None
+    return build()
+
+
+if __name__ == "__main__":  # python -m radixserve.layers.cpu_kernels: build now (install.sh)
+    logging.basicConfig(level=logging.INFO)
+    mod = build()
+    print("radixserve CPU kernels:", "built" if mod is not None else "NOT available (torch fallback)")

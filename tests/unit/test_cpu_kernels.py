@@ -1,0 +1,206 @@
+"""The C++ CPU kernels (radixserve/csrc/cpu_kernels.cpp) against the torch code they replace:
+paged decode attention against the torch-native backend's gather + SDPA path (ragged lengths,
+cached prefixes, GQA ratios, page sizes 1 and 16 with scattered pages, long sequences that take
+the split-KV path, mixed batches), and fused add+RMSNorm, rotary and SiLU-and-mul against the
+layers' torch paths, in float32 and bfloat16."""
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from radixserve.layers import cpu_kernels
+from radixserve.layers.activation import SiluAndMul
+from radixserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from radixserve.layers.layernorm import RMSNorm
+from radixserve.layers.rotary_embedding import RotaryEmbedding
+from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from radixserve.model_executor.forward_batch import ForwardMode
+
+# float32: the kernel sums in another order than SDPA; bfloat16: both round their output once.
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture(scope="module")
+def ops():
+    mod = cpu_kernels.get()
+    assert mod is not None, "the C++ CPU kernels did not build (see the warning logged by cpu_kernels.build)"
+    return mod
+
+
+def _scattered_slots(seq_lens, page_size, num_pages, rng):
+    """Slots of each request on pages taken in a shuffled order (page 0 is padding)."""
+    pages = list(range(1, num_pages + 1))
+    rng.shuffle(pages)
+    out = []
+    for n in seq_lens:
+        need = -(-n // page_size)
+        mine, pages = pages[:need], pages[need:]
+        out.append(torch.tensor([p * page_size + o for p in mine for o in range(page_size)][:n], dtype=torch.int64))
+    return out
+
+
+def _setup(mode, prefix_lens, extend_lens, heads, kv_heads, head_dim, page_size, dtype, seed):
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    bs = len(prefix_lens)
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    num_pages = sum(-(-n // page_size) for n in seq_lens) + 3
+    pool = MHATokenToKVPool(num_pages * page_size, page_size, dtype, kv_heads, head_dim, 1)
+    # Garbage everywhere, so reading a wrong slot shows.
+    pool.k_buffer[0].copy_(torch.randn(pool.k_buffer[0].shape, generator=g))
+    pool.v_buffer[0].copy_(torch.randn(pool.v_buffer[0].shape, generator=g))
+    r2t = ReqToTokenPool(bs + 3, max(seq_lens) + 4)
+    rows = list(range(bs + 3))
+    rng.shuffle(rows)
+    rows = rows[:bs]
+    slots = _scattered_slots(seq_lens, page_size, num_pages, rng)
+    for row, s in zip(rows, slots):
+        r2t.req_to_token[row, : len(s)] = s.to(torch.int32)
+    fb = SimpleNamespace(
+        forward_mode=mode,
+        batch_size=bs,
+        req_pool_indices=torch.tensor(rows, dtype=torch.int64),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
+        seq_lens_cpu=seq_lens,
+        out_cache_loc=torch.cat([s[p:] for s, p in zip(slots, prefix_lens)]),
+        extend_seq_lens_cpu=list(extend_lens),
+        extend_prefix_lens_cpu=list(prefix_lens),
+        req_to_token_pool=r2t,
+        token_to_kv_pool=pool,
+        attn_metadata=None,
+    )
+    T = sum(extend_lens)
+    q = torch.randn(T, heads, head_dim, generator=g).to(dtype)
+    k = torch.randn(T, kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(T, kv_heads, head_dim, generator=g).to(dtype)
+    return fb, q, k, v, SimpleNamespace(layer_id=0, scaling=head_dim**-0.5)
+
+
+def _run_both(fb, q, k, v, layer):
+    """(kernel output, torch-native output); both must leave the same pool contents."""
+    pool = fb.token_to_kv_pool
+    k0, v0 = pool.k_buffer[0].clone(), pool.v_buffer[0].clone()
+    ref_be = TorchNativeAttnBackend("cpu", use_cpu_kernels=False)
+    ref_be.init_forward_metadata(fb)
+    assert ref_be.cpu_ops is None and fb.attn_metadata.decode_rows is None
+    ref = ref_be.forward(q, k, v, layer, fb)
+    k_ref, v_ref = pool.k_buffer[0].clone(), pool.v_buffer[0].clone()
+    pool.k_buffer[0].copy_(k0)
+    pool.v_buffer[0].copy_(v0)
+    be = TorchNativeAttnBackend("cpu")
+    be.init_forward_metadata(fb)
+    assert fb.attn_metadata.decode_rows is not None and not fb.attn_metadata.decode_groups  # the kernel's path
+    out = be.forward(q, k, v, layer, fb)
+    assert torch.equal(pool.k_buffer[0], k_ref) and torch.equal(pool.v_buffer[0], v_ref)
+    return out, ref
+
+
+def _max_err(out, ref):
+    return (out.float() - ref.float()).abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3), (8, 2), (4, 1)])
+def test_decode_attention_matches_torch_native(ops, dtype, page_size, heads, kv_heads):
+    seq_lens = [1, 3, 50, 17, 70, 129, 300]  # ragged, and some longer than an online-softmax block
+    fb, q, k, v, layer = _setup(
+        ForwardMode.DECODE, [s - 1 for s in seq_lens], [1] * len(seq_lens), heads, kv_heads, 64, page_size, dtype,
+        seed=heads * 10 + kv_heads + page_size,
+    )
+    out, ref = _run_both(fb, q, k, v, layer)
+    assert _max_err(out, ref) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seq_lens", [[700], [1000, 5], [257, 129, 3]])
+def test_decode_attention_split_kv(ops, dtype, seq_lens):
+    """Few requests with long sequences: the kernel splits each sequence (flash decoding),
+    including splits left empty by a short request, and merges the splits."""
+    fb, q, k, v, layer = _setup(
+        ForwardMode.DECODE, [s - 1 for s in seq_lens], [1] * len(seq_lens), 6, 2, 32, 16, dtype, seed=len(seq_lens)
+    )
+    out, ref = _run_both(fb, q, k, v, layer)
+    assert _max_err(out, ref) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_batch_decode_rows_with_prefills(ops, dtype):
+    """An EXTEND/MIXED batch: one-token extends go to the kernel, longer ones (with and without a
+    cached prefix) stay on SDPA; head_dim not a multiple of the vector width."""
+    fb, q, k, v, layer = _setup(ForwardMode.MIXED, [0, 12, 33, 0, 90], [21, 1, 1, 7, 1], 6, 3, 24, 1, dtype, seed=4)
+    out, ref = _run_both(fb, q, k, v, layer)
+    assert _max_err(out, ref) <= TOL[dtype]
+
+
+def test_decode_attention_rejects_bad_shapes(ops):
+    q = torch.randn(2, 5, 16)
+    kv = torch.randn(10, 2, 16)  # 5 heads over 2 KV heads
+    r2t = torch.zeros(3, 8, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="multiple of KV heads"):
+        ops.decode_attention(torch.empty_like(q), q, kv, kv, r2t, torch.tensor([0, 1]), torch.tensor([2, 2]), 0.25)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        q4 = torch.randn(2, 4, 16)
+        ops.decode_attention(torch.empty_like(q4), q4, kv.bfloat16(), kv.bfloat16(), r2t, torch.tensor([0, 1]),
+                             torch.tensor([2, 2]), 0.25)
+
+
+def _torch_path(monkeypatch, fn):
+    monkeypatch.setattr(cpu_kernels, "ENABLED", False)
+    try:
+        return fn()
+    finally:
+        monkeypatch.setattr(cpu_kernels, "ENABLED", True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_matches_torch(ops, monkeypatch, dtype):
+    g = torch.Generator().manual_seed(0)
+    norm = RMSNorm(96, eps=1e-5).to(dtype)
+    norm.weight.data.copy_(torch.rand(96, generator=g) + 0.5)
+    x = (torch.randn(7, 96, generator=g) * 3).to(dtype)
+    res = torch.randn(7, 96, generator=g).to(dtype)
+    out, new_res = norm(x, res)
+    ref_out, ref_res = _torch_path(monkeypatch, lambda: norm(x, res))
+    assert torch.equal(new_res, ref_res)  # the residual sum rounds to the dtype the same way
+    assert _max_err(out, ref_out) <= TOL[dtype]
+    # no residual, and a [T, heads, head_dim] view (the Qwen3 q/k norm) that is not contiguous
+    qk = torch.randn(5, 12, 16, generator=g).to(dtype)[:, 2:8]
+    norm16 = RMSNorm(16).to(dtype)
+    assert _max_err(norm16(qk), _torch_path(monkeypatch, lambda: norm16(qk))) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("partial", [1.0, 0.5])
+def test_rotary_matches_torch(ops, monkeypatch, dtype, partial):
+    g = torch.Generator().manual_seed(1)
+    rope = RotaryEmbedding(32, 512, 10000.0, partial_rotary_factor=partial).to(dtype)
+    assert rope.cos_cached.dtype == torch.float32  # model.to(bf16) keeps the angle tables in fp32
+    qkv = torch.randn(6, (4 + 2 + 2) * 32, generator=g).to(dtype)
+    q = qkv[:, : 4 * 32].reshape(6, 4, 32)  # strided views, as LlamaAttention passes them
+    k = qkv[:, 4 * 32 : 6 * 32].reshape(6, 2, 32)
+    positions = torch.tensor([0, 1, 7, 100, 511, 3])
+    q_out, k_out = rope(positions, q, k)
+    q_ref, k_ref = _torch_path(monkeypatch, lambda: rope(positions, q, k))
+    assert _max_err(q_out, q_ref) <= TOL[dtype] and _max_err(k_out, k_ref) <= TOL[dtype]
+    with pytest.raises(RuntimeError, match="outside the table"):
+        rope(torch.tensor([0, 1, 2, 3, 4, 512]), q, k)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_matches_torch(ops, monkeypatch, dtype):
+    x = (torch.randn(9, 2 * 40, generator=torch.Generator().manual_seed(2)) * 4).to(dtype)
+    act = SiluAndMul()
+    out, ref = act(x).float(), _torch_path(monkeypatch, lambda: act(x)).float()
+    # relative: bf16 outputs reach ~16, where one rounding step is 0.06 (torch rounds twice)
+    assert ((out - ref).abs() / (ref.abs() + 1)).max().item() <= TOL[dtype]
+
+
+def test_disable_switch(monkeypatch):
+    assert cpu_kernels.enabled_from_env({"RADIXSERVE_DISABLE_CPU_KERNELS": "1"}) is False
+    assert cpu_kernels.enabled_from_env({}) is True
+    monkeypatch.setattr(cpu_kernels, "ENABLED", False)
+    assert cpu_kernels.get() is None and cpu_kernels.kernels_for(torch.zeros(1)) is None
+    assert TorchNativeAttnBackend("cpu").cpu_ops is None
