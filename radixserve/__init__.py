@@ -1,11 +1,9 @@
 """radixserve: a readable SGLang-style LLM serving engine."""
 
-import os
-
-# OpenMP threads that spin while idle steal the CPU from the other processes and threads of
-# the server (tokenizer, detokenizer, the overlap loop's scheduler thread): on a 2-core CPU
-# passive waiting measured ~8% more throughput in both event loops. Set before torch loads
-# OpenMP; an explicit OMP_WAIT_POLICY in the environment wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenMP threads are left with libgomp's default wait policy (spin a little, then sleep). On a
+# 2-core CPU the forward's threads must wake at once for each of a decode step's ~300 parallel
+# regions: OMP_WAIT_POLICY=PASSIVE (sleep at once) made a served decode step 1.5x slower, ACTIVE
+# (spin forever) 4x, by starving the server's other processes (benchmarks/NOTES.md, issue 14).
+# An OMP_WAIT_POLICY in the environment still applies.
 
 __version__ = "0.1.0"

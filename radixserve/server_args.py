@@ -53,7 +53,8 @@ class ServerArgs:
     schedule_low_priority_values_first: bool = False
     priority_scheduling_preemption_threshold: int = 10
     stream_interval: int = 1
-    disable_overlap_schedule: bool = False
+    # None: the overlap loop on CUDA, the normal loop on the CPU (overlap_schedule_enabled).
+    disable_overlap_schedule: Optional[bool] = None
     disable_consecutive_prefill_overlap: bool = False
     # Test knob (SGLang's SGLANG_TEST_RETRACT): force a retraction every N decode steps.
     test_retract_interval: Optional[int] = None
@@ -142,6 +143,11 @@ class ServerArgs:
             flag = "--" + f.name.replace("_", "-")
             default = f.default
             text = FLAG_HELP.get(f.name, "")
+            if f.name == "disable_overlap_schedule":  # tri-state: on, off, or by device
+                parser.add_argument(flag, action="store_const", const=True, default=None, help=text)
+                parser.add_argument("--enable-overlap-schedule", dest=f.name, action="store_const", const=False,
+                                    help="run the overlap loop on the CPU too (where it is off by default)")
+                continue
             if f.type in ("bool", bool):
                 parser.add_argument(flag, action="store_true", default=default, help=f"{text} (default: off)".strip())
                 continue
@@ -152,6 +158,13 @@ class ServerArgs:
     def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+    def overlap_schedule_enabled(self, device: str) -> bool:
+        """The overlap loop by default on CUDA only: on a CPU the forward needs every core, and
+        a scheduler thread beside it slowed decode steps (benchmarks/NOTES.md, issue 14)."""
+        if self.disable_overlap_schedule is None:
+            return device != "cpu"
+        return not self.disable_overlap_schedule
 
     def replace(self, **changes: Any) -> "ServerArgs":
         return dataclasses.replace(self, **changes)
@@ -193,7 +206,7 @@ FLAG_HELP = {
     "schedule_low_priority_values_first": "with priority scheduling: smaller values first",
     "priority_scheduling_preemption_threshold": "priority difference that allows preemption",
     "stream_interval": "stream every this many tokens",
-    "disable_overlap_schedule": "run the scheduler's normal loop instead of the overlap loop",
+    "disable_overlap_schedule": "run the scheduler's normal loop instead of the overlap loop (default: the overlap loop on GPU, the normal loop on CPU)",
     "disable_consecutive_prefill_overlap": "overlap loop: process a prefill's result before launching the next prefill (lower TTFT)",
     "test_retract_interval": "testing: force a retraction every this many decode steps",
     "host": "address to bind; 0.0.0.0 exposes the server to the network",

@@ -12,6 +12,13 @@ dataset flags):
     trace                    a JSONL file (--dataset-path), one request a line:
                              {"timestamp": s, "input_ids": [...] | "input_len": n, "output_len": n}
                              (timestamp or arrival_time; requests are sent at these times)
+    multi-turn               chat sessions (`bench serving` only: a prompt depends on the server's
+                             earlier answers): --num-users users share one --system-prompt-len
+                             system prompt; each runs --num-turns turns one after another, the
+                             prompt of turn t being the text of the whole conversation so far
+                             (system prompt + user message 1 + answer 1 + ... + user message t,
+                             --turn-input-len tokens a user message, --random-output-len tokens
+                             an answer), sent as plain text completions
 
 Random token ids avoid the tokenizer's special ids and are drawn from a seeded RNG, so one
 seed gives one workload.
@@ -23,9 +30,9 @@ import argparse
 import json
 import random
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Sequence
 
-DATASETS = ("random", "random-ids", "generated-shared-prefix", "sharegpt", "trace")
+DATASETS = ("random", "random-ids", "generated-shared-prefix", "sharegpt", "trace", "multi-turn")
 # Token ids below this are special in the tiny tokenizer (and typical BOS/EOS/PAD ids).
 FIRST_ORDINARY_ID = 3
 
@@ -42,12 +49,12 @@ class DatasetRow:
 
 def add_dataset_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("workload")
-    g.add_argument("--dataset-name", default="random", choices=DATASETS)
+    g.add_argument("--dataset-name", "--dataset", default="random", choices=DATASETS)
     g.add_argument("--dataset-path", default=None, help="ShareGPT JSON or JSONL trace file")
     g.add_argument("--num-prompts", type=int, default=1000, help="requests to send (gsp: groups x prompts per group)")
     g.add_argument("--seed", type=int, default=1)
     g.add_argument("--random-input-len", type=int, default=1024)
-    g.add_argument("--random-output-len", type=int, default=1024)
+    g.add_argument("--random-output-len", type=int, default=1024, help="(multi-turn: tokens of an answer)")
     g.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="lengths are uniform in [len * ratio, len]")
     g.add_argument("--gsp-num-groups", type=int, default=64)
@@ -60,6 +67,12 @@ def add_dataset_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--sharegpt-output-len", type=int, default=None, help="override the reply lengths")
     g.add_argument("--sharegpt-context-len", type=int, default=2048,
                    help="skip conversations whose prompt + output exceed this")
+    g.add_argument("--num-users", type=int, default=16, help="multi-turn: concurrent chat users")
+    g.add_argument("--num-turns", type=int, default=4, help="multi-turn: turns per user")
+    g.add_argument("--system-prompt-len", type=int, default=600,
+                   help="multi-turn: tokens of the system prompt all users share")
+    g.add_argument("--turn-input-len", type=int, default=32,
+                   help="multi-turn: tokens of a user message (answers: --random-output-len)")
 
 
 def _lengths(rng: random.Random, n: int, length: int, ratio: float) -> List[int]:
@@ -85,6 +98,62 @@ def sample_random(num: int, input_len: int, output_len: int, ratio: float, vocab
         else:
             rows.append(DatasetRow(None, ids, n, m))
     return rows
+
+
+def random_text(rng: random.Random, n: int, vocab_size: int, tokenizer: Any) -> str:
+    """Text of about n tokens: random ids decoded, re-encoded, cut to n and decoded again (the
+    first decode alone re-encodes to ~5-10% more tokens)."""
+    if n <= 0:
+        return ""
+    text = tokenizer.decode(_random_ids(rng, n, vocab_size))
+    return tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)[:n])
+
+
+@dataclass
+class MultiTurnWorkload:
+    """The fixed part of a multi-turn run; the answers come from the server while it runs."""
+    system_prompt: str
+    user_messages: List[List[str]]  # [user][turn]
+    output_len: int  # max_new_tokens of every answer
+
+    @property
+    def num_users(self) -> int:
+        return len(self.user_messages)
+
+    @property
+    def num_turns(self) -> int:
+        return len(self.user_messages[0]) if self.user_messages else 0
+
+
+def sample_multi_turn(num_users: int, num_turns: int, system_prompt_len: int, turn_input_len: int,
+                      output_len: int, vocab_size: int, seed: int, tokenizer: Any) -> MultiTurnWorkload:
+    """One system prompt shared by all users, then each user's messages, all from one seeded RNG
+    (same seed, same tokenizer: same texts)."""
+    if tokenizer is None:
+        raise ValueError("the multi-turn dataset needs a tokenizer (--tokenizer)")
+    if num_users < 1 or num_turns < 1:
+        raise ValueError("multi-turn needs --num-users >= 1 and --num-turns >= 1")
+    if output_len < 1:
+        raise ValueError("multi-turn needs --random-output-len >= 1")
+    rng = random.Random(seed)
+    system = random_text(rng, system_prompt_len, vocab_size, tokenizer)
+    users = [[random_text(rng, turn_input_len, vocab_size, tokenizer) for _ in range(num_turns)]
+             for _ in range(num_users)]
+    return MultiTurnWorkload(system, users, output_len)
+
+
+def build_turn_prompt(system_prompt: str, user_messages: Sequence[str], answers: Sequence[str]) -> str:
+    """The prompt of turn len(answers) (0-based): system prompt + user message 1 + answer 1 + ...
+    + this turn's user message, concatenated as they are (plain completions, no chat template,
+    so every server sees the same text)."""
+    t = len(answers)
+    if t >= len(user_messages):
+        raise ValueError(f"turn {t} of a conversation with {len(user_messages)} user messages")
+    parts = [system_prompt]
+    for msg, ans in zip(user_messages, answers):
+        parts += [msg, ans]
+    parts.append(user_messages[t])
+    return "".join(parts)
 
 
 def sample_generated_shared_prefix(num_groups: int, prompts_per_group: int, system_prompt_len: int,
@@ -166,6 +235,9 @@ def get_dataset(args: argparse.Namespace, vocab_size: int, tokenizer: Any = None
         return sample_generated_shared_prefix(args.gsp_num_groups, args.gsp_prompts_per_group,
                                               args.gsp_system_prompt_len, args.gsp_question_len,
                                               args.gsp_output_len, vocab_size, args.seed, args.gsp_shuffle)
+    if name == "multi-turn":
+        raise ValueError("the multi-turn dataset runs only in `radixserve bench serving` "
+                         "(its prompts contain the server's answers)")
     if not args.dataset_path:
         raise ValueError(f"--dataset-name {name} needs --dataset-path")
     if name == "sharegpt":

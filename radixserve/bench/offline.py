@@ -175,13 +175,14 @@ def run(args: argparse.Namespace) -> int:
     runner = engine.scheduler.tp_worker.model_runner
     prompts, out_lens = make_workload(args, vocab)
 
-    loop = "normal" if server_args.disable_overlap_schedule else "overlap"
+    overlap = engine.scheduler.enable_overlap
+    loop = "overlap" if overlap else "normal"
     ours = run_ours(engine, prompts, out_lens, f"radixserve ({loop} loop)")
     print(f"{ours['system']}: {ours['output_tok_s']:.0f} output tok/s ({ours['time_s']:.1f} s)", flush=True)
     results = [ours]
     if not args.skip_other_loop:  # the other event loop, same workload, same process
         other = Engine(**{**vars(server_args), "model_path": model_path,
-                          "disable_overlap_schedule": not server_args.disable_overlap_schedule})
+                          "disable_overlap_schedule": overlap})
         other_loop = "overlap" if loop == "normal" else "normal"
         results.append(run_ours(other, prompts, out_lens, f"radixserve ({other_loop} loop)"))
         other.shutdown()

@@ -1,5 +1,5 @@
-// CPU kernels for the decode hot path: paged decode attention, fused add+RMSNorm, rotary
-// embedding and SiLU-and-mul. Built on first use (or by scripts/install.sh) with
+// CPU kernels for the decode hot path: paged decode attention, KV store, fused add+RMSNorm,
+// rotary embedding and SiLU-and-mul. Built on first use (or by scripts/install.sh) with
 // torch.utils.cpp_extension, see radixserve/layers/cpu_kernels.py; the torch code those
 // layers fall back to is the reference the tests compare against.
 //
@@ -239,6 +239,27 @@ void decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_b
   });
 }
 
+// ---- store K and V of new tokens at their slots: k_buf[loc[i]] = k[i], v_buf[loc[i]] = v[i] -----
+void store_kv(at::Tensor k_buf, at::Tensor v_buf, const at::Tensor& loc_in, const at::Tensor& k_in,
+              const at::Tensor& v_in) {
+  const at::Tensor loc = loc_in.to(at::kLong).contiguous();
+  const at::Tensor k = k_in.to(k_buf.scalar_type()).contiguous(), v = v_in.to(v_buf.scalar_type()).contiguous();
+  const int64_t n = loc.numel(), row = k_buf.stride(0), slots = k_buf.size(0);
+  TORCH_CHECK(k_buf.is_contiguous() && v_buf.is_contiguous() && v_buf.sizes() == k_buf.sizes(), "store_kv: pool buffers");
+  TORCH_CHECK(k.numel() == n * row && v.numel() == n * row, "store_kv: one [heads, head_dim] row per slot");
+  const int64_t* lp = loc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(lp[i] >= 0 && lp[i] < slots, "store_kv: slot ", lp[i], " out of range");
+  const int64_t bytes = row * k.element_size();
+  char *kb = static_cast<char*>(k_buf.data_ptr()), *vb = static_cast<char*>(v_buf.data_ptr());
+  const char *ks = static_cast<const char*>(k.data_ptr()), *vs = static_cast<const char*>(v.data_ptr());
+  at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      std::memcpy(kb + lp[i] * bytes, ks + i * bytes, bytes);
+      std::memcpy(vb + lp[i] * bytes, vs + i * bytes, bytes);
+    }
+  });
+}
+
 // ---- RMSNorm, with the residual add fused --------------------------------------------------
 //
 // With a residual: s = x + residual (rounded to x's dtype, as the torch path adds), returns
@@ -376,6 +397,7 @@ at::Tensor silu_and_mul(const at::Tensor& x_in) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention (writes out)");
+  m.def("store_kv", &store_kv, "write new tokens' K/V rows at their KV-pool slots");
   m.def("fused_add_rmsnorm", &fused_add_rmsnorm, "RMSNorm with an optional fused residual add");
   m.def("rotary_embedding", &rotary_embedding, "neox-style rotary embedding of q and k");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");

@@ -113,9 +113,9 @@ class Scheduler:
         self.max_prefill_tokens = args.max_prefill_tokens
         self.is_mixed_chunk = args.enable_mixed_chunk and self.chunked_prefill_size is not None
 
-        # Overlap scheduling (the default): forwards run in order on a DeviceStream while
+        # Overlap scheduling (the default on GPU): forwards run in order on a DeviceStream while
         # this thread schedules the next batch; results are processed one iteration late.
-        self.enable_overlap = not args.disable_overlap_schedule
+        self.enable_overlap = args.overlap_schedule_enabled(self.device)
         self.stream: Optional[DeviceStream] = None
         self.result_queue: Deque[Tuple[ScheduleBatch, PendingResult]] = deque()
         if self.enable_overlap:

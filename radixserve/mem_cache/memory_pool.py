@@ -14,6 +14,8 @@ from typing import List, Optional, Union
 
 import torch
 
+from radixserve.layers import cpu_kernels
+
 
 class ReqToTokenPool:
     """A [size, max_context_len] int32 table: row r holds the KV slot of each token of the
@@ -197,6 +199,10 @@ class MHATokenToKVPool:
         return self.v_buffer[layer_id]
 
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        ops = cpu_kernels.kernels_for(k)
+        if ops is not None:  # one call instead of two casts and two index_puts per layer
+            ops.store_kv(self.k_buffer[layer_id], self.v_buffer[layer_id], loc, k, v)
+            return
         self.k_buffer[layer_id][loc] = k.to(self.dtype)
         self.v_buffer[layer_id][loc] = v.to(self.dtype)
 

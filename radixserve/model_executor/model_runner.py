@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Optional
 
 import torch
@@ -39,6 +40,13 @@ def resolve_device(device: str) -> str:
     return device
 
 
+def share_cpu_cores(ranks_on_this_machine: int) -> None:
+    """Each of the ranks that run forwards on this machine's CPU gets its share of the cores:
+    OpenMP threads of several ranks on the same cores would wait on each other at every op."""
+    if ranks_on_this_machine > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_on_this_machine))
+
+
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, server_args: ServerArgs, tp_rank: int = 0, tp_size: int = 1):
         self.model_config = model_config
@@ -47,6 +55,8 @@ class ModelRunner:
         self.device = resolve_device(server_args.device)
         self.dtype = model_config.resolve_dtype(server_args.dtype, self.device)
         self.page_size = server_args.page_size
+        if self.device == "cpu":
+            share_cpu_cores(server_args.dp_size * tp_size // server_args.nnodes)
         if tp_size > 1:
             init_distributed_environment(tp_rank, tp_size, server_args.dist_init_addr, self.device)
         torch.manual_seed(server_args.seed)

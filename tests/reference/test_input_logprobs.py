@@ -20,7 +20,7 @@ def reference():
         return torch.log_softmax(hf(torch.tensor([IDS])).logits[0].float(), -1)
 
 
-@pytest.mark.parametrize("kw", [{}, {"chunked_prefill_size": 16}, {"chunked_prefill_size": 16, "disable_overlap_schedule": True}])
+@pytest.mark.parametrize("kw", [{"disable_overlap_schedule": False}, {"chunked_prefill_size": 16}, {"chunked_prefill_size": 16, "disable_overlap_schedule": True}])
 def test_input_logprobs_match_hf(kw, reference):
     engine = Engine(max_total_tokens=4096, **kw)
     engine.generate(input_ids=IDS[:50], sampling_params={"max_new_tokens": 1})  # a cached prefix

@@ -115,7 +115,7 @@ def test_overlap_processes_results_while_the_next_forward_runs(workload):
     """Post Schedule of batch N runs while the forward of N+1 is in flight: if the loop waited
     for the device before processing (a sync in the overlap window), the share would be ~0."""
     prompts, params = workload
-    engine = Engine(max_total_tokens=16384)
+    engine = Engine(max_total_tokens=16384, disable_overlap_schedule=False)  # on the CPU too
     engine.generate(input_ids=prompts, sampling_params=params, progress=False)
     st = engine.scheduler.stats_overlap
     assert st["results_processed"] > 10
