@@ -205,13 +205,18 @@ def _sync(t: torch.Tensor) -> None:
 # ---- model-bandwidth utilization ---------------------------------------------------------------
 def weight_bytes_read_per_step(model: torch.nn.Module) -> int:
     """Bytes of the weights one decode step reads: every parameter once (shared ones once),
-    except an input embedding that is not also the LM head (only bs rows of it are read)."""
+    except an input embedding that is not also the LM head (only bs rows of it are read); a
+    weight packed for the CPU GEMM (weight_packed buffers) is read in its packed form."""
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     lm_head = getattr(model, "lm_head", None)
     skip = set()
     if embed is not None and (lm_head is None or lm_head.weight is not embed.weight):
         skip.add(id(embed.weight))
-    return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)
+    if lm_head is not None and getattr(lm_head, "weight_packed", None) is not None:
+        skip.add(id(lm_head.weight))  # the LM head reads its packed copy
+    params = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)
+    packed = sum(b.numel() * b.element_size() for name, b in model.named_buffers() if name.endswith("weight_packed"))
+    return params + packed
 
 
 def kv_bytes_read_per_step(runner: Any, batch_size: int, context_len: float) -> float:

@@ -11,7 +11,8 @@ from radixserve.distributed.parallel_state import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
-from radixserve.layers.linear import _copy
+from radixserve.layers import cpu_kernels
+from radixserve.layers.linear import _copy, packable_cpu_weight
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -43,10 +44,25 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Computes logits of its vocab shard; `get_logits` gathers them over ranks."""
+    """Computes logits of its vocab shard; `get_logits` gathers them over ranks.
+    On a CPU with AVX512_BF16 `pack_cpu_weight` adds a copy of the weight packed for the C++
+    GEMM (cpu_kernels.bf16_linear); the original stays, as the input embedding is often tied to it."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        super().__init__(num_embeddings, embedding_dim)
+        self.register_buffer("weight_packed", None, persistent=False)
+
+    def pack_cpu_weight(self) -> bool:
+        if not packable_cpu_weight(self.weight):
+            return False
+        self.weight_packed = cpu_kernels.get().pack_bf16_weight(self.weight)
+        return True
 
     def get_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        if self.weight_packed is not None:
+            logits = cpu_kernels.get().bf16_linear(hidden, self.weight_packed, self.weight.shape[0], None)
+        else:
+            logits = F.linear(hidden, self.weight)
         if self.tp_size > 1:
             logits = tensor_model_parallel_all_gather(logits, dim=-1)
         return logits[..., : self.num_embeddings]

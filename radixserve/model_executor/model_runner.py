@@ -15,6 +15,7 @@ from radixserve.distributed.parallel_state import (
 )
 from radixserve.layers.attention.base_attn_backend import AttentionBackend
 from radixserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from radixserve.layers.linear import pack_cpu_weights
 from radixserve.layers.logits_processor import LogitsProcessorOutput
 from radixserve.layers.sampler import Sampler, SamplerOutput
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
@@ -61,11 +62,22 @@ class ModelRunner:
             init_distributed_environment(tp_rank, tp_size, server_args.dist_init_addr, self.device)
         torch.manual_seed(server_args.seed)
         self.model = get_model(model_config, server_args.load_format, self.dtype, self.device, server_args.seed)
+        if self.device == "cpu":
+            self.pack_cpu_weights()
         self.context_len = min(server_args.context_length or model_config.context_len, model_config.context_len)
         self.attn_backend = self.init_attention_backend()
         self.init_memory_pool()
         self.sampler = Sampler()
         self.cuda_graph_runner = self.init_cuda_graphs()
+
+    def pack_cpu_weights(self) -> None:
+        """bf16 on a CPU with AVX512_BF16: the linear layers and the LM head take the C++ GEMM."""
+        n = pack_cpu_weights(self.model)
+        lm_head = getattr(self.model, "lm_head", None)
+        if lm_head is not None and hasattr(lm_head, "pack_cpu_weight") and lm_head.pack_cpu_weight():
+            n += 1
+        if n:
+            logger.info("CPU bf16 GEMM: %d weight matrices packed", n)
 
     def init_attention_backend(self) -> AttentionBackend:
         if self.server_args.attention_backend == "triton":

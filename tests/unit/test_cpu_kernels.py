@@ -204,3 +204,67 @@ def test_disable_switch(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "ENABLED", False)
     assert cpu_kernels.get() is None and cpu_kernels.kernels_for(torch.zeros(1)) is None
     assert TorchNativeAttnBackend("cpu").cpu_ops is None
+
+
+# ---- the bf16 GEMM for linear layers (AVX512_BF16) --------------------------------------------
+def _needs_bf16_gemm(ops):
+    if not ops.has_bf16_gemm():
+        pytest.skip("this CPU has no AVX512_BF16: linear layers stay on torch")
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 13, 64, 65, 200])
+@pytest.mark.parametrize("n,k,bias", [(96, 64, False), (50, 34, True), (576, 1536, False)])
+def test_bf16_linear_matches_f_linear(ops, m, n, k, bias):
+    """Ragged shapes: rows past a register tile and a decode block, outputs past a 16-wide block."""
+    _needs_bf16_gemm(ops)
+    g = torch.Generator().manual_seed(m * 1000 + n)
+    w = (torch.randn(n, k, generator=g) * k**-0.5).bfloat16()
+    x = torch.randn(m, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    y = ops.bf16_linear(x, ops.pack_bf16_weight(w), n, b)
+    ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    # fp32 accumulation, one rounding to bf16 (2^-8 relative)
+    assert ((y.float() - ref).abs() / (ref.abs() + 1)).max().item() <= 2**-7
+
+
+def test_model_weights_are_packed_once(ops):
+    """On a CPU with AVX512_BF16 a bf16 ModelRunner packs every linear layer for the C++ GEMM and
+    frees its original layout (the weights are held once); the LM head gets a packed copy beside
+    the tied embedding. Its logits match the same weights on the torch path (unpacked)."""
+    _needs_bf16_gemm(ops)
+    from radixserve.layers.linear import LinearBase
+    from radixserve.model_executor.forward_batch import ForwardBatch, ModelWorkerBatch
+    from radixserve.model_executor.model_runner import ModelRunner
+    from radixserve.models.model_config import ModelConfig
+    from radixserve.server_args import ServerArgs
+    from radixserve.tiny_model import get_tiny_model_path
+
+    path = str(get_tiny_model_path())
+    args = ServerArgs(model_path=path, dtype="bfloat16", device="cpu", max_total_tokens=512, max_running_requests=4)
+
+    def logits(runner):
+        n = 20
+        locs = runner.token_to_kv_pool_allocator.alloc(n)
+        runner.req_to_token_pool.req_to_token[0, :n] = locs.to(torch.int32)
+        batch = ModelWorkerBatch(
+            forward_mode=ForwardMode.EXTEND, input_ids=torch.arange(5, 5 + n), req_pool_indices=torch.tensor([0]),
+            seq_lens=torch.tensor([n]), out_cache_loc=locs, seq_lens_cpu=[n], extend_seq_lens=[n],
+            extend_prefix_lens=[0], capture_all_logits=True,
+        )
+        return runner.forward(ForwardBatch.init_new(batch, runner)).all_logits.float()
+
+    packed = ModelRunner(ModelConfig.from_pretrained(path), args)
+    linears = [m for m in packed.model.modules() if isinstance(m, LinearBase)]
+    assert linears and all(m.weight_packed is not None and m.weight.numel() == 0 for m in linears)
+    assert packed.model.lm_head.weight_packed is not None and packed.model.lm_head.weight.numel() > 0
+    cpu_kernels.ENABLED = False
+    try:
+        plain = ModelRunner(ModelConfig.from_pretrained(path), args)
+        assert all(m.weight_packed is None for m in plain.model.modules() if isinstance(m, LinearBase))
+        ref = logits(plain)
+    finally:
+        cpu_kernels.ENABLED = True
+    out = logits(packed)
+    assert (out - ref).abs().max().item() <= 0.1 * ref.abs().max().item()  # bf16, two summation orders
+    assert (out.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.9
