@@ -100,6 +100,91 @@ void check_last_dim_contiguous(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.stride(-1) == 1, name, " must be contiguous in its last dimension");
 }
 
+#if defined(__AVX512F__)
+// ---- the decode attention block on AVX-512 (head_dim a multiple of 16) --------------------------
+//
+// Per block of up to 16 keys: K and V rows are converted to fp32 once; each query head's 16
+// scores come from 16 vector dot products whose lanes are summed by one transpose-add tree (no
+// horizontal sum per key); the softmax weights are a vector; P.V broadcasts one weight per key.
+inline __m512 exp_neg_v(__m512 x) {  // exp_neg on 16 lanes; _mm512_scalef_ps does the 2^n
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// v[0..15] -> one vector whose lane j is the sum of v[j]'s lanes.
+inline __m512 transpose_sum16(__m512 v[16]) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(a[2 * i]), _mm512_castps_pd(a[2 * i + 1]));
+    const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(a[2 * i]), _mm512_castps_pd(a[2 * i + 1]));
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+  }
+  // b[i]'s 128-bit lane L holds keys 4i..4i+3, partial over lane L: sum the four lanes.
+  for (int i = 0; i < 2; ++i)
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88), _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+}
+#endif
+
+#if defined(__AVX512F__)
+constexpr int64_t kFastMaxChunks = 8;  // head_dim <= 128 on the AVX-512 path
+
+// One block of n <= 16 keys of one work item: kf/vf hold the block's K/V rows in fp32
+// ([16][Hkv * D]); qf the scaled queries [H][D]; acc/m/l the running output, max and sum per head.
+inline void prefetch_row(const void* k, const void* v, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) {
+    _mm_prefetch(static_cast<const char*>(k) + o, _MM_HINT_T0);
+    _mm_prefetch(static_cast<const char*>(v) + o, _MM_HINT_T0);
+  }
+}
+
+inline void attend_block16(const float* qf, const float* kf, const float* vf, int64_t n, int64_t H, int64_t G,
+                           int64_t D, int64_t row, float* acc, float* m, float* l) {
+  const int64_t chunks = D / 16;
+  const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+  alignas(64) float p[16];
+  for (int64_t hq = 0; hq < H; ++hq) {
+    const int64_t off = (hq / G) * D;
+    __m512 q[kFastMaxChunks], v[16];
+    for (int64_t c = 0; c < chunks; ++c) q[c] = _mm512_loadu_ps(qf + hq * D + 16 * c);
+    for (int64_t j = 0; j < 16; ++j) {
+      __m512 a = _mm512_setzero_ps();
+      if (j < n)
+        for (int64_t c = 0; c < chunks; ++c) a = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(kf + j * row + off + 16 * c), a);
+      v[j] = a;
+    }
+    const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid, transpose_sum16(v));
+    const float mb = std::max(m[hq], _mm512_reduce_max_ps(s));
+    const float corr = exp_neg(m[hq] - mb);
+    const __m512 pv = _mm512_maskz_mov_ps(valid, exp_neg_v(_mm512_sub_ps(s, _mm512_set1_ps(mb))));
+    l[hq] = l[hq] * corr + _mm512_reduce_add_ps(pv);
+    m[hq] = mb;
+    _mm512_store_ps(p, pv);
+    __m512 o[kFastMaxChunks];
+    const __m512 cv = _mm512_set1_ps(corr);
+    for (int64_t c = 0; c < chunks; ++c) o[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + hq * D + 16 * c), cv);
+    for (int64_t j = 0; j < n; ++j) {
+      const __m512 pj = _mm512_set1_ps(p[j]);
+      for (int64_t c = 0; c < chunks; ++c) o[c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vf + j * row + off + 16 * c), o[c]);
+    }
+    for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(acc + hq * D + 16 * c, o[c]);
+  }
+}
+#endif
+
 // ---- paged decode attention -------------------------------------------------------------------
 //
 // One query per request attends to its whole sequence, whose KV slots are
@@ -136,9 +221,16 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
   std::vector<float> part_acc(nsplit > 1 ? B * H * nsplit * D : 0);
   std::vector<float> part_ml(nsplit > 1 ? B * H * nsplit * 2 : 0);
   const float neg_inf = -std::numeric_limits<float>::infinity();
+#if defined(__AVX512F__)
+  const bool fast = D % 16 == 0 && D / 16 <= kFastMaxChunks;  // the AVX-512 block path
+  const int64_t row_bytes = Hkv * D * static_cast<int64_t>(sizeof(T));
+#else
+  const bool fast = false;
+#endif
 
   at::parallel_for(0, B * nsplit, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(H * D), acc(H * D), m(H), l(H), s(H * kBlockTokens), row(Hkv * D);
+    std::vector<float> kf(fast ? 16 * Hkv * D : 0), vf(fast ? 16 * Hkv * D : 0);
     for (int64_t w = begin; w < end; ++w) {
       const int64_t b = w / nsplit, sp = w % nsplit;
       const int64_t len = lens[b], chunk = ceil_div(len, nsplit);
@@ -151,7 +243,24 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(m.begin(), m.end(), neg_inf);
       std::fill(l.begin(), l.end(), 0.f);
-      for (int64_t tb = t0; tb < t1; tb += kBlockTokens) {
+      int64_t t_done = t0;  // keys the AVX-512 path attended to (all of them when it runs)
+#if defined(__AVX512F__)
+      if (fast) {
+        for (int64_t tb = t0; tb < t1; tb += 16) {
+          const int64_t n = std::min<int64_t>(16, t1 - tb);
+          for (int64_t j = tb + 16; j < std::min(t1, tb + 32); ++j)  // the next block's rows
+            prefetch_row(kp + static_cast<int64_t>(slots[j]) * ks0, vp + static_cast<int64_t>(slots[j]) * vs0, row_bytes);
+          for (int64_t j = 0; j < n; ++j) {
+            const int64_t slot = slots[tb + j];
+            load_row(kp + slot * ks0, kf.data() + j * Hkv * D, Hkv * D);
+            load_row(vp + slot * vs0, vf.data() + j * Hkv * D, Hkv * D);
+          }
+          attend_block16(qf.data(), kf.data(), vf.data(), n, H, G, D, Hkv * D, acc.data(), m.data(), l.data());
+        }
+        t_done = t1;
+      }
+#endif
+      for (int64_t tb = t_done; tb < t1; tb += kBlockTokens) {
         const int64_t n = std::min(kBlockTokens, t1 - tb);
         for (int64_t j = 0; j < n; ++j) {  // scores of every query head against key tb + j
           if (j + kPrefetch < n) __builtin_prefetch(kp + static_cast<int64_t>(slots[tb + j + kPrefetch]) * ks0);
@@ -409,6 +518,7 @@ at::Tensor silu_and_mul(const at::Tensor& x_in) {
 constexpr int64_t kBlockN = 16;  // outputs per packed block (one zmm of fp32 accumulators)
 constexpr int64_t kTileBlocks = 2;
 constexpr int64_t kMr = 8;  // activation rows per register tile: 2 x 8 accumulators
+constexpr int64_t kPrefetchPairs = 16;  // weight lines fetched ahead in each block's stream
 constexpr int64_t kMBlock = 64;  // up to this many rows, a work item takes them all
 
 bool has_bf16_gemm() { return true; }
@@ -439,8 +549,10 @@ inline void gemm_tile(const uint16_t* x, int64_t x_stride, const uint16_t* wp, i
   const int64_t block_stride = k2 * kBlockN * 2;
   for (int64_t k = 0; k < k2; ++k) {
     __m512bh w[kTileBlocks];
-    for (int64_t t = 0; t < blocks; ++t)
+    for (int64_t t = 0; t < blocks; ++t) {
+      _mm_prefetch(reinterpret_cast<const char*>(wp + t * block_stride + (k + kPrefetchPairs) * kBlockN * 2), _MM_HINT_T0);
       w[t] = (__m512bh)_mm512_loadu_si512(wp + t * block_stride + k * kBlockN * 2);
+    }
     for (int r = 0; r < MR; ++r) {
       int32_t pair;
       std::memcpy(&pair, x + r * x_stride + 2 * k, sizeof(pair));
