@@ -4,8 +4,8 @@ model code) decodes a static batch, with timers around the pieces of each step.
     python benchmarks/cpu/step_breakdown.py --model-path DIR [--dtype bfloat16] [--batch-sizes 1 16]
     RADIXSERVE_DISABLE_CPU_KERNELS=1 python benchmarks/cpu/step_breakdown.py ...   # the torch path
 
-Pieces (ms per decode step, medians over the timed steps' totals): linear (every F.linear: the
-projections and the LM head), attention (the backend: KV store + attention), norms/rope/act
+Pieces (ms per decode step, means over the timed steps): linear (every projection and the LM
+head: the C++ GEMM or F.linear), attention (the backend: KV store + attention), norms/rope/act
 (RMSNorm, rotary, SiLU-and-mul modules), sampling (ModelRunner.sample), other forward (the rest of
 the model's forward: embedding, Python glue), scheduling (the scheduler's step outside the worker:
 batch selection and result processing). The timers cost ~1 us a call (~0.3 ms a step at 30
@@ -24,7 +24,6 @@ import time
 from typing import Any, Callable, Dict
 
 import torch
-import torch.nn.functional as F
 
 STEP: Dict[str, float] = collections.defaultdict(float)  # the step under way
 ACC: Dict[str, float] = collections.defaultdict(float)  # the decode steps so far
@@ -64,11 +63,14 @@ def install_timers() -> None:
     from radixserve.layers.activation import SiluAndMul
     from radixserve.layers.attention.base_attn_backend import AttentionBackend
     from radixserve.layers.layernorm import RMSNorm
+    from radixserve.layers.linear import LinearBase
+    from radixserve.layers.vocab_parallel_embedding import ParallelLMHead
     from radixserve.layers.rotary_embedding import RotaryEmbedding
     from radixserve.managers import scheduler as sched_mod
     from radixserve.model_executor.model_runner import ModelRunner
 
-    F.linear = _timed(F.linear, "linear")  # linear.py and the LM head call F.linear at run time
+    LinearBase.matmul = _timed(LinearBase.matmul, "linear")  # C++ GEMM or F.linear
+    ParallelLMHead.get_logits = _timed(ParallelLMHead.get_logits, "linear")
     AttentionBackend.forward = _timed(AttentionBackend.forward, "attention")
     for cls in (RMSNorm, RotaryEmbedding, SiluAndMul):
         cls.forward = _timed(cls.forward, "norms/rope/act")

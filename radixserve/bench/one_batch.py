@@ -202,11 +202,51 @@ def _sync(t: torch.Tensor) -> None:
         torch.cuda.synchronize(t.device)
 
 
+class _BareLinearDriver:
+    """The floor a decode step is compared with: the model's linear layers alone (every
+    projection of every layer, and the LM head), as a bare loop of torch's F.linear on weights
+    of the same shapes and dtype (one copy per layer, so they stream from memory as the model's
+    do), on bs rows of activations."""
+
+    def __init__(self, runner: Any):
+        from radixserve.layers.linear import LinearBase
+
+        model = runner.model
+        shapes = [(m.out_features, m.in_features) for m in model.modules() if isinstance(m, LinearBase)]
+        lm_head = getattr(model, "lm_head", None)
+        if lm_head is not None:
+            shapes.append(tuple(lm_head.weight.shape))
+        opts = dict(dtype=runner.dtype, device=runner.device)
+        self.weights = [torch.randn(n, k, **opts) * k**-0.5 for n, k in shapes]
+        self.device = runner.device
+        self.xs: Dict[int, torch.Tensor] = {}
+
+    def warm_up(self, prompts: torch.Tensor) -> None:
+        bs = prompts.shape[0]
+        self.xs = {k: torch.randn(bs, k, dtype=self.weights[0].dtype, device=self.device)
+                   for k in {w.shape[1] for w in self.weights}}
+        self.step()
+
+    def start(self, prompts: torch.Tensor) -> float:
+        return 0.0  # no prefill
+
+    @torch.inference_mode()
+    def step(self) -> float:
+        t0 = time.perf_counter()
+        for w in self.weights:
+            torch.nn.functional.linear(self.xs[w.shape[1]], w)
+        _sync(w)
+        return time.perf_counter() - t0
+
+    def finish(self) -> None:
+        pass
+
+
 # ---- model-bandwidth utilization ---------------------------------------------------------------
 def weight_bytes_read_per_step(model: torch.nn.Module) -> int:
     """Bytes of the weights one decode step reads: every parameter once (shared ones once),
     except an input embedding that is not also the LM head (only bs rows of it are read); a
-    weight packed for the CPU GEMM (weight_packed buffers) is read in its packed form."""
+    weight packed for the CPU GEMM (a module's weight_packed) is read in its packed form."""
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     lm_head = getattr(model, "lm_head", None)
     skip = set()
@@ -215,7 +255,8 @@ def weight_bytes_read_per_step(model: torch.nn.Module) -> int:
     if lm_head is not None and getattr(lm_head, "weight_packed", None) is not None:
         skip.add(id(lm_head.weight))  # the LM head reads its packed copy
     params = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)
-    packed = sum(b.numel() * b.element_size() for name, b in model.named_buffers() if name.endswith("weight_packed"))
+    packed = sum(m.weight_packed.numel() * m.weight_packed.element_size() for m in model.modules()
+                 if getattr(m, "weight_packed", None) is not None)
     return params + packed
 
 
@@ -283,7 +324,7 @@ def _summary(bs: int, input_len: int, prefill_s: float, step_s: List[float], ste
         # measures the work and hardly moves when other processes load the machine.
         "decode_cpu_ms_per_step": statistics.median(step_cpu_s) * 1e3,
         "prefill_ms": prefill_s * 1e3,
-        "prefill_tok_s": bs * input_len / prefill_s,
+        "prefill_tok_s": bs * input_len / prefill_s if prefill_s else None,
         "decode_ms_per_step": step * 1e3,
         "decode_ms_per_step_min": min(step_s) * 1e3,
         "decode_tok_s": bs / step,
@@ -316,6 +357,7 @@ def run(args: argparse.Namespace) -> int:
     if args.input_len + args.decode_steps + 2 > ours.runner.context_len:
         raise ValueError(f"--input-len + --decode-steps exceeds the model's context ({ours.runner.context_len})")
     hf = None if args.skip_hf else _HFDriver(ours.model_path, ours.runner.dtype, ours.runner.device)  # same weights, dtype, device
+    linear = _BareLinearDriver(ours.runner)
     bandwidth = args.mem_bandwidth_gbs or measure_mem_bandwidth_gbs(ours.runner.device)
     vocab = ours.runner.model_config.vocab_size
     gen = torch.Generator().manual_seed(server_args.seed)
@@ -323,15 +365,18 @@ def run(args: argparse.Namespace) -> int:
     results: List[Dict[str, Any]] = []
     for bs in args.batch_sizes:
         prompts = torch.randint(NUM_SPECIAL_IDS, vocab, (bs, args.input_len), generator=gen, dtype=torch.int64)
-        drivers: Dict[str, Any] = {"ours": ours} if hf is None else {"ours": ours, "hf": hf}
+        drivers: Dict[str, Any] = {"ours": ours, "linear": linear} if hf is None else {"ours": ours, "hf": hf, "linear": linear}
         row: Dict[str, Any] = {"batch_size": bs, **_measure(drivers, prompts, args.decode_steps)}
+        row["linear_ms"] = row.pop("linear")["decode_ms_per_step"]
+        row["decode_over_linear"] = row["ours"]["decode_ms_per_step"] / row["linear_ms"]
         add_mbu(row, ours.runner, args.input_len, args.decode_steps, bandwidth)
         if hf is not None:
             row["prefill_ratio"] = row["ours"]["prefill_ms"] / row["hf"]["prefill_ms"]
             row["decode_ratio"] = row["ours"]["decode_ms_per_step"] / row["hf"]["decode_ms_per_step"]
             row["decode_cpu_ratio"] = row["ours"]["decode_cpu_ms_per_step"] / row["hf"]["decode_cpu_ms_per_step"]
         results.append(row)
-        print(f"batch {bs}: ours decode {row['ours']['decode_ms_per_step']:.2f} ms/step (MBU {row['ours']['mbu']:.0%})"
+        print(f"batch {bs}: ours decode {row['ours']['decode_ms_per_step']:.2f} ms/step (MBU {row['ours']['mbu']:.0%}, "
+              f"{row['decode_over_linear']:.2f}x the bare linear layers' {row['linear_ms']:.2f} ms)"
               + (f", HF {row['hf']['decode_ms_per_step']:.2f} ms/step" if 'hf' in row else ""), flush=True)
 
     table = format_table(results)
@@ -363,9 +408,11 @@ def format_table(results: List[Dict[str, Any]]) -> str:
     has_hf = any("hf" in r for r in results)
     if has_hf:
         header = ["batch", "ours prefill ms", "HF prefill ms", "ours decode ms/step", "HF decode ms/step",
-                  "decode ratio (ours/HF)", "decode tok/s ours / HF", "CPU-time ratio", "ours MBU"]
+                  "decode ratio (ours/HF)", "decode tok/s ours / HF", "CPU-time ratio", "ours MBU",
+                  "bare linear ms", "ours / linear"]
     else:
-        header = ["batch", "ours prefill ms", "ours decode ms/step", "decode tok/s", "ours MBU"]
+        header = ["batch", "ours prefill ms", "ours decode ms/step", "decode tok/s", "ours MBU", "bare linear ms",
+                  "ours / linear"]
     lines = []
     for r in results:
         o = r["ours"]
@@ -376,12 +423,18 @@ def format_table(results: List[Dict[str, Any]]) -> str:
                 f"{o['decode_ms_per_step']:.2f}", f"{h['decode_ms_per_step']:.2f}" if h else "-",
                 f"{r['decode_ratio']:.2f}" if h else "-",
                 f"{o['decode_tok_s']:.0f} / {h['decode_tok_s']:.0f}" if h else f"{o['decode_tok_s']:.0f} / -",
-                f"{r['decode_cpu_ratio']:.2f}" if h else "-", _mbu_cell(o),
+                f"{r['decode_cpu_ratio']:.2f}" if h else "-", _mbu_cell(o), *_linear_cells(r),
             ])
         else:
             lines.append([str(r["batch_size"]), f"{o['prefill_ms']:.1f}", f"{o['decode_ms_per_step']:.2f}",
-                          f"{o['decode_tok_s']:.0f}", _mbu_cell(o)])
+                          f"{o['decode_tok_s']:.0f}", _mbu_cell(o), *_linear_cells(r)])
     return _markdown_table(header, lines)
+
+
+def _linear_cells(r: Dict[str, Any]) -> List[str]:
+    if "linear_ms" not in r:
+        return ["-", "-"]
+    return [f"{r['linear_ms']:.2f}", f"{r['decode_over_linear']:.2f}"]
 
 
 def _mbu_cell(o: Dict[str, Any]) -> str:

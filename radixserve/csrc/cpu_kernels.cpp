@@ -518,7 +518,7 @@ at::Tensor silu_and_mul(const at::Tensor& x_in) {
 constexpr int64_t kBlockN = 16;  // outputs per packed block (one zmm of fp32 accumulators)
 constexpr int64_t kTileBlocks = 2;
 constexpr int64_t kMr = 8;  // activation rows per register tile: 2 x 8 accumulators
-constexpr int64_t kPrefetchPairs = 16;  // weight lines fetched ahead in each block's stream
+constexpr int64_t kPrefetchPairs = 32;  // weight lines fetched ahead in each block's stream
 constexpr int64_t kMBlock = 64;  // up to this many rows, a work item takes them all
 
 bool has_bf16_gemm() { return true; }

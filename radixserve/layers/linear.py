@@ -45,8 +45,10 @@ class LinearBase(nn.Module):
         self.tp_rank, self.tp_size = tp.rank, tp.size
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
-        self.out_features = out_features  # this rank's
-        self.register_buffer("weight_packed", None, persistent=False)  # set by pack_cpu_weights
+        self.in_features, self.out_features = in_features, out_features  # this rank's
+        # Set by pack_cpu_weights. A plain attribute, not a buffer: nn.Module's attribute lookup of a
+        # buffer is a slow path, taken by every forward.
+        self.weight_packed: Optional[torch.Tensor] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)

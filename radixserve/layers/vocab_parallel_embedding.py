@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -50,7 +52,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__(num_embeddings, embedding_dim)
-        self.register_buffer("weight_packed", None, persistent=False)
+        self.weight_packed: Optional[torch.Tensor] = None  # a plain attribute, as in LinearBase
 
     def pack_cpu_weight(self) -> bool:
         if not packable_cpu_weight(self.weight):

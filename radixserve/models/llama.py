@@ -1,5 +1,9 @@
 """The Llama family: Llama, Mistral, Qwen2 (qkv bias) and Qwen3 (q/k RMSNorm) share this code;
-models/qwen2.py and models/qwen3.py only set the flags that differ."""
+models/qwen2.py and models/qwen3.py only set the flags that differ.
+
+Inside a layer the submodules are called through `.forward(...)`: nn.Module.__call__ costs ~2.5 us
+a call (hook bookkeeping, unused here), and a decode step makes ~360 of them, ~1 ms of a ~10 ms
+step of a small model on the CPU."""
 
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.down_proj.forward(self.act_fn.forward(self.gate_up_proj.forward(x)))
 
 
 class LlamaAttention(nn.Module):
@@ -62,15 +66,15 @@ class LlamaAttention(nn.Module):
         assert tp_size == 1 or config.num_attention_heads % tp_size == 0
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden_states)
+        qkv = self.qkv_proj.forward(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q, k, v, forward_batch)
-        return self.o_proj(out)
+            q, k = self.q_norm.forward(q), self.k_norm.forward(k)
+        q, k = self.rotary_emb.forward(positions, q, k)
+        out = self.attn.forward(q, k, v, forward_batch)
+        return self.o_proj.forward(out)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -86,12 +90,12 @@ class LlamaDecoderLayer(nn.Module):
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
+            hidden_states = self.input_layernorm.forward(hidden_states)
         else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, forward_batch)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+            hidden_states, residual = self.input_layernorm.forward(hidden_states, residual)
+        hidden_states = self.self_attn.forward(positions, hidden_states, forward_batch)
+        hidden_states, residual = self.post_attention_layernorm.forward(hidden_states, residual)
+        return self.mlp.forward(hidden_states), residual
 
 
 class LlamaModel(nn.Module):
@@ -107,7 +111,7 @@ class LlamaModel(nn.Module):
         hidden_states = self.embed_tokens(input_ids)
         residual = None
         for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual, forward_batch)
+            hidden_states, residual = layer.forward(positions, hidden_states, residual, forward_batch)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
