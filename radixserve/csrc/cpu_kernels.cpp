@@ -489,7 +489,12 @@ void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
     for (int64_t i = begin; i < end; ++i) {
       load_row(xp + i * 2 * d, g.data(), d);
       load_row(xp + i * 2 * d + d, u.data(), d);
-      for (int64_t j = 0; j < d; ++j) g[j] = g[j] / (1.f + std::exp(-g[j])) * u[j];
+#pragma omp simd
+      for (int64_t j = 0; j < d; ++j) {  // sigmoid from exp(-|g|) <= 1, in range of exp_neg
+        const float e = exp_neg(-std::fabs(g[j]));
+        const float sigmoid = (g[j] >= 0.f ? 1.f : e) / (1.f + e);
+        g[j] = g[j] * sigmoid * u[j];
+      }
       store_row(g.data(), op + i * d, d);
     }
   });
