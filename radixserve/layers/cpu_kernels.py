@@ -23,7 +23,15 @@ logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "RADIXSERVE_DISABLE_CPU_KERNELS"
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_kernels.cpp"
-EXTENSION_NAME = "radixserve_cpu_kernels"
+
+
+def extension_name() -> str:
+    """The build is -march=native: name it by the instruction sets it may use, so that a cache
+    shared by different CPUs (a home directory on NFS) never loads one built for another."""
+    cpu = getattr(torch, "cpu", None)
+    bf16 = bool(getattr(cpu, "_is_avx512_bf16_supported", lambda: False)())
+    capability = torch.backends.cpu.get_cpu_capability().lower()
+    return f"radixserve_cpu_kernels_{capability}{'_bf16' if bf16 else ''}"
 
 
 def enabled_from_env(environ: Mapping[str, str] = os.environ) -> bool:
@@ -40,7 +48,7 @@ def build() -> Optional[ModuleType]:
         from torch.utils.cpp_extension import load
 
         return load(
-            name=EXTENSION_NAME,
+            name=extension_name(),
             sources=[str(SOURCE)],
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"],
             extra_ldflags=["-fopenmp"],
