@@ -1,7 +1,8 @@
 // CPU kernels for the decode hot path: paged decode attention, KV store, fused add+RMSNorm,
-// rotary embedding and SiLU-and-mul. Built on first use (or by scripts/install.sh) with
-// torch.utils.cpp_extension, see radixserve/layers/cpu_kernels.py; the torch code those
-// layers fall back to is the reference the tests compare against.
+// rotary embedding, SiLU-and-mul, and a bf16 GEMM for the linear layers (AVX512_BF16). Built
+// with -march=native by torch.utils.cpp_extension (radixserve/layers/cpu_kernels.py; run by
+// scripts/install.sh); the torch code those layers fall back to is the reference the tests
+// compare against. AVX-512 paths sit beside portable loops, chosen at compile time.
 //
 // Every kernel computes in float32 and reads/writes float32, bfloat16 or float16 tensors.
 // Parallel loops use at::parallel_for, i.e. torch's own OpenMP thread pool.
@@ -9,7 +10,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 

@@ -4,9 +4,6 @@ cached prefixes, GQA ratios, page sizes 1 and 16 with scattered pages, long sequ
 the split-KV path, mixed batches), and fused add+RMSNorm, rotary and SiLU-and-mul against the
 layers' torch paths, in float32 and bfloat16."""
 
-import random
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -15,8 +12,9 @@ from radixserve.layers.activation import SiluAndMul
 from radixserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from radixserve.layers.layernorm import RMSNorm
 from radixserve.layers.rotary_embedding import RotaryEmbedding
-from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from radixserve.model_executor.forward_batch import ForwardMode
+
+from paged_kv import make_attention_batch
 
 # float32: the kernel sums in another order than SDPA; bfloat16: both round their output once.
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
@@ -27,55 +25,6 @@ def ops():
     mod = cpu_kernels.get()
     assert mod is not None, "the C++ CPU kernels did not build (see the warning logged by cpu_kernels.build)"
     return mod
-
-
-def _scattered_slots(seq_lens, page_size, num_pages, rng):
-    """Slots of each request on pages taken in a shuffled order (page 0 is padding)."""
-    pages = list(range(1, num_pages + 1))
-    rng.shuffle(pages)
-    out = []
-    for n in seq_lens:
-        need = -(-n // page_size)
-        mine, pages = pages[:need], pages[need:]
-        out.append(torch.tensor([p * page_size + o for p in mine for o in range(page_size)][:n], dtype=torch.int64))
-    return out
-
-
-def _setup(mode, prefix_lens, extend_lens, heads, kv_heads, head_dim, page_size, dtype, seed):
-    rng = random.Random(seed)
-    g = torch.Generator().manual_seed(seed)
-    bs = len(prefix_lens)
-    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
-    num_pages = sum(-(-n // page_size) for n in seq_lens) + 3
-    pool = MHATokenToKVPool(num_pages * page_size, page_size, dtype, kv_heads, head_dim, 1)
-    # Garbage everywhere, so reading a wrong slot shows.
-    pool.k_buffer[0].copy_(torch.randn(pool.k_buffer[0].shape, generator=g))
-    pool.v_buffer[0].copy_(torch.randn(pool.v_buffer[0].shape, generator=g))
-    r2t = ReqToTokenPool(bs + 3, max(seq_lens) + 4)
-    rows = list(range(bs + 3))
-    rng.shuffle(rows)
-    rows = rows[:bs]
-    slots = _scattered_slots(seq_lens, page_size, num_pages, rng)
-    for row, s in zip(rows, slots):
-        r2t.req_to_token[row, : len(s)] = s.to(torch.int32)
-    fb = SimpleNamespace(
-        forward_mode=mode,
-        batch_size=bs,
-        req_pool_indices=torch.tensor(rows, dtype=torch.int64),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
-        seq_lens_cpu=seq_lens,
-        out_cache_loc=torch.cat([s[p:] for s, p in zip(slots, prefix_lens)]),
-        extend_seq_lens_cpu=list(extend_lens),
-        extend_prefix_lens_cpu=list(prefix_lens),
-        req_to_token_pool=r2t,
-        token_to_kv_pool=pool,
-        attn_metadata=None,
-    )
-    T = sum(extend_lens)
-    q = torch.randn(T, heads, head_dim, generator=g).to(dtype)
-    k = torch.randn(T, kv_heads, head_dim, generator=g).to(dtype)
-    v = torch.randn(T, kv_heads, head_dim, generator=g).to(dtype)
-    return fb, q, k, v, SimpleNamespace(layer_id=0, scaling=head_dim**-0.5)
 
 
 def _run_both(fb, q, k, v, layer):
@@ -106,9 +55,9 @@ def _max_err(out, ref):
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3), (8, 2), (4, 1)])
 def test_decode_attention_matches_torch_native(ops, dtype, page_size, heads, kv_heads):
     seq_lens = [1, 3, 50, 17, 70, 129, 300]  # ragged, and some longer than an online-softmax block
-    fb, q, k, v, layer = _setup(
-        ForwardMode.DECODE, [s - 1 for s in seq_lens], [1] * len(seq_lens), heads, kv_heads, 64, page_size, dtype,
-        seed=heads * 10 + kv_heads + page_size,
+    fb, q, k, v, layer = make_attention_batch(
+        ForwardMode.DECODE, [s - 1 for s in seq_lens], [1] * len(seq_lens), heads, kv_heads, 64, page_size,
+        seed=heads * 10 + kv_heads + page_size, dtype=dtype,
     )
     out, ref = _run_both(fb, q, k, v, layer)
     assert _max_err(out, ref) <= TOL[dtype]
@@ -119,8 +68,8 @@ def test_decode_attention_matches_torch_native(ops, dtype, page_size, heads, kv_
 def test_decode_attention_split_kv(ops, dtype, seq_lens):
     """Few requests with long sequences: the kernel splits each sequence (flash decoding),
     including splits left empty by a short request, and merges the splits."""
-    fb, q, k, v, layer = _setup(
-        ForwardMode.DECODE, [s - 1 for s in seq_lens], [1] * len(seq_lens), 6, 2, 32, 16, dtype, seed=len(seq_lens)
+    fb, q, k, v, layer = make_attention_batch(
+        ForwardMode.DECODE, [s - 1 for s in seq_lens], [1] * len(seq_lens), 6, 2, 32, 16, seed=len(seq_lens), dtype=dtype
     )
     out, ref = _run_both(fb, q, k, v, layer)
     assert _max_err(out, ref) <= TOL[dtype]
@@ -130,7 +79,7 @@ def test_decode_attention_split_kv(ops, dtype, seq_lens):
 def test_mixed_batch_decode_rows_with_prefills(ops, dtype):
     """An EXTEND/MIXED batch: one-token extends go to the kernel, longer ones (with and without a
     cached prefix) stay on SDPA; head_dim not a multiple of the vector width."""
-    fb, q, k, v, layer = _setup(ForwardMode.MIXED, [0, 12, 33, 0, 90], [21, 1, 1, 7, 1], 6, 3, 24, 1, dtype, seed=4)
+    fb, q, k, v, layer = make_attention_batch(ForwardMode.MIXED, [0, 12, 33, 0, 90], [21, 1, 1, 7, 1], 6, 3, 24, 1, seed=4, dtype=dtype)
     out, ref = _run_both(fb, q, k, v, layer)
     assert _max_err(out, ref) <= TOL[dtype]
 

@@ -8,9 +8,7 @@ import os
 # each launch. A GPU test module in the same process would be interpreted too; run those apart.
 os.environ["TRITON_INTERPRET"] = "1"
 
-import random  # noqa: E402
 import sys  # noqa: E402
-from types import SimpleNamespace  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -18,8 +16,9 @@ import torch  # noqa: E402
 from radixserve.layers.attention.torch_native_backend import TorchNativeAttnBackend  # noqa: E402
 from radixserve.layers.attention.triton_backend import TritonAttnBackend  # noqa: E402
 from radixserve.layers.attention.triton_ops import store_kv_cache  # noqa: E402
-from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool  # noqa: E402
 from radixserve.model_executor.forward_batch import ForwardMode  # noqa: E402
+
+from paged_kv import make_attention_batch  # noqa: E402
 
 TOL = 1e-3
 
@@ -34,58 +33,6 @@ def test_kernels_run_under_the_interpreter():
     for fn in (decode_attention._decode_stage1, decode_attention._decode_stage1_grouped, decode_attention._decode_stage2,
                extend_attention._extend_kernel, store_kv._store_kv_kernel):
         assert isinstance(fn, InterpretedFunction)
-
-
-def _scattered_slots(seq_lens, page_size, num_pages, rng):
-    """Slots of each request on pages taken in a shuffled order (page 0 is padding)."""
-    pages = list(range(1, num_pages + 1))
-    rng.shuffle(pages)
-    out = []
-    for n in seq_lens:
-        need = -(-n // page_size)
-        mine, pages = pages[:need], pages[need:]
-        slots = [p * page_size + o for p in mine for o in range(page_size)][:n]
-        out.append(torch.tensor(slots, dtype=torch.int64))
-    return out
-
-
-def _setup(mode, prefix_lens, extend_lens, heads, kv_heads, head_dim, page_size, seed):
-    rng = random.Random(seed)
-    g = torch.Generator().manual_seed(seed)
-    bs = len(prefix_lens)
-    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
-    num_pages = sum(-(-n // page_size) for n in seq_lens) + 3
-    pool = MHATokenToKVPool(num_pages * page_size, page_size, torch.float32, kv_heads, head_dim, 1)
-    # Garbage everywhere, so reading a wrong slot shows.
-    pool.k_buffer[0].copy_(torch.randn(pool.k_buffer[0].shape, generator=g))
-    pool.v_buffer[0].copy_(torch.randn(pool.v_buffer[0].shape, generator=g))
-    r2t = ReqToTokenPool(bs + 3, max(seq_lens) + 4)
-    rows = list(range(bs + 3))
-    rng.shuffle(rows)
-    rows = rows[:bs]
-    slots = _scattered_slots(seq_lens, page_size, num_pages, rng)
-    for row, s in zip(rows, slots):
-        r2t.req_to_token[row, : len(s)] = s.to(torch.int32)
-    out_loc = torch.cat([s[p:] for s, p in zip(slots, prefix_lens)])
-    T = sum(extend_lens)
-    fb = SimpleNamespace(
-        forward_mode=mode,
-        batch_size=bs,
-        req_pool_indices=torch.tensor(rows, dtype=torch.int64),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
-        seq_lens_cpu=seq_lens,
-        out_cache_loc=out_loc,
-        extend_seq_lens_cpu=list(extend_lens),
-        extend_prefix_lens_cpu=list(prefix_lens),
-        req_to_token_pool=r2t,
-        token_to_kv_pool=pool,
-        attn_metadata=None,
-    )
-    q = torch.randn(T, heads, head_dim, generator=g)
-    k = torch.randn(T, kv_heads, head_dim, generator=g)
-    v = torch.randn(T, kv_heads, head_dim, generator=g)
-    layer = SimpleNamespace(layer_id=0, scaling=head_dim**-0.5)
-    return fb, q, k, v, layer
 
 
 def _run_both(fb, q, k, v, layer, num_kv_splits=4):
@@ -111,7 +58,7 @@ def test_extend_matches_torch_native(page_size, gqa):
     # ragged: no prefix, a long prefix, a one-token extend (the torch backend's decode path)
     prefix_lens = [0, 37, 5, 20]
     extend_lens = [19, 9, 1, 40]
-    fb, q, k, v, layer = _setup(ForwardMode.EXTEND, prefix_lens, extend_lens, kv_heads * gqa, kv_heads, 16, page_size, seed=gqa * 10 + page_size)
+    fb, q, k, v, layer = make_attention_batch(ForwardMode.EXTEND, prefix_lens, extend_lens, kv_heads * gqa, kv_heads, 16, page_size, seed=gqa * 10 + page_size)
     out, ref = _run_both(fb, q, k, v, layer)
     assert (out - ref).abs().max().item() <= TOL
 
@@ -121,17 +68,17 @@ def test_extend_matches_torch_native(page_size, gqa):
 def test_decode_matches_torch_native(page_size, gqa):
     kv_heads = 2 if gqa < 4 else 1
     seq_lens = [1, 3, 50, 17, 70]  # shorter than the split count too (empty splits)
-    fb, q, k, v, layer = _setup(ForwardMode.DECODE, [s - 1 for s in seq_lens], [1] * len(seq_lens), kv_heads * gqa, kv_heads, 16, page_size, seed=gqa * 7 + page_size)
+    fb, q, k, v, layer = make_attention_batch(ForwardMode.DECODE, [s - 1 for s in seq_lens], [1] * len(seq_lens), kv_heads * gqa, kv_heads, 16, page_size, seed=gqa * 7 + page_size)
     out, ref = _run_both(fb, q, k, v, layer, num_kv_splits=4)
     assert (out - ref).abs().max().item() <= TOL
 
 
 def test_odd_head_dim_and_single_split():
     """head_dim not a power of two (masked lanes), one KV split, MIXED mode through extend."""
-    fb, q, k, v, layer = _setup(ForwardMode.DECODE, [4, 30], [1, 1], 4, 2, 24, 16, seed=3)
+    fb, q, k, v, layer = make_attention_batch(ForwardMode.DECODE, [4, 30], [1, 1], 4, 2, 24, 16, seed=3)
     out, ref = _run_both(fb, q, k, v, layer, num_kv_splits=1)
     assert (out - ref).abs().max().item() <= TOL
-    fb, q, k, v, layer = _setup(ForwardMode.MIXED, [0, 12, 33], [21, 1, 1], 4, 2, 24, 1, seed=4)
+    fb, q, k, v, layer = make_attention_batch(ForwardMode.MIXED, [0, 12, 33], [21, 1, 1], 4, 2, 24, 1, seed=4)
     out, ref = _run_both(fb, q, k, v, layer)
     assert (out - ref).abs().max().item() <= TOL
 
@@ -202,7 +149,7 @@ def test_half_precision_path(mode):
     second dot). bfloat16 is for the GPU session: the interpreter's bfloat16 tl.dot is wrong
     (triton 3.9: off by ~1e10 on a plain 16x16 product), so it cannot be checked here."""
     pre, ext = ([0, 37, 5], [19, 9, 1]) if mode == ForwardMode.EXTEND else ([0, 40, 7], [1, 1, 1])
-    fb, q, k, v, layer = _setup(mode, pre, ext, 4, 2, 16, 16, seed=5)
+    fb, q, k, v, layer = make_attention_batch(mode, pre, ext, 4, 2, 16, 16, seed=5)
     pool = fb.token_to_kv_pool
     pool.dtype = torch.float16
     pool.k_buffer[0] = pool.k_buffer[0].half()
