@@ -1,9 +1,10 @@
-"""The C++ CPU kernels (radixserve/csrc/cpu_kernels.cpp): paged decode attention, fused
-add+RMSNorm, rotary embedding and SiLU-and-mul, the decode hot path on the CPU.
+"""The C++ CPU kernels (radixserve/csrc/cpu_kernels.cpp), the decode hot path on the CPU: paged
+decode attention, the KV store, fused add+RMSNorm, rotary embedding, SiLU-and-mul, and the bf16
+GEMM of the linear layers (AVX512_BF16; weights packed once by linear.pack_cpu_weights).
 
 They are compiled once per machine with torch.utils.cpp_extension (`-O3 -march=native`,
 torch's own OpenMP pool) into torch's extension cache; `scripts/install.sh` builds them, and
-otherwise the first process that needs them does (about a minute on two cores). Where no
+otherwise the first process that needs them does (~30 s on two cores). Where no
 compiler is at hand, or RADIXSERVE_DISABLE_CPU_KERNELS=1 is set, `get()` returns None and every
 layer takes its torch path, which stays the reference the kernels are tested against.
 """
