@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Optional, Union
 
 _SAMPLING_EPS = 1e-6
 TOP_K_ALL = 1 << 30  # top_k = -1 means "all tokens"
+# Limits that keep one request from hanging or crashing the scheduler (issue 16): integers reach
+# int64 tensors and Python loops, n fans out into that many requests.
+MAX_INT_PARAM = 2**31 - 1
+MAX_N = 128
+MAX_STOPS = 64
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty")
 
 
 @dataclass
@@ -70,6 +78,7 @@ class SamplingParams:
 
     def verify(self, vocab_size: Optional[int] = None) -> None:
         """Raise ValueError with SGLang-like messages for out-of-range values."""
+        self._verify_limits(vocab_size)
         if self.temperature < 0.0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
         if not 0.0 < self.top_p <= 1.0:
@@ -112,6 +121,39 @@ class SamplingParams:
             for t in self.stop_token_ids:
                 if not 0 <= int(t) < vocab_size:
                     raise ValueError(f"stop_token_ids entry {t} is out of the vocabulary [0, {vocab_size}).")
+
+
+    def _verify_limits(self, vocab_size: Optional[int]) -> None:
+        """Finite floats, bounded integers and lists, stop regexes that compile: what would
+        otherwise fail inside the scheduler, after the request was accepted."""
+        for name in _FLOAT_FIELDS:
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}.")
+        top_k_max = vocab_size if vocab_size is not None else TOP_K_ALL
+        if self.top_k > top_k_max and self.top_k != TOP_K_ALL:  # TOP_K_ALL: -1 after normalize()
+            raise ValueError(f"top_k must be -1 (disable), or in [1, {top_k_max}], got {self.top_k}.")
+        for name in ("max_new_tokens", "min_new_tokens"):
+            value = getattr(self, name)
+            if value is not None and value > MAX_INT_PARAM:
+                raise ValueError(f"{name} must be at most {MAX_INT_PARAM}, got {value}.")
+        if self.n > MAX_N:
+            raise ValueError(f"n must be at most {MAX_N}, got {self.n}.")
+        if self.sampling_seed is not None and not 0 <= self.sampling_seed < 2**63:
+            raise ValueError(f"sampling_seed must be in [0, 2**63), got {self.sampling_seed}.")
+        if self.logit_bias is not None:
+            for k, v in self.logit_bias.items():
+                if isinstance(v, (int, float)) and not math.isfinite(v):
+                    raise ValueError(f"logit_bias values must be finite numbers, got {v!r} for {k!r}.")
+        for name in ("stop", "stop_regex", "stop_token_ids"):
+            value = getattr(self, name)
+            if isinstance(value, list) and len(value) > MAX_STOPS:
+                raise ValueError(f"{name} takes at most {MAX_STOPS} entries, got {len(value)}.")
+        regexes = [self.stop_regex] if isinstance(self.stop_regex, str) else list(self.stop_regex or [])
+        for pattern in regexes:
+            try:
+                re.compile(pattern)
+            except (re.error, TypeError) as e:
+                raise ValueError(f"stop_regex {pattern!r} is not a valid regular expression: {e}.") from None
 
 
 def context_length_error(input_len: int, max_new_tokens: Optional[int], context_len: int) -> Optional[str]:

@@ -55,13 +55,23 @@ def error_response(message: str, status: int = 400, err_type: str = "BadRequestE
 
 
 async def read_json(request: Request) -> Dict[str, Any]:
+    # JSON bodies only: a browser page cannot send application/json cross-site without a CORS
+    # preflight, so this also refuses a form or text/plain POST from another origin (415).
+    media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     body = await request.body()
+    if body and media_type != "application/json":
+        raise RequestError(
+            f"Send the body as application/json (Content-Type was {media_type or 'missing'!r}).",
+            status_code=415, err_type="UnsupportedMediaType",
+        )
     if not body:
         raise RequestError("The request body is empty: send a JSON object.")
     try:
         obj = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise RequestError(f"Malformed JSON in the request body: {e}") from None
+    except RecursionError:  # the parser recurses once per level of nesting
+        raise RequestError("The JSON in the request body is nested too deeply.") from None
     if not isinstance(obj, dict):
         raise RequestError("The request body must be a JSON object.")
     return obj

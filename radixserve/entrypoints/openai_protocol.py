@@ -90,7 +90,7 @@ class CompletionRequest(_SamplingFields):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: Optional[Union[str, List[Dict[str, Any]]]] = None
     name: Optional[str] = None
 

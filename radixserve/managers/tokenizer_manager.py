@@ -428,6 +428,7 @@ class TokenizerManager:
 
         reqs: List[TokenizedGenerateReqInput] = []
         parents: Dict[str, str] = {}
+        batch_rids: set = set()  # two outputs of one batch could not share one request state
         for text, ids, sp_dict, rid, ret_lp in zip(texts, ids_list, sp_dicts, rids, return_logprobs):
             sp = self.make_sampling_params(sp_dict)
             error = context_length_error(len(ids), (sp_dict or {}).get("max_new_tokens"), self.context_len)
@@ -441,6 +442,9 @@ class TokenizerManager:
                 sub_rid = base if n == 1 else f"{base}-{j}"
                 if sub_rid in self.rid_to_state:
                     raise RequestError(f"Duplicate request id: {sub_rid!r} is still running.")
+                if sub_rid in batch_rids:
+                    raise RequestError(f"Duplicate request id: {sub_rid!r} appears twice in this batch.")
+                batch_rids.add(sub_rid)
                 sub_sp = dataclasses.replace(sp, n=1) if n > 1 else sp
                 reqs.append(TokenizedGenerateReqInput(
                     sub_rid, text, list(ids), sub_sp, return_logprob=bool(ret_lp),

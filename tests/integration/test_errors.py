@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
 
 import pytest
 
 from conftest import greedy
+
+
+JSON_HEADERS = {"content-type": "application/json"}
 
 
 def err(r, status):
@@ -16,7 +20,7 @@ def err(r, status):
 def test_malformed_json(http):
     r = http.post("/generate", content=b'{"text": "hi", ', headers={"content-type": "application/json"})
     assert "Malformed JSON" in err(r, 400)
-    r = http.post("/v1/completions", content=b"not json")
+    r = http.post("/v1/completions", content=b"not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
     assert "JSON object" in err(http.post("/generate", json=[1, 2]), 400)
     assert "empty" in err(http.post("/generate", content=b""), 400)
@@ -123,3 +127,60 @@ def test_abort_request_needs_a_target(http):
 def test_server_still_serves(http):
     r = http.post("/generate", json={"text": "still alive", "sampling_params": greedy(3)})
     assert r.status_code == 200 and len(r.json()["output_ids"]) == 3
+
+
+# ---- hostile input (issue 16): each was a crash or a hang of the whole server ------------------
+@pytest.mark.parametrize("params, message", [
+    ({"stop_regex": "("}, "not a valid regular expression"),
+    ({"stop_regex": ["ok", "[unclosed"]}, "not a valid regular expression"),
+    ({"top_k": 2**63}, "top_k must be -1 (disable), or in [1,"),
+    ({"min_new_tokens": 2**63, "max_new_tokens": None}, "min_new_tokens must be at most"),
+    ({"max_new_tokens": 2**63}, "max_new_tokens must be at most"),
+    ({"n": 1000000}, "n must be at most 128"),
+    ({"temperature": float("nan")}, "temperature must be a finite number"),
+    ({"top_p": float("inf")}, "top_p must be a finite number"),
+    ({"logit_bias": {"5": float("inf")}}, "logit_bias values must be finite"),
+    ({"sampling_seed": -1}, "sampling_seed must be in [0, 2**63)"),
+    ({"stop": ["x"] * 65}, "stop takes at most 64 entries"),
+])
+def test_hostile_sampling_params_are_refused(http, params, message):
+    # json.dumps writes NaN / Infinity literals, which Python's parser (the server's) accepts
+    body = json.dumps({"text": "hi", "sampling_params": params}).encode()
+    assert message in err(http.post("/generate", content=body, headers=JSON_HEADERS), 400)
+    assert http.get("/health").status_code == 200
+
+
+def test_hostile_openai_requests_are_refused(http, model_name):
+    base = {"model": model_name, "prompt": "hi", "max_tokens": 4}
+    assert "top_k" in err(http.post("/v1/completions", json={**base, "top_k": 2**63}), 400)
+    assert "n must be at most" in err(http.post("/v1/completions", json={**base, "n": 1000000}), 400)
+    nan = json.dumps({**base, "temperature": float("nan")}).encode()
+    assert "finite" in err(http.post("/v1/completions", content=nan, headers=JSON_HEADERS), 400)
+    chat = {"model": model_name, "max_tokens": 4, "messages": [{"role": "wizard", "content": "hi"}]}
+    assert "role" in err(http.post("/v1/chat/completions", json=chat), 400)
+
+
+def test_duplicate_rids_in_one_batch_are_refused(http):
+    body = {"text": ["a", "b"], "rid": ["same", "same"], "sampling_params": greedy(2)}
+    assert "appears twice in this batch" in err(http.post("/generate", json=body), 400)
+    # and the rid is free again: the refused batch left no state behind
+    ok = http.post("/generate", json={"text": "a", "rid": "same", "sampling_params": greedy(2)})
+    assert ok.status_code == 200, ok.text
+
+
+def test_deeply_nested_json_is_refused(http):
+    body = b"{\"text\": " + b"[" * 50000 + b"]" * 50000 + b"}"  # under the test server's body limit
+    r = http.post("/generate", content=body, headers={"content-type": "application/json"})
+    assert "nested too deeply" in err(r, 400)
+
+
+def test_only_json_bodies_are_accepted(http):
+    """A form or text/plain POST (what a page on another origin can send without a CORS
+    preflight) is refused with 415 before anything runs: abort_all is not obeyed."""
+    for ctype in ("text/plain", "application/x-www-form-urlencoded", None):
+        headers = {"content-type": ctype} if ctype else {}
+        r = http.post("/abort_request", content=b'{"abort_all": true}', headers=headers)
+        assert r.status_code == 415, r.text
+        r = http.post("/generate", content=b'{"text": "hi"}', headers=headers)
+        assert "application/json" in err(r, 415)
+    assert http.post("/generate", json={"text": "hi", "sampling_params": greedy(2)}).status_code == 200
