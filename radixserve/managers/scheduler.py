@@ -291,6 +291,22 @@ class Scheduler:
             eos_token_ids=set(self.model_config.eos_token_ids), vocab_size=self.vocab_size,
             tokenizer=self.tokenizer,
         )
+        try:
+            self._admit(req)
+        except Exception as e:  # a bug one request's input reached: end that request, serve the rest
+            logger.exception("Failed to admit request %s; it is aborted", req.rid)
+            for queue in (self.waiting_queue, self.grammar_queue):
+                if req in queue:
+                    queue.remove(req)
+            req.finished_reason = FINISH_ABORT(
+                f"Internal error while admitting the request: {type(e).__name__}: {e}",
+                status_code=500, err_type="InternalServerError",
+            )
+            self.stream_output([req])
+
+    def _admit(self, req: Req) -> None:
+        """Validate the request, then queue it: in the grammar queue while its grammar compiles,
+        else in the waiting queue. A refused request is finished with its 4xx/503 here."""
         error = self._validate_request(req)
         if error is not None:
             message, status = error

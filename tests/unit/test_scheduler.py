@@ -277,3 +277,24 @@ def test_engine_with_skip_tokenizer_init_returns_ids_only():
                           progress=False)
     assert len(out["output_ids"]) == 4 and out["text"] == ""
     engine.shutdown()
+
+
+def test_an_exception_while_admitting_one_request_ends_only_that_request(loop, monkeypatch):
+    """Isolation (issue 16): a bug reached by one request's input during admission aborts that
+    request with a 500 and leaves the scheduler serving the others, leaking nothing."""
+    engine = Engine(max_total_tokens=4096, **loop)
+    validate = engine.scheduler._validate_request
+
+    def failing_validate(req):
+        if req.rid == "bad":
+            raise RuntimeError("boom")
+        return validate(req)
+
+    monkeypatch.setattr(engine.scheduler, "_validate_request", failing_validate)
+    params = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
+    out = engine.generate(input_ids=[[5, 6, 7], [8, 9, 10], [11, 12]], sampling_params=params, rid=["a", "bad", "b"])
+    bad = out[1]["meta_info"]["finish_reason"]
+    assert bad["type"] == "abort" and bad["status_code"] == 500 and "RuntimeError: boom" in bad["message"]
+    assert [len(o["output_ids"]) for o in (out[0], out[2])] == [5, 5]
+    assert engine.scheduler.waiting_queue == [] and engine.scheduler.grammar_queue == []
+    engine.scheduler.check_memory()
