@@ -115,8 +115,8 @@ class SamplingParams:
                     raise ValueError(f"logit_bias keys must be token ids, got {k!r}.") from None
                 if vocab_size is not None and not 0 <= tid < vocab_size:
                     raise ValueError(f"logit_bias token id {tid} is out of the vocabulary [0, {vocab_size}).")
-                if not isinstance(v, (int, float)):
-                    raise ValueError(f"logit_bias values must be numbers, got {v!r}.")
+                if not isinstance(v, (int, float)) or not math.isfinite(v):
+                    raise ValueError(f"logit_bias values must be finite numbers, got {v!r}.")
         if vocab_size is not None and self.stop_token_ids:
             for t in self.stop_token_ids:
                 if not 0 <= int(t) < vocab_size:
@@ -140,10 +140,6 @@ class SamplingParams:
             raise ValueError(f"n must be at most {MAX_N}, got {self.n}.")
         if self.sampling_seed is not None and not 0 <= self.sampling_seed < 2**63:
             raise ValueError(f"sampling_seed must be in [0, 2**63), got {self.sampling_seed}.")
-        if self.logit_bias is not None:
-            for k, v in self.logit_bias.items():
-                if isinstance(v, (int, float)) and not math.isfinite(v):
-                    raise ValueError(f"logit_bias values must be finite numbers, got {v!r} for {k!r}.")
         for name in ("stop", "stop_regex", "stop_token_ids"):
             value = getattr(self, name)
             if isinstance(value, list) and len(value) > MAX_STOPS:

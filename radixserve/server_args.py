@@ -95,6 +95,8 @@ class ServerArgs:
         _choice("--radix-eviction-policy", self.radix_eviction_policy, ("lru", "lfu"))
         _choice("--device", self.device, ("auto", "cpu", "cuda"))
         _choice("--attention-backend", self.attention_backend, ("torch_native", "triton"))
+        if self.disable_overlap_schedule not in (None, True, False):
+            raise ValueError(f"--disable-overlap-schedule must be a bool (or None: by device), got {self.disable_overlap_schedule!r}")
         if self.page_size < 1:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:

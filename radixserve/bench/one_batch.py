@@ -255,7 +255,7 @@ def weight_bytes_read_per_step(model: torch.nn.Module) -> int:
     if lm_head is not None and getattr(lm_head, "weight_packed", None) is not None:
         skip.add(id(lm_head.weight))  # the LM head reads its packed copy
     params = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)
-    packed = sum(m.weight_packed.numel() * m.weight_packed.element_size() for m in model.modules()
+    packed = sum(m.weight_packed.data.numel() * m.weight_packed.data.element_size() for m in model.modules()
                  if getattr(m, "weight_packed", None) is not None)
     return params + packed
 

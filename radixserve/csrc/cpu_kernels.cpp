@@ -387,8 +387,12 @@ void rmsnorm_impl(const at::Tensor& x, const at::Tensor* residual, const at::Ten
   T* op = out.data_ptr<T>();
   T* sp = res_out ? res_out->data_ptr<T>() : nullptr;
   std::vector<float> w(N);
-  const at::Tensor wf = weight.to(at::kFloat).contiguous();
-  std::memcpy(w.data(), wf.data_ptr<float>(), N * sizeof(float));
+  if (weight.scalar_type() == x.scalar_type() && weight.is_contiguous()) {
+    load_row(weight.data_ptr<T>(), w.data(), N);  // the usual case: no tensor made per call
+  } else {
+    const at::Tensor wf = weight.to(at::kFloat).contiguous();
+    std::memcpy(w.data(), wf.data_ptr<float>(), N * sizeof(float));
+  }
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> a(N), r(N);
     for (int64_t i = begin; i < end; ++i) {

@@ -14,6 +14,7 @@ torch's at decode batch sizes) and frees the original layout, so the weights are
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import List, Optional
 
 import torch
@@ -46,17 +47,24 @@ class LinearBase(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.in_features, self.out_features = in_features, out_features  # this rank's
-        # Set by pack_cpu_weights. A plain attribute, not a buffer: nn.Module's attribute lookup of a
+        # Set by pack_cpu_weight. A plain attribute, not a buffer: nn.Module's attribute lookup of a
         # buffer is a slow path, taken by every forward.
-        self.weight_packed: Optional[torch.Tensor] = None
+        self.weight_packed: Optional[PackedWeight] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
 
     def matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if self.weight_packed is not None:
-            return cpu_kernels.get().bf16_linear(x, self.weight_packed, self.out_features, bias)
-        return F.linear(x, self.weight, bias)
+        return linear(x, self.weight, self.weight_packed, bias)
+
+    def pack_cpu_weight(self) -> bool:
+        """Pack for the C++ GEMM and free the original layout (the packed one serves every
+        batch size, so the weight is held once)."""
+        self.weight_packed = pack_cpu_weight(self.weight)
+        if self.weight_packed is None:
+            return False
+        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
+        return True
 
 
 class ReplicatedLinear(LinearBase):
@@ -135,19 +143,31 @@ class RowParallelLinear(LinearBase):
         return y
 
 
-def packable_cpu_weight(weight: torch.Tensor) -> bool:
-    """Whether cpu_kernels.bf16_linear can take this weight (bf16 on a CPU with AVX512_BF16)."""
+@dataclass
+class PackedWeight:
+    """A [N, K] bf16 weight repacked by cpu_kernels.pack_bf16_weight ([N/16][K/2][16][2], N padded)."""
+
+    data: torch.Tensor
+    out_features: int
+
+
+def pack_cpu_weight(weight: torch.Tensor) -> Optional[PackedWeight]:
+    """The weight packed for cpu_kernels.bf16_linear, or None where that GEMM cannot take it
+    (not bf16, not on a CPU with AVX512_BF16, odd K, or the kernels are off)."""
     ops = cpu_kernels.kernels_for(weight)
-    return ops is not None and ops.has_bf16_gemm() and weight.dtype == torch.bfloat16 and weight.shape[-1] % 2 == 0
+    if ops is None or not ops.has_bf16_gemm() or weight.dtype != torch.bfloat16 or weight.shape[-1] % 2:
+        return None
+    return PackedWeight(ops.pack_bf16_weight(weight), weight.shape[0])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, packed: Optional[PackedWeight], bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """F.linear, or the C++ bf16 GEMM on the packed copy of the weight when there is one."""
+    if packed is not None:
+        return cpu_kernels.get().bf16_linear(x, packed.data, packed.out_features, bias)
+    return F.linear(x, weight, bias)
 
 
 def pack_cpu_weights(model: nn.Module) -> int:
-    """Repack every linear layer's bf16 weight for the C++ GEMM, once after loading; the original
-    layout is freed (the packed one serves every batch size). Returns the layers packed."""
-    packed = 0
-    for module in model.modules():
-        if isinstance(module, LinearBase) and packable_cpu_weight(module.weight):
-            module.weight_packed = cpu_kernels.get().pack_bf16_weight(module.weight)
-            module.weight = nn.Parameter(torch.empty(0, dtype=module.weight.dtype), requires_grad=False)
-            packed += 1
-    return packed
+    """Once after loading: every module that can (linear layers, the LM head) packs its weight
+    for the C++ GEMM. Returns how many did."""
+    return sum(1 for m in model.modules() if hasattr(m, "pack_cpu_weight") and m.pack_cpu_weight())

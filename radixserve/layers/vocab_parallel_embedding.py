@@ -13,8 +13,7 @@ from radixserve.distributed.parallel_state import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
-from radixserve.layers import cpu_kernels
-from radixserve.layers.linear import _copy, packable_cpu_weight
+from radixserve.layers.linear import PackedWeight, _copy, linear, pack_cpu_weight
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -52,19 +51,14 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__(num_embeddings, embedding_dim)
-        self.weight_packed: Optional[torch.Tensor] = None  # a plain attribute, as in LinearBase
+        self.weight_packed: Optional[PackedWeight] = None  # a plain attribute, as in LinearBase
 
     def pack_cpu_weight(self) -> bool:
-        if not packable_cpu_weight(self.weight):
-            return False
-        self.weight_packed = cpu_kernels.get().pack_bf16_weight(self.weight)
-        return True
+        self.weight_packed = pack_cpu_weight(self.weight)  # the original stays (the embedding)
+        return self.weight_packed is not None
 
     def get_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.weight_packed is not None:
-            logits = cpu_kernels.get().bf16_linear(hidden, self.weight_packed, self.weight.shape[0], None)
-        else:
-            logits = F.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight, self.weight_packed)
         if self.tp_size > 1:
             logits = tensor_model_parallel_all_gather(logits, dim=-1)
         return logits[..., : self.num_embeddings]

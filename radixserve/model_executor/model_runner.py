@@ -73,9 +73,6 @@ class ModelRunner:
     def pack_cpu_weights(self) -> None:
         """bf16 on a CPU with AVX512_BF16: the linear layers and the LM head take the C++ GEMM."""
         n = pack_cpu_weights(self.model)
-        lm_head = getattr(self.model, "lm_head", None)
-        if lm_head is not None and hasattr(lm_head, "pack_cpu_weight") and lm_head.pack_cpu_weight():
-            n += 1
         if n:
             logger.info("CPU bf16 GEMM: %d weight matrices packed", n)
 

@@ -207,13 +207,11 @@ def test_model_weights_are_packed_once(ops):
     linears = [m for m in packed.model.modules() if isinstance(m, LinearBase)]
     assert linears and all(m.weight_packed is not None and m.weight.numel() == 0 for m in linears)
     assert packed.model.lm_head.weight_packed is not None and packed.model.lm_head.weight.numel() > 0
-    cpu_kernels.ENABLED = False
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu_kernels, "ENABLED", False)
         plain = ModelRunner(ModelConfig.from_pretrained(path), args)
         assert all(m.weight_packed is None for m in plain.model.modules() if isinstance(m, LinearBase))
         ref = logits(plain)
-    finally:
-        cpu_kernels.ENABLED = True
     out = logits(packed)
     assert (out - ref).abs().max().item() <= 0.1 * ref.abs().max().item()  # bf16, two summation orders
     assert (out.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.9
