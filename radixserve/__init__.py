@@ -3,7 +3,7 @@
 # OpenMP threads are left with libgomp's default wait policy (spin a little, then sleep). On a
 # 2-core CPU the forward's threads must wake at once for each of a decode step's ~300 parallel
 # regions: OMP_WAIT_POLICY=PASSIVE (sleep at once) made a served decode step 1.5x slower, ACTIVE
-# (spin forever) 4x, by starving the server's other processes (benchmarks/NOTES.md, issue 14).
+# (spin forever) 4x, by starving the server's other processes (benchmarks/NOTES.md).
 # An OMP_WAIT_POLICY in the environment still applies.
 
 __version__ = "0.1.0"

@@ -1,5 +1,7 @@
 """Engine: the offline API. It drives the production Scheduler in this process (no ZeroMQ):
-requests go in through the scheduler's recv_fn, outputs come back through its send_fn.
+requests go in through the scheduler's recv_fn, outputs come back through its send_fn, and
+the same RequestFrontend and DetokenizerManager as the served runtime make the results, so
+`Engine.generate` and POST /generate validate alike and answer in one shape.
 
     engine = Engine()                       # the embedded tiny model
     engine.generate("Hello", {"max_new_tokens": 16, "temperature": 0})
@@ -8,48 +10,18 @@ requests go in through the scheduler's recv_fn, outputs come back through its se
 
 from __future__ import annotations
 
-import time
-import uuid
-from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Union
 
 from tqdm import tqdm
 
-from radixserve.managers.detokenizer import (
-    DecodeStatus,
-    incremental_decode,
-    output_ids_for_text,
-    trim_matched_stop,
-)
+from radixserve.managers.detokenizer import DetokenizerManager
+from radixserve.managers.request_frontend import ReqState, RequestFrontend, is_single
 from radixserve.managers.scheduler import Scheduler
-from radixserve.protocol import (
-    AbortReq,
-    BatchTokenIDOutput,
-    FlushCacheReqInput,
-    FlushCacheReqOutput,
-    TokenizedGenerateReqInput,
-)
-from radixserve.sampling_params import SamplingParams, context_length_error
+from radixserve.managers.scheduler_stats import SchedulerStats
+from radixserve.protocol import AbortReq, BatchTokenIDOutput, FlushCacheReqInput, FlushCacheReqOutput, GenerateReqInput
 from radixserve.server_args import ServerArgs
 
 SamplingArg = Optional[Union[Dict[str, Any], List[Dict[str, Any]]]]
-
-
-@dataclass
-class _ReqState:
-    rid: str
-    prompt_tokens: int
-    sampling_params: SamplingParams
-    start: float
-    output_ids: List[int] = field(default_factory=list)
-    status: DecodeStatus = field(default_factory=DecodeStatus)
-    finished_reason: Optional[Dict[str, Any]] = None
-    cached_tokens: int = 0
-    logprobs: Dict[str, list] = field(default_factory=lambda: {k: [] for k in _LOGPROB_KEYS})
-    finished: bool = False
-
-
-_LOGPROB_KEYS = ("input_token_logprobs_val", "input_token_logprobs_idx", "output_token_logprobs_val", "output_token_logprobs_idx", "output_top_logprobs_val", "output_top_logprobs_idx")
 
 
 class Engine:
@@ -59,42 +31,17 @@ class Engine:
         self._outbox: List[Any] = []
         self.scheduler = Scheduler(self.server_args, recv_fn=self._drain_inbox, send_fn=self._outbox.append)
         self.tokenizer = self.scheduler.tokenizer
-        self._states: Dict[str, _ReqState] = {}
+        self.vocab_size = self.scheduler.vocab_size
+        self.device = self.scheduler.device
+        self.dtype = getattr(self.scheduler.tp_worker, "dtype", None)  # the model's weights
+        self.frontend = RequestFrontend(self.tokenizer, self.scheduler.context_len, self.vocab_size)
+        self.detokenizer = DetokenizerManager(self.tokenizer)
 
     def _drain_inbox(self) -> List[Any]:
         items, self._inbox = self._inbox, []
         return items
 
     # ---- requests -------------------------------------------------------------------------------
-    def _make_requests(self, prompt, input_ids, sampling_params: SamplingArg, **kw) -> List[TokenizedGenerateReqInput]:
-        if (prompt is None) == (input_ids is None):
-            raise ValueError("Give exactly one of prompt and input_ids.")
-        if prompt is not None:
-            prompts = [prompt] if isinstance(prompt, str) else list(prompt)
-            ids_list = [self.tokenizer.encode(p) for p in prompts]
-        else:
-            single = bool(input_ids) and isinstance(input_ids[0], int)
-            ids_list = [list(input_ids)] if single else [list(x) for x in input_ids]
-            prompts = [None] * len(ids_list)
-        n = len(ids_list)
-        sp_list = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
-        if len(sp_list) != n:
-            raise ValueError(f"{len(sp_list)} sampling_params for {n} prompts.")
-        rids = kw.pop("rid", None)
-        rids = [rids] if isinstance(rids, str) else rids
-        reqs = []
-        for i, (text, ids, sp_dict) in enumerate(zip(prompts, ids_list, sp_list)):
-            sp = SamplingParams.from_dict(sp_dict)
-            sp.verify(self.scheduler.vocab_size)
-            explicit = sp_dict.get("max_new_tokens") if isinstance(sp_dict, dict) else None
-            error = context_length_error(len(ids), explicit, self.scheduler.context_len)
-            if error is not None:
-                raise ValueError(error)
-            sp.normalize(self.tokenizer)
-            rid = rids[i] if rids else uuid.uuid4().hex
-            reqs.append(TokenizedGenerateReqInput(rid, text, ids, sp, **kw))
-        return reqs
-
     def generate(
         self,
         prompt: Optional[Union[str, List[str]]] = None,
@@ -106,53 +53,68 @@ class Engine:
         stream: bool = False,
         priority: Optional[int] = None,
         rid: Optional[Union[str, List[str]]] = None,
+        return_text_in_logprobs: bool = False,
         progress: bool = True,
     ) -> Union[Dict[str, Any], List[Dict[str, Any]], Iterator[Dict[str, Any]]]:
-        """SGLang-shaped results: {"text", "output_ids", "meta_info": {...}}; a list for a list
-        of prompts; with stream=True an iterator of such dicts with the text so far."""
-        reqs = self._make_requests(
-            prompt, input_ids, sampling_params, return_logprob=return_logprob,
-            top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len, stream=stream,
-            priority=priority, rid=rid,
+        """SGLang-shaped results, the same as POST /generate's: {"text", "output_ids",
+        "meta_info": {...}}; a list for a list of prompts or n > 1; with stream=True an
+        iterator of such dicts with the text so far. A refused request raises ValueError."""
+        obj = GenerateReqInput(
+            text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
+            return_logprob=return_logprob, logprob_start_len=logprob_start_len,
+            top_logprobs_num=top_logprobs_num, return_text_in_logprobs=return_text_in_logprobs,
+            stream=stream, priority=priority,
         )
-        is_single = isinstance(prompt, str) or (input_ids is not None and bool(input_ids) and isinstance(input_ids[0], int))
-        for r in reqs:
-            self._submit(r)
+        states = self.submit(obj)
         if stream:
-            if len(reqs) != 1:
-                raise ValueError("stream=True takes a single prompt.")
-            return self._stream(reqs[0].rid)
-        rids = [r.rid for r in reqs]
-        bar = tqdm(total=len(rids), desc="generate", disable=not progress or len(rids) < 16)
+            if len(states) != 1 or not is_single(obj):
+                self._withdraw(states)
+                raise ValueError("stream=True takes a single prompt (and n = 1).")
+            return self._stream(states[0])
+        bar = tqdm(total=len(states), desc="generate", disable=not progress or len(states) < 16)
         done = 0
-        while not all(self._states[r].finished for r in rids):
+        while done < len(states):
             self.step()
-            now_done = sum(self._states[r].finished for r in rids)
+            now_done = sum(s.finished for s in states)
             bar.update(now_done - done)
             done = now_done
         bar.close()
-        results = [self._result(self._states.pop(r)) for r in rids]
-        return results[0] if is_single else results
+        results = [self._pop_output(s) for s in states]
+        return results[0] if len(results) == 1 and is_single(obj) else results
 
-    def _submit(self, req: TokenizedGenerateReqInput) -> None:
-        self._states[req.rid] = _ReqState(req.rid, len(req.input_ids), req.sampling_params, time.monotonic())
-        self._inbox.append(req)
+    def submit(self, obj: Optional[GenerateReqInput] = None, **kwargs: Any) -> List[ReqState]:
+        """Validate and queue a request (a GenerateReqInput, or its fields as keywords) without
+        running it: step() runs it. One state per prompt and sample, updated as it runs.
+        Raises ValueError (RequestError) for a refused request."""
+        reqs = self.frontend.tokenize(obj if obj is not None else GenerateReqInput(**kwargs))
+        self._inbox.extend(reqs)
+        return [self.frontend.rid_to_state[r.rid] for r in reqs]
 
-    def _stream(self, rid: str) -> Iterator[Dict[str, Any]]:
-        state = self._states[rid]
+    def _withdraw(self, states: List[ReqState]) -> None:
+        """Take back requests submitted but not yet sent to the scheduler."""
+        rids = {s.rid for s in states}
+        self._inbox = [r for r in self._inbox if getattr(r, "rid", None) not in rids]
+        for rid in rids:
+            self.frontend.rid_to_state.pop(rid, None)
+
+    def _pop_output(self, state: ReqState) -> Dict[str, Any]:
+        self.frontend.rid_to_state.pop(state.rid, None)
+        return self.frontend.make_output(state)
+
+    def _stream(self, state: ReqState) -> Iterator[Dict[str, Any]]:
         sent = 0
         try:
             while True:
                 self.step()
                 if len(state.output_ids) > sent or state.finished:
                     sent = len(state.output_ids)
-                    yield self._result(state)
+                    yield self.frontend.make_output(state)
                 if state.finished:
                     return
         finally:
             if not state.finished:
-                self.abort(rid)
-            self._states.pop(rid, None)
+                self.abort(state.rid)
+            self.frontend.rid_to_state.pop(state.rid, None)
 
     def step(self) -> None:
         """One scheduler iteration, then route its outputs to the request states."""
@@ -162,50 +124,17 @@ class Engine:
         outputs, self._outbox[:] = list(self._outbox), []
         for out in outputs:
             if isinstance(out, BatchTokenIDOutput):
-                self._handle_output(out)
+                self.frontend.handle_batch_output(self.detokenizer.handle_batch_token_id_out(out))
 
-    def _handle_output(self, out: BatchTokenIDOutput) -> None:
-        for i, rid in enumerate(out.rids):
-            state = self._states.get(rid)
-            if state is None:
-                continue
-            state.output_ids.extend(out.decode_ids[i])
-            state.cached_tokens = out.cached_tokens[i]
-            for key in _LOGPROB_KEYS:
-                state.logprobs[key].extend(getattr(out, key)[i])
-            finished = out.finished_reasons[i] is not None
-            sp = state.sampling_params
-            if self.tokenizer is not None:  # --skip-tokenizer-init: output_ids only, text stays ""
-                ids = output_ids_for_text(out.decode_ids[i], out.finished_reasons[i], sp.no_stop_trim) if finished else out.decode_ids[i]
-                incremental_decode(self.tokenizer, state.status, ids, sp.skip_special_tokens,
-                                   sp.spaces_between_special_tokens, finished=finished)
-            if finished:
-                state.finished_reason = out.finished_reasons[i]
-                state.finished = True
-
-    def _result(self, state: _ReqState) -> Dict[str, Any]:
-        text = trim_matched_stop(state.status.decoded_text, state.finished_reason, state.sampling_params.no_stop_trim)
-        meta: Dict[str, Any] = {
-            "id": state.rid,
-            "finish_reason": state.finished_reason,
-            "prompt_tokens": state.prompt_tokens,
-            "completion_tokens": len(state.output_ids),
-            "cached_tokens": state.cached_tokens,
-            "e2e_latency": time.monotonic() - state.start,
-        }
-        if state.logprobs["input_token_logprobs_idx"]:
-            meta["input_token_logprobs"] = list(zip(state.logprobs["input_token_logprobs_val"], state.logprobs["input_token_logprobs_idx"]))
-        if state.logprobs["output_token_logprobs_val"]:
-            meta["output_token_logprobs"] = list(zip(state.logprobs["output_token_logprobs_val"], state.logprobs["output_token_logprobs_idx"]))
-            if state.logprobs["output_top_logprobs_val"]:
-                meta["output_top_logprobs"] = [
-                    list(zip(v, i)) for v, i in zip(state.logprobs["output_top_logprobs_val"], state.logprobs["output_top_logprobs_idx"])
-                ]
-        return {"text": text, "output_ids": list(state.output_ids), "meta_info": meta}
+    def wait_until_idle(self) -> None:
+        """Step until the scheduler has nothing left (the last batch retired)."""
+        while self.scheduler.has_work():
+            self.step()
 
     # ---- control ----------------------------------------------------------------------------------
     def abort(self, rid: str) -> None:
-        self._inbox.append(AbortReq(rid=rid))
+        for r in self.frontend.abort_targets(rid):
+            self._inbox.append(AbortReq(rid=r))
         self.scheduler.process_input_requests(self._drain_inbox())
 
     def flush_cache(self) -> bool:
@@ -218,9 +147,21 @@ class Engine:
     def get_server_info(self) -> Dict[str, Any]:
         return self.scheduler.internal_state()
 
+    def stats(self) -> SchedulerStats:
+        """The scheduler's counters and phase timings (a snapshot; subtract two for a run)."""
+        return self.scheduler.get_stats()
+
+    def grammar_stats(self) -> Optional[Any]:
+        """A copy of the grammar backend's cost counters (constrained.GrammarStats: compile,
+        mask fill and apply seconds; subtract two for a run); None without a grammar backend."""
+        import dataclasses
+
+        backend = self.scheduler.grammar_backend
+        return dataclasses.replace(backend.stats) if backend is not None else None
+
     def shutdown(self) -> None:
         self.scheduler.shutdown()
-        self._states.clear()
+        self.frontend.rid_to_state.clear()
         self._inbox.clear()
 
     def __enter__(self) -> "Engine":

@@ -8,6 +8,12 @@ from typing import Any, Dict, List, Optional
 
 from radixserve.sampling_params import SamplingParams
 
+# The per-request logprob lists a BatchTokenIDOutput / BatchStrOutput carries, in this order.
+LOGPROB_KEYS = (
+    "input_token_logprobs_val", "input_token_logprobs_idx", "output_token_logprobs_val",
+    "output_token_logprobs_idx", "output_top_logprobs_val", "output_top_logprobs_idx",
+)
+
 
 @dataclass
 class TokenizedGenerateReqInput:
@@ -78,7 +84,7 @@ class BatchTokenIDOutput:
     retraction_counts: List[int] = field(default_factory=list)
 
 
-# ---- served runtime (issue 4) ---------------------------------------------------------------
+# ---- served runtime ---------------------------------------------------------------
 @dataclass
 class GenerateReqInput:
     """The body of POST /generate (SGLang's field names). One prompt or a batch: `text` (str or
@@ -124,6 +130,7 @@ class BatchStrOutput:
 
 @dataclass
 class OpenSessionReqInput:
+    # SGLang clients send it; a session here is bounded by the model's context length instead.
     capacity_of_str_len: int = 8192
     session_id: Optional[str] = None
 
@@ -141,7 +148,6 @@ class SessionParams:
     id: str = ""
     rid: Optional[str] = None
     offset: Optional[int] = None
-    replace: bool = False
 
 
 @dataclass

@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Optional, Union
 
 _SAMPLING_EPS = 1e-6
 TOP_K_ALL = 1 << 30  # top_k = -1 means "all tokens"
-# Limits that keep one request from hanging or crashing the scheduler (issue 16): integers reach
+# Limits that keep one request from hanging or crashing the scheduler: integers reach
 # int64 tensors and Python loops, n fans out into that many requests.
 MAX_INT_PARAM = 2**31 - 1
 MAX_N = 128
@@ -150,6 +150,20 @@ class SamplingParams:
                 re.compile(pattern)
             except (re.error, TypeError) as e:
                 raise ValueError(f"stop_regex {pattern!r} is not a valid regular expression: {e}.") from None
+
+
+def input_ids_error(input_ids: List[int], context_len: int, vocab_size: int) -> Optional[str]:
+    """Why a prompt cannot run (empty, no room left in the context, unknown token ids), or
+    None. The front end refuses such a request (400); the scheduler checks again, since it
+    is also driven directly (simulator, tests)."""
+    n = len(input_ids)
+    if n == 0:
+        return "The input is empty: give a prompt or input_ids."
+    if n >= context_len:
+        return f"The input ({n} tokens) is longer than the model's context length ({context_len} tokens)."
+    if min(input_ids) < 0 or max(input_ids) >= vocab_size:
+        return f"Input token ids must be in [0, {vocab_size})."
+    return None
 
 
 def context_length_error(input_len: int, max_new_tokens: Optional[int], context_len: int) -> Optional[str]:

@@ -163,7 +163,7 @@ class ServerArgs:
 
     def overlap_schedule_enabled(self, device: str) -> bool:
         """The overlap loop by default on CUDA only: on a CPU the forward needs every core, and
-        a scheduler thread beside it slowed decode steps (benchmarks/NOTES.md, issue 14)."""
+        a scheduler thread beside it slowed decode steps (benchmarks/NOTES.md)."""
         if self.disable_overlap_schedule is None:
             return device != "cpu"
         return not self.disable_overlap_schedule

@@ -47,6 +47,21 @@ class DatasetRow:
     group: Optional[int] = None  # shared-prefix group
 
 
+def load_tokenizer_or_tiny(path: Optional[str]) -> Any:
+    """The tokenizer at `path` (a model directory or hub name) for text prompts; the embedded
+    tiny model's when `path` is None or cannot be loaded here (a server's model path may be
+    one this machine does not have)."""
+    from radixserve.hf_transformers_utils import load_tokenizer
+    from radixserve.tiny_model import get_tiny_model_path
+
+    if path:
+        try:
+            return load_tokenizer(path)
+        except Exception:
+            pass
+    return load_tokenizer(str(get_tiny_model_path()))
+
+
 def add_dataset_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("workload")
     g.add_argument("--dataset-name", "--dataset", default="random", choices=DATASETS)

@@ -18,13 +18,15 @@ batch's longest output), so HF's "useful" tok/s counts only the tokens each requ
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, TypeVar
 
 import torch
 
-from radixserve.bench.one_batch import NUM_SPECIAL_IDS, _markdown_table, _write_json, loadavg, machine_info
+from radixserve.bench.datasets import FIRST_ORDINARY_ID
+from radixserve.bench.report import loadavg, machine_info, markdown_table, write_json
 from radixserve.server_args import ServerArgs
 
 DEFAULT_OUTPUT = "benchmarks/offline.json"
@@ -57,7 +59,7 @@ def make_workload(args: argparse.Namespace, vocab_size: int) -> Tuple[List[List[
     prompts, out_lens = [], []
     for _ in range(args.num_prompts):
         n = rng.randint(args.min_input_len, args.max_input_len)
-        prompts.append([rng.randrange(NUM_SPECIAL_IDS, vocab_size) for _ in range(n)])
+        prompts.append([rng.randrange(FIRST_ORDINARY_ID, vocab_size) for _ in range(n)])
         out_lens.append(rng.randint(args.min_output_len, args.max_output_len))
     return prompts, out_lens
 
@@ -72,34 +74,44 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 # ---- ours ------------------------------------------------------------------------------------
+S = TypeVar("S")
+
+
+def stats_delta(before: S, after: S) -> S:
+    """after - before, field by field, of two snapshots of a dataclass of counters
+    (Engine.stats(), Engine.grammar_stats())."""
+    return type(after)(**{f.name: getattr(after, f.name) - getattr(before, f.name) for f in dataclasses.fields(after)})
+
+
+def uses_overlap_loop(engine: Any) -> bool:
+    return engine.server_args.overlap_schedule_enabled(engine.device)
+
+
 def run_ours(engine: Any, prompts: List[List[int]], out_lens: List[int], label: str = "radixserve") -> Dict[str, Any]:
     sps = [{"max_new_tokens": n, "ignore_eos": True, "temperature": 0} for n in out_lens]
     # Warm-up: a few short requests through the same code paths, then an empty radix cache.
     warm = [p[:16] for p in prompts[:2]]
     engine.generate(input_ids=warm, sampling_params=[{"max_new_tokens": 4, "ignore_eos": True, "temperature": 0}] * len(warm), progress=False)
-    while engine.scheduler.has_work():  # let the last batch retire, so the flush is allowed
-        engine.step()
+    engine.wait_until_idle()  # let the last batch retire, so the flush is allowed
     if not engine.flush_cache():
         raise RuntimeError("could not flush the radix cache after the warm-up")
-    sched = engine.scheduler
-    timing0 = dict(sched.timing)
-    busy0 = sched.stream.busy_s if sched.stream is not None else 0.0
+    before = engine.stats()
     t0, c0 = time.perf_counter(), time.process_time()
     outs = engine.generate(input_ids=prompts, sampling_params=sps, progress=False)
     elapsed, cpu_s = time.perf_counter() - t0, time.process_time() - c0
-    timing = {k: v - timing0[k] for k, v in sched.timing.items()}
+    st = stats_delta(before, engine.stats())
     # "Forward" = model forward + sampling: on the forward thread (overlap), inline (normal).
-    forward_s = sched.stream.busy_s - busy0 if sched.stream is not None else timing["forward_s"]
+    forward_s = st.forward_thread_busy_s if uses_overlap_loop(engine) else st.forward_s
     out_tokens = sum(len(o["output_ids"]) for o in outs)
     if out_tokens != sum(out_lens):
         raise RuntimeError(f"radixserve generated {out_tokens} tokens, expected {sum(out_lens)} (ignore_eos)")
     summary = _summary(label, prompts, out_tokens, elapsed, cpu_s)
     summary.update(
         # share of the wall time the scheduling thread spent scheduling / processing results
-        sched_share=(timing["schedule_s"] + timing["process_s"]) / elapsed,
+        sched_share=(st.schedule_s + st.process_s) / elapsed,
         forward_s=forward_s,
         wall_over_forward=elapsed / forward_s if forward_s else None,
-        steps=sum(sched.stats[k] for k in ("num_prefill_batches", "num_decode_batches", "num_mixed_batches")),
+        steps=st.num_batches,
     )
     return summary
 
@@ -171,11 +183,10 @@ def run(args: argparse.Namespace) -> int:
     server_args = ServerArgs.from_cli_args(args)
     model_path = server_args.model_path or get_tiny_model_path()
     engine = Engine(**{**vars(server_args), "model_path": model_path})
-    vocab = engine.scheduler.vocab_size
-    runner = engine.scheduler.tp_worker.model_runner
-    prompts, out_lens = make_workload(args, vocab)
+    dtype, device = engine.dtype, engine.device
+    prompts, out_lens = make_workload(args, engine.vocab_size)
 
-    overlap = engine.scheduler.enable_overlap
+    overlap = uses_overlap_loop(engine)
     loop = "overlap" if overlap else "normal"
     ours = run_ours(engine, prompts, out_lens, f"radixserve ({loop} loop)")
     print(f"{ours['system']}: {ours['output_tok_s']:.0f} output tok/s ({ours['time_s']:.1f} s)", flush=True)
@@ -195,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
         pad_id = engine.tokenizer.pad_token_id if engine.tokenizer is not None and engine.tokenizer.pad_token_id is not None else 0
         engine.shutdown()
         # Same weights, dtype and device.
-        hf = run_hf(model_path, prompts, out_lens, args.hf_batch_size, pad_id, runner.dtype, runner.device)
+        hf = run_hf(model_path, prompts, out_lens, args.hf_batch_size, pad_id, dtype, device)
         for r in results:
             r["ratio_vs_hf"] = r["output_tok_s"] / hf["output_tok_s"]
             r["cpu_ratio_vs_hf"] = r["output_tok_per_cpu_s"] / hf["output_tok_per_cpu_s"]
@@ -207,8 +218,8 @@ def run(args: argparse.Namespace) -> int:
     report = {
         "benchmark": "offline",
         "model_path": args.model_path or "tiny (embedded)",
-        "dtype": str(runner.dtype).replace("torch.", ""),
-        "device": runner.device,
+        "dtype": str(dtype).replace("torch.", ""),
+        "device": device,
         "num_prompts": args.num_prompts,
         "input_len_range": [args.min_input_len, args.max_input_len],
         "output_len_range": [args.min_output_len, args.max_output_len],
@@ -224,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
         "table": table,
     }
     if args.output:
-        _write_json(args.output, report)
+        write_json(args.output, report)
         print(f"wrote {args.output}")
     return 0
 
@@ -245,7 +256,7 @@ def format_table(results: List[Dict[str, Any]]) -> str:
             f"{r['sched_share']:.1%}" if "sched_share" in r else "-",
             f"{r['wall_over_forward']:.2f}" if r.get("wall_over_forward") else "-",
         ])
-    return _markdown_table(header, rows)
+    return markdown_table(header, rows)
 
 
 # ---- structured output (--json-schema FILE) -------------------------------------------------------
@@ -254,63 +265,42 @@ def run_json_schema(engine: Any, prompts: List[List[int]], out_lens: List[int], 
     request stops where its JSON is complete. Then the same prompts unconstrained with exactly
     those output lengths (ignore_eos), so both rows do the same forwards: the difference is
     the grammar's cost (mask fill on the scheduler thread, mask apply in the sampler,
-    accept_token, and the overlap given up for decode batches with grammar requests)."""
+    accept_token, and the overlap given up for decode batches with grammar requests).
+    The per-step mask costs and the compile times come from the grammar backend's own
+    counters (Engine.grammar_stats())."""
     import json
-
-    from radixserve.constrained.base_grammar_backend import TokenBitmask
 
     with open(path) as f:
         schema = json.dumps(json.load(f))
-    backend = engine.scheduler.grammar_backend
-    if backend is None:
+    if engine.grammar_stats() is None:
         raise RuntimeError("--json-schema needs the xgrammar grammar backend (scripts/install.sh installs it)")
-    t0 = time.perf_counter()  # cold compile: tokenizer info (first use) + schema
-    backend.get_cached_or_future_value(("json", schema))[0].result()
-    first_compile_s = time.perf_counter() - t0
-    backend.reset()
-    t0 = time.perf_counter()
-    backend.get_cached_or_future_value(("json", schema))[0].result()
-    compile_s = time.perf_counter() - t0
-
-    # Time the per-step mask work (fill: scheduler thread; apply: in the sampler).
-    timers = {"fill_s": 0.0, "fill_calls": 0, "apply_s": 0.0, "apply_rows": 0}
-    fill, apply_ = backend.fill_token_bitmask, TokenBitmask.apply_
-
-    def timed_fill(reqs):
-        t = time.perf_counter()
-        out = fill(reqs)
-        if out is not None:
-            timers["fill_s"] += time.perf_counter() - t
-            timers["fill_calls"] += 1
-        return out
-
-    def timed_apply(self, logits, vocab_size):
-        t = time.perf_counter()
-        out = apply_(self, logits, vocab_size)
-        timers["apply_s"] += time.perf_counter() - t
-        timers["apply_rows"] += len(self.rows)
-        return out
-
-    sps = [{"max_new_tokens": n, "temperature": 0, "json_schema": schema} for n in out_lens]
-    while engine.scheduler.has_work():
-        engine.step()
+    engine.wait_until_idle()
+    # Cold compile (the tokenizer info on first use + the schema), by a short warm-up request.
+    g0 = engine.grammar_stats()
+    engine.generate(input_ids=[prompts[0][:16]], sampling_params=[{"max_new_tokens": 4, "temperature": 0, "json_schema": schema}],
+                    progress=False)
+    first_compile_s = stats_delta(g0, engine.grammar_stats()).compile_s
+    engine.wait_until_idle()
+    # The flush empties the radix cache and the compiled grammars: the run compiles the schema
+    # again (warm: the tokenizer info stays), as a server's first request with it would.
     if not engine.flush_cache():
         raise RuntimeError("could not flush the radix cache before the constrained run")
-    backend.fill_token_bitmask, TokenBitmask.apply_ = timed_fill, timed_apply
-    try:
-        t0 = time.perf_counter()
-        outs = engine.generate(input_ids=prompts, sampling_params=sps, progress=False)
-        elapsed = time.perf_counter() - t0
-    finally:
-        backend.fill_token_bitmask, TokenBitmask.apply_ = fill, apply_
+
+    sps = [{"max_new_tokens": n, "temperature": 0, "json_schema": schema} for n in out_lens]
+    g0 = engine.grammar_stats()
+    t0 = time.perf_counter()
+    outs = engine.generate(input_ids=prompts, sampling_params=sps, progress=False)
+    elapsed = time.perf_counter() - t0
+    engine.wait_until_idle()  # the last forward's mask counted too
+    g = stats_delta(g0, engine.grammar_stats())
     lens = [len(o["output_ids"]) for o in outs]
     finished = [o["meta_info"]["finish_reason"]["type"] for o in outs]
     constrained = _summary("radixserve + json_schema", prompts, sum(lens), elapsed)
     constrained.update(
-        json_schema_file=path, first_compile_s=first_compile_s, compile_s=compile_s,
+        json_schema_file=path, first_compile_s=first_compile_s, compile_s=g.compile_s,
         num_stopped=finished.count("stop"), num_length=finished.count("length"),
-        mask_fill_ms_per_step=1e3 * timers["fill_s"] / max(timers["fill_calls"], 1),
-        mask_apply_us_per_row=1e6 * timers["apply_s"] / max(timers["apply_rows"], 1),
+        mask_fill_ms_per_step=1e3 * g.fill_s / max(g.fill_calls, 1),
+        mask_apply_us_per_row=1e6 * g.apply_s / max(g.apply_rows, 1),
     )
     unconstrained = run_ours(engine, prompts, lens)
     unconstrained["system"] = "radixserve, same lengths unconstrained"
@@ -318,7 +308,7 @@ def run_json_schema(engine: Any, prompts: List[List[int]], out_lens: List[int], 
     print(
         f"radixserve + json_schema: {constrained['output_tok_s']:.0f} output tok/s ({elapsed:.1f} s; "
         f"{constrained['num_stopped']} stopped by the grammar, {constrained['num_length']} at max_new_tokens; "
-        f"compile {1e3 * compile_s:.1f} ms, mask fill {constrained['mask_fill_ms_per_step']:.2f} ms/step, "
+        f"compile {1e3 * g.compile_s:.1f} ms, mask fill {constrained['mask_fill_ms_per_step']:.2f} ms/step, "
         f"apply {constrained['mask_apply_us_per_row']:.0f} us/row)", flush=True)
     print(
         f"radixserve unconstrained, same output lengths: {unconstrained['output_tok_s']:.0f} output tok/s "

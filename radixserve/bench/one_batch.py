@@ -28,20 +28,18 @@ of every request) / step time / the memory bandwidth measured here by a large de
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import time
 from typing import Any, Dict, List
 
 import torch
 
+from radixserve.bench.datasets import FIRST_ORDINARY_ID
+from radixserve.bench.report import machine_info, markdown_table, write_json
 from radixserve.model_executor.forward_batch import ForwardBatch, ForwardMode, ModelWorkerBatch
 from radixserve.server_args import ServerArgs
 
 DEFAULT_OUTPUT = "benchmarks/one_batch.json"
-NUM_SPECIAL_IDS = 3  # ids 0..2 are special in the tiny tokenizer; random prompts avoid them
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -364,7 +362,7 @@ def run(args: argparse.Namespace) -> int:
 
     results: List[Dict[str, Any]] = []
     for bs in args.batch_sizes:
-        prompts = torch.randint(NUM_SPECIAL_IDS, vocab, (bs, args.input_len), generator=gen, dtype=torch.int64)
+        prompts = torch.randint(FIRST_ORDINARY_ID, vocab, (bs, args.input_len), generator=gen, dtype=torch.int64)
         drivers: Dict[str, Any] = {"ours": ours, "linear": linear} if hf is None else {"ours": ours, "hf": hf, "linear": linear}
         row: Dict[str, Any] = {"batch_size": bs, **_measure(drivers, prompts, args.decode_steps)}
         row["linear_ms"] = row.pop("linear")["decode_ms_per_step"]
@@ -399,7 +397,7 @@ def run(args: argparse.Namespace) -> int:
         "table": table,
     }
     if args.output:
-        _write_json(args.output, report)
+        write_json(args.output, report)
         print(f"wrote {args.output}")
     return 0
 
@@ -428,7 +426,7 @@ def format_table(results: List[Dict[str, Any]]) -> str:
         else:
             lines.append([str(r["batch_size"]), f"{o['prefill_ms']:.1f}", f"{o['decode_ms_per_step']:.2f}",
                           f"{o['decode_tok_s']:.0f}", _mbu_cell(o), *_linear_cells(r)])
-    return _markdown_table(header, lines)
+    return markdown_table(header, lines)
 
 
 def _linear_cells(r: Dict[str, Any]) -> List[str]:
@@ -439,41 +437,3 @@ def _linear_cells(r: Dict[str, Any]) -> List[str]:
 
 def _mbu_cell(o: Dict[str, Any]) -> str:
     return f"{o['mbu']:.1%}" if "mbu" in o else "-"
-
-
-def _markdown_table(header: List[str], rows: List[List[str]]) -> str:
-    widths = [max(len(header[i]), *(len(r[i]) for r in rows)) if rows else len(header[i]) for i in range(len(header))]
-
-    def fmt(cells: List[str]) -> str:
-        return "| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths)) + " |"
-
-    sep = "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|"
-    return "\n".join([fmt(header), sep] + [fmt(r) for r in rows])
-
-
-def loadavg() -> List[float]:
-    """1/5/15-minute load average: > ~1 on a 2-core machine means the timing was contended."""
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except (OSError, AttributeError):  # not on every platform
-        return []
-
-
-def machine_info() -> Dict[str, Any]:
-    """What a benchmark report records about where it ran (timings depend on all of it)."""
-    return {
-        "torch_num_threads": torch.get_num_threads(),
-        "loadavg_after": loadavg(),
-        "torch_version": torch.__version__,
-        "cpu_count": os.cpu_count(),
-        "machine": platform.machine(),
-    }
-
-
-def _write_json(path: str, obj: Dict[str, Any]) -> None:
-    d = os.path.dirname(path)
-    if d:
-        os.makedirs(d, exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=2)
-        f.write("\n")

@@ -30,7 +30,8 @@ cut to 16 tokens) of the random datasets and of multi-turn are prompts of their 
 measured prompt is in the server's cache before the run (other datasets warm up on their first
 rows).
 
-The metrics code here is shared with `radixserve simulate` (virtual times instead of wall times).
+The metrics (bench/metrics.py) and the report (bench/report.py) are shared with `radixserve simulate`
+(virtual times instead of wall times).
 """
 
 from __future__ import annotations
@@ -38,182 +39,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
-import os
 import random
 import re
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from dataclasses import asdict
+from typing import Any, Dict, List, Optional, Sequence
 
 from radixserve.bench.datasets import (DatasetRow, MultiTurnWorkload, add_dataset_args, arrival_times,
-                                       build_turn_prompt, get_dataset, random_text, sample_multi_turn, sample_random)
+                                       build_turn_prompt, get_dataset, load_tokenizer_or_tiny, random_text,
+                                       sample_multi_turn, sample_random)
+from radixserve.bench.metrics import RequestOutput, calculate_metrics, percentile
+from radixserve.bench.report import append_jsonl, format_report, plot_results
 
-PERCENTILES = (50, 90, 99)
 WARMUP_SEED_OFFSET = 104729  # warm-up prompts come from another seed than the measured ones
-
-
-# ---- per-request results and metrics (shared with the simulator) --------------------------------
-@dataclass
-class RequestOutput:
-    success: bool = False
-    prompt_len: int = 0
-    output_len: int = 0
-    ttft: float = 0.0  # s
-    latency: float = 0.0  # E2E, s
-    itl: List[float] = field(default_factory=list)  # s
-    start_time: float = 0.0  # send time, s from the benchmark start
-    cached_tokens: int = 0
-    error: str = ""
-    # (time from the benchmark start, new output tokens) per streamed chunk: throughput over time
-    chunks: List[Tuple[float, int]] = field(default_factory=list)
-    generated_text: str = ""  # the answer (multi-turn feeds it into the next turn's prompt)
-    user: Optional[int] = None  # multi-turn: which conversation and which turn (0-based)
-    turn: Optional[int] = None
-
-
-def _pct(values: Sequence[float], q: float) -> float:
-    if not values:
-        return 0.0
-    s = sorted(values)
-    k = (len(s) - 1) * q / 100.0
-    lo, hi = math.floor(k), math.ceil(k)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
-def _stats(prefix: str, values_s: Sequence[float]) -> Dict[str, float]:
-    ms = [v * 1e3 for v in values_s]
-    out = {f"mean_{prefix}_ms": sum(ms) / len(ms) if ms else 0.0}
-    if ms:
-        mean = out[f"mean_{prefix}_ms"]
-        out[f"std_{prefix}_ms"] = math.sqrt(sum((v - mean) ** 2 for v in ms) / len(ms))
-    else:
-        out[f"std_{prefix}_ms"] = 0.0
-    for q in PERCENTILES:
-        name = "median" if q == 50 else f"p{q}"
-        out[f"{name}_{prefix}_ms"] = _pct(ms, q)
-    return out
-
-
-def calculate_metrics(outputs: Sequence[RequestOutput], duration: float) -> Dict[str, Any]:
-    ok = [o for o in outputs if o.success]
-    total_in = sum(o.prompt_len for o in ok)
-    total_out = sum(o.output_len for o in ok)
-    duration = max(duration, 1e-9)
-    tpots = [(o.latency - o.ttft) / (o.output_len - 1) for o in ok if o.output_len > 1]
-    itls = [x for o in ok for x in o.itl]
-    m: Dict[str, Any] = {
-        "completed": len(ok),
-        "failed": len(outputs) - len(ok),
-        "duration": duration,
-        "total_input_tokens": total_in,
-        "total_output_tokens": total_out,
-        "request_throughput": len(ok) / duration,
-        "input_throughput": total_in / duration,
-        "output_throughput": total_out / duration,
-        "total_throughput": (total_in + total_out) / duration,
-        "concurrency": sum(o.latency for o in ok) / duration,
-        "cached_tokens": sum(o.cached_tokens for o in ok),
-    }
-    m.update(_stats("e2e_latency", [o.latency for o in ok]))
-    m.update(_stats("ttft", [o.ttft for o in ok]))
-    m.update(_stats("tpot", tpots))
-    m.update(_stats("itl", itls))
-    return m
-
-
-def format_report(m: Dict[str, Any], title: str, header: Sequence[Tuple[str, Any]] = ()) -> str:
-    w = 50
-    lines = ["{s:{c}^{n}}".format(s=f" {title} ", n=w, c="=")]
-
-    def row(name: str, value: Any) -> None:
-        if isinstance(value, float):
-            value = f"{value:.2f}"
-        lines.append(f"{name + ':':<40} {value!s:<10}")
-
-    for k, v in header:
-        row(k, v)
-    row("Successful requests", m["completed"])
-    if m.get("failed"):
-        row("Failed requests", m["failed"])
-    row("Benchmark duration (s)", m["duration"])
-    row("Total input tokens", m["total_input_tokens"])
-    row("Total generated tokens", m["total_output_tokens"])
-    row("Request throughput (req/s)", m["request_throughput"])
-    row("Input token throughput (tok/s)", m["input_throughput"])
-    row("Output token throughput (tok/s)", m["output_throughput"])
-    row("Total token throughput (tok/s)", m["total_throughput"])
-    row("Concurrency", m["concurrency"])
-    if m.get("cache_hit_rate") is not None:
-        row("Cache hit rate", f"{m['cache_hit_rate']:.4f}")
-    for key, name in (("e2e_latency", "End-to-End Latency"), ("ttft", "Time to First Token"),
-                      ("tpot", "Time per Output Token (excl. 1st token)"), ("itl", "Inter-Token Latency")):
-        lines.append("{s:{c}^{n}}".format(s=name, n=w, c="-"))
-        short = {"e2e_latency": "E2E Latency"}.get(key, key.upper())
-        for stat in ("mean", "median", "p90", "p99"):
-            row(f"{stat.capitalize() if stat in ('mean', 'median') else stat.upper()} {short} (ms)", m[f"{stat}_{key}_ms"])
-    lines.append("=" * w)
-    return "\n".join(lines)
-
-
-def plot_results(outputs: Sequence[RequestOutput], m: Dict[str, Any], path: str, title: str) -> None:
-    """TTFT and ITL distributions and output throughput over time, in one PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ok = [o for o in outputs if o.success]
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
-    ttft = [o.ttft * 1e3 for o in ok]
-    itl = [x * 1e3 for o in ok for x in o.itl]
-    for ax, data, name, key in ((axes[0], ttft, "TTFT (ms)", "ttft"), (axes[1], itl, "ITL (ms)", "itl")):
-        if data:
-            ax.hist(data, bins=50, color="tab:blue", alpha=0.8)
-            for stat, style in (("median", "--"), ("p99", ":")):
-                ax.axvline(m[f"{stat}_{key}_ms"], color="k", linestyle=style, label=f"{stat} {m[f'{stat}_{key}_ms']:.1f}")
-            ax.legend()
-        ax.set_xlabel(name)
-        ax.set_ylabel("count")
-        ax.set_title(f"{name.split()[0]} distribution")
-    chunks = sorted((t, n) for o in ok for t, n in o.chunks)
-    ax = axes[2]
-    if chunks:
-        end = max(t for t, _ in chunks)
-        width = max(end / 60, 1e-3)
-        bins = [0.0] * (int(end / width) + 1)
-        for t, n in chunks:
-            bins[min(int(t / width), len(bins) - 1)] += n
-        ax.step([i * width for i in range(len(bins))], [b / width for b in bins], where="post")
-    ax.set_xlabel("time (s)")
-    ax.set_ylabel("output tokens/s")
-    ax.set_title("output throughput over time")
-    fig.suptitle(title)
-    fig.tight_layout()
-    d = os.path.dirname(path)
-    if d:
-        os.makedirs(d, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def json_safe(x: Any) -> Any:
-    """inf / nan become strings, so the line is strict JSON (request_rate defaults to inf)."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    if isinstance(x, dict):
-        return {k: json_safe(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [json_safe(v) for v in x]
-    return x
-
-
-def append_jsonl(path: str, record: Dict[str, Any]) -> None:
-    d = os.path.dirname(path)
-    if d:
-        os.makedirs(d, exist_ok=True)
-    with open(path, "a") as f:
-        f.write(json.dumps(json_safe(record)) + "\n")
 
 
 # ---- the load generator ----------------------------------------------------------------------------
@@ -462,7 +300,7 @@ def per_turn_metrics(outputs: Sequence[RequestOutput]) -> List[Dict[str, Any]]:
             mean_prompt_len=prompt / n, mean_output_len=sum(o.output_len for o in ok) / n,
             cached_tokens=sum(o.cached_tokens for o in ok),
             usage_cache_hit_rate=sum(o.cached_tokens for o in ok) / prompt if prompt else 0.0,
-            mean_ttft_ms=sum(o.ttft for o in ok) / n * 1e3, median_ttft_ms=_pct([o.ttft for o in ok], 50) * 1e3,
+            mean_ttft_ms=sum(o.ttft for o in ok) / n * 1e3, median_ttft_ms=percentile([o.ttft for o in ok], 50) * 1e3,
             mean_itl_ms=sum(itls) / len(itls) * 1e3 if itls else 0.0,
             mean_e2e_latency_ms=sum(o.latency for o in ok) / n * 1e3,
         ))
@@ -502,7 +340,7 @@ async def benchmark(args: argparse.Namespace, transport: Any = None) -> Dict[str
             models = await _get_json(client, f"{base_url}/v1/models", args.headers) or {}
             data = models.get("data") or [{}]
             args.model = data[0].get("id", "default")
-        tokenizer = _load_tokenizer(args.tokenizer or model_info.get("tokenizer_path") or model_info.get("model_path"))
+        tokenizer = load_tokenizer_or_tiny(args.tokenizer or model_info.get("tokenizer_path") or model_info.get("model_path"))
         vocab = args.vocab_size or (model_info.get("vocab_size") or (len(tokenizer) if tokenizer is not None else 8192))
         request_fn = request_sglang if args.backend == "sglang" else request_openai
         if multi_turn:
@@ -584,16 +422,6 @@ def _result(outputs: List[RequestOutput], duration: float, before: Dict[str, flo
         res["per_turn"] = per_turn_metrics(outputs)
         res["turn_requests"] = turn_request_rows(outputs)
     return res
-
-
-def _load_tokenizer(path: Optional[str]) -> Any:
-    from radixserve.tiny_model import get_tiny_model_path
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(path or str(get_tiny_model_path()))
-    except Exception:
-        return AutoTokenizer.from_pretrained(str(get_tiny_model_path()))
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:

@@ -2,6 +2,7 @@
 
     base_grammar_backend.py   the grammar queue's backend interface, cache, token bitmask
     xgrammar_backend.py       the xgrammar implementation (JSON schema, regex, EBNF)
+    factory.py                create_grammar_backend: the one --grammar-backend names
 
 Nothing here imports xgrammar at import time.
 """

@@ -20,14 +20,18 @@ grammar accepted a stop token) finishes the request with FINISH_MATCHED_TOKEN.
 
 Bitmask layout (xgrammar's): int32 [B, ceil(V/32)], token t of row i is allowed iff
 bit (t % 32) of bitmask[i, t // 32] is 1. A row of all ones (-1) allows every token.
+
+The backend counts what structured output costs in `stats` (GrammarStats: compile, mask
+fill, mask apply seconds); offline, `Engine.grammar_stats()` returns a copy.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
@@ -43,11 +47,11 @@ def grammar_key(sampling_params: Any) -> Optional[GrammarKey]:
     (verify() already rejects more than one of regex / json_schema / ebnf.)"""
     import json
 
-    for field, kind in GRAMMAR_KINDS.items():
-        value = getattr(sampling_params, field, None)
+    for name, kind in GRAMMAR_KINDS.items():
+        value = getattr(sampling_params, name, None)
         if value is None:
             continue
-        if field == "json_schema" and not isinstance(value, str):
+        if name == "json_schema" and not isinstance(value, str):
             value = json.dumps(value)  # a dict from the offline API (key order kept: it is the output order)
         return kind, value
     return None
@@ -98,6 +102,20 @@ def is_invalid_grammar(value: Any) -> bool:
     return isinstance(value, InvalidGrammarObject)
 
 
+# ---- cost counters ----------------------------------------------------------------------------
+@dataclass
+class GrammarStats:
+    """Cumulative cost of structured output (a perf_counter pair per call; subtract two
+    snapshots for a run). On a GPU the apply time is the launch, not the kernel."""
+
+    compile_s: float = 0.0  # compile threads: dispatch_json / regex / ebnf (the first: + tokenizer info)
+    compiles: int = 0  # grammars compiled (invalid ones too)
+    fill_s: float = 0.0  # scheduler thread: filling the bitmask rows of a forward
+    fill_calls: int = 0  # forwards with a grammar mask
+    apply_s: float = 0.0  # sampler: banning the masked logits
+    apply_rows: int = 0  # grammar rows masked, summed over forwards
+
+
 # ---- the per-forward mask -------------------------------------------------------------------
 @dataclass
 class TokenBitmask:
@@ -106,9 +124,19 @@ class TokenBitmask:
 
     bitmask: torch.Tensor  # int32 [B, ceil(V/32)], CPU
     rows: List[int]
+    stats: Optional[GrammarStats] = field(default=None, repr=False)  # the backend's: apply_ reports into it
 
     def apply_(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """Set the banned logits of the grammar rows to -inf, in place."""
+        if self.stats is None:
+            return self._apply(logits, vocab_size)
+        t0 = time.perf_counter()
+        out = self._apply(logits, vocab_size)
+        self.stats.apply_s += time.perf_counter() - t0
+        self.stats.apply_rows += len(self.rows)
+        return out
+
+    def _apply(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
         if not self.rows:
             return logits
         if logits.device.type == "cpu":
@@ -153,6 +181,7 @@ class BaseGrammarBackend:
         self.executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar-compile")
         self.cache: Dict[GrammarKey, BaseGrammarObject] = {}
         self._lock = threading.Lock()
+        self.stats = GrammarStats()
 
     # Subclasses compile; they raise ValueError (the message goes to the client) on a bad grammar.
     def dispatch_json(self, schema: str) -> BaseGrammarObject:
@@ -172,6 +201,7 @@ class BaseGrammarBackend:
         if cached is not None:
             return cached if is_invalid_grammar(cached) else cached.copy()
         kind, text = key
+        t0 = time.perf_counter()
         try:
             if kind == "json":
                 value = self.dispatch_json(text)
@@ -186,6 +216,8 @@ class BaseGrammarBackend:
             value = InvalidGrammarObject(f"Invalid {label}: {clean_error(e)}")
             logger.info("Grammar rejected: %s", value.message)
         with self._lock:
+            self.stats.compile_s += time.perf_counter() - t0
+            self.stats.compiles += 1
             # Keep an entry set meanwhile (a timeout caches the key as invalid: it stays so).
             value = self.cache.setdefault(key, value)
         return value if is_invalid_grammar(value) else value.copy()
@@ -208,6 +240,7 @@ class BaseGrammarBackend:
     def fill_token_bitmask(self, reqs: Iterable[Any]) -> Optional[TokenBitmask]:
         """The mask of one forward over `reqs` (a batch, in row order): rows of requests
         with a live grammar are filled, the rest stay all ones. None when no row needs it."""
+        t0 = time.perf_counter()
         reqs = list(reqs)
         rows = [i for i, r in enumerate(reqs) if r.grammar is not None and not r.finished()]
         if not rows:
@@ -215,7 +248,9 @@ class BaseGrammarBackend:
         bitmask = self.allocate_vocab_mask(len(reqs))
         for i in rows:
             reqs[i].grammar.fill_vocab_mask(bitmask, i)
-        return TokenBitmask(bitmask, rows)
+        self.stats.fill_s += time.perf_counter() - t0
+        self.stats.fill_calls += 1
+        return TokenBitmask(bitmask, rows, self.stats)
 
     def reset(self) -> None:
         with self._lock:
@@ -233,31 +268,6 @@ def clean_error(e: BaseException) -> str:
     text = re.sub(r"^\[[0-9:]+\]\s+\S+\.(cc|h|cpp):\d+:\s*", "", text)
     text = re.sub(r"^Check failed: \(.*?\) is false:\s*", "", text)
     return text or type(e).__name__
-
-
-def create_grammar_backend(server_args: Any, tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int]) -> Optional[BaseGrammarBackend]:
-    """The backend named by --grammar-backend, or None ("none", no tokenizer, or xgrammar
-    not installed: grammar requests then finish with a 400 that says why)."""
-    name = server_args.grammar_backend
-    if name == "none":
-        return None
-    if name != "xgrammar":
-        raise ValueError(f"Invalid grammar backend: {name!r}")
-    if tokenizer is None:
-        logger.info("No tokenizer (--skip-tokenizer-init): structured output is off.")
-        return None
-    import importlib.util
-
-    if importlib.util.find_spec("xgrammar") is None:
-        logger.warning("xgrammar is not installed: requests with json_schema / regex / ebnf will be rejected "
-                       "(scripts/install.sh installs it).")
-        return None
-    from radixserve.constrained.xgrammar_backend import XGrammarGrammarBackend
-
-    return XGrammarGrammarBackend(
-        tokenizer, vocab_size, eos_token_ids,
-        whitespace_pattern=server_args.constrained_json_whitespace_pattern,
-    )
 
 
 def grammar_unavailable_message(server_args: Any) -> str:

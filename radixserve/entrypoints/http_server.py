@@ -1,51 +1,51 @@
 """The HTTP server: SGLang's native API and the OpenAI-compatible API on one FastAPI app.
 
 Native:  POST /generate, GET /health, GET /health_generate, GET /get_model_info,
-         GET /get_server_info, POST /flush_cache, POST /abort_request, POST /open_session,
+         GET /get_server_info, GET|POST /flush_cache, POST /abort_request, POST /open_session,
          POST /close_session, GET /metrics
 OpenAI:  POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id}
+Docs:    GET /docs (Swagger UI), GET /openapi.json
 
-Every error a client can cause is JSON `{"error": {"message": ...}}` with its status (400,
-401, 404, 413, 503); OpenAI routes add OpenAI's `type` / `param` / `code`. Bodies are parsed
-as JSON only: nothing from the network is unpickled.
+Request bodies are typed models (native_protocol.py, openai_protocol.py) that FastAPI parses and
+validates; they are JSON only (415 otherwise): nothing from the network is unpickled. Every error
+a client can cause is JSON `{"error": {"message": ...}}` with its status (400, 401, 404, 413,
+415, 503), made by the exception handlers below; /v1 routes add OpenAI's `type` / `param` /
+`code`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hmac
-import json
 import logging
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Callable, Dict
+from typing import Any, AsyncIterator, Callable, Coroutine, Dict
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import TypeAdapter, ValidationError
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from radixserve.entrypoints.openai_protocol import error_body
+from radixserve.entrypoints.native_protocol import AbortRequest, GenerateRequest
+from radixserve.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest, error_body
 from radixserve.entrypoints.serving_base import (
     SSE_DONE,
     chain_first,
+    check_model,
     first_result,
     peek_first,
-    served_model_names,
     sse,
 )
 from radixserve.entrypoints.serving_chat import serve_chat
 from radixserve.entrypoints.serving_completions import serve_completions
-from radixserve.managers.tokenizer_manager import (
-    ClientDisconnected,
-    RequestError,
-    TokenizerManager,
-    _validation_message,
-)
-from radixserve.protocol import CloseSessionReqInput, GenerateReqInput, OpenSessionReqInput
+from radixserve.managers.tokenizer_manager import ClientDisconnected, RequestError, TokenizerManager
+from radixserve.protocol import CloseSessionReqInput, OpenSessionReqInput
 
 logger = logging.getLogger("radixserve.http_server")
 
-_GENERATE_ADAPTER = TypeAdapter(GenerateReqInput)
+_HTTP_ERROR_TYPES = {404: "NotFoundError", 405: "MethodNotAllowed", 413: "RequestEntityTooLarge"}
+_NOT_AN_OBJECT = {"model_attributes_type", "model_type", "dataclass_type", "dict_type"}
 
 
 # ---- errors ------------------------------------------------------------------------------------
@@ -54,89 +54,117 @@ def error_response(message: str, status: int = 400, err_type: str = "BadRequestE
     return JSONResponse(body, status_code=status)
 
 
-async def read_json(request: Request) -> Dict[str, Any]:
-    # JSON bodies only: a browser page cannot send application/json cross-site without a CORS
-    # preflight, so this also refuses a form or text/plain POST from another origin (415).
+def _is_openai(request: Request) -> bool:
+    return request.url.path.startswith("/v1/")
+
+
+def _validation_line(err: Dict[str, Any]) -> str:
+    """One FastAPI validation error as a line a client can act on ("max_tokens: Input should...")."""
+    loc = tuple(err.get("loc", ()))
+    kind = err.get("type")
+    if kind == "json_invalid":  # loc is ("body", position)
+        where = f" (at char {loc[1]})" if len(loc) > 1 else ""
+        return f"Malformed JSON in the request body: {err.get('ctx', {}).get('error', '')}{where}"
+    field = ".".join(str(x) for x in (loc[1:] if loc[:1] == ("body",) else loc))
+    if not field and kind == "missing":
+        return "The request body is empty: send a JSON object."
+    if not field and kind in _NOT_AN_OBJECT:
+        return "The request body must be a JSON object."
+    return f"{field}: {err.get('msg')}" if field else str(err.get("msg"))
+
+
+def add_exception_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestError)
+    async def request_error(request: Request, exc: RequestError) -> JSONResponse:
+        return error_response(exc.message, exc.status_code, exc.err_type, _is_openai(request))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message = "; ".join(_validation_line(e) for e in exc.errors())
+        return error_response(message, 400, "BadRequestError", _is_openai(request))  # OpenAI's 400, not 422
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_exception(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        err_type = _HTTP_ERROR_TYPES.get(exc.status_code, "BadRequestError")
+        return error_response(str(exc.detail), exc.status_code, err_type, _is_openai(request))
+
+    @app.exception_handler(ClientDisconnected)
+    async def client_disconnected(request: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        # A bug: answer JSON; Starlette re-raises it afterwards, so uvicorn logs the traceback.
+        message = f"Internal server error: {type(exc).__name__}: {exc}"
+        return error_response(message, 500, "InternalServerError", _is_openai(request))
+
+
+# ---- JSON bodies only --------------------------------------------------------------------------
+class JsonBodyRequest(Request):
+    """Clear 400s for bodies that json.loads cannot take, which FastAPI would report as
+    "There was an error parsing the body"."""
+
+    async def json(self) -> Any:
+        try:
+            return await super().json()
+        except RecursionError:  # the parser recurses once per level of nesting
+            raise StarletteHTTPException(400, "The JSON in the request body is nested too deeply.") from None
+        except UnicodeDecodeError as e:
+            raise StarletteHTTPException(400, f"Malformed JSON in the request body: {e}") from None
+
+
+class JsonBodyRoute(APIRoute):
+    """Every route takes its body as application/json only (415 otherwise). A page on another
+    origin can POST a form or text/plain without a CORS preflight, never JSON: so such a page
+    cannot make the server generate or abort. Checked before FastAPI parses the body."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def json_body_handler(request: Request) -> Response:
+            request = JsonBodyRequest(request.scope, request.receive)
+            await _refuse_non_json_body(request)
+            return await handler(request)
+
+        return json_body_handler
+
+
+async def _refuse_non_json_body(request: Request) -> None:
     media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    body = await request.body()
-    if body and media_type != "application/json":
+    if media_type != "application/json" and await request.body():
         raise RequestError(
             f"Send the body as application/json (Content-Type was {media_type or 'missing'!r}).",
             status_code=415, err_type="UnsupportedMediaType",
         )
-    if not body:
-        raise RequestError("The request body is empty: send a JSON object.")
-    try:
-        obj = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RequestError(f"Malformed JSON in the request body: {e}") from None
-    except RecursionError:  # the parser recurses once per level of nesting
-        raise RequestError("The JSON in the request body is nested too deeply.") from None
-    if not isinstance(obj, dict):
-        raise RequestError("The request body must be a JSON object.")
-    return obj
-
-
-async def handle_errors(fn: Callable[[], Any], openai: bool = False) -> Response:
-    """Run a route; turn what a client can cause into its status and message."""
-    try:
-        return await fn()
-    except RequestError as e:
-        return error_response(e.message, e.status_code, e.err_type, openai)
-    except ValidationError as e:
-        return error_response(_validation_message(e, "body").replace("body.", ""), 400, "BadRequestError", openai)
-    except ClientDisconnected:
-        return Response(status_code=499)
-    except Exception as e:  # a bug: log it, answer JSON, keep serving
-        logger.exception("Error while handling a request")
-        return error_response(f"Internal server error: {type(e).__name__}: {e}", 500, "InternalServerError", openai)
 
 
 # ---- middleware (pure ASGI, so streams are not buffered) ---------------------------------------
-class _BodyTooLarge(Exception):
-    pass
-
-
 class BodySizeLimitMiddleware:
     """413 for a body over the limit, by Content-Length or while it arrives (chunked)."""
 
     def __init__(self, app: Any, max_bytes: int):
         self.app, self.max_bytes = app, max_bytes
+        self.message = f"The request body is larger than {max_bytes} bytes (--max-request-body-bytes)."
 
     async def __call__(self, scope: Dict[str, Any], receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers") or [])
-        length = headers.get(b"content-length")
+        length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            return await self._refuse(scope, receive, send)
+            return await error_response(self.message, 413, "RequestEntityTooLarge")(scope, receive, send)
         received = 0
-        started = False
 
         async def limited_receive() -> Dict[str, Any]:
+            # raised where the route reads the body: the app's HTTPException handler answers 413
             nonlocal received
             msg = await receive()
             if msg["type"] == "http.request":
                 received += len(msg.get("body", b""))
                 if received > self.max_bytes:
-                    raise _BodyTooLarge()
+                    raise StarletteHTTPException(413, self.message)
             return msg
 
-        async def tracking_send(msg: Dict[str, Any]) -> None:
-            nonlocal started
-            if msg["type"] == "http.response.start":
-                started = True
-            await send(msg)
-
-        try:
-            await self.app(scope, limited_receive, tracking_send)
-        except _BodyTooLarge:
-            if not started:
-                await self._refuse(scope, receive, send)
-
-    async def _refuse(self, scope: Dict[str, Any], receive: Callable, send: Callable) -> None:
-        msg = f"The request body is larger than {self.max_bytes} bytes (--max-request-body-bytes)."
-        await error_response(msg, 413, "RequestEntityTooLarge")(scope, receive, send)
+        await self.app(scope, limited_receive, send)
 
 
 class ApiKeyMiddleware:
@@ -156,34 +184,43 @@ class ApiKeyMiddleware:
 
 
 # ---- the app -----------------------------------------------------------------------------------
-def create_app(tm: TokenizerManager) -> FastAPI:
-    args = tm.server_args
-
+def create_app(tm: TokenizerManager) -> Any:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await tm.start()
         yield
         await tm.close()
 
-    app = FastAPI(title="radixserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="radixserve", version=_version(), lifespan=lifespan, redoc_url=None)
+    app.router.route_class = JsonBodyRoute  # before any route is added
     app.state.tokenizer_manager = tm
+    add_exception_handlers(app)
+    add_native_routes(app, tm)
+    add_openai_routes(app, tm)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def http_exception(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        openai = request.url.path.startswith("/v1/")
-        return error_response(str(exc.detail), exc.status_code, "NotFoundError" if exc.status_code == 404 else "BadRequestError", openai)
+    wrapped: Any = app
+    if tm.server_args.api_key:
+        wrapped = ApiKeyMiddleware(wrapped, tm.server_args.api_key)
+    wrapped = BodySizeLimitMiddleware(wrapped, tm.server_args.max_request_body_bytes)
+    return _Outer(wrapped, app)
+
+
+def add_native_routes(app: FastAPI, tm: TokenizerManager) -> None:
+    args = tm.server_args
 
     # -- health and info
     @app.get("/health")
     async def health() -> Response:
         if tm.dead_reason:
-            return error_response(tm.dead_reason, 503, "ServiceUnavailable")
+            raise RequestError(tm.dead_reason, 503, "ServiceUnavailable")
         return Response(status_code=200)
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
-        ok = tm.dead_reason is None and await tm.health_generate()
-        return Response(status_code=200) if ok else error_response("The health check generation failed.", 503, "ServiceUnavailable")
+        """A real one-token generation."""
+        if tm.dead_reason is not None or not await tm.health_generate():
+            raise RequestError("The health check generation failed.", 503, "ServiceUnavailable")
+        return Response(status_code=200)
 
     @app.get("/get_model_info")
     async def get_model_info() -> Dict[str, Any]:
@@ -197,32 +234,30 @@ def create_app(tm: TokenizerManager) -> FastAPI:
         }
 
     @app.get("/get_server_info")
-    async def get_server_info() -> Response:
-        async def run() -> Response:
-            st = await tm.get_internal_state()
-            info = {k: v for k, v in dataclasses.asdict(args).items() if k != "api_key"}
-            info.update(
-                internal_states=st.pop("dp_states", None) or [st],  # one per DP replica, as SGLang
-                num_running_reqs=st.get("num_running_reqs", 0),
-                num_queue_reqs=st.get("num_waiting_reqs", 0),
-                token_usage=st.get("token_usage", 0.0),
-                cache_hit_rate=st.get("cache_hit_rate", 0.0),
-                gen_throughput=st.get("gen_throughput", 0.0),
-                max_total_num_tokens=st.get("max_total_num_tokens"),
-                tokenizer_manager={
-                    "num_pending_reqs": len(tm.rid_to_state),
-                    "num_disconnect_aborts": tm.metrics.num_disconnect_aborts,
-                    "num_open_sessions": len(tm.sessions),
-                },
-                scheduler_pid=tm.model_info.get("pid"),
-                version=_version(),
-            )
-            return JSONResponse(info)
-
-        return await handle_errors(run)
+    async def get_server_info() -> Dict[str, Any]:
+        st = await tm.get_internal_state()
+        info = {k: v for k, v in dataclasses.asdict(args).items() if k != "api_key"}
+        info.update(
+            internal_states=st.pop("dp_states", None) or [st],  # one per DP replica, as SGLang
+            num_running_reqs=st.get("num_running_reqs", 0),
+            num_queue_reqs=st.get("num_waiting_reqs", 0),
+            token_usage=st.get("token_usage", 0.0),
+            cache_hit_rate=st.get("cache_hit_rate", 0.0),
+            gen_throughput=st.get("gen_throughput", 0.0),
+            max_total_num_tokens=st.get("max_total_num_tokens"),
+            tokenizer_manager={
+                "num_pending_reqs": len(tm.rid_to_state),
+                "num_disconnect_aborts": tm.metrics.num_disconnect_aborts,
+                "num_open_sessions": len(tm.sessions),
+            },
+            scheduler_pid=tm.model_info.get("pid"),
+            version=_version(),
+        )
+        return info
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        """Prometheus text format."""
         try:
             await tm.get_internal_state()  # refreshes the scheduler gauges
         except RequestError:
@@ -232,83 +267,62 @@ def create_app(tm: TokenizerManager) -> FastAPI:
         return Response(tm.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     # -- control
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache() -> Response:
-        async def run() -> Response:
-            out = await tm.flush_cache()
-            msg = "Cache flushed." if out.success else (out.message or "Cache not flushed.")
-            return JSONResponse({"success": out.success, "message": msg}, status_code=200 if out.success else 400)
-
-        return await handle_errors(run)
+    @app.get("/flush_cache")
+    @app.post("/flush_cache")
+    async def flush_cache() -> JSONResponse:
+        """Empty the radix cache (refused while requests run)."""
+        out = await tm.flush_cache()
+        msg = "Cache flushed." if out.success else (out.message or "Cache not flushed.")
+        return JSONResponse({"success": out.success, "message": msg}, status_code=200 if out.success else 400)
 
     @app.post("/abort_request")
-    async def abort_request(request: Request) -> Response:
-        async def run() -> Response:
-            body = await read_json(request)
-            rid, abort_all = body.get("rid", ""), body.get("abort_all", False)
-            if not isinstance(rid, str) or not isinstance(abort_all, bool) or not (rid or abort_all):
-                raise RequestError("Give rid (a string) or abort_all: true.")
-            tm.abort_request(rid, abort_all=abort_all)
-            return Response(status_code=200)
-
-        return await handle_errors(run)
+    async def abort_request(body: AbortRequest) -> Response:
+        if not (body.rid or body.abort_all):
+            raise RequestError("Give rid (a string) or abort_all: true.")
+        tm.abort_request(body.rid, abort_all=body.abort_all)
+        return Response(status_code=200)
 
     @app.post("/open_session")
-    async def open_session(request: Request) -> Response:
-        async def run() -> Response:
-            body = await read_json(request)
-            obj = _parse_dataclass(OpenSessionReqInput, body)
-            return JSONResponse(tm.open_session(obj))
-
-        return await handle_errors(run)
+    async def open_session(body: OpenSessionReqInput) -> str:
+        """Returns the session id, for `session_params.id` of /generate."""
+        return tm.open_session(body)
 
     @app.post("/close_session")
-    async def close_session(request: Request) -> Response:
-        async def run() -> Response:
-            body = await read_json(request)
-            tm.close_session(_parse_dataclass(CloseSessionReqInput, body))
-            return Response(status_code=200)
-
-        return await handle_errors(run)
+    async def close_session(body: CloseSessionReqInput) -> Response:
+        tm.close_session(body)
+        return Response(status_code=200)
 
     # -- generation
     @app.post("/generate")
-    async def generate(request: Request) -> Response:
-        async def run() -> Response:
-            body = await read_json(request)
-            obj = _GENERATE_ADAPTER.validate_python(body)
-            gen = tm.generate_request(obj, request)
-            if not obj.stream:
-                return JSONResponse(await first_result(gen))
-            first = await peek_first(gen)
+    async def generate(body: GenerateRequest, request: Request) -> Response:
+        """One output object, a list for a batch or n > 1, or with `stream` server-sent events."""
+        obj = body.to_input()
+        gen = tm.generate_request(obj, request)
+        if not obj.stream:
+            return JSONResponse(await first_result(gen))
+        first = await peek_first(gen)  # a refused request still gets its status, not a 200 stream
 
-            async def stream() -> AsyncIterator[bytes]:
-                try:
-                    async for out in chain_first(first, gen):
-                        yield sse(out)
-                except RequestError as e:
-                    yield sse({"error": {"message": e.message, "code": e.status_code}})
-                finally:
-                    await gen.aclose()
-                yield SSE_DONE
+        async def stream() -> AsyncIterator[bytes]:
+            try:
+                async for out in chain_first(first, gen):
+                    yield sse(out)
+            except RequestError as e:
+                yield sse({"error": {"message": e.message, "code": e.status_code}})
+            finally:
+                await gen.aclose()
+            yield SSE_DONE
 
-            return StreamingResponse(stream(), media_type="text/event-stream")
+        return StreamingResponse(stream(), media_type="text/event-stream")
 
-        return await handle_errors(run)
 
+def add_openai_routes(app: FastAPI, tm: TokenizerManager) -> None:
     @app.post("/v1/completions")
-    async def v1_completions(request: Request) -> Response:
-        async def run() -> Response:
-            return await serve_completions(tm, await read_json(request), request)
-
-        return await handle_errors(run, openai=True)
+    async def v1_completions(body: CompletionRequest, request: Request) -> Response:
+        return await serve_completions(tm, body, request)
 
     @app.post("/v1/chat/completions")
-    async def v1_chat_completions(request: Request) -> Response:
-        async def run() -> Response:
-            return await serve_chat(tm, await read_json(request), request)
-
-        return await handle_errors(run, openai=True)
+    async def v1_chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await serve_chat(tm, body, request)
 
     def model_card(name: str) -> Dict[str, Any]:
         return {"id": name, "object": "model", "created": tm.created_time, "owned_by": "radixserve",
@@ -319,16 +333,9 @@ def create_app(tm: TokenizerManager) -> FastAPI:
         return {"object": "list", "data": [model_card(tm.served_model_name)]}
 
     @app.get("/v1/models/{model_id:path}")
-    async def v1_model(model_id: str) -> Response:
-        if model_id not in served_model_names(tm):
-            return error_response(f"The model `{model_id}` does not exist.", 404, "NotFoundError", openai=True)
-        return JSONResponse(model_card(model_id))
-
-    wrapped: Any = app
-    if args.api_key:
-        wrapped = ApiKeyMiddleware(wrapped, args.api_key)
-    wrapped = BodySizeLimitMiddleware(wrapped, args.max_request_body_bytes)
-    return _Outer(wrapped, app)
+    async def v1_model(model_id: str) -> Dict[str, Any]:
+        check_model(tm, model_id)
+        return model_card(model_id)
 
 
 class _Outer:
@@ -342,13 +349,6 @@ class _Outer:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.app, name)
-
-
-def _parse_dataclass(cls: Any, body: Dict[str, Any]) -> Any:
-    try:
-        return TypeAdapter(cls).validate_python(body)
-    except ValidationError as e:
-        raise RequestError(_validation_message(e, "body").replace("body.", "")) from None
 
 
 def _version() -> str:

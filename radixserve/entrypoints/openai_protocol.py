@@ -1,8 +1,8 @@
 """Request bodies of the OpenAI-compatible API (pydantic), with SGLang's extra sampling fields.
 
-Responses are built as plain dicts in serving_completions.py / serving_chat.py; their shapes are
-OpenAI's (what the official `openai` client parses). Unknown request fields are ignored, as
-OpenAI-compatible servers do; wrong types give 400 with the field's name.
+Responses are built as plain dicts in serving_completions.py / serving_chat.py in OpenAI's shapes
+(the integration tests validate them with the `openai` package's types). Unknown request fields
+are ignored, as OpenAI-compatible servers do; wrong types give 400 with the field's name.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ class _SamplingFields(BaseModel):
     no_stop_trim: bool = False
     regex: Optional[str] = None
     json_schema: Optional[str] = None
+    ebnf: Optional[str] = None
     rid: Optional[str] = None
     priority: Optional[int] = None
 
@@ -76,6 +77,7 @@ class _SamplingFields(BaseModel):
             "sampling_seed": self.seed,
             "regex": self.regex,
             "json_schema": self.json_schema,
+            "ebnf": self.ebnf,
         }
 
 
@@ -104,7 +106,8 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: Optional[ResponseFormat] = None
 
     def grammar_json_schema(self) -> Optional[str]:
-        """response_format as a JSON schema string (enforced once a grammar backend is there)."""
+        """The JSON schema string the grammar backend enforces: SGLang's json_schema, else
+        response_format's."""
         if self.json_schema is not None:
             return self.json_schema
         rf = self.response_format

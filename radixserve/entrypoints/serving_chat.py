@@ -6,7 +6,7 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Dict, List, Optional
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from radixserve.entrypoints.openai_protocol import (
     ChatCompletionRequest,
@@ -36,8 +36,7 @@ def _logprobs(tm: TokenizerManager, meta: Dict[str, Any], start: int) -> Dict[st
     return {"content": content}
 
 
-async def serve_chat(tm: TokenizerManager, body: Dict[str, Any], raw_request: Any):
-    req = ChatCompletionRequest.model_validate(body)
+async def serve_chat(tm: TokenizerManager, req: ChatCompletionRequest, raw_request: Any) -> Response:
     check_model(tm, req.model)
     if req.top_logprobs and not req.logprobs:
         raise RequestError("top_logprobs needs logprobs set to true.")

@@ -6,7 +6,7 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Dict, List
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from radixserve.entrypoints.openai_protocol import (
     CompletionRequest,
@@ -54,8 +54,7 @@ def _logprobs(tm: TokenizerManager, meta: Dict[str, Any], start: int, text_offse
     return {"tokens": tokens, "token_logprobs": [t[0] for t in toks], "top_logprobs": top, "text_offset": offsets}
 
 
-async def serve_completions(tm: TokenizerManager, body: Dict[str, Any], raw_request: Any):
-    req = CompletionRequest.model_validate(body)
+async def serve_completions(tm: TokenizerManager, req: CompletionRequest, raw_request: Any) -> Response:
     check_model(tm, req.model)
     obj = GenerateReqInput(
         **_prompts(req),

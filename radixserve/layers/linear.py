@@ -67,11 +67,6 @@ class LinearBase(nn.Module):
         return True
 
 
-class ReplicatedLinear(LinearBase):
-    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
-        _copy(param, loaded)
-
-
 class ColumnParallelLinear(LinearBase):
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         tp_size = get_tp_group().size

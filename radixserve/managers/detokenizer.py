@@ -132,7 +132,7 @@ def run_detokenizer_process(server_args: Any, port_args: Any, pipe: Any) -> None
     import signal
     import traceback
 
-    from radixserve.managers.scheduler_process import configure_process_logging, watch_parent
+    from radixserve.managers.process_utils import configure_process_logging, watch_parent
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher stops us
     configure_process_logging(server_args, "detokenizer")
@@ -142,11 +142,9 @@ def run_detokenizer_process(server_args: Any, port_args: Any, pipe: Any) -> None
 
         from radixserve.protocol import BatchTokenIDOutput
 
-        tokenizer = None
-        if not server_args.skip_tokenizer_init:
-            from radixserve.managers.scheduler import load_tokenizer, resolve_model_path
+        from radixserve.hf_transformers_utils import get_tokenizer
 
-            tokenizer = load_tokenizer(server_args.tokenizer_path or resolve_model_path(server_args))
+        tokenizer = get_tokenizer(server_args)
         ctx = zmq.Context(1)
         recv_sock = ctx.socket(zmq.PULL)
         recv_sock.bind(port_args.detokenizer_ipc_name)

@@ -19,6 +19,7 @@ import traceback
 from dataclasses import dataclass, replace
 from typing import Any, Dict, List
 
+from radixserve.managers.process_utils import configure_process_logging, watch_parent
 from radixserve.protocol import (
     BatchTokenizedGenerateReqInput,
     FlushCacheReqInput,
@@ -168,8 +169,6 @@ class DataParallelController:
 
 
 def run_data_parallel_controller_process(server_args: ServerArgs, port_args: PortArgs, pipe: Any) -> None:
-    from radixserve.managers.scheduler_process import configure_process_logging, watch_parent
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     configure_process_logging(server_args, "dp controller")
     watch_parent(os.getppid(), port_args.ipc_dir)

@@ -1,12 +1,12 @@
 """Zero-overhead (overlap) scheduling support (seed 001 §2): the FutureMap and the device
-stream that runs forwards in order while the scheduler thread prepares the next batch.
+ForwardThread that runs forwards in order while the scheduler thread prepares the next batch.
 
     scheduler thread:  Pre N+1 | launch N+1 | Post N (process N's result) | Pre N+2 ...
-    device stream:           ... forward N+1 (+ sample, store_to_map) ...
+    forward thread:          ... forward N+1 (+ sample, store_to_map) ...
 
 Batch N+1 is scheduled before N's tokens are known: its decode inputs are -future_index,
-and resolve_future replaces them on the stream, right before N+1's forward, by the tokens
-N stored in the map. The stream is FIFO, so N has always stored them by then.
+and resolve_future replaces them on the forward thread, right before N+1's forward, by the
+tokens N stored in the map. The thread runs its work in order, so N has stored them by then.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import atexit
 import queue
 import threading
 import time
-from typing import Any, Callable, Optional
+from collections import deque
+from typing import Any, Callable, Deque, Optional, Tuple
 
 import torch
 
@@ -47,9 +48,10 @@ class FutureMap:
         self.token_ids_buf[future_indices.to(self.token_ids_buf.device)] = next_token_ids
 
 
-class DeviceStream:
-    """An in-order queue of device work run by one worker thread: the CPU stand-in for a CUDA
-    stream (on CUDA the thread also launches onto a dedicated torch.cuda.Stream).
+class ForwardThread:
+    """An in-order queue of device work run by one worker thread: it plays the part of a CUDA
+    stream in SGLang's overlap loop (on CUDA the thread also launches onto its own
+    torch.cuda.Stream), and works the same on the CPU.
     Work submitted here sees the effects of all work submitted before it."""
 
     def __init__(self, device: str):
@@ -102,27 +104,77 @@ class DeviceStream:
 
 
 class PendingResult:
-    """Filled by the stream once the batch is launched; `wait()` blocks the scheduler until
-    the sampled tokens are on the host."""
+    """Filled by the forward thread once the batch is launched; `wait()` blocks the scheduler
+    until the sampled tokens are on the host."""
 
     def __init__(self) -> None:
-        self.copy_done = threading.Event()
+        self.ready = threading.Event()  # the forward thread set result (or error)
         self.result: Any = None
         self.error: Optional[BaseException] = None
 
     def set(self, result: Any) -> None:
         self.result = result
-        self.copy_done.set()
+        self.ready.set()
 
     def fail(self, error: BaseException) -> None:
         self.error = error
-        self.copy_done.set()
+        self.ready.set()
 
     def wait(self) -> Any:
-        self.copy_done.wait()
+        self.ready.wait()
         if self.error is not None:
             raise RuntimeError("the forward of a batch failed") from self.error
         event = getattr(self.result, "copy_done", None)
         if event is not None:  # CUDA: the launch is done; wait for the device -> host copy
             event.synchronize()
         return self.result
+
+
+class TpModelWorkerClient:
+    """The overlap loop's handle on the TpModelWorker (SGLang's name): `launch` queues a
+    forward on the ForwardThread and returns at once with a PendingResult and the placeholders
+    (-future_index) that stand for the batch's sampled tokens until they are known."""
+
+    def __init__(self, tp_worker: Any, max_running_requests: int, chunked_prefill_size: Optional[int], context_len: int):
+        self.worker = tp_worker
+        self.forward_thread = ForwardThread(tp_worker.device)
+        self.future_map = FutureMap(max_running_requests, chunked_prefill_size, context_len, tp_worker.device)
+        # (what processing a batch's result needs, its PendingResult), in launch order
+        self.result_queue: Deque[Tuple[Any, PendingResult]] = deque()
+
+    def launch(self, batch: Any, worker_batch: Any) -> torch.Tensor:
+        """Queue the forward of `batch` (a detached copy is kept for its result); returns the
+        placeholders of its sampled tokens."""
+        future_indices = self.future_map.alloc_future_indices(batch.batch_size())
+        pending = PendingResult()
+        self.forward_thread.submit(self._forward, worker_batch, future_indices, pending)
+        self.result_queue.append((batch.copy(), pending))
+        return -future_indices
+
+    def pop_result(self, stats: Any) -> Optional[Tuple[Any, Any]]:
+        """The oldest launched batch and its result, waiting for it if needed; counts into
+        `stats` (a SchedulerStats) whether the next forward was running meanwhile."""
+        if not self.result_queue:
+            return None
+        batch, pending = self.result_queue.popleft()
+        stats.results_processed += 1
+        stats.results_processed_while_busy += self.forward_thread.busy.is_set()
+        t0 = time.perf_counter()
+        result = pending.wait()
+        stats.wait_s += time.perf_counter() - t0
+        return batch, result
+
+    def _forward(self, worker_batch: Any, future_indices: torch.Tensor, pending: PendingResult) -> None:
+        """On the ForwardThread: resolve placeholders, forward + sample, publish the tokens."""
+        try:
+            worker_batch.input_ids = self.future_map.resolve_future(worker_batch.input_ids)
+            result = self.worker.forward_batch_generation(worker_batch)
+            self.future_map.store_to_map(future_indices, result.next_token_ids)
+            result.next_token_ids, result.copy_done = self.worker.to_host(result.next_token_ids)
+            pending.set(result)
+        except BaseException as e:
+            pending.fail(e)
+            raise
+
+    def close(self) -> None:
+        self.forward_thread.close()

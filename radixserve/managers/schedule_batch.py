@@ -15,7 +15,7 @@ import itertools
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Set, Union
+from typing import Any, Dict, Iterable, List, Optional, Set, Union
 
 import torch
 
@@ -88,6 +88,15 @@ class FINISH_ABORT(BaseFinishReason):
 
 # ---- Req -----------------------------------------------------------------------------------
 class Req:
+    """One request (one sample) as the scheduler sees it: its tokens, where their KV lives
+    (see the diagram at the top), its finish state and what it has streamed out.
+
+    Invariants, asserted where they change (check_invariants):
+        0 <= len(prefix_indices) <= kv_committed_len <= seqlen() + 1
+            (+1: in the overlap loop the token in flight has KV before it is appended)
+        0 <= send_token_offset <= len(output_ids);  pending_chunks >= 0
+        a finished request never gets a new token; finished_sent implies finished()"""
+
     def __init__(
         self,
         rid: str,
@@ -128,20 +137,19 @@ class Req:
         self.req_pool_idx: Optional[int] = None
         # Tokens whose KV is in the pool (or being written by the batch in flight).
         self.kv_committed_len = 0
-        # >0 while a chunk of this request's prefill is in flight (seed 001 §10.2).
-        self.is_chunked = 0
+        # Chunks of this request's prefill whose results are still to process (SGLang's
+        # `is_chunked`, a counter): the token sampled after a middle chunk means nothing.
+        self.pending_chunks = 0
 
         self.finished_reason: Optional[BaseFinishReason] = None
         # Set from outside (abort); turned into finished_reason at the next check_finished,
         # so the result of the batch in flight is still processed normally.
         self.to_finish: Optional[BaseFinishReason] = None
-        self.is_retracted = False
         self.retraction_count = 0
         self.cached_tokens = 0  # prompt tokens served from the prefix cache (first prefill)
         self.already_computed = 0
         self.send_token_offset = 0  # output tokens already streamed out
         self.finished_sent = False  # the final message went out (never send it twice)
-        self.last_stream_len = 0
         # Structured output: the grammar matcher (a Future while it compiles in the grammar
         # queue), its cache key, and when it entered the grammar queue (--grammar-timeout).
         self.grammar: Any = None
@@ -157,6 +165,16 @@ class Req:
         self.output_token_logprobs_idx: List[int] = []
         self.output_top_logprobs_val: List[List[float]] = []
         self.output_top_logprobs_idx: List[List[int]] = []
+
+    @classmethod
+    def from_tokenized(cls, recv: Any, eos_token_ids: Iterable[int], vocab_size: int, tokenizer: Any) -> "Req":
+        """The scheduler's Req for a TokenizedGenerateReqInput."""
+        return cls(
+            recv.rid, recv.input_text, recv.input_ids, recv.sampling_params,
+            return_logprob=recv.return_logprob, top_logprobs_num=recv.top_logprobs_num,
+            logprob_start_len=recv.logprob_start_len, stream=recv.stream, priority=recv.priority,
+            eos_token_ids=set(eos_token_ids), vocab_size=vocab_size, tokenizer=tokenizer,
+        )
 
     # ---- state ---------------------------------------------------------------------------
     def finished(self) -> bool:
@@ -177,6 +195,21 @@ class Req:
             return range(0)
         start = self.next_input_logprob_token() - 1
         return range(max(start, prefix_len), min(prefix_len + extend_len, len(self.origin_input_ids) - 1))
+
+    def check_invariants(self) -> None:
+        assert 0 <= len(self.prefix_indices) <= self.kv_committed_len <= self.seqlen() + 1, (
+            f"{self!r}: prefix {len(self.prefix_indices)}, kv_committed_len {self.kv_committed_len}")
+        assert 0 <= self.send_token_offset <= len(self.output_ids) and self.pending_chunks >= 0, repr(self)
+        assert not self.finished_sent or self.finished(), repr(self)
+
+    def clipped_max_new_tokens(self) -> int:
+        """max_new_tokens capped at CLIP_MAX_NEW_TOKENS: the decode room admission reserves."""
+        return min(self.sampling_params.max_new_tokens or CLIP_MAX_NEW_TOKENS, CLIP_MAX_NEW_TOKENS)
+
+    def clipped_remaining_new_tokens(self) -> int:
+        """Output tokens still to come, capped the same way (a running request's reserve)."""
+        remaining = (self.sampling_params.max_new_tokens or CLIP_MAX_NEW_TOKENS) - len(self.output_ids)
+        return min(remaining, CLIP_MAX_NEW_TOKENS)
 
     def seqlen(self) -> int:
         return len(self.origin_input_ids) + len(self.output_ids)
@@ -201,8 +234,7 @@ class Req:
         self.extend_input_len = 0
         self.req_pool_idx = None
         self.kv_committed_len = 0
-        self.is_chunked = 0
-        self.is_retracted = True
+        self.pending_chunks = 0
         self.retraction_count += 1
 
     # ---- finish conditions (seed 001 §22, in this order) ---------------------------------
@@ -257,6 +289,14 @@ class Req:
 # ---- ScheduleBatch ---------------------------------------------------------------------------
 @dataclass
 class ScheduleBatch:
+    """A batch of Reqs on the scheduler's side (CPU lists + the tensors of the next forward).
+    prepare_for_extend / prepare_for_decode allocate KV slots and build the inputs;
+    filter_batch / merge_batch / retract_decode change who is in it; get_model_worker_batch
+    hands the worker what it needs.
+
+    Invariant after each prepare (check_invariants): one row per request, and the batch's
+    seq_lens_cpu[i] is reqs[i]'s kv_committed_len (the tokens with KV in the pool)."""
+
     reqs: List[Req]
     req_to_token_pool: Optional[ReqToTokenPool] = None
     token_to_kv_pool_allocator: Optional[TokenToKVPoolAllocator] = None
@@ -286,14 +326,14 @@ class ScheduleBatch:
     # Mixed chunk: the running requests that decode inside this extend batch.
     decoding_reqs: Optional[List[Req]] = None
     chunked_req: Optional[Req] = None
-    # Overlap mode: the DeviceStream that samples with sampling_info. Changes to
+    # Overlap mode: the ForwardThread that samples with sampling_info. Changes to
     # sampling_info (filter / merge) are queued there, after the forwards already in flight.
-    stream: Any = None
+    forward_thread: Any = None
 
     @classmethod
     def init_new(cls, reqs: List[Req], req_to_token_pool, token_to_kv_pool_allocator, tree_cache,
                  vocab_size: int, device: str = "cpu", chunked_req: Optional[Req] = None,
-                 stream: Any = None) -> "ScheduleBatch":
+                 forward_thread: Any = None) -> "ScheduleBatch":
         return cls(
             reqs=reqs,
             req_to_token_pool=req_to_token_pool,
@@ -303,7 +343,7 @@ class ScheduleBatch:
             device=device,
             return_logprob=any(r.return_logprob for r in reqs),
             chunked_req=chunked_req,
-            stream=stream,
+            forward_thread=forward_thread,
         )
 
     def copy(self) -> "ScheduleBatch":
@@ -315,10 +355,10 @@ class ScheduleBatch:
         )
 
     def _sampling_op(self, fn, *args) -> None:
-        if self.stream is None:
+        if self.forward_thread is None:
             fn(*args)
         else:
-            self.stream.submit(fn, *args)
+            self.forward_thread.submit(fn, *args)
 
     def batch_size(self) -> int:
         return len(self.reqs)
@@ -395,6 +435,7 @@ class ScheduleBatch:
             r.cached_tokens += max(len(r.prefix_indices) - r.already_computed, 0)
             r.already_computed = len(r.fill_ids)
             r.kv_committed_len = len(r.fill_ids)
+            r.check_invariants()
         new_tokens = itertools.chain.from_iterable(r.fill_ids[p:] for r, p in zip(reqs, self.prefix_lens))
         self.input_ids = torch.tensor(list(new_tokens), dtype=torch.int64)
         self.req_pool_indices = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
@@ -471,6 +512,12 @@ class ScheduleBatch:
         self.seq_lens_cpu = [s + 1 for s in self.seq_lens_cpu]
         for r in self.reqs:
             r.kv_committed_len += 1
+        self.check_invariants()
+
+    def check_invariants(self) -> None:
+        assert len(self.seq_lens_cpu) == len(self.reqs), (len(self.seq_lens_cpu), len(self.reqs))
+        for r, n in zip(self.reqs, self.seq_lens_cpu):
+            assert r.req_pool_idx is not None and r.kv_committed_len == n, (r, n)
 
     def release_req(self, req: Req) -> None:
         """Free everything a running request holds that the tree does not (retract / preempt).
@@ -508,7 +555,7 @@ class ScheduleBatch:
             self._evict_tree_cache_if_needed(len(order) * RETRACT_DECODE_STEPS)
         self.filter_batch(keep_indices=sorted(order))
         decoded = sum(len(r.output_ids) for r in self.reqs)
-        max_new = sum(min(r.sampling_params.max_new_tokens or CLIP_MAX_NEW_TOKENS, CLIP_MAX_NEW_TOKENS) for r in self.reqs)
+        max_new = sum(r.clipped_max_new_tokens() for r in self.reqs)
         new_ratio = min(1.0, (decoded + RETRACT_DECODE_STEPS * len(self.reqs)) / (max_new + 1))
         return retracted, new_ratio
 

@@ -7,11 +7,11 @@ import random
 from collections import defaultdict
 from contextlib import contextmanager
 from enum import Enum, auto
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
-from radixserve.managers.schedule_batch import CLIP_MAX_NEW_TOKENS, Req, ScheduleBatch
+from radixserve.managers.schedule_batch import Req, ScheduleBatch
 from radixserve.mem_cache.radix_cache import RadixCache, TreeNode
 
 # In-batch prefix caching (SGLang): a request whose cached prefix is short but which shares a
@@ -138,6 +138,30 @@ class AddReqResult(Enum):
     OTHER = auto()  # the input / chunk budget is exhausted
 
 
+# new_token_ratio schedule (seed 001 §9.3; SGLang's defaults)
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
+NEW_TOKEN_RATIO_DECAY_STEPS = 600
+
+
+class NewTokenRatio:
+    """The share of a running request's remaining max_new_tokens that admission reserves
+    (seed 001 §9.3): it decays while decoding goes well, jumps up after a retraction, and
+    goes back to its start when the server is idle."""
+
+    def __init__(self, schedule_conservativeness: float = 1.0):
+        self.init = min(INIT_NEW_TOKEN_RATIO * schedule_conservativeness, 1.0)
+        self.min = min(self.init * MIN_NEW_TOKEN_RATIO_FACTOR, 1.0)
+        self.decay = (self.init - self.min) / NEW_TOKEN_RATIO_DECAY_STEPS
+        self.value = self.init
+
+    def step(self) -> None:
+        self.value = max(self.value - self.decay, self.min)
+
+    def reset(self) -> None:
+        self.value = self.init
+
+
 class PrefillAdder:
     """Admits requests into a prefill batch under three budgets (seed 001 §9.4, seed 004):
 
@@ -181,8 +205,7 @@ class PrefillAdder:
             self.rem_total_token_offset += sum(self._running_offset(r) for r in running_batch.reqs)
 
     def _running_offset(self, req: Req) -> float:
-        remaining = (req.sampling_params.max_new_tokens or CLIP_MAX_NEW_TOKENS) - len(req.output_ids)
-        return min(remaining, CLIP_MAX_NEW_TOKENS) * self.new_token_ratio
+        return req.clipped_remaining_new_tokens() * self.new_token_ratio
 
     @property
     def rem_total_tokens(self) -> float:
@@ -216,7 +239,7 @@ class PrefillAdder:
 
     @staticmethod
     def _max_new(req: Req) -> int:
-        return min(req.sampling_params.max_new_tokens or CLIP_MAX_NEW_TOKENS, CLIP_MAX_NEW_TOKENS)
+        return req.clipped_max_new_tokens()
 
     def add_chunked_req(self, req: Req) -> Optional[Req]:
         """Continue the request whose prefill is being chunked. Returns it if still unfinished."""
@@ -266,6 +289,30 @@ class PrefillAdder:
         return self.budget_state()
 
     # ---- priority preemption (seed 001 §13) -------------------------------------------------
+    def add_waiting_reqs(self, waiting_queue: List[Req], num_allocatable: Callable[[int], int],
+                         try_preemption: bool, has_chunked_req: bool) -> None:
+        """Admit requests from the (sorted) waiting queue, in order, until a budget or the
+        request slots run out (seed 001 §8). With priority scheduling, a request that does not
+        fit may preempt running requests of a worse priority."""
+        running_batch = self.running_batch
+        for req in waiting_queue:
+            slots_full = len(self.can_run_list) >= num_allocatable(running_batch.batch_size())
+            if slots_full or running_batch.batch_is_full:
+                req.init_next_round_input(self.tree_cache)
+                if not (try_preemption and self.preempt_to_schedule(req, need_slot=slots_full)):
+                    running_batch.batch_is_full = True
+                    return
+                running_batch.batch_is_full = False
+            req.init_next_round_input(self.tree_cache)
+            res = self.add_one_req(req, has_chunked_req=has_chunked_req)
+            if res == AddReqResult.NO_TOKEN and try_preemption and req not in self.can_run_list:
+                if self.preempt_to_schedule(req, need_slot=False):
+                    res = self.add_one_req(req, has_chunked_req=has_chunked_req)
+            if res != AddReqResult.CONTINUE:
+                if res == AddReqResult.NO_TOKEN:
+                    running_batch.batch_is_full = True
+                return
+
     def preempt_to_schedule(self, req: Req, need_slot: bool) -> bool:
         """Retract running requests whose priority is worse than `req`'s by more than the
         threshold, lowest priority (then latest arrival) first, until `req` fits.

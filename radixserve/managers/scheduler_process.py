@@ -23,38 +23,14 @@ import time
 import traceback
 from typing import Any, Callable, List, Optional
 
+from radixserve.managers.dp_controller import dp_port_args
+from radixserve.managers.process_utils import configure_process_logging, watch_parent
 from radixserve.protocol import BatchTokenIDOutput, GetInternalStateReqOutput, SchedulerLoad
 from radixserve.server_args import PortArgs, ServerArgs
 
 logger = logging.getLogger("radixserve.scheduler")
 
 IDLE_POLL_MS = 1000  # how long an idle loop blocks on the socket before looking around again
-
-
-def configure_process_logging(server_args: ServerArgs, tag: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, server_args.log_level.upper(), logging.INFO),
-        format=f"[%(asctime)s {tag}] %(message)s",
-        datefmt="%Y-%m-%d %H:%M:%S",
-        force=True,
-    )
-
-
-def watch_parent(parent_pid: int, ipc_dir: Optional[str] = None, interval: float = 1.0) -> None:
-    """Exit when the launching process is gone (killed with SIGKILL, say): never an orphan, and
-    the socket directory the launcher could not remove goes too."""
-
-    def loop() -> None:
-        while True:
-            time.sleep(interval)
-            if os.getppid() != parent_pid:
-                if ipc_dir:
-                    import shutil
-
-                    shutil.rmtree(ipc_dir, ignore_errors=True)
-                os._exit(1)
-
-    threading.Thread(target=loop, name="parent-watch", daemon=True).start()
 
 
 def zmq_recv_drain(sock: Any) -> Callable[[], List[Any]]:
@@ -91,8 +67,7 @@ class SchedulerStats:
         return used / total if total else 0.0
 
     def cache_hit_rate(self) -> float:
-        st = self.sched.stats
-        return st["cached_tokens"] / st["prompt_tokens"] if st.get("prompt_tokens") else 0.0
+        return self.sched.stats.cache_hit_rate
 
     def on_batch(self, batch: Any) -> None:
         if batch is None or batch.forward_mode is None:
@@ -177,8 +152,6 @@ def run_scheduler_process(
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the launcher, which stops us
     tag = "scheduler" if server_args.tp_size == 1 else f"scheduler TP{tp_rank}"
     if dp_rank is not None:  # a replica behind the DataParallelController
-        from radixserve.managers.dp_controller import dp_port_args
-
         tag = f"scheduler DP{dp_rank}" + (f" TP{tp_rank}" if server_args.tp_size > 1 else "")
         port_args = dp_port_args(port_args, dp_rank)
     configure_process_logging(server_args, tag)

@@ -1,4 +1,4 @@
-"""The prefix cache used with --disable-radix-cache: RadixCache's interface, no sharing.
+"""The prefix cache used with --disable-radix-cache: BasePrefixCache's interface, no sharing.
 
 Every request keeps its own KV slots from admission to finish; chunked prefill still works
 because cache_unfinished_req records the slots computed so far in req.prefix_indices.
@@ -10,26 +10,19 @@ from typing import TYPE_CHECKING, List, Optional
 
 import torch
 
-from radixserve.mem_cache.radix_cache import MatchResult, TreeNode, kv_committed_len
+from radixserve.mem_cache.base_prefix_cache import BasePrefixCache, CacheReq, MatchResult, kv_committed_len
+from radixserve.mem_cache.radix_cache import TreeNode
 
 if TYPE_CHECKING:
-    from radixserve.managers.schedule_batch import Req
     from radixserve.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 
 
-class ChunkCache:
-    def __init__(
-        self,
-        req_to_token_pool: "ReqToTokenPool",
-        token_to_kv_pool_allocator: "TokenToKVPoolAllocator",
-        page_size: int = 1,
-        disable: bool = True,
-        eviction_policy: str = "lru",
-    ):
+class ChunkCache(BasePrefixCache):
+    disable = True  # nothing is shared: readers skip prefix bookkeeping
+
+    def __init__(self, req_to_token_pool: "ReqToTokenPool", token_to_kv_pool_allocator: "TokenToKVPoolAllocator"):
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
-        self.page_size = page_size
-        self.disable = True
         alloc = token_to_kv_pool_allocator
         self.device = alloc.device if alloc is not None else "cpu"
         self.reset()
@@ -45,13 +38,13 @@ class ChunkCache:
     def insert(self, key: List[int], value: Optional[torch.Tensor] = None, chunked: bool = False) -> int:
         return 0
 
-    def cache_finished_req(self, req: "Req", is_insert: bool = True) -> None:
+    def cache_finished_req(self, req: CacheReq, is_insert: bool = True) -> None:
         kv_len = kv_committed_len(req)
         kv_indices = self.req_to_token_pool.req_to_token[req.req_pool_idx, :kv_len].to(torch.int64)
         self.token_to_kv_pool_allocator.free(kv_indices)
         self.req_to_token_pool.free(req.req_pool_idx)
 
-    def cache_unfinished_req(self, req: "Req", chunked: bool = False) -> None:
+    def cache_unfinished_req(self, req: CacheReq, chunked: bool = False) -> None:
         row = req.req_pool_idx
         req.prefix_indices = self.req_to_token_pool.req_to_token[row, : len(req.fill_ids)].to(torch.int64)
 

@@ -28,13 +28,14 @@ import heapq
 import itertools
 import math
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple, Union
 
 import torch
 
-if TYPE_CHECKING:  # the Req class lives in managers/schedule_batch.py
-    from radixserve.managers.schedule_batch import Req
+# (MatchResult and kv_committed_len stay importable from here too.)
+from radixserve.mem_cache.base_prefix_cache import BasePrefixCache, CacheReq, MatchResult, kv_committed_len
+
+if TYPE_CHECKING:
     from radixserve.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 
 ChildKey = Union[int, Tuple[int, ...]]
@@ -64,30 +65,11 @@ class TreeNode:
         return f"TreeNode(id={self.id}, len={len(self.key)}, key={head}{more}, lock_ref={self.lock_ref})"
 
 
-@dataclass
-class MatchResult:
-    device_indices: torch.Tensor  # int64 KV slots of the matched prefix
-    last_device_node: TreeNode  # the node the match ends at (lock it to keep the prefix)
-
-
-def kv_committed_len(req: "Req") -> int:
-    """Number of tokens of `req` whose KV is in the pool.
-
-    Every token except the last sampled one (it has not been fed to the model yet). A request
-    that has no output yet stopped during (possibly chunked) prefill: its KV is its fill_ids."""
-    tracked = getattr(req, "kv_committed_len", None)  # the scheduler's Req tracks it exactly
-    if tracked is not None:
-        return tracked
-    if req.output_ids:
-        return len(req.origin_input_ids) + len(req.output_ids) - 1
-    return len(req.fill_ids)
-
-
 def _empty_indices(device) -> torch.Tensor:
     return torch.empty((0,), dtype=torch.int64, device=device)
 
 
-class RadixCache:
+class RadixCache(BasePrefixCache):
     def __init__(
         self,
         req_to_token_pool: Optional["ReqToTokenPool"],
@@ -146,7 +128,7 @@ class RadixCache:
         )
         return self._insert_helper(list(key), value.to(torch.int64), chunked)
 
-    def cache_finished_req(self, req: "Req", is_insert: bool = True) -> None:
+    def cache_finished_req(self, req: CacheReq, is_insert: bool = True) -> None:
         """Hand a finished (or aborted) request's KV to the tree and release its row and lock."""
         kv_len = kv_committed_len(req)
         kv_indices = self.req_to_token_pool.req_to_token[req.req_pool_idx, :kv_len].to(torch.int64)
@@ -173,7 +155,7 @@ class RadixCache:
         if req.last_node is not None:
             self.dec_lock_ref(req.last_node)
 
-    def cache_unfinished_req(self, req: "Req", chunked: bool = False) -> None:
+    def cache_unfinished_req(self, req: CacheReq, chunked: bool = False) -> None:
         """Insert the KV computed so far (after a prefill chunk) and lock it for `req`."""
         token_ids = list(req.fill_ids)
         row = req.req_pool_idx
@@ -311,7 +293,7 @@ class RadixCache:
             return key
         return key[: len(key) // self.page_size * self.page_size]
 
-    def _protected_len(self, req: "Req") -> int:
+    def _protected_len(self, req: CacheReq) -> int:
         """Length of the request's prefix that lies in the tree under its lock. With
         page_size > 1, prefix_indices may end with a private partial page (see
         cache_unfinished_req); that part is not in the tree."""

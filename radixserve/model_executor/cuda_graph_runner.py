@@ -24,15 +24,12 @@ from __future__ import annotations
 import bisect
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Protocol
+from typing import Any, Callable, Dict, List, Optional, Protocol
 
 import torch
 
 from radixserve.layers.logits_processor import LogitsProcessorOutput
 from radixserve.model_executor.forward_batch import ForwardBatch, ForwardMode
-
-if TYPE_CHECKING:
-    from radixserve.model_executor.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +50,21 @@ class GraphBackend(Protocol):
     def new_pool(self) -> Any: ...
 
     def capture(self, fn: Callable[[], torch.Tensor], pool: Any) -> CapturedGraph: ...
+
+
+class GraphRunnerHost(Protocol):
+    """What CudaGraphRunner reads of the ModelRunner that owns it (not imported: model_runner.py
+    imports this module)."""
+
+    model: torch.nn.Module
+    attn_backend: Any
+    server_args: Any
+    model_config: Any
+    max_running_requests: int
+    tp_size: int
+    device: Any
+    req_to_token_pool: Any
+    token_to_kv_pool: Any
 
 
 @dataclass
@@ -110,7 +122,7 @@ class EagerGraphBackend:
 
 
 class CudaGraphRunner:
-    def __init__(self, model_runner: "ModelRunner", graph_backend: Optional[GraphBackend] = None):
+    def __init__(self, model_runner: GraphRunnerHost, graph_backend: Optional[GraphBackend] = None):
         self.model_runner = model_runner
         self.attn_backend = model_runner.attn_backend
         self.graph_backend = graph_backend or CudaGraphBackend()

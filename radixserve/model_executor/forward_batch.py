@@ -28,7 +28,6 @@ class ForwardMode(IntEnum):
     EXTEND = auto()  # prefill, possibly after a cached prefix, possibly a chunk
     DECODE = auto()  # one new token per request
     MIXED = auto()  # a prefill chunk and decode requests in one forward (--enable-mixed-chunk)
-    IDLE = auto()  # nothing to run (kept for DP ranks that must step together)
 
     def is_extend(self) -> bool:
         return self in (ForwardMode.EXTEND, ForwardMode.MIXED)
@@ -38,9 +37,6 @@ class ForwardMode(IntEnum):
 
     def is_mixed(self) -> bool:
         return self == ForwardMode.MIXED
-
-    def is_idle(self) -> bool:
-        return self == ForwardMode.IDLE
 
 
 @dataclass

@@ -30,6 +30,7 @@ class TpModelWorker:
         self.model_config = model_config
         self.model_runner = ModelRunner(model_config, server_args, tp_rank, tp_size)
         self.device = self.model_runner.device
+        self.dtype = self.model_runner.dtype
         self.max_total_num_tokens = self.model_runner.max_total_num_tokens
         self.max_running_requests = self.model_runner.max_running_requests
         self.context_len = self.model_runner.context_len

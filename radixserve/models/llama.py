@@ -21,6 +21,7 @@ from radixserve.layers.radix_attention import RadixAttention
 from radixserve.layers.rotary_embedding import RotaryEmbedding
 from radixserve.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from radixserve.models.model_config import ModelConfig
+from radixserve.models.weight_utils import NamedWeight, load_named_weights
 
 
 class LlamaMLP(nn.Module):
@@ -144,10 +145,8 @@ class LlamaForCausalLM(nn.Module):
         hidden_states = self.model(input_ids, positions, forward_batch)
         return self.logits_processor(hidden_states, self.lm_head, forward_batch)
 
-    def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor, str]]) -> None:
+    def load_weights(self, weights: Iterable[NamedWeight]) -> None:
         """weights: (checkpoint tensor name, tensor, file it came from). Raises LoadError."""
-        from radixserve.model_executor.model_loader import load_named_weights
-
         load_named_weights(self, weights, self.stacked_params_mapping)
 
 

@@ -10,7 +10,9 @@ One row per request, in the batch's request order (B rows, vocabulary V):
                                     (token occurred in the prompt or the output)
     stop_token_mask     [B,V] bool  only if some row has min_new_tokens > 0
     logit_bias          [B,V] f32   only if some row has a logit_bias
-    vocab_mask          [B,V] bool  set per step by a grammar backend (True = banned)
+
+(A grammar's bans are not here: they come per forward as a packed bitmask, which the
+sampler applies after apply_logits_bias; see constrained.TokenBitmask.)
 
 The scheduler keeps it aligned with its request list: `filter_batch` when finished
 requests leave, `merge_batch` when a prefill batch joins the running batch. The sampler
@@ -24,7 +26,7 @@ bias and min_new_tokens == 0, so their entries are never read.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Union
 
 import torch
@@ -37,7 +39,6 @@ _DENSE_FIELDS = (
     ("seen_token_mask", torch.bool),
     ("stop_token_mask", torch.bool),
     ("logit_bias", torch.float32),
-    ("vocab_mask", torch.bool),
 )
 # The per-request [B] (or [B,1]) tensors.
 _ROW_FIELDS = (
@@ -79,7 +80,6 @@ class SamplingBatchInfo:
     seen_token_mask: Optional[torch.Tensor] = None
     stop_token_mask: Optional[torch.Tensor] = None
     logit_bias: Optional[torch.Tensor] = None
-    vocab_mask: Optional[torch.Tensor] = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         b = self.temperatures.shape[0]
@@ -253,8 +253,9 @@ class SamplingBatchInfo:
         """Apply penalties, bias and bans to `logits` [B, >=V] in place; returns it.
 
         Order: repetition penalty on the model's own logits (its sign test is HF's), then
-        frequency/presence, then logit_bias, then the -inf bans (min_new_tokens, grammar)
-        last so that nothing added afterwards can lift a banned token.
+        frequency/presence, then logit_bias, then the min_new_tokens -inf bans last so that
+        nothing added afterwards can lift a banned token (the grammar's bans come after
+        this, in the sampler).
         """
         view = logits[:, : self.vocab_size]
         if self.seen_token_mask is not None:
@@ -271,8 +272,6 @@ class SamplingBatchInfo:
         if self.stop_token_mask is not None:
             active = (self.output_lens < self.min_new_tokens).view(-1, 1)
             view.masked_fill_(self.stop_token_mask & active, float("-inf"))
-        if self.vocab_mask is not None:
-            view.masked_fill_(self.vocab_mask, float("-inf"))
         return logits
 
 

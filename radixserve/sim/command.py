@@ -18,12 +18,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import json
-import os
 from typing import Any, Dict, List, Optional, Tuple
 
-from radixserve.bench.datasets import add_dataset_args, get_dataset
-from radixserve.bench.serving import format_report, json_safe, plot_results
+from radixserve.bench.datasets import add_dataset_args, get_dataset, load_tokenizer_or_tiny
+from radixserve.bench.report import append_jsonl, ensure_parent_dir, format_report, markdown_table, plot_results, write_json
 from radixserve.server_args import SCHEDULE_POLICIES, ServerArgs
 from radixserve.sim.cost_model import (
     DEVICE_PRESETS, CostModel, fit_cpu_device, get_device, load_one_batch_points, points_to_one_batch_report, predict_point,
@@ -140,12 +138,6 @@ SWEEP_COLUMNS = [
 ]
 
 
-def markdown_table(header: List[str], rows: List[List[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
-    fmt = lambda cells: "| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
-    return "\n".join([fmt(header), "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|"] + [fmt(r) for r in rows])
-
-
 def sweep_table(results: List[Dict[str, Any]]) -> str:
     header = [name for name, _ in SWEEP_COLUMNS]
     rows = [[fn(r["config"], r["metrics"]) for _, fn in SWEEP_COLUMNS] for r in results]
@@ -181,9 +173,7 @@ def plot_sweep(results: List[Dict[str, Any]], path: str, title: str) -> None:
     axes[0].invert_yaxis()
     fig.suptitle(title)
     fig.tight_layout()
-    d = os.path.dirname(path)
-    if d:
-        os.makedirs(d, exist_ok=True)
+    ensure_parent_dir(path)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -202,11 +192,9 @@ def _fit_cpu(args: argparse.Namespace) -> int:
     print("with the cpu preset as it is in cost_model.py:")
     print(_error_table(CostModel(cfg, preset), points))
     if args.output:
-        with open(args.output, "w") as f:
-            json.dump(dict(benchmark="simulate_cpu_calibration", model_path="tiny (embedded)", device="cpu",
-                           sources=list(args.fit_cpu), fitted=dataclasses.asdict(dev), table=table,
-                           reports=points_to_one_batch_report(points)), f, indent=2)
-            f.write("\n")
+        write_json(args.output, dict(benchmark="simulate_cpu_calibration", model_path="tiny (embedded)", device="cpu",
+                                     sources=list(args.fit_cpu), fitted=dataclasses.asdict(dev), table=table,
+                                     reports=points_to_one_batch_report(points)))
         print(f"wrote {args.output}")
     return 0
 
@@ -234,9 +222,7 @@ def run(args: argparse.Namespace) -> int:
     base = ServerArgs.from_cli_args(args)
     tokenizer = None  # random: no tokenizer, so the prompts stay token ids (as random-ids)
     if args.dataset_name == "sharegpt":
-        from radixserve.bench.serving import _load_tokenizer
-
-        tokenizer = _load_tokenizer(args.tokenizer_path or args.model_path)
+        tokenizer = load_tokenizer_or_tiny(args.tokenizer_path or args.model_path)
     rows = get_dataset(args, cfg.vocab_size, tokenizer)
     for r in rows:
         if r.input_ids is None:  # ShareGPT text: the simulator schedules token ids
@@ -299,16 +285,9 @@ def _config_of(sa: ServerArgs, res: SimResult) -> Dict[str, Any]:
 
 def _write(args: argparse.Namespace, records: List[Dict[str, Any]], table: Optional[str] = None) -> None:
     if args.output_file:
-        from radixserve.bench.serving import append_jsonl
-
         for r in records:
             append_jsonl(args.output_file, r)
     if args.output:
-        d = os.path.dirname(args.output)
-        if d:
-            os.makedirs(d, exist_ok=True)
         argv = {k: v for k, v in vars(args).items() if k not in ("func", "api_key")}
-        with open(args.output, "w") as f:
-            json.dump(json_safe(dict(benchmark="simulate", args=argv, results=records, table=table)), f, indent=2)
-            f.write("\n")
+        write_json(args.output, dict(benchmark="simulate", args=argv, results=records, table=table))
         print(f"wrote {args.output}")

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, List, Optional
 
 from radixserve.bench.datasets import DatasetRow, arrival_times
-from radixserve.bench.serving import RequestOutput, calculate_metrics
+from radixserve.bench.metrics import RequestOutput, calculate_metrics
 from radixserve.models.model_config import ModelConfig
 from radixserve.protocol import BatchTokenIDOutput, TokenizedGenerateReqInput
 from radixserve.sampling_params import SamplingParams
@@ -173,13 +173,13 @@ class Simulator:
         metrics = calculate_metrics(outputs, now - t_first)
         prompt = sum(o.prompt_len for o in outputs if o.success)
         metrics["cache_hit_rate"] = metrics["cached_tokens"] / prompt if prompt else 0.0
-        stats = dict(sched.stats)
-        metrics["num_retracted_reqs"] = stats.get("num_retracted_reqs", 0)
+        stats = sched.get_stats()
+        metrics["num_retracted_reqs"] = stats.num_retracted_reqs
         metrics["num_forwards"] = self.worker.num_forwards
         sched.check_memory()  # everything finished: every slot is free or in the tree
         pool = dict(max_total_num_tokens=sched.max_total_num_tokens, max_running_requests=sched.max_running_requests,
                     context_len=sched.context_len)
-        return SimResult(outputs, metrics, steps, stats, pool, time.perf_counter() - t_wall, errors)
+        return SimResult(outputs, metrics, steps, stats.to_dict(), pool, time.perf_counter() - t_wall, errors)
 
     def _make_request(self, i: int, row: DatasetRow) -> TokenizedGenerateReqInput:
         sp = SamplingParams(max_new_tokens=row.output_len, temperature=0.0, ignore_eos=True)

@@ -88,6 +88,15 @@ def test_body_too_large_is_413(http):
     r = http.post("/generate", json={"text": "x" * 300_000})
     assert "larger than 200000 bytes" in err(r, 413)
 
+    def chunked():  # no Content-Length: counted while it arrives
+        yield b'{"text": "'
+        for _ in range(30):
+            yield b"x" * 10_000
+        yield b'"}'
+
+    r = http.post("/v1/completions", content=chunked(), headers=JSON_HEADERS)
+    assert "larger than 200000 bytes" in err(r, 413) and r.json()["error"]["code"] == 413
+
 
 def test_unknown_route_and_model(http, openai_client):
     import openai

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
+from openai.types import Completion
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 
 def test_models(openai_client, model_name):
@@ -93,3 +97,41 @@ def test_openai_error_shape(http, route):
     r = http.post(route, json={"model": "x"})
     body = r.json()
     assert r.status_code in (400, 404) and set(body["error"]) == {"message", "type", "param", "code"}
+
+
+# ---- the raw JSON, validated by the openai package's types (its client does not validate) -------
+def sse_json(http, route: str, body: dict) -> list:
+    with http.stream("POST", route, json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_completion_json_matches_openai_types(http, model_name):
+    body = {"model": model_name, "prompt": ["Types", "More"], "max_tokens": 4, "temperature": 0, "logprobs": 2,
+            "echo": True}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    c = Completion.model_validate(r.json())
+    assert len(c.choices) == 2 and c.choices[0].logprobs.tokens and c.usage.completion_tokens == 8
+    chunks = sse_json(http, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
+    # the client parses every chunk as a Completion, whose type wants a finish_reason that
+    # OpenAI's own streams leave null until a choice's last chunk: validate the chunks with one
+    final = [Completion.model_validate(ch) for ch in chunks if not ch["choices"] or ch["choices"][0]["finish_reason"]]
+    assert [ch.choices[0].finish_reason for ch in final[:-1]] == ["length", "length"]
+    assert final[-1].choices == [] and final[-1].usage.completion_tokens == 8
+
+
+def test_chat_completion_json_matches_openai_types(http, model_name):
+    body = {"model": model_name, "messages": [{"role": "user", "content": "Types"}], "max_tokens": 4,
+            "temperature": 0, "n": 2, "logprobs": True, "top_logprobs": 2}
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    c = ChatCompletion.model_validate(r.json())
+    assert [ch.index for ch in c.choices] == [0, 1] and len(c.choices[0].logprobs.content) == 4
+    chunks = [ChatCompletionChunk.model_validate(ch) for ch in sse_json(http, "/v1/chat/completions", {
+        **body, "stream_options": {"include_usage": True}})]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert {ch.choices[0].finish_reason for ch in chunks if ch.choices} == {None, "length"}
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8

@@ -27,13 +27,13 @@ def test_input_logprobs_match_hf(kw, reference):
     for start in (0, 5, 60, 79):
         out = engine.generate(input_ids=IDS, sampling_params={"max_new_tokens": 2, "temperature": 0},
                               return_logprob=True, logprob_start_len=start)
-        pairs = out["meta_info"]["input_token_logprobs"]
-        assert [t for _, t in pairs] == IDS[start:]
+        pairs = out["meta_info"]["input_token_logprobs"]  # [logprob, token id, text] triples
+        assert [t for _, t, _ in pairs] == IDS[start:]
         if start == 0:
             assert pairs[0][0] is None  # the first token has no context
             pairs, start = pairs[1:], 1
         expected = [reference[j - 1, IDS[j]].item() for j in range(start, len(IDS))]
-        assert max(abs(v - e) for (v, _), e in zip(pairs, expected)) <= 1e-4
+        assert max(abs(v - e) for (v, _, _), e in zip(pairs, expected)) <= 1e-4
     without = engine.generate(input_ids=IDS, sampling_params={"max_new_tokens": 2}, return_logprob=True)
     assert "input_token_logprobs" not in without["meta_info"]
     engine.scheduler.check_memory()

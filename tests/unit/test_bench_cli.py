@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from radixserve.cli import main
 
 
@@ -58,6 +60,26 @@ def test_bench_offline_writes_json(tmp_path, capsys):
     assert ours["output_tokens"] == hf["output_tokens"]  # both count the requested tokens
     assert hf["raw_output_tokens"] >= hf["output_tokens"]
     assert ours["ratio_vs_hf"] > 0 and ours["cpu_ratio_vs_hf"] > 0
+
+
+def test_bench_offline_json_schema(tmp_path):
+    """--json-schema: the constrained row's mask and compile costs come from the grammar
+    backend's own counters (Engine.grammar_stats())."""
+    pytest.importorskip("xgrammar")
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}))
+    out = tmp_path / "offline.json"
+    assert main([
+        "bench", "offline", "--num-prompts", "2", "--min-input-len", "8", "--max-input-len", "12",
+        "--min-output-len", "4", "--max-output-len", "8", "--skip-hf", "--skip-other-loop",
+        "--max-total-tokens", "2048", "--json-schema", str(schema), "--output", str(out),
+    ]) == 0
+    _, constrained, unconstrained = json.loads(out.read_text())["results"]
+    assert constrained["system"] == "radixserve + json_schema"
+    assert constrained["first_compile_s"] > 0 and constrained["compile_s"] > 0
+    assert constrained["mask_fill_ms_per_step"] > 0 and constrained["mask_apply_us_per_row"] > 0
+    assert constrained["num_stopped"] + constrained["num_length"] == 2
+    assert unconstrained["output_tokens"] == constrained["output_tokens"]
 
 
 def test_bench_offline_rejects_bad_lengths(capsys):

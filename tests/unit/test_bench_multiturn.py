@@ -12,14 +12,14 @@ from collections import defaultdict
 import httpx
 import pytest
 
-from radixserve.bench.datasets import build_turn_prompt, get_dataset, sample_multi_turn
-from radixserve.bench.serving import _load_tokenizer, benchmark, run_conversations
+from radixserve.bench.datasets import build_turn_prompt, get_dataset, load_tokenizer_or_tiny, sample_multi_turn
+from radixserve.bench.serving import benchmark, run_conversations
 from radixserve.cli import build_parser, main
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return _load_tokenizer(None)  # the embedded tiny model's
+    return load_tokenizer_or_tiny(None)  # the embedded tiny model's
 
 
 def test_build_turn_prompt_concatenates_the_conversation():
@@ -183,7 +183,7 @@ def test_a_failed_turn_ends_only_its_conversation(tokenizer):
 
 def test_run_conversations_never_overlaps_a_users_turns(tokenizer):
     """A user's next turn is sent only after the previous answer is in (the prompt needs it)."""
-    from radixserve.bench.serving import RequestOutput
+    from radixserve.bench.metrics import RequestOutput
 
     workload = sample_multi_turn(4, 3, 20, 4, 2, len(tokenizer), seed=1, tokenizer=tokenizer)
     active, log = set(), []

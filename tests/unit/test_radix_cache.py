@@ -31,7 +31,10 @@ class FakeReq:
 def make(page_size=1, num_pages=64, policy="lru", rows=8, ctx=256, disable=False, cls=RadixCache):
     alloc = TokenToKVPoolAllocator(num_pages * page_size, page_size=page_size)
     r2t = ReqToTokenPool(rows, ctx)
-    cache = cls(r2t, alloc, page_size=page_size, disable=disable, eviction_policy=policy)
+    if cls is ChunkCache:  # takes no options
+        cache = ChunkCache(r2t, alloc)
+    else:
+        cache = cls(r2t, alloc, page_size=page_size, disable=disable, eviction_policy=policy)
     return cache, alloc, r2t
 
 

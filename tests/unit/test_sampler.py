@@ -13,6 +13,7 @@ from typing import List, Set
 import pytest
 import torch
 
+from radixserve.constrained.base_grammar_backend import TokenBitmask, allocate_token_bitmask
 from radixserve.layers.sampler import Sampler, SamplerOutput, filter_probs
 from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
 from radixserve.sampling_params import TOP_K_ALL, SamplingParams
@@ -458,11 +459,25 @@ def test_nan_and_inf_rows_do_not_crash():
     assert g[1] != 3 and g[2] == 7
 
 
-def test_vocab_wider_than_info_and_vocab_mask():
-    # Padded logits (model vocab rounded up): only the first V columns are touched.
+def grammar_mask_banning(*tokens: int) -> TokenBitmask:
+    """One row's grammar mask, as the grammar backend makes it: every token allowed but `tokens`."""
+    bitmask = allocate_token_bitmask(1, V)
+    for t in tokens:
+        bitmask[0, t // 32] &= ~(1 << (t % 32))
+    return TokenBitmask(bitmask, [0])
+
+
+def test_vocab_wider_than_info_and_grammar_mask():
+    # Padded logits (model vocab rounded up): only the first V columns are touched, by the
+    # bias and by the grammar's bans.
     info = info_for([req(logit_bias={"1": 1.0})])
-    info.vocab_mask = torch.zeros(1, V, dtype=torch.bool)
-    info.vocab_mask[0, 0] = True
-    wide = torch.zeros(1, V + 4)
-    got = info.apply_logits_bias(wide)
+    wide = info.apply_logits_bias(torch.zeros(1, V + 4))
+    got = grammar_mask_banning(0).apply_(wide, V)
     assert got[0, 0] == float("-inf") and got[0, 1] == 1.0 and (got[0, V:] == 0).all()
+
+
+def test_grammar_mask_is_applied_after_the_bias():
+    # A logit_bias cannot lift a token the grammar bans: the sampler applies the mask last.
+    info = info_for([req(temperature=0.0, logit_bias={"0": 100.0})])
+    out = Sampler()(base_logits()[None].clone(), info, token_bitmask=grammar_mask_banning(0))
+    assert out.next_token_ids.item() == 1  # token 0 banned; 1 is the next most likely

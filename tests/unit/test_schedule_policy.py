@@ -124,28 +124,25 @@ def test_running_requests_reserve_decode_space():
 def test_priority_preemption_runs_urgent_request_first(loop):
     engine = Engine(max_total_tokens=4096, enable_priority_scheduling=True, max_running_requests=2,
                     priority_scheduling_preemption_threshold=5, **loop)
-    low = engine._make_requests(None, [[10 + i] * 20 for i in range(2)],
-                                {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}, priority=0)
-    for r in low:
-        engine._submit(r)
+    low = engine.submit(input_ids=[[10 + i] * 20 for i in range(2)],
+                        sampling_params={"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}, priority=0)
     for _ in range(3):
         engine.step()
     sched = engine.scheduler
     assert len(sched.running_batch.reqs) == 2
-    high = engine._make_requests(None, [[99] * 20], {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}, priority=100)[0]
-    engine._submit(high)
+    high = engine.submit(input_ids=[[99] * 20], sampling_params={"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}, priority=100)[0]
     engine.step()
-    assert sched.stats["num_preempted_reqs"] == 1
+    assert sched.stats.num_preempted_reqs == 1
     steps = 0
-    while not engine._states[high.rid].finished:
+    while not high.finished:
         engine.step()
         steps += 1
-    assert not any(engine._states[r.rid].finished for r in low)
+    assert not any(r.finished for r in low)
     while sched.has_work():
         engine.step()
     # The preempted request restarted and still produced its greedy continuation.
     alone = Engine(max_total_tokens=4096)
     for r in low:
         ref = alone.generate(input_ids=r.input_ids, sampling_params={"max_new_tokens": 40, "temperature": 0, "ignore_eos": True})
-        assert engine._states[r.rid].output_ids == ref["output_ids"]
+        assert r.output_ids == ref["output_ids"]
     sched.check_memory()

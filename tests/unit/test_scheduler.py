@@ -10,6 +10,10 @@ from typing import Dict, List
 import pytest
 
 from radixserve.engine import Engine
+from radixserve.managers.scheduler import Scheduler
+from radixserve.protocol import TokenizedGenerateReqInput
+from radixserve.sampling_params import SamplingParams
+from radixserve.server_args import ServerArgs
 
 VOCAB_LO = 3  # ids 0-2 are special tokens of the tiny model
 NEAR_TIE = 1e-4
@@ -85,13 +89,13 @@ def test_batched_outputs_equal_alone(name, loop, workload, reference):
         _LOOP_OUTPUTS[bool(loop)] = [r["output_ids"] for r in results]
     sched = engine.scheduler
     sched.check_memory()  # every slot back: free or in the tree, nothing locked
-    stats = sched.stats
+    stats = engine.stats()
     if name in ("tiny_pool_retracts", "forced_retract"):
-        assert stats["num_retractions"] > 0 and stats["num_retracted_reqs"] > 0
+        assert stats.num_retractions > 0 and stats.num_retracted_reqs > 0
     if name.startswith("chunked") or name in ("mixed_chunk", "page_size_16"):
-        assert stats["num_chunked_prefills"] > 0
+        assert stats.num_chunked_prefills > 0
     if name == "mixed_chunk":
-        assert stats["num_mixed_batches"] > 0
+        assert stats.num_mixed_batches > 0
     if name == "radix_disabled":
         assert all(r["meta_info"]["cached_tokens"] == 0 for r in results)
     else:
@@ -117,10 +121,9 @@ def test_overlap_processes_results_while_the_next_forward_runs(workload):
     prompts, params = workload
     engine = Engine(max_total_tokens=16384, disable_overlap_schedule=False)  # on the CPU too
     engine.generate(input_ids=prompts, sampling_params=params, progress=False)
-    st = engine.scheduler.stats_overlap
-    assert st["results_processed"] > 10
-    print(st)
-    assert st["results_processed_while_busy"] / st["results_processed"] > 0.5, st
+    st = engine.stats()
+    assert st.results_processed > 10
+    assert st.results_processed_while_busy / st.results_processed > 0.5, st
 
 
 def test_cached_tokens_on_repeated_prefix(loop):
@@ -138,10 +141,8 @@ def test_abort_in_every_state_leaks_nothing(loop):
     engine = Engine(max_total_tokens=4096, chunked_prefill_size=32, max_running_requests=4, **loop)
     rng = random.Random(1)
     long_prompt = [rng.randrange(VOCAB_LO, 8192) for _ in range(150)]
-    reqs = engine._make_requests(None, [long_prompt] + [[rng.randrange(VOCAB_LO, 8192) for _ in range(20)] for _ in range(7)],
-                                 {"max_new_tokens": 50, "temperature": 0, "ignore_eos": True})
-    for r in reqs:
-        engine._submit(r)
+    reqs = engine.submit(input_ids=[long_prompt] + [[rng.randrange(VOCAB_LO, 8192) for _ in range(20)] for _ in range(7)],
+                         sampling_params={"max_new_tokens": 50, "temperature": 0, "ignore_eos": True})
     engine.step()  # the long prompt is now the chunked request; others wait
     sched = engine.scheduler
     assert sched.chunked_req is not None and sched.chunked_req.rid == reqs[0].rid
@@ -154,7 +155,7 @@ def test_abort_in_every_state_leaks_nothing(loop):
     engine.abort(running[0])  # running
     while sched.has_work():
         engine.step()
-    states = engine._states
+    states = {r.rid: r for r in reqs}
     aborted = {reqs[0].rid, reqs[7].rid, running[0]}
     for rid in aborted:
         assert states[rid].finished_reason["type"] == "abort"
@@ -175,9 +176,16 @@ def test_queue_full_aborts_with_503(loop):
 
 def test_prompt_longer_than_context_is_rejected():
     engine = Engine(max_total_tokens=4096, context_length=64)
-    r = engine.generate(input_ids=list(range(10, 80)), sampling_params={"max_new_tokens": 2})
-    assert r["meta_info"]["finish_reason"]["type"] == "abort"
-    assert r["meta_info"]["finish_reason"]["status_code"] == 400
+    with pytest.raises(ValueError, match=r"The input \(70 tokens\) is longer than the model's context length \(64"):
+        engine.generate(input_ids=list(range(10, 80)), sampling_params={"max_new_tokens": 2})
+    # The scheduler's own check, for callers that reach it directly (simulator, tests).
+    sent: List = []
+    sched = Scheduler(ServerArgs(max_total_tokens=4096, context_length=64), send_fn=sent.append)
+    sp = SamplingParams(max_new_tokens=2)
+    sp.normalize()
+    sched.process_input_requests([TokenizedGenerateReqInput("long", None, list(range(10, 80)), sp)])
+    assert sent[-1].rids == ["long"] and sent[-1].finished_reasons[0]["status_code"] == 400
+    assert not sched.has_work()
     ok = engine.generate(input_ids=list(range(10, 40)), sampling_params={"ignore_eos": True})
     # The default max_new_tokens (128) is clipped to the room left in the context (an explicit
     # one that does not fit is refused: test_engine_refuses_max_new_tokens_beyond_the_context).
@@ -186,8 +194,7 @@ def test_prompt_longer_than_context_is_rejected():
 
 def test_flush_cache_refused_while_running(loop):
     engine = Engine(max_total_tokens=4096, **loop)
-    reqs = engine._make_requests(None, [[5, 6, 7, 8]], {"max_new_tokens": 20})
-    engine._submit(reqs[0])
+    engine.submit(input_ids=[5, 6, 7, 8], sampling_params={"max_new_tokens": 20})
     engine.step()
     assert engine.flush_cache() is False
     while engine.scheduler.has_work():
@@ -247,9 +254,9 @@ def test_slot_conservation_after_every_step(kw, loop):
     args = dict(max_total_tokens=6000, **loop)
     args.update(kw)
     engine = Engine(**args)
-    reqs = engine._make_requests(None, prompts, params)
-    for i, r in enumerate(reqs):
-        engine._submit(r)
+    reqs = []
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        reqs += engine.submit(input_ids=p, sampling_params=sp)
         if i % 10 == 9:  # arrivals interleaved with steps
             engine.step()
             check_slot_conservation(engine.scheduler)
@@ -296,5 +303,5 @@ def test_an_exception_while_admitting_one_request_ends_only_that_request(loop, m
     bad = out[1]["meta_info"]["finish_reason"]
     assert bad["type"] == "abort" and bad["status_code"] == 500 and "RuntimeError: boom" in bad["message"]
     assert [len(o["output_ids"]) for o in (out[0], out[2])] == [5, 5]
-    assert engine.scheduler.waiting_queue == [] and engine.scheduler.grammar_queue == []
+    assert engine.scheduler.waiting_queue == [] and len(engine.scheduler.grammar_queue) == 0
     engine.scheduler.check_memory()

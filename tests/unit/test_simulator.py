@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from radixserve.bench.datasets import DatasetRow, arrival_times, sample_generated_shared_prefix, sample_random
-from radixserve.bench.serving import RequestOutput, calculate_metrics
+from radixserve.bench.metrics import RequestOutput, calculate_metrics
 from radixserve.server_args import ServerArgs
 from radixserve.sim.cost_model import CostModel, get_device, load_one_batch_points, predict_point
 from radixserve.sim.models import load_model_config

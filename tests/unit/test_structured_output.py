@@ -220,7 +220,7 @@ def test_32_concurrent_constrained_and_unconstrained(config, loop):
         else:
             assert re.fullmatch(EBNF_REGEX, out["text"]), out["text"]
     if config == "forced_retract":
-        assert engine.scheduler.stats["num_retracted_reqs"] > 0
+        assert engine.stats().num_retracted_reqs > 0
     assert_idle_and_clean(engine)
 
 
@@ -310,15 +310,14 @@ def test_abort_while_compiling_and_grammar_queue_counts_as_work(loop):
     backend.dispatch_regex = lambda rx: (time.sleep(0.2), original(rx))[1]
     try:
         sched = engine.scheduler
-        req = engine._make_requests(None, prompts(1, seed=8)[0], sampled({"regex": "[0-9]{4}"}, 0))[0]
-        engine._submit(req)
+        req = engine.submit(input_ids=prompts(1, seed=8)[0], sampling_params=sampled({"regex": "[0-9]{4}"}, 0))[0]
         engine.step()
         assert [r.rid for r in sched.grammar_queue] == [req.rid] and sched.has_work()
         assert sched.internal_state()["num_grammar_queue_reqs"] == 1
         engine.abort(req.rid)
         assert not sched.grammar_queue
         engine.step()
-        assert engine._states[req.rid].finished_reason["type"] == "abort"
+        assert req.finished_reason["type"] == "abort"
         assert_idle_and_clean(engine)
     finally:
         engine.shutdown()

@@ -1,0 +1,127 @@
+"""GrammarQueue: structured-output admission (seed 000, seed 001 §12). A request with a
+json_schema / regex / ebnf constraint waits here while its grammar compiles on the backend's
+thread pool, then joins the waiting queue; an invalid grammar, or one that takes longer than
+--grammar-timeout, ends the request with a 400."""
+
+from __future__ import annotations
+
+import time
+from concurrent import futures
+from typing import Callable, List, Optional
+
+from radixserve.constrained.base_grammar_backend import (
+    BaseGrammarBackend,
+    InvalidGrammarObject,
+    grammar_key,
+    grammar_unavailable_message,
+    is_invalid_grammar,
+)
+from radixserve.distributed.parallel_state import broadcast_pyobj
+from radixserve.managers.schedule_batch import Req
+from radixserve.server_args import ServerArgs
+
+# How long an otherwise idle scheduler blocks on a compiling grammar per iteration.
+IDLE_GRAMMAR_WAIT_S = 0.005
+
+
+class GrammarQueue:
+    def __init__(
+        self,
+        server_args: ServerArgs,
+        backend: Optional[BaseGrammarBackend],
+        reject: Callable[[Req, str], None],  # ends a request with a 400 and this message
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ):
+        self.server_args = server_args
+        self.backend = backend
+        self.reject = reject
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.queue: List[Req] = []
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+    def __iter__(self):
+        return iter(self.queue)
+
+    def admit(self, req: Req) -> bool:
+        """Attach the request's grammar. True: it can join the waiting queue now (no grammar,
+        or a cached one). False: it waits here for its compile, or was rejected."""
+        key = grammar_key(req.sampling_params)
+        if key is None:
+            return True
+        if self.backend is None:
+            self.reject(req, grammar_unavailable_message(self.server_args))
+            return False
+        value, cache_hit = self.backend.get_cached_or_future_value(key)
+        if not cache_hit:  # compiling: wait here
+            req.grammar, req.grammar_key = value, key
+            req.grammar_queued_at = time.monotonic()
+            self.queue.append(req)
+            return False
+        if is_invalid_grammar(value):  # a cached invalid grammar fails fast
+            self.reject(req, value.message)
+            return False
+        req.grammar = value
+        return True
+
+    def pop_ready(self, scheduler_idle: bool) -> List[Req]:
+        """The requests whose grammar compiled, in arrival order; rejects invalid and timed-out
+        ones. With TP, rank 0 decides and the other ranks follow (they wait for their own
+        compile). An idle scheduler waits a little for a compile instead of spinning."""
+        if not self.queue or self.backend is None:
+            return []
+        if scheduler_idle:
+            futures.wait([self.queue[0].grammar], timeout=IDLE_GRAMMAR_WAIT_S)
+        timeout = self.server_args.grammar_timeout
+        now = time.monotonic()
+        decisions = [
+            "ready" if req.grammar.done() else "timeout" if now - req.grammar_queued_at > timeout else "wait"
+            for req in self.queue
+        ]
+        if self.tp_size > 1:
+            decisions = broadcast_pyobj(decisions if self.tp_rank == 0 else None)
+        ready: List[Req] = []
+        still_waiting: List[Req] = []
+        for req, decision in zip(self.queue, decisions):
+            if decision == "wait":
+                still_waiting.append(req)
+            elif decision == "timeout":
+                req.grammar.cancel()
+                message = f"Grammar compilation timed out after {timeout:g} s (--grammar-timeout)."
+                # Cache it as invalid: the same grammar fails fast instead of timing out again.
+                self.backend.set_cache(req.grammar_key, InvalidGrammarObject(message))
+                self.reject(req, message)
+            else:
+                value = req.grammar.result()
+                if is_invalid_grammar(value):
+                    self.reject(req, value.message)
+                else:
+                    req.grammar = value
+                    ready.append(req)
+        self.queue = still_waiting
+        return ready
+
+    def remove(self, match: Callable[[Req], bool]) -> List[Req]:
+        """Take the matching requests out (abort); a compile still running is cancelled."""
+        removed = [r for r in self.queue if match(r)]
+        self.queue = [r for r in self.queue if not match(r)]
+        for r in removed:
+            if isinstance(r.grammar, futures.Future):
+                r.grammar.cancel()
+            r.grammar = None
+        return removed
+
+    def discard(self, req: Req) -> None:
+        if req in self.queue:
+            self.queue.remove(req)
+
+    def reset(self) -> None:
+        """Flush: compiled grammars go too (SGLang does the same)."""
+        if self.backend is not None:
+            self.backend.reset()
+
+    def shutdown(self) -> None:
+        if self.backend is not None:
+            self.backend.shutdown()

@@ -1,0 +1,186 @@
+"""SchedulerOutputProcessor (seed 001 §10, §21): turns a batch's GenerationBatchResult into Req
+updates (append the token, logprobs, grammar, finish checks, KV handed to the prefix cache)
+and the requests' news into one BatchTokenIDOutput for the detokenizer."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, List
+
+from radixserve.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch
+from radixserve.mem_cache.base_prefix_cache import BasePrefixCache
+from radixserve.mem_cache.memory_pool import TokenToKVPoolAllocator
+from radixserve.model_executor.tp_worker import GenerationBatchResult
+from radixserve.protocol import LOGPROB_KEYS, BatchTokenIDOutput
+
+logger = logging.getLogger(__name__)
+
+# Non-streaming requests still report every this many tokens (seed 001 §21.1).
+DEFAULT_FORCE_STREAM_INTERVAL = 50
+
+
+class SchedulerOutputProcessor:
+    def __init__(
+        self,
+        tree_cache: BasePrefixCache,
+        token_to_kv_pool_allocator: TokenToKVPoolAllocator,
+        send_fn: Callable[[Any], None],
+        stream_interval: int,
+    ):
+        self.tree_cache = tree_cache
+        self.allocator = token_to_kv_pool_allocator
+        self.send_fn = send_fn
+        self.stream_interval = stream_interval
+
+    # ---- results --------------------------------------------------------------------------
+    def process_batch_result(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
+        if batch.forward_mode.is_decode():
+            self.process_batch_result_decode(batch, result)
+        else:
+            self.process_batch_result_prefill(batch, result)
+
+    def process_batch_result_prefill(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
+        next_ids = result.next_token_ids.tolist()
+        if batch.input_logprob_counts:
+            self._add_input_logprobs(batch, result)
+        decoding = set(id(r) for r in (batch.decoding_reqs or []))
+        self.allocator.free_group_begin()
+        for i, req in enumerate(batch.reqs):
+            if req.pending_chunks > 0:
+                req.pending_chunks -= 1  # a middle chunk: its sampled token means nothing
+                continue
+            if self._is_stale(req):
+                continue
+            if self._append_token(req, next_ids[i], result, i):
+                continue
+            if id(req) not in decoding:
+                # The prompt enters the tree now, so requests behind it can share it.
+                self.tree_cache.cache_unfinished_req(req)
+        self.allocator.free_group_end()
+        self.stream_output(batch.reqs)
+
+    def process_batch_result_decode(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
+        next_ids = result.next_token_ids.tolist()
+        self.allocator.free_group_begin()
+        for i, req in enumerate(batch.reqs):
+            if not self._is_stale(req):
+                self._append_token(req, next_ids[i], result, i)
+        self.allocator.free_group_end()
+        self.stream_output(batch.reqs)
+
+    @staticmethod
+    def _is_stale(req: Req) -> bool:
+        """Overlap: the batch was launched before this request finished (the extra forward of
+        seed 001 §2.8.7) or was retracted; its token is dropped."""
+        return req.finished() or req.req_pool_idx is None
+
+    def _append_token(self, req: Req, token: int, result: GenerationBatchResult, i: int) -> bool:
+        """Append a sampled token, check the finish conditions; a finished request hands its
+        KV to the tree. Returns whether it finished."""
+        req.output_ids.append(token)
+        if req.grammar is not None:
+            self._accept_grammar_token(req, token)
+        try:
+            req.check_finished()
+        except Exception as e:  # a bug one request's stop check reached: end that request
+            logger.exception("Request %s: the finish check failed; it is aborted", req.rid)
+            req.finished_reason = FINISH_ABORT(
+                f"Internal error while checking the stop conditions: {type(e).__name__}: {e}",
+                status_code=500, err_type="InternalServerError",
+            )
+        self._append_logprobs(req, result, i)
+        if not req.finished():
+            return False
+        req.grammar = None  # release the matcher
+        self.tree_cache.cache_finished_req(req)
+        return True
+
+    @staticmethod
+    def _accept_grammar_token(req: Req, token: int) -> None:
+        """Advance the request's matcher; a rejected token (the mask was not applied, or a
+        NaN made an impossible token) ends the request instead of corrupting its output."""
+        if not req.grammar.accept_token(token) and req.to_finish is None:
+            logger.error("Request %s: the grammar rejected token %d after %d tokens.", req.rid, token, len(req.output_ids) - 1)
+            req.to_finish = FINISH_ABORT(
+                f"Internal error: the grammar rejected the sampled token {token}.", status_code=500,
+                err_type="InternalServerError",
+            )
+
+    @staticmethod
+    def _append_logprobs(req: Req, result: GenerationBatchResult, i: int) -> None:
+        if not req.return_logprob or result.next_token_logprobs is None:
+            return
+        req.output_token_logprobs_val.append(float(result.next_token_logprobs[i]))
+        req.output_token_logprobs_idx.append(req.output_ids[-1])
+        if req.top_logprobs_num > 0 and result.top_logprobs_val is not None:
+            req.output_top_logprobs_val.append(result.top_logprobs_val[i])
+            req.output_top_logprobs_idx.append(result.top_logprobs_idx[i])
+
+    @staticmethod
+    def _add_input_logprobs(batch: ScheduleBatch, result: GenerationBatchResult) -> None:
+        values = result.logits_output.input_token_logprobs
+        values = values.tolist() if values is not None else []
+        offset = 0
+        for req, n in zip(batch.reqs, batch.input_logprob_counts):
+            if n == 0 or req.req_pool_idx is None:  # retracted while in flight: recomputed later
+                offset += n
+                continue
+            if not req.input_token_logprobs_idx and req.logprob_start_len == 0:
+                req.input_token_logprobs_val.append(None)  # the first token has no context
+                req.input_token_logprobs_idx.append(req.origin_input_ids[0])
+            first = req.next_input_logprob_token()
+            req.input_token_logprobs_val += values[offset : offset + n]
+            req.input_token_logprobs_idx += req.origin_input_ids[first : first + n]
+            offset += n
+
+    # ---- output (seed 001 §21) ---------------------------------------------------------------
+    def _due(self, req: Req) -> bool:
+        """Whether the request has news to send now: its end, or enough new tokens."""
+        if req.pending_chunks > 0 or req.finished_sent:
+            return False
+        n = len(req.output_ids)
+        if req.finished():
+            return True
+        if req.stream:
+            return n > 0 and (n - req.send_token_offset >= self.stream_interval or n == 1)
+        return n > 0 and n % DEFAULT_FORCE_STREAM_INTERVAL == 0
+
+    def stream_output(self, reqs: List[Req]) -> None:
+        out = BatchTokenIDOutput([], [], [], [], [], [], [], [], [], [])
+        for req in reqs:
+            if not self._due(req):
+                continue
+            req.finished_sent = req.finished()
+            n, start = len(req.output_ids), req.send_token_offset
+            sp = req.sampling_params
+            out.rids.append(req.rid)
+            out.finished_reasons.append(req.finished_reason.to_json() if req.finished() else None)
+            out.decode_ids.append(req.output_ids[start:])
+            out.output_ids_len.append(n)
+            out.prompt_tokens.append(len(req.origin_input_ids))
+            out.completion_tokens.append(n)
+            out.cached_tokens.append(req.cached_tokens)
+            out.skip_special_tokens.append(sp.skip_special_tokens)
+            out.spaces_between_special_tokens.append(sp.spaces_between_special_tokens)
+            out.no_stop_trim.append(sp.no_stop_trim)
+            out.retraction_counts.append(req.retraction_count)
+            if req.return_logprob:
+                k = req.input_logprob_send_offset
+                out.input_token_logprobs_val.append(req.input_token_logprobs_val[k:])
+                out.input_token_logprobs_idx.append(req.input_token_logprobs_idx[k:])
+                req.input_logprob_send_offset = len(req.input_token_logprobs_idx)
+                out.output_token_logprobs_val.append(req.output_token_logprobs_val[start:])
+                out.output_token_logprobs_idx.append(req.output_token_logprobs_idx[start:])
+                out.output_top_logprobs_val.append(req.output_top_logprobs_val[start:])
+                out.output_top_logprobs_idx.append(req.output_top_logprobs_idx[start:])
+            else:
+                for key in LOGPROB_KEYS:
+                    getattr(out, key).append([])
+            req.send_token_offset = n
+        if out.rids:
+            self.send_fn(out)
+
+    def finish(self, req: Req, reason: Any) -> None:
+        """End a request that holds no KV (refused, aborted while queued) and report it."""
+        req.finished_reason = reason
+        self.stream_output([req])

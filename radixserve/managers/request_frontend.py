@@ -1,0 +1,323 @@
+"""RequestFrontend: one request front end for the HTTP server (TokenizerManager) and the offline
+Engine, so validation lives in one place and both give results of one shape.
+
+    GenerateReqInput --tokenize--> [TokenizedGenerateReqInput] (one per prompt x sample)
+                                        |  scheduler -> BatchTokenIDOutput -> detokenizer
+    ReqState <--handle_batch_output-- BatchStrOutput
+    ReqState --make_output--> {"text", "output_ids", "meta_info"}   (SGLang's shape)
+
+It is synchronous and owns no sockets: the TokenizerManager adds asyncio and ZeroMQ around it,
+the Engine drives the scheduler and the detokenizer in its own thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+from radixserve.managers.session import SessionError, SessionStore
+from radixserve.protocol import LOGPROB_KEYS, BatchStrOutput, GenerateReqInput, TokenizedGenerateReqInput
+from radixserve.sampling_params import SamplingParams, context_length_error, input_ids_error
+
+
+class RequestError(ValueError):
+    """A request the server refuses: becomes an HTTP error with this status code (the Engine
+    raises it as the ValueError it is)."""
+
+    def __init__(self, message: str, status_code: int = 400, err_type: str = "BadRequestError"):
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
+        self.err_type = err_type
+
+
+@dataclass
+class ReqState:
+    """What the front end knows of one running request (one sample of an n > 1 request)."""
+
+    rid: str
+    input_ids: List[int]
+    sampling_params: SamplingParams
+    stream: bool
+    return_logprob: bool
+    top_logprobs_num: int
+    return_text_in_logprobs: bool
+    parent_rid: Optional[str] = None  # the rid an n > 1 request's samples were made from
+    session_id: Optional[str] = None
+    created: float = field(default_factory=time.monotonic)
+    event: asyncio.Event = field(default_factory=asyncio.Event)  # set on news (TokenizerManager)
+    text: str = ""
+    output_ids: List[int] = field(default_factory=list)
+    finished_reason: Optional[Dict[str, Any]] = None
+    finished: bool = False
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    retraction_count: int = 0
+    first_token_time: Optional[float] = None
+    last_time: Optional[float] = None
+    logprobs: Dict[str, list] = field(default_factory=lambda: {k: [] for k in LOGPROB_KEYS})
+
+
+def stop_holdback(text: str, stops: List[str]) -> int:
+    """Length of the longest end of `text` that could be the start of a stop string: a stream
+    holds it back, since a stop string is trimmed off the final text."""
+    hold = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), hold, -1):
+            if text.endswith(s[:k]):
+                hold = k
+                break
+    return hold
+
+
+def public_finish_reason(reason: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """SGLang's shapes: {"type": "stop", "matched": ..} / {"type": "length", "length": N} /
+    {"type": "abort", "message": ..} (no internal fields left empty)."""
+    if reason is None:
+        return None
+    return {k: v for k, v in reason.items() if v is not None}
+
+
+def is_single(obj: GenerateReqInput) -> bool:
+    """One prompt (not a batch of one): the result is one output, not a list."""
+    return not isinstance(obj.text, list) and not (
+        isinstance(obj.input_ids, list) and bool(obj.input_ids) and isinstance(obj.input_ids[0], list)
+    )
+
+
+class RequestFrontend:
+    def __init__(self, tokenizer: Any, context_len: int, vocab_size: int):
+        self.tokenizer = tokenizer
+        self.context_len = context_len
+        self.vocab_size = vocab_size
+        self.rid_to_state: Dict[str, ReqState] = {}
+        self.sessions = SessionStore()
+
+    # ---- intake ---------------------------------------------------------------------------
+    def encode(self, text: str) -> List[int]:
+        if self.tokenizer is None:
+            raise RequestError("This server runs with --skip-tokenizer-init: send input_ids, not text.")
+        return list(self.tokenizer.encode(text))
+
+    def make_sampling_params(self, d: Any) -> SamplingParams:
+        """Validate a sampling_params dict: unknown names, wrong types and values out of range
+        raise RequestError with SGLang's messages."""
+        if isinstance(d, SamplingParams):
+            d = {f.name: getattr(d, f.name) for f in dataclasses.fields(d) if f.init}
+        if d is not None and not isinstance(d, dict):
+            raise RequestError(f"sampling_params must be an object, got {type(d).__name__}.")
+        try:
+            SamplingParams.from_dict(d)  # unknown names
+            sp = _sampling_params_adapter().validate_python(dict(d or {}))
+            sp.verify(self.vocab_size)  # before normalize(), which makes temperature < eps greedy
+            sp.normalize(self.tokenizer)
+        except ValueError as e:
+            raise RequestError(validation_message(e, "sampling_params")) from None
+        return sp
+
+    def _prompts(self, obj: GenerateReqInput) -> Tuple[List[Optional[str]], List[List[int]], bool]:
+        """(texts, token ids, is_batch) of the request's prompts."""
+        if (obj.text is None) == (obj.input_ids is None):
+            raise RequestError("Either text or input_ids should be provided (exactly one of them).")
+        if obj.text is not None:
+            if isinstance(obj.text, str):
+                texts: List[Optional[str]] = [obj.text]
+                is_batch = False
+            elif isinstance(obj.text, list) and all(isinstance(t, str) for t in obj.text):
+                texts, is_batch = list(obj.text), True
+            else:
+                raise RequestError("text must be a string or a list of strings.")
+            return texts, [self.encode(t) for t in texts], is_batch
+        ids = obj.input_ids
+        if not isinstance(ids, list):
+            raise RequestError("input_ids must be a list of token ids or a list of such lists.")
+        if ids and all(isinstance(x, list) for x in ids):
+            ids_list, is_batch = [list(x) for x in ids], True
+        else:
+            ids_list, is_batch = [list(ids)], False
+        for row in ids_list:
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in row):
+                raise RequestError("input_ids must contain integers.")
+        return [None] * len(ids_list), ids_list, is_batch
+
+    def tokenize(self, obj: GenerateReqInput) -> List[TokenizedGenerateReqInput]:
+        """Validate the request and make one TokenizedGenerateReqInput per (prompt, sample),
+        in output order; registers a ReqState for each (see add_states)."""
+        texts, ids_list, is_batch = self._prompts(obj)
+        num = len(ids_list)
+        if num == 0:
+            raise RequestError("The batch is empty.")
+
+        def per_prompt(value: Any, name: str, default: Any) -> List[Any]:
+            if isinstance(value, list) and (is_batch or name == "sampling_params"):
+                if len(value) != num:
+                    raise RequestError(f"{name} has {len(value)} entries for {num} prompts.")
+                return value
+            if is_batch and name == "rid" and value is not None:
+                raise RequestError("rid must be a list with one entry per prompt for a batch.")
+            return [default if value is None else value] * num
+
+        sp_dicts = per_prompt(obj.sampling_params, "sampling_params", None)
+        rids = per_prompt(obj.rid, "rid", None)
+        return_logprobs = per_prompt(obj.return_logprob, "return_logprob", False)
+        for rid in rids:
+            if rid is not None and not isinstance(rid, str):
+                raise RequestError("rid must be a string.")
+        if not isinstance(obj.top_logprobs_num, int) or obj.top_logprobs_num < 0:
+            raise RequestError("top_logprobs_num must be a non-negative integer.")
+        session_id = None
+        if obj.session_params is not None:
+            if is_batch:
+                raise RequestError("session_params takes a single prompt.")
+            try:
+                ids, session_id = self.sessions.continue_prompt(obj.session_params, ids_list[0])
+            except SessionError as e:
+                raise RequestError(str(e)) from None
+            ids_list = [ids]
+
+        reqs: List[TokenizedGenerateReqInput] = []
+        parents: Dict[str, str] = {}
+        batch_rids: set = set()  # two outputs of one batch could not share one request state
+        for text, ids, sp_dict, rid, ret_lp in zip(texts, ids_list, sp_dicts, rids, return_logprobs):
+            error = input_ids_error(ids, self.context_len, self.vocab_size)
+            if error is not None:
+                raise RequestError(error)
+            sp = self.make_sampling_params(sp_dict)
+            explicit = sp_dict.get("max_new_tokens") if isinstance(sp_dict, dict) else (
+                sp_dict.max_new_tokens if isinstance(sp_dict, SamplingParams) else None)
+            error = context_length_error(len(ids), explicit, self.context_len)
+            if error is not None:
+                raise RequestError(error)
+            n = sp.n
+            if n > 1 and session_id is not None:
+                raise RequestError("n > 1 cannot continue a session.")
+            base = rid or uuid.uuid4().hex
+            for j in range(n):
+                sub_rid = base if n == 1 else f"{base}-{j}"
+                if sub_rid in self.rid_to_state:
+                    raise RequestError(f"Duplicate request id: {sub_rid!r} is still running.")
+                if sub_rid in batch_rids:
+                    raise RequestError(f"Duplicate request id: {sub_rid!r} appears twice in this batch.")
+                batch_rids.add(sub_rid)
+                reqs.append(TokenizedGenerateReqInput(
+                    sub_rid, text, list(ids), dataclasses.replace(sp, n=1) if n > 1 else sp,
+                    return_logprob=bool(ret_lp), logprob_start_len=obj.logprob_start_len,
+                    top_logprobs_num=obj.top_logprobs_num, stream=bool(obj.stream), priority=obj.priority,
+                ))
+                if n > 1:
+                    parents[sub_rid] = base
+        self._add_states(obj, reqs, parents, session_id)
+        return reqs
+
+    def _add_states(self, obj: GenerateReqInput, reqs: List[TokenizedGenerateReqInput],
+                    parents: Dict[str, str], session_id: Optional[str]) -> None:
+        for r in reqs:
+            self.rid_to_state[r.rid] = ReqState(
+                r.rid, r.input_ids, r.sampling_params, r.stream, r.return_logprob, r.top_logprobs_num,
+                bool(obj.return_text_in_logprobs), parent_rid=parents.get(r.rid), session_id=session_id,
+            )
+
+    def abort_targets(self, rid: str) -> List[str]:
+        """The rids to abort for `rid`: itself, or the samples of an n > 1 request."""
+        targets = [rid] if rid in self.rid_to_state else []
+        targets += [r for r, s in self.rid_to_state.items() if s.parent_rid == rid and r != rid]
+        return targets or [rid]
+
+    # ---- outputs --------------------------------------------------------------------------
+    def handle_batch_output(self, out: BatchStrOutput) -> List[Tuple[ReqState, int]]:
+        """Apply the detokenizer's news to the request states. Returns (state, number of new
+        tokens) for each state updated (the TokenizerManager's metrics read them)."""
+        updated = []
+        for i, rid in enumerate(out.rids):
+            state = self.rid_to_state.get(rid)
+            if state is None or state.finished:
+                continue
+            new_ids = out.output_ids[i]
+            state.text = state.text[: out.text_offsets[i]] + out.output_strs[i]
+            state.output_ids.extend(new_ids)
+            state.completion_tokens = out.completion_tokens[i]
+            state.cached_tokens = out.cached_tokens[i]
+            if i < len(out.retraction_counts):
+                state.retraction_count = out.retraction_counts[i]
+            if state.return_logprob:
+                for key in LOGPROB_KEYS:
+                    state.logprobs[key].extend(getattr(out, key)[i])
+            reason = out.finished_reasons[i]
+            if reason is not None:
+                state.finished_reason, state.finished = reason, True
+                if reason.get("type") != "abort":
+                    self.sessions.record(state.session_id, rid, list(state.input_ids) + list(state.output_ids))
+            updated.append((state, len(new_ids)))
+        return updated
+
+    def fail_all(self, message: str) -> List[ReqState]:
+        """A child process died: end every unfinished request with an error."""
+        failed = [s for s in self.rid_to_state.values() if not s.finished]
+        for state in failed:
+            state.finished_reason = {"type": "abort", "message": message, "status_code": 500, "err_type": "InternalServerError"}
+            state.finished = True
+        return failed
+
+    def make_output(self, state: ReqState) -> Dict[str, Any]:
+        """SGLang's output of /generate and Engine.generate: cumulative text, output_ids,
+        meta_info (logprobs as [logprob, token_id, token_text or None] triples)."""
+        text = state.text
+        sp = state.sampling_params
+        if not state.finished and sp.stop_strs and not sp.no_stop_trim:
+            text = text[: len(text) - stop_holdback(text, sp.stop_strs)]
+        meta: Dict[str, Any] = {
+            "id": state.rid,
+            "finish_reason": public_finish_reason(state.finished_reason) if state.finished else None,
+            "prompt_tokens": len(state.input_ids),
+            "completion_tokens": state.completion_tokens,
+            "cached_tokens": state.cached_tokens,
+            "e2e_latency": time.monotonic() - state.created,
+        }
+        if state.retraction_count:
+            meta["retraction_count"] = state.retraction_count
+        if state.return_logprob:
+            lp, with_text = state.logprobs, state.return_text_in_logprobs
+            meta["output_token_logprobs"] = self._logprob_triples(lp["output_token_logprobs_val"], lp["output_token_logprobs_idx"], with_text)
+            if lp["input_token_logprobs_idx"]:
+                meta["input_token_logprobs"] = self._logprob_triples(lp["input_token_logprobs_val"], lp["input_token_logprobs_idx"], with_text)
+            if state.top_logprobs_num > 0:
+                meta["output_top_logprobs"] = [
+                    self._logprob_triples(v, ix, with_text)
+                    for v, ix in zip(lp["output_top_logprobs_val"], lp["output_top_logprobs_idx"])
+                ]
+        return {"text": text, "output_ids": list(state.output_ids), "meta_info": meta}
+
+    def _logprob_triples(self, vals: List[float], ids: List[int], with_text: bool) -> List[list]:
+        texts = [self.decode_token(t) for t in ids] if with_text else [None] * len(ids)
+        return [[None if v is None else float(v), int(t), s] for v, t, s in zip(vals, ids, texts)]
+
+    def decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([int(token_id)]) if self.tokenizer is not None else ""
+
+
+_ADAPTER = None
+
+
+def _sampling_params_adapter() -> Any:
+    global _ADAPTER
+    if _ADAPTER is None:
+        from pydantic import TypeAdapter
+
+        _ADAPTER = TypeAdapter(SamplingParams)
+    return _ADAPTER
+
+
+def validation_message(e: Exception, where: str) -> str:
+    """A pydantic ValidationError as one readable line; other ValueErrors as they are."""
+    errors = getattr(e, "errors", None)
+    if callable(errors):
+        parts = []
+        for err in errors():
+            loc = ".".join(str(x) for x in err.get("loc", ()))
+            parts.append(f"{where}.{loc}: {err.get('msg')}" if loc else f"{where}: {err.get('msg')}")
+        return "; ".join(parts)
+    return str(e)

@@ -1,0 +1,58 @@
+"""SchedulerStats: the Scheduler's counters, typed. Tests, /get_server_info, the metrics log,
+the simulator and the benchmarks read them (through `Engine.stats()` offline)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, List
+
+
+@dataclass
+class SchedulerStats:
+    # batches run, by kind
+    num_prefill_batches: int = 0
+    num_decode_batches: int = 0
+    num_mixed_batches: int = 0
+    num_chunked_prefills: int = 0
+    # memory pressure (seed 001 §9) and priority preemption
+    num_retractions: int = 0
+    num_retracted_reqs: int = 0
+    num_preempted_reqs: int = 0
+    # prompt tokens of admitted requests, and those served from the prefix cache
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    # overlap loop: results processed, and those processed while the next forward ran
+    results_processed: int = 0
+    results_processed_while_busy: int = 0
+    # seconds of the scheduling thread per phase (bench offline's breakdown)
+    schedule_s: float = 0.0
+    forward_s: float = 0.0  # normal loop: the forward ran inline on this thread
+    process_s: float = 0.0
+    wait_s: float = 0.0  # overlap loop: waiting for a result
+    # seconds the forward thread ran (overlap loop; the "device" time)
+    forward_thread_busy_s: float = 0.0
+
+    def count_batch(self, forward_mode: Any) -> None:
+        if forward_mode.is_decode():
+            self.num_decode_batches += 1
+        elif forward_mode.is_mixed():
+            self.num_mixed_batches += 1
+        else:
+            self.num_prefill_batches += 1
+
+    def count_prefill(self, reqs: List[Any], cached_tokens: int, chunked: bool) -> None:
+        """A prefill batch was formed: count each prompt once (its first chunk, first time)."""
+        self.num_chunked_prefills += chunked
+        self.prompt_tokens += sum(len(r.origin_input_ids) for r in reqs if r.pending_chunks <= 1 and r.already_computed == 0)
+        self.cached_tokens += cached_tokens
+
+    @property
+    def num_batches(self) -> int:
+        return self.num_prefill_batches + self.num_decode_batches + self.num_mixed_batches
+
+    @property
+    def cache_hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,67 @@
+"""Sessions (SGLang's open_session / session_params): a session continues a conversation from
+a previous request's tokens, so the radix cache serves that prefix and the client sends only
+the new turn."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from radixserve.protocol import CloseSessionReqInput, OpenSessionReqInput, SessionParams
+
+
+class SessionError(ValueError):
+    """A session request that cannot be served (the front end answers 400)."""
+
+
+@dataclass
+class Session:
+    session_id: str
+    tokens: Dict[str, List[int]] = field(default_factory=dict)  # rid -> its input + output ids
+    last_rid: Optional[str] = None
+
+
+class SessionStore:
+    def __init__(self) -> None:
+        self.sessions: Dict[str, Session] = {}
+
+    def __len__(self) -> int:
+        return len(self.sessions)
+
+    def open(self, obj: OpenSessionReqInput, new_id: str) -> str:
+        sid = obj.session_id or new_id
+        if sid in self.sessions:
+            raise SessionError(f"Session {sid!r} is already open.")
+        self.sessions[sid] = Session(sid)
+        return sid
+
+    def close(self, obj: CloseSessionReqInput) -> None:
+        if self.sessions.pop(obj.session_id, None) is None:
+            raise SessionError(f"Session {obj.session_id!r} does not exist.")
+
+    def continue_prompt(self, params: Any, input_ids: List[int]) -> tuple:
+        """The prompt of a request in a session: request `rid`'s tokens (default: the last
+        request's), cut to `offset` tokens, then input_ids. Returns (ids, session id)."""
+        try:
+            sp = params if isinstance(params, SessionParams) else SessionParams(**dict(params))
+        except (TypeError, ValueError) as e:
+            raise SessionError(f"Bad session_params: {e}") from None
+        session = self.sessions.get(sp.id)
+        if session is None:
+            raise SessionError(f"Session {sp.id!r} does not exist (open it with /open_session).")
+        context: List[int] = []
+        prev = sp.rid or session.last_rid
+        if prev is not None:
+            if prev not in session.tokens:
+                raise SessionError(f"Request {prev!r} is not a finished request of session {sp.id!r}.")
+            context = session.tokens[prev]
+            if sp.offset is not None and sp.offset >= 0:
+                context = context[: sp.offset]
+        return context + input_ids, sp.id
+
+    def record(self, session_id: Optional[str], rid: str, tokens: List[int]) -> None:
+        """A request of the session finished (not aborted): later turns may continue it."""
+        session = self.sessions.get(session_id) if session_id else None
+        if session is not None:
+            session.tokens[rid] = tokens
+            session.last_rid = rid

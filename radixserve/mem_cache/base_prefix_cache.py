@@ -1,0 +1,135 @@
+"""The prefix cache's interface (SGLang's BasePrefixCache) and the request fields it uses.
+
+Two implementations: RadixCache (radix_cache.py, prefixes shared between requests) and
+ChunkCache (chunk_cache.py, --disable-radix-cache: no sharing). The scheduler, the
+PrefillAdder and the output processor only call what is declared here.
+
+The caches live below the managers (the layering contract in pyproject.toml), so they do not
+import the scheduler's `Req`: `CacheReq` lists exactly what they read and write on one.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, List, Optional, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from radixserve.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
+
+
+class CacheReq(Protocol):
+    """The fields of a request (managers/schedule_batch.py's Req) a prefix cache uses.
+
+    Optionally `kv_committed_len: int` too (see kv_committed_len() below)."""
+
+    origin_input_ids: List[int]  # read: the prompt
+    output_ids: List[int]  # read: tokens generated so far
+    fill_ids: List[int]  # read: the tokens whose KV the forwards so far computed
+    req_pool_idx: Optional[int]  # read: the request's row in req_to_token
+    # read and written: the KV slots of the cached prefix (cache_unfinished_req sets them)
+    prefix_indices: torch.Tensor
+    # read and written: the tree node the request's lock is on (None: holds no lock)
+    last_node: Any
+
+
+def kv_committed_len(req: CacheReq) -> int:
+    """Number of tokens of `req` whose KV is in the pool.
+
+    Every token except the last sampled one (it has not been fed to the model yet). A request
+    that has no output yet stopped during (possibly chunked) prefill: its KV is its fill_ids."""
+    tracked = getattr(req, "kv_committed_len", None)  # the scheduler's Req tracks it exactly
+    if tracked is not None:
+        return tracked
+    if req.output_ids:
+        return len(req.origin_input_ids) + len(req.output_ids) - 1
+    return len(req.fill_ids)
+
+
+@dataclass
+class MatchResult:
+    device_indices: torch.Tensor  # int64 KV slots of the matched prefix
+    last_device_node: Any  # the node the match ends at (lock it to keep the prefix)
+
+
+class BasePrefixCache(ABC):
+    """Maps token prefixes to KV slot indices. Slots it holds are either evictable (no
+    running request uses them) or protected (locked by inc_lock_ref)."""
+
+    req_to_token_pool: Optional["ReqToTokenPool"]
+    token_to_kv_pool_allocator: Optional["TokenToKVPoolAllocator"]
+    root_node: Any  # the tree's root; a lock on it is a no-op
+    disable: bool = False  # True: nothing is shared between requests
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Forget every cached prefix (the caller clears the allocator)."""
+
+    @abstractmethod
+    def match_prefix(self, key: List[int]) -> MatchResult:
+        """Longest cached prefix of `key` and the node it ends at."""
+
+    @abstractmethod
+    def insert(self, key: List[int], value: Optional[torch.Tensor] = None, chunked: bool = False) -> int:
+        """Add key -> value; returns how many leading tokens of `key` were already cached."""
+
+    @abstractmethod
+    def cache_finished_req(self, req: CacheReq, is_insert: bool = True) -> None:
+        """A finished or aborted request: keep its KV (or free it), free its row, drop its lock."""
+
+    @abstractmethod
+    def cache_unfinished_req(self, req: CacheReq, chunked: bool = False) -> None:
+        """After a prefill chunk: cache the KV computed so far, set req.prefix_indices and
+        move req's lock to req.last_node."""
+
+    @abstractmethod
+    def evict(self, num_tokens: int) -> int:
+        """Free at least `num_tokens` evictable slots if there are; returns how many were freed."""
+
+    @abstractmethod
+    def inc_lock_ref(self, node: Any) -> int:
+        """Protect node's prefix from eviction; returns the change of evictable_size() (<= 0)."""
+
+    @abstractmethod
+    def dec_lock_ref(self, node: Any) -> int:
+        """Release an inc_lock_ref; returns the change of evictable_size() (>= 0)."""
+
+    @abstractmethod
+    def evictable_size(self) -> int:
+        """Slots in the cache no request locks."""
+
+    @abstractmethod
+    def protected_size(self) -> int:
+        """Slots in the cache some request locks."""
+
+    @abstractmethod
+    def total_size(self) -> int:
+        """Every slot the cache holds (evictable + protected)."""
+
+    @abstractmethod
+    def all_values_flatten(self) -> torch.Tensor:
+        """Every slot the cache holds, as one int64 tensor (for invariant checks)."""
+
+    @abstractmethod
+    def pretty_print(self) -> str:
+        """Print the cache's contents and return the text."""
+
+
+class MemoryLeakError(RuntimeError):
+    """A KV slot or a request row is lost: a broken invariant takes the process down."""
+
+
+def check_pools_idle(tree_cache: BasePrefixCache, token_to_kv_pool_allocator: Any, req_to_token_pool: Any,
+                     max_total_num_tokens: int) -> None:
+    """With no request running, every slot is free or in the tree (unlocked), and every
+    request row is free (DESIGN.md's conservation invariant)."""
+    available = token_to_kv_pool_allocator.available_size()
+    evictable, protected = tree_cache.evictable_size(), tree_cache.protected_size()
+    free_rows, rows = req_to_token_pool.available_size(), req_to_token_pool.size
+    if available + evictable != max_total_num_tokens or protected != 0:
+        raise MemoryLeakError(f"KV cache memory leak detected! available={available}, evictable={evictable}, "
+                              f"protected={protected}, total={max_total_num_tokens}")
+    if free_rows != rows:
+        raise MemoryLeakError(f"req_to_token_pool leak detected! free rows={free_rows}, size={rows}")

@@ -1,0 +1,62 @@
+"""Copying checkpoint tensors into a model: what each model's load_weights calls.
+
+It lives beside the models (below model_executor, see the layering contract in
+pyproject.toml); model_executor/model_loader.py finds the files and hands the tensors over."""
+
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, Tuple
+
+import torch
+from torch import nn
+
+from radixserve.layers.linear import WeightShapeError, default_weight_loader
+from radixserve.models.model_config import LoadError
+
+NamedWeight = Tuple[str, torch.Tensor, str]  # (checkpoint name, tensor, file)
+
+
+def load_named_weights(model: nn.Module, weights: Iterable[NamedWeight], stacked_params_mapping) -> None:
+    """Copy checkpoint tensors into the model, through each layer's TP-aware weight_loader.
+    q/k/v and gate/up checkpoint tensors go into the fused parameters (stacked_params_mapping)."""
+    params: Dict[str, nn.Parameter] = dict(model.named_parameters())
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    loaded = set()
+    for name, tensor, fn in weights:
+        if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
+            continue
+        target, shard_id = name, None
+        for param_name, weight_name, sid in stacked_params_mapping:
+            if weight_name in name:
+                target, shard_id = name.replace(weight_name, param_name), sid
+                break
+        param = params.get(target)
+        if param is None:
+            raise LoadError(f"{fn}: unexpected tensor {name!r} for {type(model).__name__}")
+        owner = model.get_submodule(target.rsplit(".", 1)[0])
+        loader = getattr(owner, "weight_loader", None)
+        try:
+            if loader is None:
+                default_weight_loader(param, tensor)
+            elif shard_id is None:
+                loader(param, tensor)
+            else:
+                loader(param, tensor, shard_id)
+        except (WeightShapeError, ValueError, RuntimeError) as e:
+            raise LoadError(f"{fn}: tensor {name!r}: {e}") from None
+        loaded.add((target, shard_id))
+    missing = [key for key in _expected_loads(params, stacked_params_mapping) if key not in loaded]
+    if missing:
+        where = model.config.model_path or "checkpoint"
+        name, shard = missing[0]
+        what = name if shard is None else f"{name} (shard {shard})"
+        raise LoadError(f"{where}: no tensor for parameter {what!r} ({len(missing)} missing)")
+
+
+def _expected_loads(params: Dict[str, nn.Parameter], mapping) -> List[Tuple[str, object]]:
+    """(parameter, shard id) pairs a complete checkpoint fills; fused ones need every shard."""
+    out = []
+    for name in params:
+        shards = [sid for fused, _, sid in mapping if f"{fused}." in name]
+        out += [(name, sid) for sid in shards] if shards else [(name, None)]
+    return out
