@@ -19,6 +19,7 @@ from typing import Any, Dict, Iterable, List, Optional, Set, Union
 
 import torch
 
+from radixserve.mem_cache.base_prefix_cache import BasePrefixCache
 from radixserve.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from radixserve.model_executor.forward_batch import ForwardMode, ModelWorkerBatch
 from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
@@ -300,7 +301,7 @@ class ScheduleBatch:
     reqs: List[Req]
     req_to_token_pool: Optional[ReqToTokenPool] = None
     token_to_kv_pool_allocator: Optional[TokenToKVPoolAllocator] = None
-    tree_cache: Any = None
+    tree_cache: Optional[BasePrefixCache] = None
     vocab_size: int = 0
     device: str = "cpu"
     forward_mode: Optional[ForwardMode] = None

@@ -56,7 +56,7 @@ class Scheduler:
         send_fn: Callable[[Any], None] = lambda obj: None,
         tp_rank: int = 0,
         tp_size: int = 1,
-        tp_worker: Optional[Any] = None,  # an injected worker (the simulator's); None: load the model
+        tp_worker: Optional[TpModelWorker] = None,  # injected (the simulator's duck-typed one); None: load the model
     ):
         self.server_args = args = server_args
         self.tp_rank, self.tp_size = tp_rank, tp_size

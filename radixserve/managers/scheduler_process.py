@@ -48,7 +48,7 @@ def zmq_recv_drain(sock: Any) -> Callable[[], List[Any]]:
     return recv
 
 
-class SchedulerStats:
+class SchedulerMetricsLogger:
     """Prefill / decode log lines like SGLang's, and the numbers /get_server_info adds
     (token usage, cache hit rate, generation throughput). Reads the scheduler; changes nothing."""
 
@@ -164,7 +164,7 @@ def run_scheduler_process(
 
         holder: dict = {}
         recv_fn: Callable[[], List[Any]] = lambda: []
-        send: Callable[[Any], None] = lambda obj: None
+        send_fn: Callable[[Any], None] = lambda obj: None
         if tp_rank == 0:
             ctx = zmq.Context(2)
             recv_sock = ctx.socket(zmq.PULL)
@@ -177,15 +177,15 @@ def run_scheduler_process(
             to_tokenizer.connect(port_args.tokenizer_ipc_name)
             recv_fn = zmq_recv_drain(recv_sock)
 
-            def send(obj: Any) -> None:
+            def send_fn(obj: Any) -> None:
                 # Token outputs go through the detokenizer; replies (flush, state) straight back.
                 if isinstance(obj, BatchTokenIDOutput):
                     to_detokenizer.send_pyobj(obj)
                 else:
-                    to_tokenizer.send_pyobj(holder["stats"].decorate_state(obj))
+                    to_tokenizer.send_pyobj(holder["metrics"].decorate_state(obj))
 
-        scheduler = Scheduler(server_args, recv_fn=recv_fn, send_fn=send, tp_rank=tp_rank, tp_size=server_args.tp_size)
-        holder["stats"] = stats = SchedulerStats(scheduler, server_args.decode_log_interval)
+        scheduler = Scheduler(server_args, recv_fn=recv_fn, send_fn=send_fn, tp_rank=tp_rank, tp_size=server_args.tp_size)
+        holder["metrics"] = metrics = SchedulerMetricsLogger(scheduler, server_args.decode_log_interval)
     except Exception:
         pipe.send({"status": "error", "error": traceback.format_exc()})
         raise SystemExit(1)
@@ -212,11 +212,11 @@ def run_scheduler_process(
             scheduler.process_input_requests(scheduler.recv_requests())
             batch = scheduler.run_step()
             if tp_rank == 0:
-                stats.on_batch(batch)
+                metrics.on_batch(batch)
                 if dp_rank is not None:  # shortest_queue routing needs each replica's load
                     load = len(scheduler.waiting_queue) + scheduler.running_batch.batch_size()
                     if load != last_load:
-                        send(SchedulerLoad(dp_rank, load))
+                        send_fn(SchedulerLoad(dp_rank, load))
                         last_load = load
             if poller is not None and batch is None and not scheduler.has_work():
                 # Idle: block until a message arrives. Other TP ranks wait in the broadcast.
