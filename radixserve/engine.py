@@ -58,7 +58,10 @@ class Engine:
     ) -> Union[Dict[str, Any], List[Dict[str, Any]], Iterator[Dict[str, Any]]]:
         """SGLang-shaped results, the same as POST /generate's: {"text", "output_ids",
         "meta_info": {...}}; a list for a list of prompts or n > 1; with stream=True an
-        iterator of such dicts with the text so far. A refused request raises ValueError."""
+        iterator of such dicts with the text so far. A request the front end refuses raises
+        ValueError; one the scheduler refuses or aborts (queue full, invalid grammar, an
+        internal error) comes back with finish_reason {"type": "abort", "status_code", ...},
+        where HTTP would answer that status, so one bad prompt does not lose a batch's results."""
         obj = GenerateReqInput(
             text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
             return_logprob=return_logprob, logprob_start_len=logprob_start_len,
@@ -73,13 +76,18 @@ class Engine:
             return self._stream(states[0])
         bar = tqdm(total=len(states), desc="generate", disable=not progress or len(states) < 16)
         done = 0
-        while done < len(states):
-            self.step()
-            now_done = sum(s.finished for s in states)
-            bar.update(now_done - done)
-            done = now_done
-        bar.close()
-        results = [self._pop_output(s) for s in states]
+        try:
+            while done < len(states):
+                self.step()
+                now_done = sum(s.finished for s in states)
+                bar.update(now_done - done)
+                done = now_done
+        finally:  # interrupted: stop what still runs
+            bar.close()
+            for s in states:
+                if not s.finished:
+                    self.abort(s.rid)
+        results = [self.frontend.make_output(s) for s in states]
         return results[0] if len(results) == 1 and is_single(obj) else results
 
     def submit(self, obj: Optional[GenerateReqInput] = None, **kwargs: Any) -> List[ReqState]:
@@ -97,10 +105,6 @@ class Engine:
         for rid in rids:
             self.frontend.rid_to_state.pop(rid, None)
 
-    def _pop_output(self, state: ReqState) -> Dict[str, Any]:
-        self.frontend.rid_to_state.pop(state.rid, None)
-        return self.frontend.make_output(state)
-
     def _stream(self, state: ReqState) -> Iterator[Dict[str, Any]]:
         sent = 0
         try:
@@ -114,7 +118,6 @@ class Engine:
         finally:
             if not state.finished:
                 self.abort(state.rid)
-            self.frontend.rid_to_state.pop(state.rid, None)
 
     def step(self) -> None:
         """One scheduler iteration, then route its outputs to the request states."""
@@ -124,15 +127,19 @@ class Engine:
         outputs, self._outbox[:] = list(self._outbox), []
         for out in outputs:
             if isinstance(out, BatchTokenIDOutput):
-                self.frontend.handle_batch_output(self.detokenizer.handle_batch_token_id_out(out))
+                updated = self.frontend.handle_batch_output(self.detokenizer.handle_batch_token_id_out(out))
+                for state, _ in updated:  # the caller holds its states; the rid is free again
+                    if state.finished:
+                        self.frontend.rid_to_state.pop(state.rid, None)
 
     def wait_until_idle(self) -> None:
-        """Step until the scheduler has nothing left (the last batch retired)."""
-        while self.scheduler.has_work():
+        """Step until nothing is submitted or scheduled (the last batch retired)."""
+        while self._inbox or self.scheduler.has_work():
             self.step()
 
     # ---- control ----------------------------------------------------------------------------------
     def abort(self, rid: str) -> None:
+        """Abort a request (or the samples of an n > 1 request); its state ends at the next step."""
         for r in self.frontend.abort_targets(rid):
             self._inbox.append(AbortReq(rid=r))
         self.scheduler.process_input_requests(self._drain_inbox())

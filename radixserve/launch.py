@@ -21,6 +21,7 @@ import shutil
 import signal
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait as mp_wait
 from typing import Any, Dict, Optional
@@ -192,10 +193,32 @@ def configure_logging(server_args: ServerArgs) -> None:
     )
 
 
+def _uvicorn_server_class() -> Any:
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn's Server, but the first SIGTERM starts our drain instead of stopping at once
+        (a second SIGTERM, or SIGINT, stops at once as usual)."""
+
+        def __init__(self, config: Any, on_sigterm: Any):
+            super().__init__(config)
+            self.on_sigterm = on_sigterm
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if sig == signal.SIGTERM and self.on_sigterm is not None and not self.should_exit:
+                start_drain, self.on_sigterm = self.on_sigterm, None
+                start_drain()
+            else:
+                super().handle_exit(sig, frame)
+
+    return DrainingServer
+
+
 def launch_server(server_args: ServerArgs) -> int:
     """Run the server until SIGINT / SIGTERM (exit code 0) or a child's death (1)."""
     import uvicorn
 
+    DrainingServer = _uvicorn_server_class()
     from radixserve.entrypoints.http_server import create_app
     from radixserve.managers.tokenizer_manager import TokenizerManager
 
@@ -206,11 +229,23 @@ def launch_server(server_args: ServerArgs) -> int:
     stop_requested = threading.Event()
     state: Dict[str, Any] = {"exit_code": 0, "server": None}
 
-    def on_signal(signum: int, frame: Any) -> None:
+    def on_signal(signum: int, frame: Any) -> None:  # until uvicorn runs (it has its own then)
         stop_requested.set()
-        server = state["server"]
-        if server is not None:
-            server.should_exit = True
+        if state["server"] is not None:
+            state["server"].should_exit = True
+
+    def drain_then_stop(server: Any, tm: Any) -> None:
+        """SIGTERM: /health and new requests get 503; requests in flight get up to
+        --graceful-shutdown-timeout to finish; then the server stops (exit code 0)."""
+        tm.start_draining()
+        deadline = time.monotonic() + server_args.graceful_shutdown_timeout
+        logger.info("SIGTERM: draining %d request(s) in flight (up to %gs).", tm.num_in_flight(),
+                    server_args.graceful_shutdown_timeout)
+        while tm.num_in_flight() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if tm.num_in_flight():
+            logger.warning("Graceful shutdown timeout: %d request(s) still running are cut off.", tm.num_in_flight())
+        server.should_exit = True
 
     old_handlers = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     rt: Optional[Runtime] = None
@@ -235,7 +270,8 @@ def launch_server(server_args: ServerArgs) -> int:
             app, host=server_args.host, port=server_args.port, log_level=server_args.log_level.lower(),
             timeout_keep_alive=5, timeout_graceful_shutdown=3, lifespan="on",
         )
-        server = uvicorn.Server(config)
+        server = DrainingServer(config, on_sigterm=lambda: threading.Thread(
+            target=drain_then_stop, args=(server, tm), daemon=True).start())
         state["server"] = server
 
         def on_child_death(message: str) -> None:

@@ -39,25 +39,36 @@ class AbortReq:
     abort_all: bool = False
 
 
+# Control queries carry an id their reply echoes, so a reply is matched to its query even when
+# an earlier query timed out and its reply arrives late.
 @dataclass
 class FlushCacheReqInput:
-    pass
+    query_id: str = ""
 
 
 @dataclass
 class FlushCacheReqOutput:
     success: bool
     message: str = ""
+    query_id: str = ""
 
 
 @dataclass
 class GetInternalStateReq:
-    pass
+    query_id: str = ""
 
 
 @dataclass
 class GetInternalStateReqOutput:
     internal_state: Dict[str, Any]
+    query_id: str = ""
+
+
+@dataclass
+class SchedulerHeartbeat:
+    """Rank 0 of a scheduler sends one about every second while its loop turns (/health)."""
+
+    dp_rank: int = 0
 
 
 @dataclass

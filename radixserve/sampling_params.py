@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-import re
+import regex
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Optional, Union
 
@@ -14,7 +14,12 @@ TOP_K_ALL = 1 << 30  # top_k = -1 means "all tokens"
 MAX_INT_PARAM = 2**31 - 1
 MAX_N = 128
 MAX_STOPS = 64
+MAX_STOP_REGEX_CHARS = 1024  # the scheduler matches every stop regex after every token
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: +-100 already bans or forces a token
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty")
+_INT_FIELDS = ("max_new_tokens", "min_new_tokens", "top_k", "n", "sampling_seed")
+_BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
+_TEXT_FIELDS = ("stop", "stop_regex", "regex", "json_schema", "ebnf")
 
 
 @dataclass
@@ -55,6 +60,7 @@ class SamplingParams:
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+        check_json_types(d)
         return cls(**d)
 
     def normalize(self, tokenizer: Any = None) -> None:
@@ -115,8 +121,11 @@ class SamplingParams:
                     raise ValueError(f"logit_bias keys must be token ids, got {k!r}.") from None
                 if vocab_size is not None and not 0 <= tid < vocab_size:
                     raise ValueError(f"logit_bias token id {tid} is out of the vocabulary [0, {vocab_size}).")
-                if not isinstance(v, (int, float)) or not math.isfinite(v):
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                     raise ValueError(f"logit_bias values must be finite numbers, got {v!r}.")
+                if abs(v) > MAX_LOGIT_BIAS:
+                    raise ValueError(
+                        f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {v!r} for token {k}.")
         if vocab_size is not None and self.stop_token_ids:
             for t in self.stop_token_ids:
                 if not 0 <= int(t) < vocab_size:
@@ -144,12 +153,59 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, list) and len(value) > MAX_STOPS:
                 raise ValueError(f"{name} takes at most {MAX_STOPS} entries, got {len(value)}.")
+        for name in _TEXT_FIELDS:
+            value = getattr(self, name)
+            for text in [value] if isinstance(value, str) else list(value or []):
+                error = unicode_error(text, name)
+                if error is not None:
+                    raise ValueError(error)
         regexes = [self.stop_regex] if isinstance(self.stop_regex, str) else list(self.stop_regex or [])
         for pattern in regexes:
-            try:
-                re.compile(pattern)
-            except (re.error, TypeError) as e:
+            if isinstance(pattern, str) and len(pattern) > MAX_STOP_REGEX_CHARS:
+                raise ValueError(f"stop_regex takes patterns of at most {MAX_STOP_REGEX_CHARS} characters, got {len(pattern)}.")
+            try:  # the `regex` module: the scheduler matches with it, under a time limit
+                regex.compile(pattern)
+            except (regex.error, TypeError, OverflowError, RecursionError) as e:
                 raise ValueError(f"stop_regex {pattern!r} is not a valid regular expression: {e}.") from None
+
+
+def check_json_types(d: Dict[str, Any]) -> None:
+    """What pydantic's lax mode would coerce but JSON means otherwise: a boolean where a number
+    goes (true would be 1), and a string or number where a boolean goes ("no" would be false)."""
+    for name, value in d.items():
+        if name in _INT_FIELDS + _FLOAT_FIELDS and isinstance(value, bool):
+            raise ValueError(f"sampling_params.{name}: Input should be a number, not a boolean ({str(value).lower()}).")
+        if name in _BOOL_FIELDS and value is not None and not isinstance(value, bool):
+            raise ValueError(f"sampling_params.{name}: Input should be true or false, got {value!r}.")
+    ids = d.get("stop_token_ids")
+    if isinstance(ids, list) and any(isinstance(t, bool) for t in ids):
+        raise ValueError("sampling_params.stop_token_ids: Input should be a list of token ids (integers), not booleans.")
+    bias = d.get("logit_bias")
+    if isinstance(bias, dict) and any(isinstance(v, bool) for v in bias.values()):
+        raise ValueError("sampling_params.logit_bias: Input should map token ids to numbers, not booleans.")
+
+
+def unicode_error(text: Any, name: str) -> Optional[str]:
+    """Why `text` cannot be encoded as UTF-8 (a lone surrogate such as "\\ud800", which
+    Python's JSON parser lets through), or None. Such a string breaks the tokenizer and the
+    JSON response."""
+    if not isinstance(text, str):
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return (f"{name} is not valid Unicode: it holds the lone surrogate {text[e.start]!r} at position {e.start} "
+                f"(a \\uD800-\\uDFFF escape must be half of a surrogate pair).")
+    return None
+
+
+def sample_seed(seed: Optional[int], j: int) -> Optional[int]:
+    """The seed of sample j of an n > 1 request with sampling_seed `seed`: sample 0 keeps it
+    (the same text as n = 1 with that seed), the others get distinct seeds derived from it,
+    so the n samples differ from each other and the whole set is reproducible."""
+    if seed is None or j == 0:
+        return seed
+    return (seed + j * 0x9E3779B97F4A7C15) % 2**63
 
 
 def input_ids_error(input_ids: List[int], context_len: int, vocab_size: int) -> Optional[str]:

@@ -78,6 +78,16 @@ class ServerArgs:
     watchdog_timeout: float = 300.0  # seconds without forward progress before the server exits
     decode_log_interval: int = 40  # log one line every this many decode batches
 
+    # Limits and liveness: every one finite by default (README: "Limits and failure behaviour")
+    max_concurrent_requests: int = 1024  # requests (samples of n) in flight over HTTP; more get 503
+    zmq_hwm: int = 1024  # messages queued towards the scheduler before new requests get 503
+    max_sessions: int = 1024  # open sessions; opening another gets 503
+    session_timeout: float = 3600.0  # seconds an idle session lives
+    grammar_cache_size: int = 1024  # compiled grammars kept (least recently used go first)
+    request_timeout: Optional[float] = None  # seconds a request may run before it is aborted (504)
+    health_check_timeout: float = 20.0  # /health is 503 when the scheduler's heartbeat is older
+    graceful_shutdown_timeout: float = 30.0  # SIGTERM: seconds in-flight requests get to finish
+
     # Structured output (json_schema / regex / ebnf requests)
     grammar_backend: str = "xgrammar"  # or "none"
     grammar_timeout: float = 60.0  # seconds a grammar may compile; below --watchdog-timeout
@@ -137,6 +147,14 @@ class ServerArgs:
             raise ValueError("--decode-log-interval must be >= 1")
         if self.max_request_body_bytes < 1024:
             raise ValueError("--max-request-body-bytes must be >= 1024")
+        for flag in ("max_concurrent_requests", "zmq_hwm", "max_sessions", "grammar_cache_size"):
+            if getattr(self, flag) < 1:
+                raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
+        for flag in ("session_timeout", "health_check_timeout", "graceful_shutdown_timeout"):
+            if not getattr(self, flag) > 0:
+                raise ValueError(f"--{flag.replace('_', '-')} must be > 0")
+        if self.request_timeout is not None and not self.request_timeout > 0:
+            raise ValueError("--request-timeout must be > 0")
 
     # ---- argparse -------------------------------------------------------------------------
     @staticmethod
@@ -220,6 +238,14 @@ FLAG_HELP = {
     "max_request_body_bytes": "refuse larger request bodies with 413",
     "watchdog_timeout": "seconds the scheduler may have work without progress before the server exits",
     "decode_log_interval": "log one decode line every this many decode batches",
+    "max_concurrent_requests": "most requests (each sample of n counts) in flight over HTTP; more get 503",
+    "zmq_hwm": "most messages queued towards the scheduler; new requests beyond get 503",
+    "max_sessions": "most open sessions; /open_session beyond gets 503",
+    "session_timeout": "seconds an unused session stays open",
+    "grammar_cache_size": "compiled grammars kept in the cache (least recently used are dropped)",
+    "request_timeout": "abort a request that runs longer than this many seconds (504); none = no limit",
+    "health_check_timeout": "/health answers 503 when the scheduler has not reported for this many seconds",
+    "graceful_shutdown_timeout": "on SIGTERM, seconds in-flight requests get to finish (new ones get 503)",
     "grammar_backend": f"structured output backend: {', '.join(GRAMMAR_BACKENDS)}",
     "grammar_timeout": "abort a request whose grammar has not compiled after this many seconds",
     "constrained_json_whitespace_pattern": "regex of the whitespace allowed in JSON-schema output; none = compact JSON",

@@ -2,16 +2,18 @@
 
 A request with `json_schema`, `regex` or `ebnf` needs a compiled grammar before it can be
 scheduled. Compiling takes milliseconds (a pathological schema: much longer), so it runs
-in a thread pool while the request waits in the scheduler's `grammar_queue`:
+in a thread pool while the request waits in the scheduler's GrammarQueue
+(radixserve/managers/grammar.py):
 
-    handle_generate_request
+    GrammarQueue.admit (at intake)
         key = grammar_key(sampling_params)             ("json" | "regex" | "ebnf", text)
         value, cache_hit = backend.get_cached_or_future_value(key)
             cache hit:   a fresh grammar object, or an InvalidGrammarObject (fails fast)
-            cache miss:  a Future -> req waits in grammar_queue
-    move_ready_grammar_requests (every loop iteration)
+            cache miss:  a Future -> the request waits in the grammar queue
+    GrammarQueue.pop_ready (every loop iteration)
         done futures -> waiting_queue (or abort 400 when the grammar is invalid),
         older than --grammar-timeout -> abort; the key is cached as invalid
+The cache keeps the --grammar-cache-size most recently used grammars.
 
 Per step, each running request's grammar object writes its row of a packed token bitmask
 (`fill_vocab_mask`); the sampler bans every token whose bit is 0 (`TokenBitmask.apply_`).
@@ -29,10 +31,11 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
@@ -176,10 +179,12 @@ def allocate_token_bitmask(batch_size: int, vocab_size: int) -> torch.Tensor:
 class BaseGrammarBackend:
     """Compiles grammars in a thread pool and caches the results by (kind, text)."""
 
-    def __init__(self, vocab_size: int, max_workers: int = 2):
+    def __init__(self, vocab_size: int, max_workers: int = 2, cache_size: int = 1024):
         self.vocab_size = vocab_size
         self.executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar-compile")
-        self.cache: Dict[GrammarKey, BaseGrammarObject] = {}
+        # (kind, text) -> compiled grammar, least recently used first (--grammar-cache-size)
+        self.cache: "OrderedDict[GrammarKey, BaseGrammarObject]" = OrderedDict()
+        self.cache_size = cache_size
         self._lock = threading.Lock()
         self.stats = GrammarStats()
 
@@ -196,8 +201,7 @@ class BaseGrammarBackend:
     def _init_value_dispatch(self, key: GrammarKey) -> BaseGrammarObject:
         """Runs in the pool: compile (or take the cache), cache the result, return a fresh
         grammar object for the request. Never raises: errors become InvalidGrammarObject."""
-        with self._lock:
-            cached = self.cache.get(key)
+        cached = self._cache_get(key)
         if cached is not None:
             return cached if is_invalid_grammar(cached) else cached.copy()
         kind, text = key
@@ -218,28 +222,47 @@ class BaseGrammarBackend:
         with self._lock:
             self.stats.compile_s += time.perf_counter() - t0
             self.stats.compiles += 1
-            # Keep an entry set meanwhile (a timeout caches the key as invalid: it stays so).
-            value = self.cache.setdefault(key, value)
+        # Keep an entry set meanwhile (a timeout caches the key as invalid: it stays so).
+        value = self._cache_put(key, value, keep_existing=True)
         return value if is_invalid_grammar(value) else value.copy()
 
     def get_cached_or_future_value(self, key: GrammarKey) -> Tuple[Union[BaseGrammarObject, Future], bool]:
         """(grammar object or InvalidGrammarObject, True) on a cache hit, else (Future, False)."""
-        with self._lock:
-            cached = self.cache.get(key)
+        cached = self._cache_get(key)
         if cached is not None:
             return (cached if is_invalid_grammar(cached) else cached.copy()), True
         return self.executor.submit(self._init_value_dispatch, key), False
 
     def set_cache(self, key: GrammarKey, value: BaseGrammarObject) -> None:
+        self._cache_put(key, value, keep_existing=False)
+
+    def _cache_get(self, key: GrammarKey) -> Optional[BaseGrammarObject]:
         with self._lock:
+            value = self.cache.get(key)
+            if value is not None:
+                self.cache.move_to_end(key)
+            return value
+
+    def _cache_put(self, key: GrammarKey, value: BaseGrammarObject, keep_existing: bool) -> BaseGrammarObject:
+        """Store (or, with keep_existing, keep what is there); the least recently used entries
+        beyond cache_size go. Returns the cached value."""
+        with self._lock:
+            if keep_existing and key in self.cache:
+                value = self.cache[key]
             self.cache[key] = value
+            self.cache.move_to_end(key)
+            while len(self.cache) > self.cache_size:
+                self.cache.popitem(last=False)
+            return value
 
     def allocate_vocab_mask(self, batch_size: int) -> torch.Tensor:
         return allocate_token_bitmask(batch_size, self.vocab_size)
 
-    def fill_token_bitmask(self, reqs: Iterable[Any]) -> Optional[TokenBitmask]:
+    def fill_token_bitmask(self, reqs: Iterable[Any], on_error: Optional[Callable[[Any, Exception], None]] = None) -> Optional[TokenBitmask]:
         """The mask of one forward over `reqs` (a batch, in row order): rows of requests
-        with a live grammar are filled, the rest stay all ones. None when no row needs it."""
+        with a live grammar are filled, the rest stay all ones. None when no row needs it.
+        A grammar that fails to fill its row leaves it all ones and is reported to on_error
+        (the scheduler ends that request), so one broken grammar cannot stop the batch."""
         t0 = time.perf_counter()
         reqs = list(reqs)
         rows = [i for i, r in enumerate(reqs) if r.grammar is not None and not r.finished()]
@@ -247,7 +270,14 @@ class BaseGrammarBackend:
             return None
         bitmask = self.allocate_vocab_mask(len(reqs))
         for i in rows:
-            reqs[i].grammar.fill_vocab_mask(bitmask, i)
+            try:
+                reqs[i].grammar.fill_vocab_mask(bitmask, i)
+            except Exception as e:
+                if on_error is None:
+                    raise
+                logger.exception("Filling the grammar mask of one request failed")
+                bitmask[i] = -1
+                on_error(reqs[i], e)
         self.stats.fill_s += time.perf_counter() - t0
         self.stats.fill_calls += 1
         return TokenBitmask(bitmask, rows, self.stats)

@@ -31,4 +31,5 @@ def create_grammar_backend(server_args: Any, tokenizer: Any, vocab_size: int, eo
     return XGrammarGrammarBackend(
         tokenizer, vocab_size, eos_token_ids,
         whitespace_pattern=server_args.constrained_json_whitespace_pattern,
+        cache_size=server_args.grammar_cache_size,
     )

@@ -80,8 +80,9 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
         eos_token_ids: Iterable[int] = (),
         whitespace_pattern: Optional[str] = None,
         max_workers: int = 2,
+        cache_size: int = 1024,
     ):
-        super().__init__(vocab_size, max_workers)
+        super().__init__(vocab_size, max_workers, cache_size)
         self.tokenizer = tokenizer
         self.eos_token_ids = sorted(set(int(t) for t in eos_token_ids))
         self.whitespace_pattern = whitespace_pattern

@@ -19,7 +19,7 @@ import dataclasses
 import hmac
 import logging
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Callable, Coroutine, Dict
+from typing import Any, AsyncIterator, Callable, Coroutine, Dict, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -106,11 +106,41 @@ class JsonBodyRequest(Request):
 
     async def json(self) -> Any:
         try:
-            return await super().json()
+            obj = await super().json()
         except RecursionError:  # the parser recurses once per level of nesting
             raise StarletteHTTPException(400, "The JSON in the request body is nested too deeply.") from None
         except UnicodeDecodeError as e:
             raise StarletteHTTPException(400, f"Malformed JSON in the request body: {e}") from None
+        except ValueError as e:  # e.g. an integer of thousands of digits
+            raise StarletteHTTPException(400, f"Malformed JSON in the request body: {e}") from None
+        if b"\\ud" in (await self.body()).lower():  # a \uD800-\uDFFF escape: paired, or a lone surrogate?
+            where = _lone_surrogate_path(obj)
+            if where is not None:
+                raise StarletteHTTPException(400, f"{where} is not valid Unicode: it holds a lone surrogate "
+                                                  "(a \\uD800-\\uDFFF escape must be half of a pair).")
+        return obj
+
+
+def _lone_surrogate_path(obj: Any, path: str = "") -> Optional[str]:
+    """Where in a parsed body a string holds a lone surrogate, which no response, tokenizer or
+    log can encode (e.g. "sampling_params.stop[0]"); None if nowhere."""
+    if isinstance(obj, str):
+        try:
+            obj.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(obj, dict):
+        items = [(f"{path}.{k}" if path else str(k), k, v) for k, v in obj.items()]
+    elif isinstance(obj, list):
+        items = [(f"{path}[{i}]", None, v) for i, v in enumerate(obj)]
+    else:
+        return None
+    for sub, key, value in items:
+        found = (_lone_surrogate_path(key, sub) if key is not None else None) or _lone_surrogate_path(value, sub)
+        if found is not None:
+            return found
+    return None
 
 
 class JsonBodyRoute(APIRoute):
@@ -211,14 +241,20 @@ def add_native_routes(app: FastAPI, tm: TokenizerManager) -> None:
     # -- health and info
     @app.get("/health")
     async def health() -> Response:
-        if tm.dead_reason:
-            raise RequestError(tm.dead_reason, 503, "ServiceUnavailable")
+        """200 while every process is up, the scheduler's loop turns (its heartbeat is recent)
+        and the server is not shutting down; 503 with the reason otherwise."""
+        problem = tm.health_problem()
+        if problem is not None:
+            raise RequestError(problem, 503, "ServiceUnavailable")
         return Response(status_code=200)
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
-        """A real one-token generation."""
-        if tm.dead_reason is not None or not await tm.health_generate():
+        """A real one-token generation through the scheduler and the detokenizer."""
+        problem = tm.health_problem()
+        if problem is not None:
+            raise RequestError(problem, 503, "ServiceUnavailable")
+        if not await tm.health_generate():
             raise RequestError("The health check generation failed.", 503, "ServiceUnavailable")
         return Response(status_code=200)
 

@@ -7,11 +7,14 @@ in (0, 1]"), so they are typed loosely here; their schema still says what to sen
 
 from __future__ import annotations
 
-from typing import Annotated, Any, List, Optional, Union
+from typing import Annotated, Any, List, Optional, Tuple, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, WithJsonSchema
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, WithJsonSchema, model_validator
+
+from pydantic_core import PydanticCustomError
 
 from radixserve.protocol import GenerateReqInput, SessionParams
+from radixserve.sampling_params import MAX_INT_PARAM, unicode_error
 
 
 def _one_or_batch(item: dict) -> dict:
@@ -23,7 +26,43 @@ TokenIds = Annotated[Any, WithJsonSchema(_one_or_batch({"type": "array", "items"
 SamplingParamsDict = Annotated[Any, WithJsonSchema(_one_or_batch({"type": "object", "title": "SamplingParams"}))]
 
 
-class GenerateRequest(BaseModel):
+def lone_surrogate_error(body: Any) -> Optional[str]:
+    """Where a string of a parsed JSON body (a key or a value, at any depth) holds a lone
+    surrogate, which Python's JSON parser accepts from a "\\ud800" escape but which no
+    tokenizer and no JSON response can take: the error message naming that field, or None.
+    Iterative, so a deeply nested body cannot exhaust the stack."""
+    stack: List[Tuple[str, Any]] = [("", body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            error = unicode_error(value, path or "The request body")
+            if error is not None:
+                return error
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                key_path = f"{path}.{k}" if path else str(k)
+                error = unicode_error(k, f"a key of {path or 'the request body'}")
+                if error is not None:
+                    return error
+                stack.append((key_path, v))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", v) for i, v in enumerate(value))
+    return None
+
+
+class JsonBody(BaseModel):
+    """A request body: its strings are valid Unicode (checked before the fields are)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        error = lone_surrogate_error(data)
+        if error is not None:
+            raise PydanticCustomError("invalid_unicode", "{message}", {"message": error})
+        return data
+
+
+class GenerateRequest(JsonBody):
     """One prompt or a batch: `text` or `input_ids` (exactly one). For a batch, `sampling_params`,
     `rid` and `return_logprob` may be lists with one entry per prompt."""
 
@@ -33,19 +72,19 @@ class GenerateRequest(BaseModel):
     input_ids: Optional[TokenIds] = Field(None, description="Token ids, or a list of such lists.")
     sampling_params: Optional[SamplingParamsDict] = Field(
         None, description="SGLang's sampling parameters: max_new_tokens, temperature, top_p, stop, n, ...")
-    rid: Optional[Union[str, List[str]]] = None
-    return_logprob: Optional[Union[bool, List[bool]]] = None
-    logprob_start_len: int = -1
-    top_logprobs_num: int = Field(0, ge=0)
-    return_text_in_logprobs: bool = False
-    stream: bool = False
-    priority: Optional[int] = None
+    rid: Optional[Union[StrictStr, List[StrictStr]]] = None
+    return_logprob: Optional[Union[StrictBool, List[StrictBool]]] = None
+    logprob_start_len: StrictInt = Field(-1, ge=-1, le=MAX_INT_PARAM, description="-1: no input logprobs.")
+    top_logprobs_num: StrictInt = Field(0, ge=0, le=MAX_INT_PARAM)
+    return_text_in_logprobs: StrictBool = False
+    stream: StrictBool = False
+    priority: Optional[StrictInt] = Field(None, ge=-MAX_INT_PARAM, le=MAX_INT_PARAM)
     session_params: Optional[SessionParams] = None
 
     def to_input(self) -> GenerateReqInput:
         return GenerateReqInput(**self.model_dump())  # session_params becomes a dict, as it arrived
 
 
-class AbortRequest(BaseModel):
+class AbortRequest(JsonBody):
     rid: StrictStr = Field("", description="The request to abort.")
     abort_all: StrictBool = Field(False, description="Abort every request instead.")

@@ -2,7 +2,8 @@
 
 Responses are built as plain dicts in serving_completions.py / serving_chat.py in OpenAI's shapes
 (the integration tests validate them with the `openai` package's types). Unknown request fields
-are ignored, as OpenAI-compatible servers do; wrong types give 400 with the field's name.
+are ignored, as OpenAI-compatible servers do; wrong types give 400 with the field's name. Types
+are strict, as JSON means them: `true` is not the number 1, "yes" is not a boolean.
 """
 
 from __future__ import annotations
@@ -10,22 +11,31 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from radixserve.entrypoints.native_protocol import JsonBody
+from radixserve.sampling_params import MAX_INT_PARAM
+
+_STRICT = ConfigDict(strict=True, extra="ignore")
 
 
 class StreamOptions(BaseModel):
+    model_config = _STRICT
+
     include_usage: bool = False
 
 
 class ResponseFormat(BaseModel):
+    model_config = _STRICT
+
     type: Literal["text", "json_object", "json_schema"] = "text"
     json_schema: Optional[Dict[str, Any]] = None
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(JsonBody):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
 
     model: str
     n: int = 1
@@ -53,7 +63,7 @@ class _SamplingFields(BaseModel):
     json_schema: Optional[str] = None
     ebnf: Optional[str] = None
     rid: Optional[str] = None
-    priority: Optional[int] = None
+    priority: Optional[int] = Field(None, ge=-MAX_INT_PARAM, le=MAX_INT_PARAM)
 
     def sampling_params(self, max_new_tokens: Optional[int]) -> Dict[str, Any]:
         return {
@@ -88,17 +98,96 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     suffix: Optional[str] = None
 
+    @field_validator("prompt")
+    @classmethod
+    def _token_ids_in_range(cls, prompt: Any) -> Any:
+        # The vocabulary check comes later (the front end's 400); echo decodes the prompt
+        # before that, and the tokenizer cannot take an id outside [0, 2**32).
+        rows = [prompt] if prompt and isinstance(prompt[0], int) else prompt
+        for row in rows if isinstance(prompt, list) else []:
+            for t in row if isinstance(row, list) else []:
+                if not 0 <= t <= MAX_INT_PARAM:
+                    raise ValueError(f"token ids must be in [0, {MAX_INT_PARAM}], got {t}")
+        return prompt
+
+
+class FunctionCall(BaseModel):
+    model_config = _STRICT
+
+    name: str
+    arguments: Union[str, Dict[str, Any]] = "{}"  # OpenAI sends a JSON string; chat templates take either
+
+
+class ToolCall(BaseModel):
+    model_config = _STRICT
+
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(BaseModel):
+    model_config = _STRICT
+
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[Dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class Tool(BaseModel):
+    model_config = _STRICT
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedToolChoice(BaseModel):
+    model_config = _STRICT
+
+    class Name(BaseModel):
+        model_config = _STRICT
+
+        name: str
+
+    type: Literal["function"] = "function"
+    function: Name
+
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: Optional[Union[str, List[Dict[str, Any]]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[List[ToolCall]] = None
+    tool_call_id: Optional[str] = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        """This server serves text models: a part must be {"type": "text", "text": "..."} (the
+        chat template would drop an image part without a word)."""
+        for i, part in enumerate(content if isinstance(content, list) else []):
+            if part.get("type") != "text":
+                raise ValueError(f"part {i} has type {part.get('type')!r}: only text parts "
+                                 f"({{\"type\": \"text\", \"text\": ...}}) are supported")
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"part {i} is a text part without a string `text`")
+        return content
+
+    @model_validator(mode="after")
+    def _content_present(self) -> "ChatMessage":
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: List[ChatMessage] = Field(min_length=1)
+    # Accepted (and checked) for compatibility; this server does not call tools.
+    tools: Optional[List[Tool]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
     max_tokens: Optional[int] = None
     max_completion_tokens: Optional[int] = None
     logprobs: bool = False

@@ -41,7 +41,7 @@ async def serve_chat(tm: TokenizerManager, req: ChatCompletionRequest, raw_reque
     if req.top_logprobs and not req.logprobs:
         raise RequestError("top_logprobs needs logprobs set to true.")
     messages: List[Dict[str, Any]] = [m.model_dump(exclude_none=True) for m in req.messages]
-    input_ids = tm.apply_chat_template(messages)
+    input_ids = await tm.apply_chat_template(messages)
     max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     sp = req.sampling_params(max_new)
     sp["json_schema"] = req.grammar_json_schema()

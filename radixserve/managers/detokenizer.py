@@ -8,7 +8,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Set
+
+from radixserve.protocol import LOGPROB_KEYS, BatchStrOutput
+
+logger = logging.getLogger("radixserve.detokenizer")
+
+# err_type of a request ended because its text could not be made: the TokenizerManager also
+# aborts it in the scheduler, which did not end it.
+DETOKENIZE_ERROR = "DetokenizeError"
 
 # Tokens before the first output token used as decoding context (SGLang's INIT offset).
 INIT_INCREMENTAL_DETOKENIZATION_OFFSET = 5
@@ -87,27 +95,29 @@ class DetokenizerManager:
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
         self.states: Dict[str, _DetokState] = {}
+        self.failed: Set[str] = set()  # rids whose detokenization failed, until their end
 
     def handle_batch_token_id_out(self, out: Any) -> Any:
-        from radixserve.protocol import BatchStrOutput
-
         res = BatchStrOutput([], [], [], [], [], [], [], [])
         for i, rid in enumerate(out.rids):
             reason = out.finished_reasons[i]
+            if rid in self.failed:  # its text broke earlier: its error went out already
+                if reason is not None:
+                    self.failed.discard(rid)
+                continue
             finished = reason is not None
             state = self.states.pop(rid, None) if finished else self.states.setdefault(rid, _DetokState())
             state = state or _DetokState()
             new_ids = out.decode_ids[i]
-            if self.tokenizer is not None:
-                no_stop_trim = out.no_stop_trim[i]
-                ids = output_ids_for_text(new_ids, reason, no_stop_trim) if finished else new_ids
-                incremental_decode(self.tokenizer, state.status, ids, out.skip_special_tokens[i],
-                                   out.spaces_between_special_tokens[i], finished=finished)
-                text = state.status.decoded_text
-                if finished:
-                    text = trim_matched_stop(text, reason, no_stop_trim)
-            else:  # --skip-tokenizer-init: ids only
-                text = ""
+            try:
+                text = self._text(state, out, i, finished)
+            except Exception as e:  # one request's text broke: end that request, serve the rest
+                logger.exception("Detokenizing request %s failed; it is aborted", rid)
+                self.states.pop(rid, None)
+                if not finished:
+                    self.failed.add(rid)
+                text, reason = "", {"type": "abort", "message": f"Internal error while detokenizing: {type(e).__name__}: {e}",
+                                    "status_code": 500, "err_type": DETOKENIZE_ERROR}
             offset = min(state.sent_offset, len(text))
             state.sent_offset = len(text)
             res.rids.append(rid)
@@ -118,12 +128,22 @@ class DetokenizerManager:
             res.prompt_tokens.append(out.prompt_tokens[i])
             res.completion_tokens.append(out.completion_tokens[i])
             res.cached_tokens.append(out.cached_tokens[i])
-            for key in ("input_token_logprobs_val", "input_token_logprobs_idx",
-                        "output_token_logprobs_val", "output_token_logprobs_idx",
-                        "output_top_logprobs_val", "output_top_logprobs_idx", "retraction_counts"):
+            for key in LOGPROB_KEYS:
                 src = getattr(out, key)
-                getattr(res, key).append(src[i] if i < len(src) else ([] if key != "retraction_counts" else 0))
+                getattr(res, key).append(src[i] if i < len(src) else [])
+            res.retraction_counts.append(out.retraction_counts[i] if i < len(out.retraction_counts) else 0)
         return res
+
+    def _text(self, state: _DetokState, out: Any, i: int, finished: bool) -> str:
+        """The request's whole text so far (a matched stop string trimmed off at the end)."""
+        if self.tokenizer is None:  # --skip-tokenizer-init: ids only
+            return ""
+        reason, no_stop_trim = out.finished_reasons[i], out.no_stop_trim[i]
+        ids = output_ids_for_text(out.decode_ids[i], reason, no_stop_trim) if finished else out.decode_ids[i]
+        incremental_decode(self.tokenizer, state.status, ids, out.skip_special_tokens[i],
+                           out.spaces_between_special_tokens[i], finished=finished)
+        text = state.status.decoded_text
+        return trim_matched_stop(text, reason, no_stop_trim) if finished else text
 
 
 def run_detokenizer_process(server_args: Any, port_args: Any, pipe: Any) -> None:

@@ -57,9 +57,8 @@ def controller_reply_ipc_name(port_args: PortArgs) -> str:
 
 @dataclass
 class _Gather:
-    """Replies still expected from the replicas for one fanned-out query."""
+    """Replies gathered so far from the replicas for one fanned-out query."""
 
-    kind: type
     replies: List[Any]
 
 
@@ -87,7 +86,7 @@ class DataParallelController:
         self.reported_load = [0] * self.dp_size
         self.sent_since_report = [0] * self.dp_size
         self.num_dispatched = [0] * self.dp_size
-        self.pending: List[_Gather] = []
+        self.pending: Dict[str, _Gather] = {}  # by query_id
 
     # ---- routing --------------------------------------------------------------------------
     def choose_replica(self) -> int:
@@ -112,8 +111,7 @@ class DataParallelController:
                 self.dispatch(r)
         else:
             if isinstance(obj, (FlushCacheReqInput, GetInternalStateReq)):
-                kind = FlushCacheReqOutput if isinstance(obj, FlushCacheReqInput) else GetInternalStateReqOutput
-                self.pending.append(_Gather(kind, []))
+                self.pending[obj.query_id] = _Gather([])
             for w in self.workers:  # aborts and queries: every replica
                 w.send_pyobj(obj)
 
@@ -122,19 +120,20 @@ class DataParallelController:
             self.reported_load[obj.dp_rank] = obj.num_reqs
             self.sent_since_report[obj.dp_rank] = 0
             return
-        gather = next((g for g in self.pending if isinstance(obj, g.kind)), None)
-        if gather is None:
+        query_id = getattr(obj, "query_id", None)
+        gather = self.pending.get(query_id) if isinstance(obj, (FlushCacheReqOutput, GetInternalStateReqOutput)) else None
+        if gather is None:  # token-free messages (heartbeats) pass through
             self.send_to_tokenizer.send_pyobj(obj)
             return
         gather.replies.append(obj)
         if len(gather.replies) == self.dp_size:
-            self.pending.remove(gather)
+            del self.pending[query_id]
             self.send_to_tokenizer.send_pyobj(self.merge(gather.replies))
 
     def merge(self, replies: List[Any]) -> Any:
         if isinstance(replies[0], FlushCacheReqOutput):
             ok = all(r.success for r in replies)
-            return FlushCacheReqOutput(ok, "; ".join(r.message for r in replies if r.message))
+            return FlushCacheReqOutput(ok, "; ".join(r.message for r in replies if r.message), replies[0].query_id)
         states = [r.internal_state for r in replies]
         merged: Dict[str, Any] = {}
         for key in states[0]:
@@ -146,7 +145,7 @@ class DataParallelController:
         merged["dp_size"] = self.dp_size
         merged["dp_states"] = states
         merged["dp_num_dispatched"] = list(self.num_dispatched)
-        return GetInternalStateReqOutput(merged)
+        return GetInternalStateReqOutput(merged, replies[0].query_id)
 
     # ---- loop -----------------------------------------------------------------------------
     def event_loop(self) -> None:

@@ -17,7 +17,7 @@ from radixserve.constrained.base_grammar_backend import (
     is_invalid_grammar,
 )
 from radixserve.distributed.parallel_state import broadcast_pyobj
-from radixserve.managers.schedule_batch import Req
+from radixserve.managers.schedule_batch import FINISH_ABORT, Req
 from radixserve.server_args import ServerArgs
 
 # How long an otherwise idle scheduler blocks on a compiling grammar per iteration.
@@ -116,6 +116,13 @@ class GrammarQueue:
     def discard(self, req: Req) -> None:
         if req in self.queue:
             self.queue.remove(req)
+
+    @staticmethod
+    def fail_request(req: Req, error: Exception) -> None:
+        """A request's grammar broke while filling its mask: that request ends (500) at its
+        next token; the batch goes on."""
+        req.to_finish = FINISH_ABORT(f"Internal error in the request's grammar: {type(error).__name__}: {error}",
+                                     status_code=500, err_type="InternalServerError")
 
     def reset(self) -> None:
         """Flush: compiled grammars go too (SGLang does the same)."""

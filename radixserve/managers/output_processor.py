@@ -78,14 +78,14 @@ class SchedulerOutputProcessor:
         """Append a sampled token, check the finish conditions; a finished request hands its
         KV to the tree. Returns whether it finished."""
         req.output_ids.append(token)
-        if req.grammar is not None:
-            self._accept_grammar_token(req, token)
         try:
+            if req.grammar is not None:
+                self._accept_grammar_token(req, token)
             req.check_finished()
-        except Exception as e:  # a bug one request's stop check reached: end that request
-            logger.exception("Request %s: the finish check failed; it is aborted", req.rid)
+        except Exception as e:  # a bug one request's grammar or stop check reached: end it alone
+            logger.exception("Request %s: processing its token failed; it is aborted", req.rid)
             req.finished_reason = FINISH_ABORT(
-                f"Internal error while checking the stop conditions: {type(e).__name__}: {e}",
+                f"Internal error while processing the sampled token: {type(e).__name__}: {e}",
                 status_code=500, err_type="InternalServerError",
             )
         self._append_logprobs(req, result, i)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -21,7 +22,14 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from radixserve.managers.session import SessionError, SessionStore
 from radixserve.protocol import LOGPROB_KEYS, BatchStrOutput, GenerateReqInput, TokenizedGenerateReqInput
-from radixserve.sampling_params import SamplingParams, context_length_error, input_ids_error
+from radixserve.sampling_params import (
+    MAX_INT_PARAM,
+    SamplingParams,
+    context_length_error,
+    input_ids_error,
+    sample_seed,
+    unicode_error,
+)
 
 
 class RequestError(ValueError):
@@ -106,8 +114,10 @@ class RequestFrontend:
     def make_sampling_params(self, d: Any) -> SamplingParams:
         """Validate a sampling_params dict: unknown names, wrong types and values out of range
         raise RequestError with SGLang's messages."""
-        if isinstance(d, SamplingParams):
-            d = {f.name: getattr(d, f.name) for f in dataclasses.fields(d) if f.init}
+        if isinstance(d, SamplingParams):  # the offline API may pass one: its public fields
+            d = {f.name: getattr(d, f.name) for f in dataclasses.fields(d) if f.init and f.repr}
+        if isinstance(d, dict) and isinstance(d.get("json_schema"), dict):  # offline: a schema object
+            d = {**d, "json_schema": json.dumps(d["json_schema"])}
         if d is not None and not isinstance(d, dict):
             raise RequestError(f"sampling_params must be an object, got {type(d).__name__}.")
         try:
@@ -118,6 +128,13 @@ class RequestFrontend:
         except ValueError as e:
             raise RequestError(validation_message(e, "sampling_params")) from None
         return sp
+
+    def _check_logprob_args(self, obj: GenerateReqInput) -> None:
+        top, start = obj.top_logprobs_num, obj.logprob_start_len
+        if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= self.vocab_size:
+            raise RequestError(f"top_logprobs_num must be an integer in [0, {self.vocab_size}] (the vocabulary), got {top!r}.")
+        if isinstance(start, bool) or not isinstance(start, int) or not -1 <= start <= MAX_INT_PARAM:
+            raise RequestError(f"logprob_start_len must be -1 (no input logprobs) or an integer in [0, {MAX_INT_PARAM}], got {start!r}.")
 
     def _prompts(self, obj: GenerateReqInput) -> Tuple[List[Optional[str]], List[List[int]], bool]:
         """(texts, token ids, is_batch) of the request's prompts."""
@@ -131,6 +148,10 @@ class RequestFrontend:
                 texts, is_batch = list(obj.text), True
             else:
                 raise RequestError("text must be a string or a list of strings.")
+            for i, t in enumerate(texts):
+                error = unicode_error(t, f"text[{i}]" if is_batch else "text")
+                if error is not None:
+                    raise RequestError(error)
             return texts, [self.encode(t) for t in texts], is_batch
         ids = obj.input_ids
         if not isinstance(ids, list):
@@ -146,7 +167,15 @@ class RequestFrontend:
 
     def tokenize(self, obj: GenerateReqInput) -> List[TokenizedGenerateReqInput]:
         """Validate the request and make one TokenizedGenerateReqInput per (prompt, sample),
-        in output order; registers a ReqState for each (see add_states)."""
+        in output order, each with a registered ReqState."""
+        prepared = self.prepare(obj)
+        self.register(obj, *prepared)
+        return prepared[0]
+
+    def prepare(self, obj: GenerateReqInput) -> Tuple[List[TokenizedGenerateReqInput], Dict[str, str], Optional[str]]:
+        """tokenize() without the registration: the requests, the rid each sample of an n > 1
+        request was made from, and the session id. Touches no state, so the TokenizerManager
+        runs it off the event loop (a huge prompt does not stall /health)."""
         texts, ids_list, is_batch = self._prompts(obj)
         num = len(ids_list)
         if num == 0:
@@ -167,8 +196,12 @@ class RequestFrontend:
         for rid in rids:
             if rid is not None and not isinstance(rid, str):
                 raise RequestError("rid must be a string.")
-        if not isinstance(obj.top_logprobs_num, int) or obj.top_logprobs_num < 0:
-            raise RequestError("top_logprobs_num must be a non-negative integer.")
+            error = unicode_error(rid, "rid")
+            if error is not None:
+                raise RequestError(error)
+        if not all(isinstance(x, bool) for x in return_logprobs):
+            raise RequestError("return_logprob must be true or false (a list of them, one per prompt, for a batch).")
+        self._check_logprob_args(obj)
         session_id = None
         if obj.session_params is not None:
             if is_batch:
@@ -204,17 +237,20 @@ class RequestFrontend:
                     raise RequestError(f"Duplicate request id: {sub_rid!r} appears twice in this batch.")
                 batch_rids.add(sub_rid)
                 reqs.append(TokenizedGenerateReqInput(
-                    sub_rid, text, list(ids), dataclasses.replace(sp, n=1) if n > 1 else sp,
+                    sub_rid, text, list(ids),
+                    dataclasses.replace(sp, n=1, sampling_seed=sample_seed(sp.sampling_seed, j)) if n > 1 else sp,
                     return_logprob=bool(ret_lp), logprob_start_len=obj.logprob_start_len,
                     top_logprobs_num=obj.top_logprobs_num, stream=bool(obj.stream), priority=obj.priority,
                 ))
                 if n > 1:
                     parents[sub_rid] = base
-        self._add_states(obj, reqs, parents, session_id)
-        return reqs
+        return reqs, parents, session_id
 
-    def _add_states(self, obj: GenerateReqInput, reqs: List[TokenizedGenerateReqInput],
-                    parents: Dict[str, str], session_id: Optional[str]) -> None:
+    def register(self, obj: GenerateReqInput, reqs: List[TokenizedGenerateReqInput],
+                 parents: Dict[str, str], session_id: Optional[str]) -> None:
+        for r in reqs:  # checked again here: a request with this rid may have come meanwhile
+            if r.rid in self.rid_to_state:
+                raise RequestError(f"Duplicate request id: {r.rid!r} is still running.")
         for r in reqs:
             self.rid_to_state[r.rid] = ReqState(
                 r.rid, r.input_ids, r.sampling_params, r.stream, r.return_logprob, r.top_logprobs_num,

@@ -12,11 +12,11 @@ A Req's tokens and where their KV lives:
 from __future__ import annotations
 
 import itertools
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Set, Union
 
+import regex
 import torch
 
 from radixserve.mem_cache.base_prefix_cache import BasePrefixCache
@@ -27,6 +27,8 @@ from radixserve.sampling_params import SamplingParams
 
 # Cap of max_new_tokens when reserving decode space for a request (SGLang: CLIP_MAX_NEW_TOKENS).
 CLIP_MAX_NEW_TOKENS = 4096
+# Time a stop regex may take to search a request's output after one token (the scheduler waits).
+STOP_REGEX_TIMEOUT_S = 0.05
 # Decode steps reserved per running request when re-estimating new_token_ratio after a retraction.
 RETRACT_DECODE_STEPS = 20
 
@@ -279,7 +281,14 @@ class Req:
         if sp.stop_regex_strs:
             text = self.tokenizer.decode(self.output_ids)
             for pattern in sp.stop_regex_strs:
-                if re.search(pattern, text):
+                try:  # a pathological pattern ((a+)+b) must not stall the scheduler: a time limit
+                    matched = regex.search(pattern, text, timeout=STOP_REGEX_TIMEOUT_S)
+                except TimeoutError:
+                    self.finished_reason = FINISH_ABORT(
+                        f"stop_regex {pattern!r} took over {STOP_REGEX_TIMEOUT_S * 1000:g} ms to match the output "
+                        f"(catastrophic backtracking?); the request is ended.", status_code=400, err_type="BadRequestError")
+                    return
+                if matched:
                     self.finished_reason = FINISHED_MATCHED_REGEX(matched=pattern)
                     return
 

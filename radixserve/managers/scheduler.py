@@ -304,6 +304,9 @@ class Scheduler:
                 else:
                     self.running_batch.merge_batch(self.last_batch)
 
+        if self.running_batch.is_empty():  # nothing left whose end would clear a "full" mark
+            self.running_batch.batch_is_full = False
+
         # 3. Prefill first; 4. otherwise decode.
         idle = not self.waiting_queue and self.running_batch.is_empty() and self.chunked_req is None and not self._results_pending()
         self.waiting_queue += self.grammar_queue.pop_ready(scheduler_idle=idle)
@@ -408,7 +411,7 @@ class Scheduler:
         if self.grammar_backend is not None:
             # This forward's grammar mask, filled now on this thread (the matchers have seen
             # every earlier token: see is_disable_overlap_for_batch).
-            worker_batch.token_bitmask = self.grammar_backend.fill_token_bitmask(batch.reqs)
+            worker_batch.token_bitmask = self.grammar_backend.fill_token_bitmask(batch.reqs, GrammarQueue.fail_request)
         if self.overlap_worker is not None:
             batch.output_ids = self.overlap_worker.launch(batch, worker_batch)
             return None
@@ -460,10 +463,10 @@ class Scheduler:
 
     def flush_cache_wrapped(self, recv: FlushCacheReqInput) -> FlushCacheReqOutput:
         ok = self.flush_cache()
-        return FlushCacheReqOutput(ok, "" if ok else "Cache not flushed: requests are running or waiting.")
+        return FlushCacheReqOutput(ok, "" if ok else "Cache not flushed: requests are running or waiting.", recv.query_id)
 
     def get_internal_state(self, recv: GetInternalStateReq) -> GetInternalStateReqOutput:
-        return GetInternalStateReqOutput(self.internal_state())
+        return GetInternalStateReqOutput(self.internal_state(), recv.query_id)
 
     def internal_state(self) -> Dict[str, Any]:
         return dict(

@@ -25,12 +25,13 @@ from typing import Any, Callable, List, Optional
 
 from radixserve.managers.dp_controller import dp_port_args
 from radixserve.managers.process_utils import configure_process_logging, watch_parent
-from radixserve.protocol import BatchTokenIDOutput, GetInternalStateReqOutput, SchedulerLoad
+from radixserve.protocol import BatchTokenIDOutput, GetInternalStateReqOutput, SchedulerHeartbeat, SchedulerLoad
 from radixserve.server_args import PortArgs, ServerArgs
 
 logger = logging.getLogger("radixserve.scheduler")
 
-IDLE_POLL_MS = 1000  # how long an idle loop blocks on the socket before looking around again
+IDLE_POLL_MS = 500  # how long an idle loop blocks on the socket before looking around again
+HEARTBEAT_INTERVAL_S = 1.0  # rank 0 tells the TokenizerManager it is alive this often
 
 
 def zmq_recv_drain(sock: Any) -> Callable[[], List[Any]]:
@@ -206,13 +207,16 @@ def run_scheduler_process(
     if recv_sock is not None:
         poller = zmq.Poller()
         poller.register(recv_sock, zmq.POLLIN)
-    last_load = -1
+    last_load, last_heartbeat = -1, 0.0
     try:
         while True:
             scheduler.process_input_requests(scheduler.recv_requests())
             batch = scheduler.run_step()
             if tp_rank == 0:
                 metrics.on_batch(batch)
+                if time.monotonic() - last_heartbeat >= HEARTBEAT_INTERVAL_S:  # /health reads it
+                    send_fn(SchedulerHeartbeat(dp_rank or 0))
+                    last_heartbeat = time.monotonic()
                 if dp_rank is not None:  # shortest_queue routing needs each replica's load
                     load = len(scheduler.waiting_queue) + scheduler.running_batch.batch_size()
                     if load != last_load:

@@ -4,10 +4,15 @@ the new turn."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from radixserve.protocol import CloseSessionReqInput, OpenSessionReqInput, SessionParams
+
+
+# Finished requests a session remembers (a later turn may continue any of them).
+MAX_REQS_PER_SESSION = 64
 
 
 class SessionError(ValueError):
@@ -19,6 +24,7 @@ class Session:
     session_id: str
     tokens: Dict[str, List[int]] = field(default_factory=dict)  # rid -> its input + output ids
     last_rid: Optional[str] = None
+    last_used: float = field(default_factory=time.monotonic)
 
 
 class SessionStore:
@@ -35,6 +41,12 @@ class SessionStore:
         self.sessions[sid] = Session(sid)
         return sid
 
+    def expire(self, ttl: float) -> None:
+        """Close the sessions unused for `ttl` seconds (--session-timeout)."""
+        now = time.monotonic()
+        for sid in [sid for sid, s in self.sessions.items() if now - s.last_used > ttl]:
+            del self.sessions[sid]
+
     def close(self, obj: CloseSessionReqInput) -> None:
         if self.sessions.pop(obj.session_id, None) is None:
             raise SessionError(f"Session {obj.session_id!r} does not exist.")
@@ -49,6 +61,7 @@ class SessionStore:
         session = self.sessions.get(sp.id)
         if session is None:
             raise SessionError(f"Session {sp.id!r} does not exist (open it with /open_session).")
+        session.last_used = time.monotonic()
         context: List[int] = []
         prev = sp.rid or session.last_rid
         if prev is not None:
@@ -63,5 +76,8 @@ class SessionStore:
         """A request of the session finished (not aborted): later turns may continue it."""
         session = self.sessions.get(session_id) if session_id else None
         if session is not None:
+            if len(session.tokens) >= MAX_REQS_PER_SESSION:  # bounded memory: the oldest goes
+                del session.tokens[next(iter(session.tokens))]
             session.tokens[rid] = tokens
             session.last_rid = rid
+            session.last_used = time.monotonic()

@@ -14,9 +14,11 @@ import asyncio
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Dict, List, Optional
 
 from radixserve.hf_transformers_utils import get_tokenizer, resolve_model_path
+from radixserve.managers.detokenizer import DETOKENIZE_ERROR
 from radixserve.managers.request_frontend import ReqState, RequestError, RequestFrontend, is_single
 from radixserve.managers.session import SessionError
 from radixserve.protocol import (
@@ -30,6 +32,7 @@ from radixserve.protocol import (
     GetInternalStateReq,
     GetInternalStateReqOutput,
     OpenSessionReqInput,
+    SchedulerHeartbeat,
 )
 from radixserve.sampling_params import SamplingParams
 from radixserve.server_args import PortArgs, ServerArgs
@@ -38,9 +41,10 @@ logger = logging.getLogger("radixserve.tokenizer_manager")
 
 __all__ = ["ClientDisconnected", "RequestError", "TokenizerManager"]
 
-DISCONNECT_CHECK_INTERVAL = 2.0  # s between "is the client still there?" checks while waiting
+DISCONNECT_CHECK_INTERVAL = 0.5  # s between "is the client still there?" checks while waiting
 RPC_TIMEOUT = 60.0  # s to wait for the scheduler's reply to flush / state requests
-HEALTH_CHECK_TIMEOUT = 20.0
+HEALTH_CHECK_TIMEOUT = 20.0  # s a /health_generate request may take
+RESEND_INTERVAL = 0.05  # s between tries to send control messages the full socket refused
 
 
 class ClientDisconnected(Exception):
@@ -48,27 +52,28 @@ class ClientDisconnected(Exception):
 
 
 class _Communicator:
-    """One request/reply exchange with the scheduler at a time (its replies carry no id)."""
+    """Request/reply exchanges with the scheduler (flush, state): each query gets an id its
+    reply echoes, so a late reply to a query that timed out never answers the next one."""
 
     def __init__(self, send: Any):
         self._send = send
-        self._lock = asyncio.Lock()
-        self._fut: Optional[asyncio.Future] = None
+        self._futures: Dict[str, asyncio.Future] = {}
 
     async def __call__(self, obj: Any, timeout: float = RPC_TIMEOUT) -> Any:
-        async with self._lock:
-            self._fut = asyncio.get_running_loop().create_future()
+        obj.query_id = uuid.uuid4().hex
+        fut = self._futures[obj.query_id] = asyncio.get_running_loop().create_future()
+        try:
             self._send(obj)
-            try:
-                return await asyncio.wait_for(self._fut, timeout)
-            except asyncio.TimeoutError:
-                raise RequestError("The scheduler did not answer in time.", 503, "ServiceUnavailable") from None
-            finally:
-                self._fut = None
+            return await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            raise RequestError("The scheduler did not answer in time.", 503, "ServiceUnavailable") from None
+        finally:
+            self._futures.pop(obj.query_id, None)
 
     def handle(self, out: Any) -> None:
-        if self._fut is not None and not self._fut.done():
-            self._fut.set_result(out)
+        fut = self._futures.get(out.query_id)
+        if fut is not None and not fut.done():
+            fut.set_result(out)
 
 
 class TokenizerMetrics:
@@ -153,8 +158,15 @@ class TokenizerManager:
         self.sessions = self.frontend.sessions
         self.metrics = TokenizerMetrics()
         self.dead_reason: Optional[str] = None  # set when a child process died
+        self.draining = False  # SIGTERM: finish what runs, refuse what comes (503)
         self.created_time = int(time.time())
         self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._unsent: List[Any] = []  # control messages waiting for room on the socket
+        # Tokenizing (and decoding logprob texts) off the event loop, one at a time: a huge
+        # prompt does not stall /health, and the tokenizer is never used by two threads.
+        self._tokenize_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radixserve-tokenize")
+        now = time.monotonic()
+        self.last_heartbeat: Dict[int, float] = {r: now for r in range(server_args.dp_size)}
 
     # ---- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -168,10 +180,9 @@ class TokenizerManager:
         self.recv_from_detokenizer.bind(self.port_args.tokenizer_ipc_name)
         self._ctx = zmq.Context(1)
         self.send_to_scheduler = self._ctx.socket(zmq.PUSH)
-        self.send_to_scheduler.setsockopt(zmq.SNDHWM, 0)
+        self.send_to_scheduler.setsockopt(zmq.SNDHWM, self.server_args.zmq_hwm)
         self.send_to_scheduler.connect(self.port_args.scheduler_input_ipc_name)
-        self.flush_cache_communicator = _Communicator(self._send)
-        self.internal_state_communicator = _Communicator(self._send)
+        self.communicator = _Communicator(self._send)
         self._recv_task = asyncio.create_task(self.handle_loop())
 
     async def close(self) -> None:
@@ -187,8 +198,33 @@ class TokenizerManager:
             if sock is not None:
                 sock.close(linger=0)
 
+    def _send_request(self, obj: Any) -> None:
+        """A new request: refused with 503 when --zmq-hwm messages already wait (the scheduler
+        is not keeping up), instead of blocking the event loop."""
+        import zmq
+
+        try:
+            self.send_to_scheduler.send_pyobj(obj, zmq.NOBLOCK)
+        except zmq.Again:
+            raise RequestError("The server is overloaded: the scheduler's queue is full.", 503, "ServiceUnavailable") from None
+
     def _send(self, obj: Any) -> None:
-        self.send_to_scheduler.send_pyobj(obj)
+        """A control message (abort, flush, state): never dropped; if the socket is full it
+        is sent as soon as there is room, without blocking the event loop."""
+        self._unsent.append(obj)
+        self._flush_unsent()
+
+    def _flush_unsent(self) -> None:
+        import zmq
+
+        while self._unsent:
+            try:
+                self.send_to_scheduler.send_pyobj(self._unsent[0], zmq.NOBLOCK)
+            except zmq.Again:
+                if self._loop is not None:
+                    self._loop.call_later(RESEND_INTERVAL, self._flush_unsent)
+                return
+            self._unsent.pop(0)
 
     async def handle_loop(self) -> None:
         while True:
@@ -196,10 +232,10 @@ class TokenizerManager:
             try:
                 if isinstance(obj, BatchStrOutput):
                     self._handle_batch_output(obj)
-                elif isinstance(obj, FlushCacheReqOutput):
-                    self.flush_cache_communicator.handle(obj)
-                elif isinstance(obj, GetInternalStateReqOutput):
-                    self.internal_state_communicator.handle(obj)
+                elif isinstance(obj, (FlushCacheReqOutput, GetInternalStateReqOutput)):
+                    self.communicator.handle(obj)
+                elif isinstance(obj, SchedulerHeartbeat):
+                    self.last_heartbeat[obj.dp_rank] = time.monotonic()
                 else:
                     logger.warning("Unexpected message from the runtime: %s", type(obj).__name__)
             except Exception:
@@ -220,6 +256,8 @@ class TokenizerManager:
         now = time.monotonic()
         for state, num_new in self.frontend.handle_batch_output(out):
             self.metrics.on_update(state, num_new, now)
+            if (state.finished_reason or {}).get("err_type") == DETOKENIZE_ERROR:
+                self.abort_request(state.rid)  # the scheduler still runs it: free its KV
             state.event.set()
 
     def make_output(self, state: ReqState) -> Dict[str, Any]:
@@ -232,8 +270,34 @@ class TokenizerManager:
     def _check_alive(self) -> None:
         if self.dead_reason is not None:
             raise RequestError(self.dead_reason, 503, "ServiceUnavailable")
+        if self.draining:
+            raise RequestError("The server is shutting down.", 503, "ServiceUnavailable")
 
-    def apply_chat_template(self, messages: List[Dict[str, Any]], add_generation_prompt: bool = True) -> List[int]:
+    def health_problem(self) -> Optional[str]:
+        """Why /health should answer 503 (a dead child, shutting down, a scheduler whose loop
+        stopped turning), or None."""
+        if self.dead_reason is not None:
+            return self.dead_reason
+        if self.draining:
+            return "The server is shutting down."
+        age = time.monotonic() - min(self.last_heartbeat.values())
+        if age > self.server_args.health_check_timeout:
+            return f"The scheduler has not reported for {age:.0f} s (--health-check-timeout)."
+        return None
+
+    def start_draining(self) -> None:
+        """SIGTERM: /health turns 503, new requests get 503, running ones go on."""
+        self.draining = True
+
+    def num_in_flight(self) -> int:
+        return len(self.rid_to_state)
+
+    async def apply_chat_template(self, messages: List[Dict[str, Any]], add_generation_prompt: bool = True) -> List[int]:
+        """The chat prompt's token ids, rendered and tokenized off the event loop."""
+        return await self._loop.run_in_executor(self._tokenize_executor, self._apply_chat_template,
+                                                messages, add_generation_prompt)
+
+    def _apply_chat_template(self, messages: List[Dict[str, Any]], add_generation_prompt: bool) -> List[int]:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise RequestError("This model has no chat template; use /v1/completions.")
         try:
@@ -250,11 +314,17 @@ class TokenizerManager:
         samples). Otherwise yields once: one output dict, or a list for a batch or n > 1.
         Raises RequestError for a refused request (400 / 503 ...)."""
         self._check_alive()
-        reqs = self.frontend.tokenize(obj)
+        prepared = await self._loop.run_in_executor(self._tokenize_executor, self.frontend.prepare, obj)
+        reqs = prepared[0]
+        limit = self.server_args.max_concurrent_requests
+        if len(self.rid_to_state) + len(reqs) > limit:
+            raise RequestError(f"Too many requests in flight (--max-concurrent-requests {limit}); retry later.",
+                               503, "ServiceUnavailable")
+        self.frontend.register(obj, *prepared)
         states = [self.rid_to_state[r.rid] for r in reqs]
-        self._send(reqs[0] if len(reqs) == 1 else BatchTokenizedGenerateReqInput(reqs))
         single = len(reqs) == 1 and is_single(obj)
         try:
+            self._send_request(reqs[0] if len(reqs) == 1 else BatchTokenizedGenerateReqInput(reqs))
             if obj.stream:
                 if len(states) == 1:
                     async for out in self._wait_one_request(states[0], request):
@@ -319,16 +389,18 @@ class TokenizerManager:
                 t.cancel()
 
     async def _wait_one_request(self, state: ReqState, request: Any) -> AsyncIterator[Dict[str, Any]]:
-        """Yield the output after every update of this request; its end raises on an error."""
+        """Yield the output after every update of this request; its end raises on an error.
+        A client that went away, or --request-timeout running out, aborts the request."""
+        next_check = time.monotonic() + DISCONNECT_CHECK_INTERVAL
         while True:
             try:
-                await asyncio.wait_for(state.event.wait(), timeout=DISCONNECT_CHECK_INTERVAL)
+                await asyncio.wait_for(state.event.wait(), timeout=max(next_check - time.monotonic(), 0.0))
             except asyncio.TimeoutError:
-                if request is not None and await request.is_disconnected():
-                    self.metrics.num_disconnect_aborts += 1
-                    self.abort_request(state.rid)
-                    logger.info("Client disconnected: aborted request %s", state.rid)
-                    raise ClientDisconnected(state.rid)
+                pass
+            if time.monotonic() >= next_check:  # also while news keeps coming
+                next_check = time.monotonic() + DISCONNECT_CHECK_INTERVAL
+                await self._check_client_and_deadline(state, request)
+            if not state.event.is_set():
                 continue
             state.event.clear()
             if state.finished:
@@ -336,10 +408,25 @@ class TokenizerManager:
                 if reason.get("type") == "abort" and reason.get("status_code"):
                     raise RequestError(reason.get("message", "aborted"), int(reason["status_code"]),
                                        reason.get("err_type") or "BadRequestError")
-                yield self.make_output(state)
+                if state.return_text_in_logprobs:  # a token text per logprob: off the event loop
+                    yield await self._loop.run_in_executor(self._tokenize_executor, self.make_output, state)
+                else:
+                    yield self.make_output(state)
                 return
             if state.stream:
                 yield self.make_output(state)
+
+    async def _check_client_and_deadline(self, state: ReqState, request: Any) -> None:
+        """Abort the request if its client went away or --request-timeout ran out."""
+        if request is not None and await request.is_disconnected():
+            self.metrics.num_disconnect_aborts += 1
+            self.abort_request(state.rid)
+            logger.info("Client disconnected: aborted request %s", state.rid)
+            raise ClientDisconnected(state.rid)
+        timeout = self.server_args.request_timeout
+        if timeout is not None and time.monotonic() - state.created > timeout:
+            self.abort_request(state.rid)
+            raise RequestError(f"The request did not finish within {timeout:g} s (--request-timeout).", 504, "Timeout")
 
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
         """Abort a request (and the samples of an n > 1 request with this rid)."""
@@ -352,16 +439,21 @@ class TokenizerManager:
     # ---- control --------------------------------------------------------------------------------
     async def flush_cache(self) -> FlushCacheReqOutput:
         self._check_alive()
-        return await self.flush_cache_communicator(FlushCacheReqInput())
+        return await self.communicator(FlushCacheReqInput())
 
     async def get_internal_state(self) -> Dict[str, Any]:
-        self._check_alive()
-        out = await self.internal_state_communicator(GetInternalStateReq())
+        if self.dead_reason is not None:
+            raise RequestError(self.dead_reason, 503, "ServiceUnavailable")
+        out = await self.communicator(GetInternalStateReq())
         st = dict(out.internal_state)
         self.metrics.set_scheduler_state(st)
         return st
 
     def open_session(self, obj: OpenSessionReqInput) -> str:
+        self.sessions.expire(self.server_args.session_timeout)
+        limit = self.server_args.max_sessions
+        if len(self.sessions) >= limit:
+            raise RequestError(f"Too many open sessions (--max-sessions {limit}); close one first.", 503, "ServiceUnavailable")
         try:
             return self.sessions.open(obj, uuid.uuid4().hex)
         except SessionError as e:

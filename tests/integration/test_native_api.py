@@ -122,8 +122,20 @@ def test_parallel_sampling_n3(http):
     assert isinstance(out, list) and len(out) == 3
     assert sorted(o["meta_info"]["id"] for o in out) == ["par-0", "par-1", "par-2"]
     assert all(len(o["output_ids"]) == 6 for o in out)
+    # at temperature 1 the samples draw their own randomness: not all the same
+    assert len({tuple(o["output_ids"]) for o in out}) > 1, [o["output_ids"] for o in out]
+    # with a sampling_seed too (each sample gets its own seed, derived from it): they differ,
+    # the set is reproducible, and sample 0 is what n = 1 with that seed gives
+    seeded = {"text": "Sample three", "sampling_params": {"max_new_tokens": 6, "temperature": 1.0, "n": 3, "sampling_seed": 7}}
+    first = [o["output_ids"] for o in http.post("/generate", json=seeded).json()]
+    assert len({tuple(ids) for ids in first}) > 1, first
+    assert [o["output_ids"] for o in http.post("/generate", json=seeded).json()] == first
+    single = {**seeded, "sampling_params": {**seeded["sampling_params"], "n": 1}}
+    assert http.post("/generate", json=single).json()["output_ids"] == first[0]
+    # at temperature 0 they are all the greedy output
     greedy3 = http.post("/generate", json={"text": "Sample three", "sampling_params": greedy(6, n=3)}).json()
     assert greedy3[0]["output_ids"] == greedy3[1]["output_ids"] == greedy3[2]["output_ids"]
+    assert greedy3[0]["output_ids"] == http.post("/generate", json={"text": "Sample three", "sampling_params": greedy(6)}).json()["output_ids"]
     with http.stream("POST", "/generate", json={"text": "x", "stream": True, "sampling_params": greedy(3, n=2)}) as r:
         outs = [json.loads(e) for e in sse_events(r)[:-1]]
     assert {o["index"] for o in outs} == {0, 1}

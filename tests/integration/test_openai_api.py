@@ -42,6 +42,14 @@ def test_completion_n_stop_logprobs_echo(openai_client, model_name):
     c = openai_client.completions.create(model=model_name, prompt="Many", max_tokens=5, n=3, temperature=0.8, seed=1)
     assert sorted(ch.index for ch in c.choices) == [0, 1, 2]
     assert c.usage.completion_tokens == 15
+    # n samples with one seed: each sample draws its own randomness (they differ), and the set
+    # is reproducible; choice 0 is what n = 1 with that seed gives
+    texts = [ch.text for ch in sorted(c.choices, key=lambda ch: ch.index)]
+    assert len(set(texts)) > 1, texts
+    again = openai_client.completions.create(model=model_name, prompt="Many", max_tokens=5, n=3, temperature=0.8, seed=1)
+    assert [ch.text for ch in sorted(again.choices, key=lambda ch: ch.index)] == texts
+    one = openai_client.completions.create(model=model_name, prompt="Many", max_tokens=5, temperature=0.8, seed=1)
+    assert one.choices[0].text == texts[0]
     base = openai_client.completions.create(model=model_name, prompt="Stop here", max_tokens=16, temperature=0).choices[0].text
     stop = base[len(base) // 2 : len(base) // 2 + 2]
     s = openai_client.completions.create(model=model_name, prompt="Stop here", max_tokens=16, temperature=0, stop=[stop])
@@ -71,6 +79,8 @@ def test_chat(openai_client, model_name):
 
 
 def test_chat_options(openai_client, model_name):
+    """Every option is accepted together and the response has its shape (what each one does:
+    test_sampling_fields_reach_the_sampler)."""
     msgs = [{"role": "user", "content": "Options"}]
     c = openai_client.chat.completions.create(
         model=model_name, messages=msgs, max_tokens=4, n=2, temperature=0.7, top_p=0.9, seed=3,
@@ -86,6 +96,50 @@ def test_chat_options(openai_client, model_name):
         model=model_name, messages=msgs, max_tokens=2, extra_body={"regex": "[a-z]+", "json_schema": None},
     )
     assert ok.choices[0].message.content is not None
+
+
+def chat_tokens(client, model: str, max_tokens: int = 24, **kw) -> list:
+    """The sampled tokens (as text) of each choice of a chat completion on a fixed prompt."""
+    c = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Options"}],
+                                       max_tokens=max_tokens, logprobs=True, **kw)
+    return [[t.token for t in ch.logprobs.content] for ch in c.choices]
+
+
+def repeats(tokens: list) -> int:
+    return len(tokens) - len(set(tokens))
+
+
+def test_sampling_fields_reach_the_sampler(openai_client, model_name, http):
+    """Each sampling field of the OpenAI request changes the output the way it should (the
+    embedded model's tokens are random-ish, which is all these need)."""
+    greedy = chat_tokens(openai_client, model_name, temperature=0)[0]
+    assert len(greedy) == 24
+
+    # logit_bias +100 on token 5 forces it: every token of every sample, at temperature 1
+    biased = chat_tokens(openai_client, model_name, max_tokens=8, temperature=1.0, n=2, logit_bias={"5": 100},
+                         extra_body={"ignore_eos": True})
+    native = http.post("/generate", json={"text": "x", "sampling_params": {
+        "max_new_tokens": 1, "logit_bias": {"5": 100.0}, "ignore_eos": True}}).json()
+    assert native["output_ids"] == [5]
+    assert biased == [[native["text"]] * 8] * 2
+
+    # seed: the same seed gives the same text at temperature 1, another seed another text
+    a = chat_tokens(openai_client, model_name, max_tokens=16, temperature=1.0, seed=11)[0]
+    assert chat_tokens(openai_client, model_name, max_tokens=16, temperature=1.0, seed=11)[0] == a
+    assert chat_tokens(openai_client, model_name, max_tokens=16, temperature=1.0, seed=12)[0] != a
+    assert a != greedy[:16]
+
+    # top_k = 1 is greedy, whatever the temperature
+    assert chat_tokens(openai_client, model_name, temperature=1.0, seed=5, extra_body={"top_k": 1})[0] == greedy
+
+    # penalties on the greedy output, which repeats tokens: positive ones repeat fewer, a
+    # negative frequency penalty more
+    assert repeats(greedy) >= 3, greedy
+    for field in ({"frequency_penalty": 2.0}, {"presence_penalty": 2.0}, {"extra_body": {"repetition_penalty": 2.0}}):
+        penalized = chat_tokens(openai_client, model_name, temperature=0, **field)[0]
+        assert repeats(penalized) < repeats(greedy), (field, penalized, greedy)
+    encouraged = chat_tokens(openai_client, model_name, temperature=0, frequency_penalty=-2.0)[0]
+    assert repeats(encouraged) > repeats(greedy), encouraged
 
 
 def test_auth_not_required_without_api_key(http):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -20,13 +21,21 @@ class IdleScheduler(StuckScheduler):
         return False
 
 
-def test_watchdog_fires_when_work_makes_no_progress(capfd):
+def test_watchdog_fires_when_work_makes_no_progress(capfd, caplog):
+    """No progress with work waiting: the error is logged, every thread's stack is dumped to
+    stderr, then the callback runs (in this order, so once `fired` is set both are there)."""
     fired = threading.Event()
     wd = Watchdog(StuckScheduler(), timeout=0.3, on_timeout=fired.set, period=0.05)
-    stop = wd.start()
-    assert fired.wait(5)
-    stop.set()
-    assert "Watchdog timeout" in capfd.readouterr().err or wd.fired
+    with caplog.at_level(logging.ERROR, logger="radixserve.scheduler"):
+        stop = wd.start()
+        assert fired.wait(5)
+        stop.set()
+    assert wd.fired
+    messages = [r.getMessage() for r in caplog.records if r.name == "radixserve.scheduler"]
+    assert any("Watchdog timeout" in m and "no forward progress" in m for m in messages), messages
+    err = capfd.readouterr().err
+    # faulthandler's dump of all threads: the watchdog thread itself is in it
+    assert "(most recent call first)" in err and "in check_forever" in err, err[-2000:]
 
 
 def test_watchdog_quiet_when_idle():

@@ -305,3 +305,19 @@ def test_an_exception_while_admitting_one_request_ends_only_that_request(loop, m
     assert [len(o["output_ids"]) for o in (out[0], out[2])] == [5, 5]
     assert engine.scheduler.waiting_queue == [] and len(engine.scheduler.grammar_queue) == 0
     engine.scheduler.check_memory()
+
+
+def test_requests_that_did_not_fit_run_once_the_pool_frees(loop):
+    """A prefill that found no room marks the batch full; when the requests holding the pool
+    finish in that very prefill (max_new_tokens 1), nothing is left running to clear the mark:
+    the waiting requests must still be admitted (they used to wait forever)."""
+    engine = Engine(max_total_tokens=4000, **loop)
+    states = engine.submit(input_ids=[[7] * 3000] * 6, sampling_params={"max_new_tokens": 1})
+    for _ in range(200):
+        engine.step()
+        if all(s.finished for s in states):
+            break
+    assert all(s.finished for s in states), [s.finished for s in states]
+    assert all(s.finished_reason["type"] == "length" for s in states)
+    engine.wait_until_idle()
+    engine.scheduler.check_memory()

@@ -11,7 +11,7 @@ import pytest
 from radixserve.bench.datasets import DatasetRow, arrival_times, sample_generated_shared_prefix, sample_random
 from radixserve.bench.metrics import RequestOutput, calculate_metrics
 from radixserve.server_args import ServerArgs
-from radixserve.sim.cost_model import CostModel, get_device, load_one_batch_points, predict_point
+from radixserve.sim.cost_model import CostModel, fit_cpu_device, get_device, load_one_batch_points, predict_point
 from radixserve.sim.models import load_model_config
 from radixserve.sim.simulator import simulate
 from radixserve.sim.worker import SimModelWorker
@@ -145,28 +145,74 @@ def test_roofline_shapes(llama8b):
 CALIBRATION = REPO / "benchmarks" / "simulate_cpu_calibration.json"
 
 
-@pytest.mark.skipif(not CALIBRATION.exists(), reason="no CPU calibration measurements")
-def test_cpu_preset_predicts_bench_one_batch_within_30_percent():
-    """The cpu preset against `bench one-batch` on this machine (tiny model, float32), batch
-    sizes 1-64, input 128 and 512, prefill and decode: the fastest of several runs of each
-    point, kept in benchmarks/simulate_cpu_calibration.json (this machine is shared, and a
-    single run under load can be many times slower). benchmarks/one_batch.json is rewritten by
-    every `bench one-batch`, so it is not the reference here; compare a new run with
-    `radixserve simulate --fit-cpu benchmarks/one_batch.json` (it prints the preset's errors)."""
-    path = CALIBRATION
-    report = json.loads(path.read_text())
+def calibration_points():
+    """`bench one-batch` on this machine (tiny model, float32), batch sizes 1-64, input 128
+    and 512, prefill and decode: the fastest of several runs of each point, kept in
+    benchmarks/simulate_cpu_calibration.json (the cpu preset was fitted on these)."""
+    if not CALIBRATION.exists():
+        pytest.skip("no CPU calibration measurements")
+    report = json.loads(CALIBRATION.read_text())
     if report.get("device") != "cpu" or report.get("model_path") not in (None, "tiny (embedded)"):
         pytest.skip("not a tiny-model CPU measurement")
-    cm = CostModel(load_model_config("tiny"), get_device("cpu"))
-    points = load_one_batch_points([str(path)])
-    bad = []
-    for p in points:
-        pred = predict_point(cm, p)
-        if abs(pred / p["seconds"] - 1) > 0.30:
-            bad.append(f"{p['kind']} bs={p['batch_size']} len={p['input_len']}: measured {p['seconds'] * 1e3:.1f} ms, "
-                       f"predicted {pred * 1e3:.1f} ms")
-    assert {int(p["batch_size"]) for p in points} >= {1, 2, 4, 8, 16, 32, 64}
+    return load_one_batch_points([str(CALIBRATION)])
+
+
+def ratio(pred: float, measured: float) -> float:
+    return max(pred / measured, measured / pred)
+
+
+def test_cpu_cost_model_predicts_held_out_batch_sizes():
+    """The cost model's form, fitted as the cpu preset was (`fit_cpu_device`), predicts
+    measurements it was not fitted on: for each batch size in turn, fit on the other six and
+    predict that one's four points (prefill and decode, input 128 and 512), extrapolations to
+    batch 1 and 64 included. (Checking the preset against the very points it was fitted on
+    would show only that the fit converged.) Stored measurements, so this is deterministic;
+    1.6x bounds every point (the worst is about 1.45x today), and the typical point is within
+    25% (about 15%): an off term (say attention not growing with context) misses by more."""
+    from statistics import median
+
+    points = calibration_points()
+    tiny = load_model_config("tiny")
+    sizes = sorted({int(p["batch_size"]) for p in points})
+    assert set(sizes) >= {1, 2, 4, 8, 16, 32, 64}
+    errors, bad = [], []
+    for held in sizes:
+        device = fit_cpu_device(tiny, [p for p in points if int(p["batch_size"]) != held])
+        cm = CostModel(tiny, device)
+        for p in points:
+            if int(p["batch_size"]) != held:
+                continue
+            pred = predict_point(cm, p)
+            errors.append(ratio(pred, p["seconds"]))
+            if errors[-1] > 1.6:
+                bad.append(f"{p['kind']} bs={held} len={p['input_len']}: measured {p['seconds'] * 1e3:.1f} ms, "
+                           f"predicted {pred * 1e3:.1f} ms")
+    assert len(errors) == 4 * len(sizes)
     assert not bad, "\n".join(bad)
+    assert median(errors) < 1.25, sorted(errors)
+
+
+def test_cpu_preset_is_physical_and_monotonic():
+    """The cpu preset's fitted rates are positive and its predictions grow with the work:
+    more requests, longer prompts, longer contexts all cost more, and a cached prefix is
+    cheaper than computing it."""
+    d = get_device("cpu")
+    assert d.peak_flops > 0 and d.mem_bandwidth > 0 and 0 < d.attn_efficiency and 0 < d.flops_efficiency
+    assert min(d.step_overhead_s, d.per_req_overhead_s, d.per_token_overhead_s) >= 0
+    assert d.combine == "sum"
+    cm = CostModel(load_model_config("tiny"), d)
+    sizes, lengths = [1, 2, 4, 8, 16, 32, 64, 128], [16, 128, 512, 1024, 2048]
+    for n in lengths:
+        for f in (cm.prefill_time, cm.decode_time):
+            times = [f(bs, n) for bs in sizes]
+            assert all(a < b for a, b in zip(times, times[1:])), (f.__name__, n, times)
+            per_request = [t / bs for t, bs in zip(times, sizes)]
+            assert per_request[-1] < per_request[0]  # batching amortizes the weight reads
+    for bs in sizes:
+        for f in (cm.prefill_time, cm.decode_time):
+            times = [f(bs, n) for n in lengths]
+            assert all(a < b for a, b in zip(times, times[1:])), (f.__name__, bs, times)
+    assert cm.step([64], [1024]).seconds < cm.step([1088], [0]).seconds
 
 
 # ---- the command -------------------------------------------------------------------------------------
