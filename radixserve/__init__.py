@@ -7,3 +7,13 @@
 # An OMP_WAIT_POLICY in the environment still applies.
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """`radixserve.Engine`, as `sglang.Engine`: imported on first use, so `import radixserve`
+    stays light (no torch) for the CLI's argument parsing."""
+    if name == "Engine":
+        from radixserve.engine import Engine
+
+        return Engine
+    raise AttributeError(f"module 'radixserve' has no attribute {name!r}")

@@ -19,7 +19,7 @@ import dataclasses
 import hmac
 import logging
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Callable, Coroutine, Dict, Optional
+from typing import Any, AsyncIterator, Callable, Coroutine, Dict
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -27,7 +27,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from radixserve.entrypoints.native_protocol import AbortRequest, GenerateRequest
+from radixserve.entrypoints.native_protocol import (
+    AbortRequest, DetokenizeRequest, GenerateRequest, TokenizeRequest, lone_surrogate_error,
+)
 from radixserve.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest, error_body
 from radixserve.entrypoints.serving_base import (
     SSE_DONE,
@@ -102,7 +104,8 @@ def add_exception_handlers(app: FastAPI) -> None:
 # ---- JSON bodies only --------------------------------------------------------------------------
 class JsonBodyRequest(Request):
     """Clear 400s for bodies that json.loads cannot take, which FastAPI would report as
-    "There was an error parsing the body"."""
+    "There was an error parsing the body", and for strings holding a lone surrogate (a
+    "\\ud800" escape json.loads accepts but no tokenizer or JSON response can take)."""
 
     async def json(self) -> Any:
         try:
@@ -114,33 +117,10 @@ class JsonBodyRequest(Request):
         except ValueError as e:  # e.g. an integer of thousands of digits
             raise StarletteHTTPException(400, f"Malformed JSON in the request body: {e}") from None
         if b"\\ud" in (await self.body()).lower():  # a \uD800-\uDFFF escape: paired, or a lone surrogate?
-            where = _lone_surrogate_path(obj)
-            if where is not None:
-                raise StarletteHTTPException(400, f"{where} is not valid Unicode: it holds a lone surrogate "
-                                                  "(a \\uD800-\\uDFFF escape must be half of a pair).")
+            error = lone_surrogate_error(obj)
+            if error is not None:
+                raise StarletteHTTPException(400, error)
         return obj
-
-
-def _lone_surrogate_path(obj: Any, path: str = "") -> Optional[str]:
-    """Where in a parsed body a string holds a lone surrogate, which no response, tokenizer or
-    log can encode (e.g. "sampling_params.stop[0]"); None if nowhere."""
-    if isinstance(obj, str):
-        try:
-            obj.encode("utf-8")
-        except UnicodeEncodeError:
-            return path or "body"
-        return None
-    if isinstance(obj, dict):
-        items = [(f"{path}.{k}" if path else str(k), k, v) for k, v in obj.items()]
-    elif isinstance(obj, list):
-        items = [(f"{path}[{i}]", None, v) for i, v in enumerate(obj)]
-    else:
-        return None
-    for sub, key, value in items:
-        found = (_lone_surrogate_path(key, sub) if key is not None else None) or _lone_surrogate_path(value, sub)
-        if found is not None:
-            return found
-    return None
 
 
 class JsonBodyRoute(APIRoute):
@@ -268,6 +248,23 @@ def add_native_routes(app: FastAPI, tm: TokenizerManager) -> None:
             "context_length": tm.context_len,
             "vocab_size": tm.vocab_size,
         }
+
+    # -- tokenizer (SGLang's /tokenize and /detokenize, also under /v1/)
+    @app.post("/tokenize")
+    @app.post("/v1/tokenize")
+    async def tokenize(body: TokenizeRequest) -> Dict[str, Any]:
+        texts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+        ids = await tm.tokenize_texts(texts, body.add_special_tokens)
+        single = isinstance(body.prompt, str)
+        return {"tokens": ids[0] if single else ids, "count": len(ids[0]) if single else [len(x) for x in ids],
+                "max_model_len": tm.context_len}
+
+    @app.post("/detokenize")
+    @app.post("/v1/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> Dict[str, Any]:
+        single = not body.tokens or isinstance(body.tokens[0], int)
+        texts = await tm.detokenize([body.tokens] if single else body.tokens, body.skip_special_tokens)
+        return {"text": texts[0] if single else texts}
 
     @app.get("/get_server_info")
     async def get_server_info() -> Dict[str, Any]:

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, List, Optional, Tuple, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, WithJsonSchema, model_validator
-
-from pydantic_core import PydanticCustomError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, WithJsonSchema
 
 from radixserve.protocol import GenerateReqInput, SessionParams
 from radixserve.sampling_params import MAX_INT_PARAM, unicode_error
@@ -51,15 +49,8 @@ def lone_surrogate_error(body: Any) -> Optional[str]:
 
 
 class JsonBody(BaseModel):
-    """A request body: its strings are valid Unicode (checked before the fields are)."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_unicode(cls, data: Any) -> Any:
-        error = lone_surrogate_error(data)
-        if error is not None:
-            raise PydanticCustomError("invalid_unicode", "{message}", {"message": error})
-        return data
+    """A request body. (Its strings are valid Unicode: the server checks every JSON body with
+    lone_surrogate_error as it parses it, before any model sees it.)"""
 
 
 class GenerateRequest(JsonBody):
@@ -88,3 +79,19 @@ class GenerateRequest(JsonBody):
 class AbortRequest(JsonBody):
     rid: StrictStr = Field("", description="The request to abort.")
     abort_all: StrictBool = Field(False, description="Abort every request instead.")
+
+
+class TokenizeRequest(JsonBody):
+    """POST /tokenize and /v1/tokenize (SGLang's shape)."""
+
+    model: Optional[StrictStr] = None
+    prompt: Union[StrictStr, List[StrictStr]] = Field(..., description="A text, or a list of texts.")
+    add_special_tokens: StrictBool = True
+
+
+class DetokenizeRequest(JsonBody):
+    """POST /detokenize and /v1/detokenize (SGLang's shape)."""
+
+    model: Optional[StrictStr] = None
+    tokens: Union[List[StrictInt], List[List[StrictInt]]] = Field(..., description="Token ids, or a list of such lists.")
+    skip_special_tokens: StrictBool = True

@@ -292,6 +292,23 @@ class TokenizerManager:
     def num_in_flight(self) -> int:
         return len(self.rid_to_state)
 
+    async def tokenize_texts(self, texts: List[str], add_special_tokens: bool = True) -> List[List[int]]:
+        """/tokenize: token ids of each text (off the event loop)."""
+        if self.tokenizer is None:
+            raise RequestError("This server runs with --skip-tokenizer-init: it has no tokenizer.")
+        return await self._loop.run_in_executor(
+            self._tokenize_executor, lambda: [list(self.tokenizer.encode(t, add_special_tokens=add_special_tokens)) for t in texts])
+
+    async def detokenize(self, ids_lists: List[List[int]], skip_special_tokens: bool = True) -> List[str]:
+        """/detokenize: the text of each list of token ids (off the event loop)."""
+        if self.tokenizer is None:
+            raise RequestError("This server runs with --skip-tokenizer-init: it has no tokenizer.")
+        for ids in ids_lists:
+            if any(not 0 <= t < self.vocab_size for t in ids):
+                raise RequestError(f"Token ids must be in [0, {self.vocab_size}).")
+        return await self._loop.run_in_executor(
+            self._tokenize_executor, lambda: [self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens) for ids in ids_lists])
+
     async def apply_chat_template(self, messages: List[Dict[str, Any]], add_generation_prompt: bool = True) -> List[int]:
         """The chat prompt's token ids, rendered and tokenized off the event loop."""
         return await self._loop.run_in_executor(self._tokenize_executor, self._apply_chat_template,
