@@ -15,6 +15,9 @@ SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 GRAMMAR_BACKENDS = ("xgrammar", "none")
+# The names of entrypoints/parsers/ (kept here so the flags need no import from entrypoints)
+TOOL_CALL_PARSERS = ("hermes", "qwen25", "llama3", "mistral")
+REASONING_PARSERS = ("deepseek-r1", "qwen3")
 
 
 @dataclass
@@ -94,6 +97,10 @@ class ServerArgs:
     # None: compact JSON (no whitespace), so a weak model cannot pad JSON until max_new_tokens.
     constrained_json_whitespace_pattern: Optional[str] = None
 
+    # Chat output parsers (entrypoints/parsers/): tool calls and reasoning, SGLang's names
+    tool_call_parser: Optional[str] = None
+    reasoning_parser: Optional[str] = None
+
     def __post_init__(self) -> None:
         self.check()
 
@@ -140,6 +147,10 @@ class ServerArgs:
         if self.watchdog_timeout <= 0:
             raise ValueError("--watchdog-timeout must be > 0")
         _choice("--grammar-backend", self.grammar_backend, GRAMMAR_BACKENDS)
+        if self.tool_call_parser is not None:
+            _choice("--tool-call-parser", self.tool_call_parser, TOOL_CALL_PARSERS)
+        if self.reasoning_parser is not None:
+            _choice("--reasoning-parser", self.reasoning_parser, REASONING_PARSERS)
         if not 0 < self.grammar_timeout < self.watchdog_timeout:
             # A compile still running at the watchdog's limit would take the server down.
             raise ValueError("--grammar-timeout must be > 0 and below --watchdog-timeout")
@@ -248,6 +259,8 @@ FLAG_HELP = {
     "graceful_shutdown_timeout": "on SIGTERM, seconds in-flight requests get to finish (new ones get 503)",
     "grammar_backend": f"structured output backend: {', '.join(GRAMMAR_BACKENDS)}",
     "grammar_timeout": "abort a request whose grammar has not compiled after this many seconds",
+    "tool_call_parser": f"parse tool calls out of chat output: {', '.join(TOOL_CALL_PARSERS)}; none = no parsing",
+    "reasoning_parser": f"split chat output into reasoning_content and content: {', '.join(REASONING_PARSERS)}",
     "constrained_json_whitespace_pattern": "regex of the whitespace allowed in JSON-schema output; none = compact JSON",
 }
 

@@ -185,7 +185,8 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: List[ChatMessage] = Field(min_length=1)
-    # Accepted (and checked) for compatibility; this server does not call tools.
+    # Offered to the chat template; parsed out by --tool-call-parser, or forced by the grammar
+    # backend for tool_choice "required" / a named function (serving_chat.py).
     tools: Optional[List[Tool]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
     max_tokens: Optional[int] = None
@@ -193,6 +194,59 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     response_format: Optional[ResponseFormat] = None
+    # SGLang's extras: template variables (e.g. {"enable_thinking": false}), and whether
+    # --reasoning-parser splits reasoning_content out
+    chat_template_kwargs: Optional[Dict[str, Any]] = None
+    separate_reasoning: bool = True
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_reserved_template_kwargs(cls, kw: Any) -> Any:
+        reserved = {"conversation", "messages", "tools", "tokenize", "add_generation_prompt",
+                    "return_dict", "return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs"}
+        bad = sorted(reserved & set(kw or {}))
+        if bad:
+            raise ValueError(f"these keys are set by the server: {', '.join(bad)}")
+        return kw
+
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self) -> "ChatCompletionRequest":
+        tc = self.tool_choice
+        if tc is None or tc == "none" or tc == "auto":
+            return self
+        if not self.tools:
+            raise ValueError("tool_choice 'required' or a named function needs `tools`")
+        if isinstance(tc, NamedToolChoice) and tc.function.name not in {t.function.name for t in self.tools}:
+            raise ValueError(f"tool_choice names {tc.function.name!r}, which is not in `tools`")
+        return self
+
+    def effective_tool_choice(self) -> Union[str, NamedToolChoice]:
+        """OpenAI's default: "auto" when tools are given, else "none"."""
+        if not self.tools:
+            return "none"
+        return self.tool_choice if self.tool_choice is not None else "auto"
+
+    def tool_call_schema(self) -> Optional[Dict[str, Any]]:
+        """The JSON schema that forces a tool call: one object {"name", "arguments"} for a named
+        function; for "required", a non-empty array of such objects over all the tools."""
+        tc = self.effective_tool_choice()
+        if not isinstance(tc, NamedToolChoice) and tc != "required":
+            return None
+
+        def call_schema(t: Tool) -> Dict[str, Any]:
+            return {
+                "type": "object",
+                "properties": {
+                    "name": {"const": t.function.name},
+                    "arguments": t.function.parameters or {"type": "object"},
+                },
+                "required": ["name", "arguments"],
+            }
+
+        assert self.tools
+        if isinstance(tc, NamedToolChoice):
+            return call_schema(next(t for t in self.tools if t.function.name == tc.function.name))
+        return {"type": "array", "minItems": 1, "items": {"anyOf": [call_schema(t) for t in self.tools]}}
 
     def grammar_json_schema(self) -> Optional[str]:
         """The JSON schema string the grammar backend enforces: SGLang's json_schema, else

@@ -309,16 +309,21 @@ class TokenizerManager:
         return await self._loop.run_in_executor(
             self._tokenize_executor, lambda: [self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens) for ids in ids_lists])
 
-    async def apply_chat_template(self, messages: List[Dict[str, Any]], add_generation_prompt: bool = True) -> List[int]:
-        """The chat prompt's token ids, rendered and tokenized off the event loop."""
+    async def apply_chat_template(self, messages: List[Dict[str, Any]], add_generation_prompt: bool = True,
+                                  tools: Optional[List[Dict[str, Any]]] = None,
+                                  template_kwargs: Optional[Dict[str, Any]] = None) -> List[int]:
+        """The chat prompt's token ids, rendered and tokenized off the event loop. `tools` (OpenAI's
+        tool list) and `template_kwargs` (e.g. enable_thinking) go to the template as variables."""
         return await self._loop.run_in_executor(self._tokenize_executor, self._apply_chat_template,
-                                                messages, add_generation_prompt)
+                                                messages, add_generation_prompt, tools, template_kwargs or {})
 
-    def _apply_chat_template(self, messages: List[Dict[str, Any]], add_generation_prompt: bool) -> List[int]:
+    def _apply_chat_template(self, messages: List[Dict[str, Any]], add_generation_prompt: bool,
+                             tools: Optional[List[Dict[str, Any]]], template_kwargs: Dict[str, Any]) -> List[int]:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise RequestError("This model has no chat template; use /v1/completions.")
         try:
-            prompt = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+            prompt = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                        add_generation_prompt=add_generation_prompt, **template_kwargs)
         except Exception as e:  # a template that rejects these messages (roles, content types)
             raise RequestError(f"Cannot apply the chat template to these messages: {e}") from None
         return list(self.tokenizer.encode(prompt, add_special_tokens=False))
