@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Tuple, Type
+from typing import Any, Callable, Iterable, List, Tuple, Type
 
 
 class TypeBasedDispatcher:
@@ -16,3 +16,16 @@ class TypeBasedDispatcher:
             if isinstance(obj, ty):
                 return fn(obj)
         raise ValueError(f"invalid object: {type(obj).__name__}")
+
+
+def held_suffix_len(text: str, markers: Iterable[str]) -> int:
+    """Length of the longest end of `text` that is a proper prefix of one of `markers`: a
+    stream holds that much back until it knows whether a marker (a stop string, a tool-call or
+    think tag) begins there."""
+    hold = 0
+    for m in markers:
+        for k in range(min(len(m) - 1, len(text)), hold, -1):
+            if text.endswith(m[:k]):
+                hold = k
+                break
+    return hold

@@ -30,6 +30,7 @@ from radixserve.sampling_params import (
     sample_seed,
     unicode_error,
 )
+from radixserve.utils import held_suffix_len
 
 
 class RequestError(ValueError):
@@ -68,18 +69,6 @@ class ReqState:
     first_token_time: Optional[float] = None
     last_time: Optional[float] = None
     logprobs: Dict[str, list] = field(default_factory=lambda: {k: [] for k in LOGPROB_KEYS})
-
-
-def stop_holdback(text: str, stops: List[str]) -> int:
-    """Length of the longest end of `text` that could be the start of a stop string: a stream
-    holds it back, since a stop string is trimmed off the final text."""
-    hold = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), hold, -1):
-            if text.endswith(s[:k]):
-                hold = k
-                break
-    return hold
 
 
 def public_finish_reason(reason: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
@@ -304,7 +293,7 @@ class RequestFrontend:
         text = state.text
         sp = state.sampling_params
         if not state.finished and sp.stop_strs and not sp.no_stop_trim:
-            text = text[: len(text) - stop_holdback(text, sp.stop_strs)]
+            text = text[: len(text) - held_suffix_len(text, sp.stop_strs)]  # a stop string may begin there
         meta: Dict[str, Any] = {
             "id": state.rid,
             "finish_reason": public_finish_reason(state.finished_reason) if state.finished else None,

@@ -13,15 +13,10 @@ from __future__ import annotations
 
 from typing import Dict, Tuple, Type
 
+from radixserve.utils import held_suffix_len
+
 THINK_START = "<think>"
 THINK_END = "</think>"
-
-
-def _held_suffix(text: str, marker: str) -> int:
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:n]):
-            return n
-    return 0
 
 
 class ReasoningParser:
@@ -69,7 +64,7 @@ class ReasoningParser:
                     reasoning += self._buf[:end]
                     self._buf, self._mode, self._strip = self._buf[end + len(THINK_END):], "content", True
                     continue
-                keep = 0 if final else _held_suffix(self._buf, THINK_END)
+                keep = 0 if final else held_suffix_len(self._buf, (THINK_END,))
                 reasoning += self._buf[:len(self._buf) - keep]
                 self._buf = self._buf[len(self._buf) - keep:]
                 break

@@ -18,6 +18,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple, Type
 
+from radixserve.utils import held_suffix_len
+
 _DECODER = json.JSONDecoder()
 
 
@@ -53,17 +55,6 @@ def as_tool_call(obj: Any, args_keys: Tuple[str, ...] = ("arguments", "parameter
     if not isinstance(args, dict):
         return None
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
-
-
-def _held_suffix(text: str, markers: Tuple[str, ...]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of a marker."""
-    best = 0
-    for m in markers:
-        for n in range(min(len(m) - 1, len(text)), best, -1):
-            if text.endswith(m[:n]):
-                best = n
-                break
-    return best
 
 
 @dataclass
@@ -140,7 +131,7 @@ class ToolCallParser:
                 self._buf = self._buf[pos + len(marker):]
                 self._in_call, self._marker, self._block_calls = True, marker, 0
                 continue
-            keep = 0 if final else _held_suffix(self._buf, self.start_markers)
+            keep = 0 if final else held_suffix_len(self._buf, self.start_markers)
             out.append(self._buf[:len(self._buf) - keep])
             self._buf = self._buf[len(self._buf) - keep:]
             break
