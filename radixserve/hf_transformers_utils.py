@@ -1,11 +1,20 @@
-"""Where the model and its tokenizer come from: a --model-path, or the embedded tiny model.
-Used by every process that needs the tokenizer (front end, scheduler, detokenizer)."""
+"""Where the model and its tokenizer come from: a --model-path (a Hugging Face directory or a
+GGUF file), or the embedded tiny model. Used by every process that needs the tokenizer (front
+end, scheduler, detokenizer) and by the model config (which file a path names)."""
 
 from __future__ import annotations
 
+import glob
+import os
 from typing import Any, Optional
 
 from radixserve.server_args import ServerArgs
+
+
+class LoadError(RuntimeError):
+    """A model path that cannot be loaded: the message names the file (and tensor), one line.
+    (Defined here, the lowest layer, so the tokenizer can raise it too; the models re-export it
+    as radixserve.models.model_config.LoadError.)"""
 
 
 def resolve_model_path(server_args: ServerArgs) -> str:
@@ -16,10 +25,35 @@ def resolve_model_path(server_args: ServerArgs) -> str:
     return str(get_tiny_model_path())
 
 
+def gguf_file(path: str) -> Optional[str]:
+    """The GGUF file a model path names: the path itself when it is a file ending in .gguf, or
+    the one .gguf file of a directory that has no config.json. None for anything else (a
+    Hugging Face directory); LoadError for a directory with several .gguf files and no config."""
+    if os.path.isfile(path):
+        return path if path.lower().endswith(".gguf") else None
+    if not os.path.isdir(path) or os.path.isfile(os.path.join(path, "config.json")):
+        return None
+    files = sorted(glob.glob(os.path.join(path, "*.gguf")))
+    if len(files) > 1:
+        names = ", ".join(os.path.basename(f) for f in files)
+        raise LoadError(f"{path}: {len(files)} .gguf files ({names}) and no config.json; pass one with --model-path FILE.gguf")
+    return files[0] if files else None
+
+
 def load_tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    fn = gguf_file(path)
+    if fn is None:
+        return AutoTokenizer.from_pretrained(path)
+    # transformers builds a fast tokenizer (and its chat template) from the GGUF metadata; it
+    # reads the file with the gguf package. Nothing is written to disk.
+    try:
+        return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(fn)), gguf_file=os.path.basename(fn))
+    except ImportError as e:
+        raise LoadError(f"{fn}: reading a GGUF tokenizer needs the gguf package (pip install gguf): {_first_line(e)}") from None
+    except Exception as e:  # whatever transformers trips on in the metadata: one line naming the file
+        raise LoadError(f"{fn}: cannot build the tokenizer from the GGUF metadata: {_first_line(e)}") from None
 
 
 def get_tokenizer(server_args: ServerArgs) -> Optional[Any]:
@@ -27,3 +61,8 @@ def get_tokenizer(server_args: ServerArgs) -> Optional[Any]:
     if server_args.skip_tokenizer_init:
         return None
     return load_tokenizer(server_args.tokenizer_path or resolve_model_path(server_args))
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__

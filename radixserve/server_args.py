@@ -209,7 +209,7 @@ FLAG_HELP = {
     "load_balance_method": "how --dp-size routes requests: round_robin or shortest_queue",
     "tp_size": "tensor parallelism: number of ranks (processes) that split every layer",
     "dist_init_addr": "host:port for torch.distributed rendezvous of the ranks (a free local port when unset)",
-    "model_path": "Hugging Face model directory; none serves the embedded tiny model",
+    "model_path": "Hugging Face model directory, or a .gguf file; none serves the embedded tiny model",
     "tokenizer_path": "tokenizer directory, when it differs from --model-path",
     "load_format": f"weights: {', '.join(LOAD_FORMATS)} (dummy = random weights)",
     "dtype": f"model dtype: {', '.join(DTYPES)}; auto: float32 for a float32 checkpoint, else bf16 on a GPU and on a CPU with native bf16 (AVX512_BF16 / AMX), else float32",

@@ -172,8 +172,8 @@ def run_detokenizer_process(server_args: Any, port_args: Any, pipe: Any) -> None
         send_sock.setsockopt(zmq.SNDHWM, 0)
         send_sock.connect(port_args.tokenizer_ipc_name)
         manager = DetokenizerManager(tokenizer)
-    except Exception:
-        pipe.send({"status": "error", "error": traceback.format_exc()})
+    except Exception as e:  # a model path that cannot load (LoadError): its one-line message, no traceback
+        pipe.send({"status": "error", "error": str(e) if type(e).__name__ == "LoadError" else traceback.format_exc()})
         raise SystemExit(1)
     pipe.send({"status": "ready", "pid": os.getpid()})
     try:

@@ -187,8 +187,8 @@ def run_scheduler_process(
 
         scheduler = Scheduler(server_args, recv_fn=recv_fn, send_fn=send_fn, tp_rank=tp_rank, tp_size=server_args.tp_size)
         holder["metrics"] = metrics = SchedulerMetricsLogger(scheduler, server_args.decode_log_interval)
-    except Exception:
-        pipe.send({"status": "error", "error": traceback.format_exc()})
+    except Exception as e:  # a model path that cannot load (LoadError): its one-line message, no traceback
+        pipe.send({"status": "error", "error": str(e) if type(e).__name__ == "LoadError" else traceback.format_exc()})
         raise SystemExit(1)
 
     pipe.send({

@@ -1,5 +1,6 @@
-"""Load a model from a Hugging Face directory (single or sharded safetensors) or make dummy
-(seeded random) weights. Every error names the file and, where there is one, the tensor."""
+"""Load a model from a Hugging Face directory (single or sharded safetensors), from one GGUF
+file (gguf_loader.py), or make dummy (seeded random) weights. Every error names the file and,
+where there is one, the tensor."""
 
 from __future__ import annotations
 
@@ -12,19 +13,28 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from radixserve.model_executor.gguf_loader import gguf_weights
 from radixserve.models.model_config import LoadError, ModelConfig
 from radixserve.models.registry import get_model_class
 from radixserve.models.weight_utils import NamedWeight
 
 
 def get_model(config: ModelConfig, load_format: str, dtype: torch.dtype, device: str, seed: int = 0) -> nn.Module:
-    model_cls = get_model_class(config.architecture, _path(config.model_path, "config.json"))
-    with torch.device(device):
-        model = model_cls(config)
+    where = config.gguf_file or _path(config.model_path, "config.json")
+    model_cls = get_model_class(config.architecture, where)
     if load_format == "dummy":
         weights = dummy_weights(config, seed)
+    elif config.gguf_file:
+        if load_format not in ("auto", "gguf"):
+            raise LoadError(f"{config.gguf_file}: a GGUF file, but --load-format {load_format}; use --load-format auto")
+        weights = gguf_weights(config, dtype)  # opens the file and checks its quant types now
     else:
         weights = iterate_safetensors(config.model_path)
+    with torch.device(device):
+        model = model_cls(config)
+    # Cast before loading: the (still untouched) float32 parameters are never filled, so a
+    # bf16 model never holds a float32 copy of its weights; each tensor is cast as it is copied in.
+    model = model.to(dtype=dtype)
     model.load_weights(weights)
     return model.to(dtype=dtype).eval()
 

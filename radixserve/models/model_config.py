@@ -1,4 +1,5 @@
-"""ModelConfig: what the engine needs from a Hugging Face config.json (+ generation_config.json).
+"""ModelConfig: what the engine needs from a Hugging Face config.json (+ generation_config.json),
+or from a GGUF file's metadata (llama.cpp's format: --model-path FILE.gguf).
 
 Accepts both the older top-level `rope_theta` / `rope_scaling` and transformers 5's
 `rope_parameters` dict."""
@@ -6,15 +7,27 @@ Accepts both the older top-level `rope_theta` / `rope_scaling` and transformers 
 from __future__ import annotations
 
 import json
+import math
+import mmap
 import os
+import struct
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from radixserve.hf_transformers_utils import LoadError, gguf_file
 
-class LoadError(RuntimeError):
-    """A model directory that cannot be loaded: the message names the file (and tensor)."""
+__all__ = ["GGUF_ARCHITECTURES", "GGUFIndex", "LoadError", "ModelConfig", "cpu_has_native_bf16", "gguf_to_hf_config", "open_gguf"]
+
+# GGUF general.architecture -> our model class (config.json "architectures"). llama.cpp writes
+# Mistral (and SmolLM, ...) checkpoints as "llama"; "mistral" is accepted as the same thing.
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 
 
 @dataclass
@@ -39,6 +52,7 @@ class ModelConfig:
     torch_dtype: Optional[str] = None
     eos_token_ids: List[int] = field(default_factory=list)
     model_path: Optional[str] = None
+    gguf_file: Optional[str] = None  # set when the weights are one GGUF file (model_path names it too)
     hf_config: Dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -81,6 +95,13 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, model_path: str) -> "ModelConfig":
+        """A Hugging Face directory, a .gguf file, or a directory holding one .gguf file and no
+        config.json."""
+        gguf_path = gguf_file(model_path)
+        if gguf_path is not None:
+            return cls.from_gguf(gguf_path)
+        if os.path.isfile(model_path):
+            raise LoadError(f"{model_path}: not a model directory or a .gguf file")
         path = os.path.join(model_path, "config.json")
         if not os.path.isfile(path):
             raise LoadError(f"{path}: file not found")
@@ -98,6 +119,16 @@ class ModelConfig:
             with open(gen_path) as f:
                 gen_eos = _as_list(json.load(f).get("eos_token_id"))
             config.eos_token_ids = sorted(set(config.eos_token_ids) | set(gen_eos))
+        return config
+
+    @classmethod
+    def from_gguf(cls, path: str) -> "ModelConfig":
+        """The config from a GGUF file's metadata (the tensors are read later, by
+        model_executor/gguf_loader.py). model_path and gguf_file both name the file."""
+        cfg = gguf_to_hf_config(open_gguf(path), path)
+        config = cls.from_dict(cfg, model_path=path)
+        config.o_bias = bool(cfg.get("o_bias", False))
+        config.gguf_file = path
         return config
 
     def resolve_dtype(self, dtype: str, device: str) -> torch.dtype:
@@ -127,3 +158,257 @@ def _as_list(x: Any) -> List[int]:
 
 def _where(model_path: Optional[str], name: str) -> str:
     return os.path.join(model_path, name) if model_path else name
+
+
+# ---- GGUF metadata -> a Hugging Face style config dict --------------------------------------
+
+_MISSING = object()
+
+
+def open_gguf(path: str) -> "GGUFIndex":
+    """The file's metadata and tensor table (GGUFIndex); LoadError naming the file if it is not
+    a GGUF file we can read."""
+    try:
+        return GGUFIndex(path)
+    except ImportError:
+        raise LoadError(f"{path}: reading a GGUF file needs the gguf package (pip install gguf)") from None
+    except (ValueError, struct.error, OSError, UnicodeDecodeError, IndexError) as e:
+        raise LoadError(f"{path}: not a readable GGUF file ({type(e).__name__}: {str(e).strip()})") from None
+
+
+class SkippedArray:
+    """A metadata array left unread (the token list, the merges): only its length is kept."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __repr__(self) -> str:
+        return f"<array of {self.n} values, not read>"
+
+
+@dataclass
+class GGUFTensor:
+    name: str
+    tensor_type: Any  # gguf.GGMLQuantizationType (an int when the package does not know it)
+    shape: Tuple[int, ...]  # ggml order, innermost first (as gguf.ReaderTensor.shape)
+    data: Any  # numpy view of the bytes, as gguf.GGUFReader gives it; None for an unknown type
+
+
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+_MAX_ARRAY = 4096  # longer arrays (tokens, merges, scores) are skipped: the config needs none
+
+
+class GGUFIndex:
+    """A GGUF file's metadata (key -> Python value) and tensor table, read from a memory map:
+    each tensor's data is a zero-copy numpy view shaped as gguf.GGUFReader shapes it (what
+    gguf.quants.dequantize takes). gguf.GGUFReader reads the same, but makes numpy objects of
+    every token string and merge: seconds for a 50k vocabulary, at every start; this reader
+    skips those arrays (the tokenizer is built by transformers from the file itself)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        with open(path, "rb") as f:
+            self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        buf = self._mm
+        if buf[:4] != b"GGUF":
+            raise ValueError("no GGUF magic number")
+        version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version} (a big-endian file, or not 2 or 3)")
+        off = 24
+        self.fields: Dict[str, Any] = {}
+        for _ in range(n_kv):
+            key, off = _gguf_str(buf, off)
+            (vtype,) = struct.unpack_from("<I", buf, off)
+            self.fields[key], off = _gguf_value(buf, off + 4, vtype)
+        infos = []
+        for _ in range(n_tensors):
+            name, off = _gguf_str(buf, off)
+            (n_dims,) = struct.unpack_from("<I", buf, off)
+            dims = struct.unpack_from(f"<{n_dims}Q", buf, off + 4)
+            ttype, rel = struct.unpack_from("<IQ", buf, off + 4 + 8 * n_dims)
+            off += 16 + 8 * n_dims
+            infos.append((name, dims, ttype, rel))
+        align = int(self.fields.get("general.alignment", 32))
+        start = off + (-off % align)
+        self.tensors = [GGUFTensor(name, *self._tensor(start + rel, ttype, dims)) for name, dims, ttype, rel in infos]
+
+    def _tensor(self, offset: int, ttype: int, dims: Tuple[int, ...]) -> Tuple[Any, Tuple[int, ...], Any]:
+        import numpy as np
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+        from gguf.quants import quant_shape_to_byte_shape
+
+        try:
+            qtype = GGMLQuantizationType(ttype)
+        except ValueError:
+            return ttype, tuple(dims), None
+        shape = tuple(reversed(dims))
+        plain = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8,
+                 "I16": np.int16, "I32": np.int32, "I64": np.int64}.get(qtype.name)
+        n = math.prod(dims)
+        if plain is None:
+            block, size = GGML_QUANT_SIZES[qtype]
+            shape, plain, n = quant_shape_to_byte_shape(shape, qtype), np.uint8, n * size // block
+        return qtype, tuple(dims), np.frombuffer(self._mm, dtype=plain, count=n, offset=offset).reshape(shape)
+
+
+def _gguf_str(buf: Any, off: int) -> Tuple[str, int]:
+    (n,) = struct.unpack_from("<Q", buf, off)
+    return bytes(buf[off + 8 : off + 8 + n]).decode("utf-8"), off + 8 + n
+
+
+def _gguf_value(buf: Any, off: int, vtype: int) -> Tuple[Any, int]:
+    if vtype in _SCALARS:
+        fmt = "<" + _SCALARS[vtype]
+        return struct.unpack_from(fmt, buf, off)[0], off + struct.calcsize(fmt)
+    if vtype == _STRING:
+        return _gguf_str(buf, off)
+    if vtype != _ARRAY:
+        raise ValueError(f"unknown metadata value type {vtype}")
+    etype, n = struct.unpack_from("<IQ", buf, off)
+    off += 12
+    if etype in _SCALARS:
+        fmt = f"<{n}{_SCALARS[etype]}"
+        end = off + struct.calcsize(fmt)
+        return (list(struct.unpack_from(fmt, buf, off)) if n <= _MAX_ARRAY else SkippedArray(n)), end
+    out = []
+    for _ in range(n):  # strings (or nested arrays): walk them, keep them only when few
+        if etype == _STRING:
+            (size,) = struct.unpack_from("<Q", buf, off)
+            if n <= _MAX_ARRAY:
+                out.append(bytes(buf[off + 8 : off + 8 + size]).decode("utf-8"))
+            off += 8 + size
+        else:
+            value, off = _gguf_value(buf, off, etype)
+            out.append(value)
+    return (out if n <= _MAX_ARRAY else SkippedArray(n)), off
+
+
+def gguf_to_hf_config(reader: GGUFIndex, path: str) -> Dict[str, Any]:
+    """The config.json a GGUF's metadata stands for (keys as ModelConfig.from_dict reads them),
+    plus "gguf_architecture" (the loader undoes llama.cpp's Q/K row permutation for llama) and
+    "o_bias". Raises LoadError naming the file and what is missing or unsupported."""
+
+    def meta(key: str, default: Any = _MISSING) -> Any:
+        if key not in reader.fields:
+            if default is _MISSING:
+                raise LoadError(f"{path}: GGUF metadata has no {key!r}")
+            return default
+        return reader.fields[key]
+
+    arch = str(meta("general.architecture"))
+    if arch not in GGUF_ARCHITECTURES:
+        raise LoadError(f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}")
+    n_split = int(meta("split.count", 1))
+    if n_split > 1:
+        raise LoadError(f"{path}: a split GGUF ({n_split} files) is not supported; merge it first (llama-gguf-split --merge)")
+
+    def hp(key: str, default: Any = _MISSING) -> Any:
+        return meta(f"{arch}.{key}", default)
+
+    def uniform(key: str, default: Any = _MISSING) -> int:
+        v = hp(key, default)
+        if isinstance(v, list):  # per-layer values: we support only models whose layers agree
+            if len(set(v)) != 1:
+                raise LoadError(f"{path}: per-layer {arch}.{key} values differ ({sorted(set(v))}); unsupported")
+            v = v[0]
+        return int(v)
+
+    tensors = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in tensors:
+        raise LoadError(f"{path}: no tensor 'token_embd.weight'")
+    hidden = int(hp("embedding_length"))
+    n_heads = uniform("attention.head_count")
+    n_kv = uniform("attention.head_count_kv", n_heads)
+    head_dim = int(hp("attention.key_length", hidden // n_heads))
+    value_dim = int(hp("attention.value_length", head_dim))
+    if value_dim != head_dim:
+        raise LoadError(f"{path}: {arch}.attention.value_length {value_dim} != key_length {head_dim}; unsupported")
+    rope_dim = int(hp("rope.dimension_count", head_dim))
+    rope_theta = float(hp("rope.freq_base", 10000.0))
+    # ggml shapes are innermost first: token_embd is [hidden, vocab].
+    vocab = int(tensors["token_embd.weight"].shape[1])
+    eos = []
+    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+        tid = meta(f"tokenizer.ggml.{key}", None)
+        if tid is not None and int(tid) not in eos:
+            eos.append(int(tid))
+    cfg: Dict[str, Any] = {
+        "architectures": [GGUF_ARCHITECTURES[arch]],
+        "model_type": arch,
+        "gguf_architecture": arch,
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": uniform("feed_forward_length"),
+        "num_hidden_layers": int(hp("block_count")),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": n_kv,
+        "head_dim": head_dim,
+        "max_position_embeddings": int(hp("context_length", 4096)),
+        "rms_norm_eps": float(hp("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": rope_theta,
+        "rope_scaling": _gguf_rope_scaling(hp, tensors, rope_dim, rope_theta, path),
+        "partial_rotary_factor": rope_dim / head_dim,
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "attention_bias": arch in ("llama", "mistral") and "blk.0.attn_q.bias" in tensors,
+        "o_bias": "blk.0.attn_output.bias" in tensors,
+        "hidden_act": "silu",
+        "torch_dtype": _gguf_checkpoint_dtype(meta("general.file_type", None)),
+        "eos_token_id": eos,
+    }
+    bos = meta("tokenizer.ggml.bos_token_id", None)
+    if bos is not None:
+        cfg["bos_token_id"] = int(bos)
+    return cfg
+
+
+def _gguf_checkpoint_dtype(file_type: Optional[int]) -> str:
+    """What --dtype auto sees as the checkpoint's dtype. An all-F32 file is float32 and a
+    mostly-F16 one float16; quantized files came from bf16/fp16 checkpoints: bfloat16 (which
+    resolve_dtype runs as bf16 on a GPU or a CPU with native bf16, else float32)."""
+    return {0: "float32", 1: "float16"}.get(file_type, "bfloat16") if file_type is not None else "bfloat16"
+
+
+def _gguf_rope_scaling(hp: Any, tensors: Dict[str, Any], rope_dim: int, base: float, path: str) -> Optional[Dict[str, Any]]:
+    kind = hp("rope.scaling.type", None)
+    factor = hp("rope.scaling.factor", None)
+    if kind == "linear" and factor is not None and float(factor) != 1.0:
+        return {"rope_type": "linear", "factor": float(factor)}
+    if kind not in (None, "none", "linear"):
+        raise LoadError(f"{path}: rope scaling {kind!r} is not supported (only linear and llama3)")
+    if "rope_freqs.weight" in tensors:
+        # Llama 3.x: the converter stores the llama3 scaling as one factor per frequency.
+        # Rebuild the rope_scaling dict it came from (Meta's constants) and check it matches.
+        import numpy as np
+
+        got = np.asarray(tensors["rope_freqs.weight"].data, dtype=np.float64).reshape(-1)
+        if np.allclose(got, 1.0):
+            return None
+        scaling = {"rope_type": "llama3", "factor": float(got.max()), "low_freq_factor": 1.0,
+                   "high_freq_factor": 4.0, "original_max_position_embeddings": int(hp("rope.scaling.original_context_length", 8192))}
+        want = _llama3_rope_factors(scaling, rope_dim, base)
+        if len(want) != len(got) or not np.allclose(got, want, rtol=1e-3):
+            raise LoadError(f"{path}: rope_freqs.weight is not a llama3 rope scaling we can rebuild; unsupported")
+        return scaling
+    return None
+
+
+def _llama3_rope_factors(cfg: Dict[str, Any], rope_dim: int, base: float) -> List[float]:
+    """llama.cpp's convert_hf_to_gguf rope_freqs for a llama3 rope_scaling (inv_freq / factor)."""
+    factor, low, high = cfg["factor"], cfg["low_freq_factor"], cfg["high_freq_factor"]
+    old_ctx = cfg["original_max_position_embeddings"]
+    out = []
+    for i in range(0, rope_dim, 2):
+        wavelen = 2 * math.pi * base ** (i / rope_dim)
+        if wavelen < old_ctx / high:
+            out.append(1.0)
+        elif wavelen > old_ctx / low:
+            out.append(factor)
+        else:
+            smooth = (old_ctx / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return out

