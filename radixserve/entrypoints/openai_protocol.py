@@ -37,7 +37,7 @@ class _SamplingFields(JsonBody):
 
     model_config = _STRICT
 
-    model: str
+    model: Optional[str] = None  # optional, as in SGLang and vLLM: the served model
     n: int = 1
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
@@ -96,7 +96,22 @@ class CompletionRequest(_SamplingFields):
     max_tokens: Optional[int] = 16
     logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     echo: bool = False
-    suffix: Optional[str] = None
+    suffix: Optional[str] = None  # answered 400, not ignored: no fill-in-the-middle here
+    best_of: Optional[int] = None  # answered 400 unless 1: use n
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, suffix: Optional[str]) -> Optional[str]:
+        if suffix:
+            raise ValueError("suffix is not supported (no fill-in-the-middle)")
+        return suffix
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, best_of: Optional[int]) -> Optional[int]:
+        if best_of not in (None, 1):
+            raise ValueError("best_of is not supported; ask for n samples instead")
+        return best_of
 
     @field_validator("prompt")
     @classmethod

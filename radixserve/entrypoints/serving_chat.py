@@ -158,6 +158,7 @@ def _output_factory(tm: TokenizerManager, req: ChatCompletionRequest) -> Any:
 
 async def serve_chat(tm: TokenizerManager, req: ChatCompletionRequest, raw_request: Any) -> Response:
     check_model(tm, req.model)
+    model = req.model or tm.served_model_name  # `model` is optional
     if req.top_logprobs and not req.logprobs:
         raise RequestError("top_logprobs needs logprobs set to true.")
     choice = req.effective_tool_choice()
@@ -198,7 +199,7 @@ async def serve_chat(tm: TokenizerManager, req: ChatCompletionRequest, raw_reque
                 "matched_stop": matched_stop(reason),
             })
         return JSONResponse({
-            "id": cid, "object": "chat.completion", "created": created, "model": req.model,
+            "id": cid, "object": "chat.completion", "created": created, "model": model,
             "choices": choices, "usage": usage_of(outs, req.n),
         })
 
@@ -207,7 +208,7 @@ async def serve_chat(tm: TokenizerManager, req: ChatCompletionRequest, raw_reque
     def chunk(idx: int, delta: Dict[str, Any], reason: Any = None, logprobs: Any = None,
               finish: Optional[str] = None) -> bytes:
         return sse({
-            "id": cid, "object": "chat.completion.chunk", "created": created, "model": req.model,
+            "id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
             "choices": [{
                 "index": idx, "delta": delta, "logprobs": logprobs,
                 "finish_reason": finish or openai_finish_reason(reason), "matched_stop": matched_stop(reason),
@@ -246,7 +247,7 @@ async def serve_chat(tm: TokenizerManager, req: ChatCompletionRequest, raw_reque
             if req.stream_options and req.stream_options.include_usage:
                 outs = [finals[i] for i in sorted(finals)]
                 yield sse({
-                    "id": cid, "object": "chat.completion.chunk", "created": created, "model": req.model,
+                    "id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
                     "choices": [], "usage": usage_of(outs, req.n),
                 })
         except RequestError as e:

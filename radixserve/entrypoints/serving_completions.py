@@ -56,6 +56,7 @@ def _logprobs(tm: TokenizerManager, meta: Dict[str, Any], start: int, text_offse
 
 async def serve_completions(tm: TokenizerManager, req: CompletionRequest, raw_request: Any) -> Response:
     check_model(tm, req.model)
+    model = req.model or tm.served_model_name  # `model` is optional
     obj = GenerateReqInput(
         **_prompts(req),
         sampling_params=req.sampling_params(req.max_tokens),
@@ -86,7 +87,7 @@ async def serve_completions(tm: TokenizerManager, req: CompletionRequest, raw_re
                 "matched_stop": matched_stop(reason),
             })
         return JSONResponse({
-            "id": cid, "object": "text_completion", "created": created, "model": req.model,
+            "id": cid, "object": "text_completion", "created": created, "model": model,
             "choices": choices, "usage": usage_of(outs, req.n),
         })
 
@@ -113,7 +114,7 @@ async def serve_completions(tm: TokenizerManager, req: CompletionRequest, raw_re
                 sent_text[idx] = len(out["text"])
                 if delta or reason is not None or (logprobs and logprobs["tokens"]):
                     yield sse({
-                        "id": cid, "object": "text_completion", "created": created, "model": req.model,
+                        "id": cid, "object": "text_completion", "created": created, "model": model,
                         "choices": [{
                             "index": idx, "text": delta, "logprobs": logprobs,
                             "finish_reason": openai_finish_reason(reason), "matched_stop": matched_stop(reason),
@@ -124,7 +125,7 @@ async def serve_completions(tm: TokenizerManager, req: CompletionRequest, raw_re
             if req.stream_options and req.stream_options.include_usage:
                 outs = [finals[i] for i in sorted(finals)]
                 yield sse({
-                    "id": cid, "object": "text_completion", "created": created, "model": req.model,
+                    "id": cid, "object": "text_completion", "created": created, "model": model,
                     "choices": [], "usage": usage_of(outs, req.n),
                 })
         except RequestError as e:

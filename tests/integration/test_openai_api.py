@@ -189,3 +189,17 @@ def test_chat_completion_json_matches_openai_types(http, model_name):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert {ch.choices[0].finish_reason for ch in chunks if ch.choices} == {None, "length"}
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+
+
+def test_model_is_optional_and_unsupported_fields_are_refused(http, model_name):
+    """As SGLang and vLLM: `model` may be left out (the served model answers); `suffix` and
+    `best_of` > 1 are answered 400 rather than silently ignored."""
+    chat = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert chat.status_code == 200 and chat.json()["model"] == model_name
+    cmpl = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert cmpl.status_code == 200 and cmpl.json()["model"] == model_name
+    r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "suffix": "end"})
+    assert r.status_code == 400 and "suffix is not supported" in r.json()["error"]["message"]
+    r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "best_of": 2})
+    assert r.status_code == 400 and "best_of is not supported" in r.json()["error"]["message"]
+    assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "best_of": 1}).status_code == 200
