@@ -60,7 +60,20 @@ def get_tokenizer(server_args: ServerArgs) -> Optional[Any]:
     """The server's tokenizer; None with --skip-tokenizer-init (token ids in and out)."""
     if server_args.skip_tokenizer_init:
         return None
-    return load_tokenizer(server_args.tokenizer_path or resolve_model_path(server_args))
+    tokenizer = load_tokenizer(server_args.tokenizer_path or resolve_model_path(server_args))
+    if server_args.chat_template is not None:
+        tokenizer.chat_template = read_chat_template(server_args.chat_template)
+    return tokenizer
+
+
+def read_chat_template(value: str) -> str:
+    """--chat-template: a Jinja file's text, or the value itself when it is a template."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise LoadError(f"--chat-template {value!r}: no such file, and not a Jinja template either")
 
 
 def _first_line(e: BaseException) -> str:

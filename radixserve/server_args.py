@@ -25,6 +25,7 @@ class ServerArgs:
     # Model. None means the embedded tiny model (radixserve/assets/tiny_qwen3).
     model_path: Optional[str] = None
     tokenizer_path: Optional[str] = None
+    chat_template: Optional[str] = None  # a Jinja file, or the template itself; None: the model's
     load_format: str = "auto"
     dtype: str = "auto"
     device: str = "auto"  # "cpu", "cuda" or "auto" (cuda when available)
@@ -211,6 +212,7 @@ FLAG_HELP = {
     "dist_init_addr": "host:port for torch.distributed rendezvous of the ranks (a free local port when unset)",
     "model_path": "Hugging Face model directory, or a .gguf file; none serves the embedded tiny model",
     "tokenizer_path": "tokenizer directory, when it differs from --model-path",
+    "chat_template": "chat template: a Jinja file, or the template text itself; none = the model's own",
     "load_format": f"weights: {', '.join(LOAD_FORMATS)} (dummy = random weights)",
     "dtype": f"model dtype: {', '.join(DTYPES)}; auto: float32 for a float32 checkpoint, else bf16 on a GPU and on a CPU with native bf16 (AVX512_BF16 / AMX), else float32",
     "device": "cpu, cuda, or auto (cuda when available)",

@@ -146,3 +146,18 @@ def test_broken_grammar_mask_ends_only_that_request(monkeypatch):
     assert len(outs[1]["output_ids"]) == 5
     engine.wait_until_idle()
     engine.scheduler.check_memory()
+
+
+def test_chat_template_flag_takes_a_file_or_the_template(tmp_path):
+    from radixserve.hf_transformers_utils import LoadError, get_tokenizer
+    from radixserve.server_args import ServerArgs
+
+    template = "{% for m in messages %}<<{{ m['role'] }}>>{{ m['content'] }}{% endfor %}"
+    path = tmp_path / "t.jinja"
+    path.write_text(template)
+    messages = [{"role": "user", "content": "hi"}]
+    for value in (str(path), template):
+        tok = get_tokenizer(ServerArgs(chat_template=value))
+        assert tok.apply_chat_template(messages, tokenize=False) == "<<user>>hi"
+    with pytest.raises(LoadError, match="no such file"):
+        get_tokenizer(ServerArgs(chat_template="missing.jinja"))
