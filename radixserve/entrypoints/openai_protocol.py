@@ -62,6 +62,7 @@ class _SamplingFields(JsonBody):
     regex: Optional[str] = None
     json_schema: Optional[str] = None
     ebnf: Optional[str] = None
+    stop_regex: Optional[Union[str, List[str]]] = None  # SGLang's extra: stop at a regex match
     rid: Optional[str] = None
     priority: Optional[int] = Field(None, ge=-MAX_INT_PARAM, le=MAX_INT_PARAM)
 
@@ -88,6 +89,7 @@ class _SamplingFields(JsonBody):
             "regex": self.regex,
             "json_schema": self.json_schema,
             "ebnf": self.ebnf,
+            "stop_regex": self.stop_regex,
         }
 
 

@@ -203,3 +203,13 @@ def test_model_is_optional_and_unsupported_fields_are_refused(http, model_name):
     r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "best_of": 2})
     assert r.status_code == 400 and "best_of is not supported" in r.json()["error"]["message"]
     assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "best_of": 1}).status_code == 200
+
+
+def test_stop_regex_and_ebnf_reach_the_sampler_from_the_openai_routes(http):
+    """SGLang's extras on the OpenAI routes: an EBNF grammar constrains the text, and a stop
+    regex that the grammar's output must match ends the completion there."""
+    body = {"prompt": "x", "max_tokens": 12, "temperature": 0, "ebnf": 'root ::= "ab" root | "ab"'}
+    text = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    assert text and set(text) <= {"a", "b"} and text.startswith("ab"), text
+    stopped = http.post("/v1/completions", json={**body, "stop_regex": "b"}).json()["choices"][0]
+    assert stopped["finish_reason"] == "stop" and stopped["text"] in ("a", "ab"), stopped
