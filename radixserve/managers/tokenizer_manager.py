@@ -162,6 +162,7 @@ class TokenizerManager:
         self.created_time = int(time.time())
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._unsent: List[Any] = []  # control messages waiting for room on the socket
+        self._resend_scheduled = False
         # Tokenizing (and decoding logprob texts) off the event loop, one at a time: a huge
         # prompt does not stall /health, and the tokenizer is never used by two threads.
         self._tokenize_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radixserve-tokenize")
@@ -221,10 +222,15 @@ class TokenizerManager:
             try:
                 self.send_to_scheduler.send_pyobj(self._unsent[0], zmq.NOBLOCK)
             except zmq.Again:
-                if self._loop is not None:
-                    self._loop.call_later(RESEND_INTERVAL, self._flush_unsent)
+                if self._loop is not None and not self._resend_scheduled:  # one retry timer at a time
+                    self._resend_scheduled = True
+                    self._loop.call_later(RESEND_INTERVAL, self._retry_unsent)
                 return
             self._unsent.pop(0)
+
+    def _retry_unsent(self) -> None:
+        self._resend_scheduled = False
+        self._flush_unsent()
 
     async def handle_loop(self) -> None:
         while True:
