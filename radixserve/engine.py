@@ -14,6 +14,7 @@ from typing import Any, Dict, Iterator, List, Optional, Union
 
 from tqdm import tqdm
 
+from radixserve.hf_transformers_utils import load_sampling_defaults
 from radixserve.managers.detokenizer import DetokenizerManager
 from radixserve.managers.request_frontend import ReqState, RequestFrontend, is_single
 from radixserve.managers.scheduler import Scheduler
@@ -34,7 +35,8 @@ class Engine:
         self.vocab_size = self.scheduler.vocab_size
         self.device = self.scheduler.device
         self.dtype = getattr(self.scheduler.tp_worker, "dtype", None)  # the model's weights
-        self.frontend = RequestFrontend(self.tokenizer, self.scheduler.context_len, self.vocab_size)
+        self.frontend = RequestFrontend(self.tokenizer, self.scheduler.context_len, self.vocab_size,
+                                        load_sampling_defaults(self.server_args))
         self.detokenizer = DetokenizerManager(self.tokenizer)
 
     def _drain_inbox(self) -> List[Any]:

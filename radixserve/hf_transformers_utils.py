@@ -5,8 +5,9 @@ end, scheduler, detokenizer) and by the model config (which file a path names)."
 from __future__ import annotations
 
 import glob
+import json
 import os
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 from radixserve.server_args import ServerArgs
 
@@ -79,3 +80,20 @@ def read_chat_template(value: str) -> str:
 def _first_line(e: BaseException) -> str:
     lines = str(e).strip().splitlines()
     return lines[0] if lines else type(e).__name__
+
+
+# generation_config.json fields that become defaults with --sampling-defaults model (SGLang's set).
+GENERATION_CONFIG_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def load_sampling_defaults(server_args: ServerArgs) -> Dict[str, Any]:
+    """The sampling defaults a request's unset fields take: none with --sampling-defaults openai
+    (SamplingParams' own, which are OpenAI's); the model's generation_config.json with `model`."""
+    if server_args.sampling_defaults != "model":
+        return {}
+    path = os.path.join(resolve_model_path(server_args), "generation_config.json")
+    if not os.path.isfile(path):  # e.g. a GGUF file: nothing to read
+        return {}
+    with open(path) as f:
+        config = json.load(f)
+    return {k: config[k] for k in GENERATION_CONFIG_SAMPLING_KEYS if config.get(k) is not None}

@@ -26,6 +26,7 @@ class ServerArgs:
     model_path: Optional[str] = None
     tokenizer_path: Optional[str] = None
     chat_template: Optional[str] = None  # a Jinja file, or the template itself; None: the model's
+    sampling_defaults: str = "openai"  # "model": unset sampling fields come from generation_config.json
     load_format: str = "auto"
     dtype: str = "auto"
     device: str = "auto"  # "cpu", "cuda" or "auto" (cuda when available)
@@ -148,6 +149,7 @@ class ServerArgs:
         if self.watchdog_timeout <= 0:
             raise ValueError("--watchdog-timeout must be > 0")
         _choice("--grammar-backend", self.grammar_backend, GRAMMAR_BACKENDS)
+        _choice("--sampling-defaults", self.sampling_defaults, ("openai", "model"))
         if self.tool_call_parser is not None:
             _choice("--tool-call-parser", self.tool_call_parser, TOOL_CALL_PARSERS)
         if self.reasoning_parser is not None:
@@ -213,6 +215,7 @@ FLAG_HELP = {
     "model_path": "Hugging Face model directory, or a .gguf file; none serves the embedded tiny model",
     "tokenizer_path": "tokenizer directory, when it differs from --model-path",
     "chat_template": "chat template: a Jinja file, or the template text itself; none = the model's own",
+    "sampling_defaults": "defaults of unset sampling fields: openai (temperature 1, top_p 1, ...) or model (its generation_config.json)",
     "load_format": f"weights: {', '.join(LOAD_FORMATS)} (dummy = random weights)",
     "dtype": f"model dtype: {', '.join(DTYPES)}; auto: float32 for a float32 checkpoint, else bf16 on a GPU and on a CPU with native bf16 (AVX512_BF16 / AMX), else float32",
     "device": "cpu, cuda, or auto (cuda when available)",

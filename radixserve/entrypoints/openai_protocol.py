@@ -32,6 +32,10 @@ class ResponseFormat(BaseModel):
     json_schema: Optional[Dict[str, Any]] = None
 
 
+# Left out of the sampling params when the request does not set them: the server's defaults apply.
+DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
 class _SamplingFields(JsonBody):
     """Fields shared by completions and chat completions."""
 
@@ -42,17 +46,18 @@ class _SamplingFields(JsonBody):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     stop: Optional[Union[str, List[str]]] = None
-    temperature: float = 1.0
-    top_p: float = 1.0
+    # None: not set, so the server's defaults apply (--sampling-defaults: OpenAI's or the model's)
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: Optional[int] = None
     logit_bias: Optional[Dict[str, float]] = None
     user: Optional[str] = None
     # SGLang's extras
-    top_k: int = -1
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: Optional[List[int]] = None
@@ -67,7 +72,7 @@ class _SamplingFields(JsonBody):
     priority: Optional[int] = Field(None, ge=-MAX_INT_PARAM, le=MAX_INT_PARAM)
 
     def sampling_params(self, max_new_tokens: Optional[int]) -> Dict[str, Any]:
-        return {
+        params = {
             "max_new_tokens": max_new_tokens,
             "min_new_tokens": self.min_tokens,
             "stop": self.stop,
@@ -91,6 +96,7 @@ class _SamplingFields(JsonBody):
             "ebnf": self.ebnf,
             "stop_regex": self.stop_regex,
         }
+        return {k: v for k, v in params.items() if k not in DEFAULTED or v is not None}
 
 
 class CompletionRequest(_SamplingFields):

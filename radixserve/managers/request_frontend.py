@@ -87,8 +87,10 @@ def is_single(obj: GenerateReqInput) -> bool:
 
 
 class RequestFrontend:
-    def __init__(self, tokenizer: Any, context_len: int, vocab_size: int):
+    def __init__(self, tokenizer: Any, context_len: int, vocab_size: int,
+                 sampling_defaults: Optional[Dict[str, Any]] = None):
         self.tokenizer = tokenizer
+        self.sampling_defaults = dict(sampling_defaults or {})  # what unset fields become (--sampling-defaults)
         self.context_len = context_len
         self.vocab_size = vocab_size
         self.rid_to_state: Dict[str, ReqState] = {}
@@ -109,6 +111,8 @@ class RequestFrontend:
             d = {**d, "json_schema": json.dumps(d["json_schema"])}
         if d is not None and not isinstance(d, dict):
             raise RequestError(f"sampling_params must be an object, got {type(d).__name__}.")
+        if self.sampling_defaults:
+            d = {**self.sampling_defaults, **(d or {})}
         try:
             SamplingParams.from_dict(d)  # unknown names
             sp = _sampling_params_adapter().validate_python(dict(d or {}))

@@ -17,7 +17,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Dict, List, Optional
 
-from radixserve.hf_transformers_utils import get_tokenizer, resolve_model_path
+from radixserve.hf_transformers_utils import get_tokenizer, load_sampling_defaults, resolve_model_path
 from radixserve.managers.detokenizer import DETOKENIZE_ERROR
 from radixserve.managers.request_frontend import ReqState, RequestError, RequestFrontend, is_single
 from radixserve.managers.session import SessionError
@@ -153,7 +153,7 @@ class TokenizerManager:
         self.model_info = model_info
         self.context_len: int = model_info["context_len"]
         self.vocab_size: int = model_info["vocab_size"]
-        self.frontend = RequestFrontend(self.tokenizer, self.context_len, self.vocab_size)
+        self.frontend = RequestFrontend(self.tokenizer, self.context_len, self.vocab_size, load_sampling_defaults(server_args))
         self.rid_to_state: Dict[str, ReqState] = self.frontend.rid_to_state
         self.sessions = self.frontend.sessions
         self.metrics = TokenizerMetrics()

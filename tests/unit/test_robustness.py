@@ -161,3 +161,33 @@ def test_chat_template_flag_takes_a_file_or_the_template(tmp_path):
         assert tok.apply_chat_template(messages, tokenize=False) == "<<user>>hi"
     with pytest.raises(LoadError, match="no such file"):
         get_tokenizer(ServerArgs(chat_template="missing.jinja"))
+
+
+def test_sampling_defaults_from_the_model_fill_only_unset_fields(tmp_path):
+    """--sampling-defaults model: unset sampling fields take the model's generation_config.json
+    values (a request's own values win); openai (the default) keeps SamplingParams' defaults.
+    The OpenAI routes leave unset fields out, so the same defaults reach them."""
+    import json as _json
+
+    from radixserve.entrypoints.openai_protocol import ChatCompletionRequest
+    from radixserve.hf_transformers_utils import load_sampling_defaults
+    from radixserve.managers.request_frontend import RequestFrontend
+    from radixserve.server_args import ServerArgs
+    from radixserve.tiny_model import get_tiny_model_path
+    import shutil
+
+    model = tmp_path / "m"
+    shutil.copytree(get_tiny_model_path(), model)
+    (model / "generation_config.json").write_text(_json.dumps({"temperature": 0.3, "top_k": 7, "do_sample": True}))
+    defaults = load_sampling_defaults(ServerArgs(model_path=str(model), sampling_defaults="model"))
+    assert defaults == {"temperature": 0.3, "top_k": 7}
+    assert load_sampling_defaults(ServerArgs(model_path=str(model))) == {}  # openai: none
+    frontend = RequestFrontend(None, 4096, 8192, defaults)
+    sp = frontend.make_sampling_params(None)
+    assert (sp.temperature, sp.top_k, sp.top_p) == (0.3, 7, 1.0)
+    assert frontend.make_sampling_params({"temperature": 0.9}).temperature == 0.9
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}])
+    unset = chat.sampling_params(8)
+    assert "temperature" not in unset and "top_k" not in unset
+    assert frontend.make_sampling_params(unset).temperature == 0.3
+    assert RequestFrontend(None, 4096, 8192).make_sampling_params(unset).temperature == 1.0
