@@ -116,7 +116,8 @@ class JsonBodyRequest(Request):
             raise StarletteHTTPException(400, f"Malformed JSON in the request body: {e}") from None
         except ValueError as e:  # e.g. an integer of thousands of digits
             raise StarletteHTTPException(400, f"Malformed JSON in the request body: {e}") from None
-        if b"\\ud" in (await self.body()).lower():  # a \uD800-\uDFFF escape: paired, or a lone surrogate?
+        body = await self.body()  # (cached by Starlette: no second read)
+        if b"\\ud" in body or b"\\uD" in body:  # a \uD800-\uDFFF escape: paired, or a lone surrogate?
             error = lone_surrogate_error(obj)
             if error is not None:
                 raise StarletteHTTPException(400, error)

@@ -48,12 +48,7 @@ def lone_surrogate_error(body: Any) -> Optional[str]:
     return None
 
 
-class JsonBody(BaseModel):
-    """A request body. (Its strings are valid Unicode: the server checks every JSON body with
-    lone_surrogate_error as it parses it, before any model sees it.)"""
-
-
-class GenerateRequest(JsonBody):
+class GenerateRequest(BaseModel):
     """One prompt or a batch: `text` or `input_ids` (exactly one). For a batch, `sampling_params`,
     `rid` and `return_logprob` may be lists with one entry per prompt."""
 
@@ -76,12 +71,12 @@ class GenerateRequest(JsonBody):
         return GenerateReqInput(**self.model_dump())  # session_params becomes a dict, as it arrived
 
 
-class AbortRequest(JsonBody):
+class AbortRequest(BaseModel):
     rid: StrictStr = Field("", description="The request to abort.")
     abort_all: StrictBool = Field(False, description="Abort every request instead.")
 
 
-class TokenizeRequest(JsonBody):
+class TokenizeRequest(BaseModel):
     """POST /tokenize and /v1/tokenize (SGLang's shape)."""
 
     model: Optional[StrictStr] = None
@@ -89,7 +84,7 @@ class TokenizeRequest(JsonBody):
     add_special_tokens: StrictBool = True
 
 
-class DetokenizeRequest(JsonBody):
+class DetokenizeRequest(BaseModel):
     """POST /detokenize and /v1/detokenize (SGLang's shape)."""
 
     model: Optional[StrictStr] = None

@@ -13,7 +13,6 @@ from typing import Any, Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from radixserve.entrypoints.native_protocol import JsonBody
 from radixserve.sampling_params import MAX_INT_PARAM
 
 _STRICT = ConfigDict(strict=True, extra="ignore")
@@ -36,7 +35,7 @@ class ResponseFormat(BaseModel):
 DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
-class _SamplingFields(JsonBody):
+class _SamplingFields(BaseModel):
     """Fields shared by completions and chat completions."""
 
     model_config = _STRICT

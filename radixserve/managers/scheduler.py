@@ -96,7 +96,6 @@ class Scheduler:
         self.grammar_queue = GrammarQueue(args, self.grammar_backend, self._reject_bad_grammar, tp_rank, tp_size)
         self.waiting_queue: List[Req] = []
         self.running_batch: ScheduleBatch = self._empty_batch()
-        self.cur_batch: Optional[ScheduleBatch] = None
         self.last_batch: Optional[ScheduleBatch] = None
         self.chunked_req: Optional[Req] = None
         self.forward_ct = 0
@@ -134,7 +133,7 @@ class Scheduler:
     def run_step_normal(self) -> Optional[ScheduleBatch]:
         """An iteration of SGLang's event_loop_normal: schedule, run, process, one batch at a time."""
         t0 = time.perf_counter()
-        batch = self.cur_batch = self.get_next_batch_to_run()
+        batch = self.get_next_batch_to_run()
         t1 = time.perf_counter()
         self.stats.schedule_s += t1 - t0
         if batch is not None:
@@ -152,7 +151,7 @@ class Scheduler:
         """An iteration of SGLang's event_loop_overlap (seed 001 §2.2): Pre Schedule N+1,
         launch N+1, Post Schedule N while N+1 computes (sampling runs inside N+1's launch)."""
         t0 = time.perf_counter()
-        batch = self.cur_batch = self.get_next_batch_to_run()
+        batch = self.get_next_batch_to_run()
         self.stats.schedule_s += time.perf_counter() - t0
         disable_overlap_for_batch = self.is_disable_overlap_for_batch(batch)
         if disable_overlap_for_batch:

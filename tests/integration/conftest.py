@@ -164,3 +164,22 @@ def wait_idle(http: httpx.Client, timeout: float = 30) -> dict:
         if time.monotonic() > deadline:
             raise AssertionError(f"server not idle: {info['internal_states']}")
         time.sleep(0.1)
+
+
+def stream_in_background(srv: "ServerProcess", body: dict, timeout: float = 120) -> "tuple":
+    """POST a streaming /generate on a thread; returns (thread, events): the data of each SSE
+    event, appended as it arrives (the last is "[DONE]")."""
+    import threading
+
+    events: List[str] = []
+
+    def run() -> None:
+        with httpx.Client(base_url=srv.url, headers=srv.headers, timeout=timeout) as c:
+            with c.stream("POST", "/generate", json={**body, "stream": True}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t, events

@@ -8,14 +8,13 @@ import asyncio
 import json
 import os
 import signal
-import threading
 import time
 from typing import List
 
 import httpx
 import pytest
 
-from conftest import ServerProcess, assert_children_gone, wait_idle
+from conftest import ServerProcess, assert_children_gone, stream_in_background, wait_idle
 
 LONG = {"max_new_tokens": 3000, "ignore_eos": True}
 
@@ -151,18 +150,7 @@ def test_non_streaming_client_that_leaves_is_aborted_within_a_second(drained):
 
 
 def test_sigterm_drains_then_exits_0(drained):
-    events: List[str] = []
-
-    def stream() -> None:
-        body = {"text": "drain me", "stream": True, "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}
-        with httpx.Client(base_url=drained.url, timeout=120) as c:
-            with c.stream("POST", "/generate", json=body) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data: "):
-                        events.append(line[6:])
-
-    t = threading.Thread(target=stream)
-    t.start()
+    t, events = stream_in_background(drained, {"text": "drain me", "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}})
     wait_for(lambda: len(events) >= 2, 30, "the stream to start")
     drained.proc.send_signal(signal.SIGTERM)
     with drained.client() as c:

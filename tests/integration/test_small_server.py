@@ -7,13 +7,12 @@ import asyncio
 import json
 import os
 import signal
-import threading
 import time
 
 import httpx
 import pytest
 
-from conftest import ServerProcess, assert_children_gone
+from conftest import ServerProcess, assert_children_gone, stream_in_background
 
 KEY = "test-secret"
 
@@ -69,18 +68,8 @@ def test_killed_scheduler_takes_server_down(small):
     with small.client() as c:
         pid = c.get("/get_server_info").json()["scheduler_pid"]
     assert pid in small.children
-    events: list = []
-
-    def stream() -> None:  # a stream in flight ends with an error event, then [DONE]
-        body = {"text": "doomed", "stream": True, "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}}
-        with httpx.Client(base_url=small.url, headers=small.headers, timeout=60) as c:
-            with c.stream("POST", "/generate", json=body) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data: "):
-                        events.append(line[6:])
-
-    t = threading.Thread(target=stream)
-    t.start()
+    # a stream in flight ends with an error event, then [DONE]
+    t, events = stream_in_background(small, {"text": "doomed", "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}}, 60)
     deadline = time.monotonic() + 20
     while len(events) < 2:
         assert time.monotonic() < deadline and t.is_alive()
