@@ -26,6 +26,11 @@ class TokenizedGenerateReqInput:
     top_logprobs_num: int = 0
     stream: bool = False
     priority: Optional[int] = None
+    # PD disaggregation: the prefill server's bootstrap address and this request's room there
+    # (sglang-router fills them in and sends the request to both servers).
+    bootstrap_host: Optional[str] = None
+    bootstrap_port: Optional[int] = None
+    bootstrap_room: Optional[int] = None
 
 
 @dataclass
@@ -113,6 +118,9 @@ class GenerateReqInput:
     stream: bool = False
     priority: Optional[int] = None
     session_params: Optional[Dict[str, Any]] = None
+    bootstrap_host: Optional[Any] = None  # str, or one per prompt of a batch
+    bootstrap_port: Optional[Any] = None
+    bootstrap_room: Optional[Any] = None
 
 
 @dataclass

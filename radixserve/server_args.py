@@ -63,6 +63,14 @@ class ServerArgs:
     disable_consecutive_prefill_overlap: bool = False
     # Test knob (SGLang's SGLANG_TEST_RETRACT): force a retraction every N decode steps.
     test_retract_interval: Optional[int] = None
+    # Test knob: after every step, check that each KV page is free, cached or held (conservation).
+    test_check_memory: bool = False
+
+    # PD disaggregation (seed 001 §8): this server prefills or decodes; sglang-router in front
+    disaggregation_mode: str = "null"  # "null" (unified), "prefill" or "decode"
+    disaggregation_bootstrap_port: int = 8998  # prefill: the handshake socket decode servers connect to
+    disaggregation_transfer_backend: str = "mooncake"  # or "fake" (KV copied through ZeroMQ)
+    disaggregation_timeout: float = 300.0  # seconds a request may wait for the other server
 
     # Parallelism (torch.distributed: gloo on CPU, NCCL on GPU)
     tp_size: int = 1
@@ -169,6 +177,15 @@ class ServerArgs:
                 raise ValueError(f"--{flag.replace('_', '-')} must be > 0")
         if self.request_timeout is not None and not self.request_timeout > 0:
             raise ValueError("--request-timeout must be > 0")
+        _choice("--disaggregation-mode", self.disaggregation_mode, ("null", "prefill", "decode"))
+        _choice("--disaggregation-transfer-backend", self.disaggregation_transfer_backend, ("mooncake", "fake"))
+        if not 1 <= self.disaggregation_bootstrap_port <= 65535:
+            raise ValueError("--disaggregation-bootstrap-port must be in [1, 65535]")
+        if not self.disaggregation_timeout > 0:
+            raise ValueError("--disaggregation-timeout must be > 0")
+        if self.disaggregation_mode != "null" and (self.tp_size > 1 or self.dp_size > 1):
+            raise ValueError("--disaggregation-mode runs with --tp-size 1 and --dp-size 1 in radixserve; "
+                             "scale out with several prefill and decode servers behind sglang-router")
 
     # ---- argparse -------------------------------------------------------------------------
     @staticmethod
@@ -196,6 +213,8 @@ class ServerArgs:
     def overlap_schedule_enabled(self, device: str) -> bool:
         """The overlap loop by default on CUDA only: on a CPU the forward needs every core, and
         a scheduler thread beside it slowed decode steps (benchmarks/NOTES.md)."""
+        if self.disaggregation_mode != "null":
+            return False  # the PD queues run between steps of the normal loop
         if self.disable_overlap_schedule is None:
             return device != "cpu"
         return not self.disable_overlap_schedule
@@ -245,6 +264,11 @@ FLAG_HELP = {
     "disable_overlap_schedule": "run the scheduler's normal loop instead of the overlap loop (default: the overlap loop on GPU, the normal loop on CPU)",
     "disable_consecutive_prefill_overlap": "overlap loop: process a prefill's result before launching the next prefill (lower TTFT)",
     "test_retract_interval": "testing: force a retraction every this many decode steps",
+    "test_check_memory": "testing: after every scheduler step, check that every KV page is free, cached, or held by a live request",
+    "disaggregation_mode": "PD disaggregation: null (prefill and decode here), prefill, or decode; put sglang-router --pd-disaggregation in front",
+    "disaggregation_bootstrap_port": "prefill server: port of the handshake socket decode servers connect to (give it to the router after the prefill URL)",
+    "disaggregation_transfer_backend": "how KV moves from prefill to decode: mooncake (Mooncake transfer engine, TCP or RDMA) or fake (through ZeroMQ)",
+    "disaggregation_timeout": "seconds a PD request may wait for the other server (handshake, KV transfer) before it fails",
     "host": "address to bind; 0.0.0.0 exposes the server to the network",
     "port": "HTTP port",
     "served_model_name": "model name in the OpenAI API; the model path when not given",

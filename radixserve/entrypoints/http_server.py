@@ -19,7 +19,7 @@ import dataclasses
 import hmac
 import logging
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Callable, Coroutine, Dict
+from typing import Any, AsyncIterator, Callable, Coroutine, Dict, List
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -240,6 +240,7 @@ def add_native_routes(app: FastAPI, tm: TokenizerManager) -> None:
         return Response(status_code=200)
 
     @app.get("/get_model_info")
+    @app.get("/model_info")  # SGLang's newer name; sglang-router asks it first
     async def get_model_info() -> Dict[str, Any]:
         return {
             "model_path": tm.model_path,
@@ -268,10 +269,13 @@ def add_native_routes(app: FastAPI, tm: TokenizerManager) -> None:
         return {"text": texts[0] if single else texts}
 
     @app.get("/get_server_info")
+    @app.get("/server_info")  # sglang-router names its workers' model from this
     async def get_server_info() -> Dict[str, Any]:
         st = await tm.get_internal_state()
         info = {k: v for k, v in dataclasses.asdict(args).items() if k != "api_key"}
         info.update(
+            model_path=tm.model_path,  # resolved (the flag is None for the embedded model)
+            served_model_name=tm.served_model_name,
             internal_states=st.pop("dp_states", None) or [st],  # one per DP replica, as SGLang
             num_running_reqs=st.get("num_running_reqs", 0),
             num_queue_reqs=st.get("num_waiting_reqs", 0),
@@ -288,6 +292,17 @@ def add_native_routes(app: FastAPI, tm: TokenizerManager) -> None:
             version=_version(),
         )
         return info
+
+    @app.get("/get_load")
+    async def get_load() -> List[Dict[str, Any]]:
+        """One entry per DP replica (sglang-router's power_of_two policy sums num_tokens)."""
+        st = await tm.get_internal_state()
+        return [{
+            "dp_rank": i,
+            "num_reqs": s.get("num_running_reqs", 0) + s.get("num_waiting_reqs", 0),
+            "num_waiting_reqs": s.get("num_waiting_reqs", 0),
+            "num_tokens": s.get("max_total_num_tokens", 0) - s.get("available_tokens", 0) - s.get("evictable_tokens", 0),
+        } for i, s in enumerate(st.get("dp_states") or [st])]
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -66,6 +66,11 @@ class GenerateRequest(BaseModel):
     stream: StrictBool = False
     priority: Optional[StrictInt] = Field(None, ge=-MAX_INT_PARAM, le=MAX_INT_PARAM)
     session_params: Optional[SessionParams] = None
+    # PD disaggregation: sglang-router sets these (lists for a batch) and sends the request to
+    # the prefill and the decode server
+    bootstrap_host: Optional[Union[StrictStr, List[StrictStr]]] = None
+    bootstrap_port: Optional[Union[StrictInt, List[Optional[StrictInt]]]] = None
+    bootstrap_room: Optional[Union[StrictInt, List[StrictInt]]] = None
 
     def to_input(self) -> GenerateReqInput:
         return GenerateReqInput(**self.model_dump())  # session_params becomes a dict, as it arrived

@@ -42,6 +42,10 @@ class _SamplingFields(BaseModel):
 
     model: Optional[str] = None  # optional, as in SGLang and vLLM: the served model
     n: int = 1
+    # PD disaggregation (sglang-router sets them; one per prompt for a batch of prompts)
+    bootstrap_host: Optional[Union[str, List[str]]] = None
+    bootstrap_port: Optional[Union[int, List[Optional[int]]]] = None
+    bootstrap_room: Optional[Union[int, List[int]]] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     stop: Optional[Union[str, List[str]]] = None

@@ -55,3 +55,8 @@ def served_model_names(tm: Any) -> list:
     if tm.server_args.model_path and tm.server_args.model_path not in names:
         names.append(tm.server_args.model_path)
     return names
+
+
+def bootstrap_fields(req: Any) -> dict:
+    """The PD disaggregation fields of an OpenAI request, for GenerateReqInput."""
+    return {k: getattr(req, k) for k in ("bootstrap_host", "bootstrap_port", "bootstrap_room")}

@@ -24,7 +24,9 @@ from radixserve.entrypoints.openai_protocol import (
 )
 from radixserve.entrypoints.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS, ToolCall, ToolCallDelta
 from radixserve.entrypoints.parsers.tool_call import as_tool_call
-from radixserve.entrypoints.serving_base import SSE_DONE, chain_first, check_model, first_result, peek_first, sse
+from radixserve.entrypoints.serving_base import (
+    SSE_DONE, bootstrap_fields, chain_first, check_model, first_result, peek_first, sse,
+)
 from radixserve.managers.tokenizer_manager import RequestError, TokenizerManager
 from radixserve.protocol import GenerateReqInput
 
@@ -157,8 +159,9 @@ def _output_factory(tm: TokenizerManager, req: ChatCompletionRequest) -> Any:
 
 
 async def serve_chat(tm: TokenizerManager, req: ChatCompletionRequest, raw_request: Any) -> Response:
-    check_model(tm, req.model)
-    model = req.model or tm.served_model_name  # `model` is optional
+    pd = req.bootstrap_room is not None  # sglang-router picked this server (and sends "unknown" for no model)
+    check_model(tm, None if pd else req.model)
+    model = tm.served_model_name if pd or not req.model else req.model  # `model` is optional
     if req.top_logprobs and not req.logprobs:
         raise RequestError("top_logprobs needs logprobs set to true.")
     choice = req.effective_tool_choice()
@@ -178,7 +181,7 @@ async def serve_chat(tm: TokenizerManager, req: ChatCompletionRequest, raw_reque
     obj = GenerateReqInput(
         input_ids=input_ids, sampling_params=sp, rid=req.rid, return_logprob=req.logprobs,
         top_logprobs_num=req.top_logprobs or 0, return_text_in_logprobs=True, stream=req.stream,
-        priority=req.priority,
+        priority=req.priority, **bootstrap_fields(req),
     )
     created = int(time.time())
     cid = f"chatcmpl-{uuid.uuid4().hex}"

@@ -15,7 +15,9 @@ from radixserve.entrypoints.openai_protocol import (
     openai_finish_reason,
     usage_of,
 )
-from radixserve.entrypoints.serving_base import SSE_DONE, chain_first, check_model, first_result, peek_first, sse
+from radixserve.entrypoints.serving_base import (
+    SSE_DONE, bootstrap_fields, chain_first, check_model, first_result, peek_first, sse,
+)
 from radixserve.managers.tokenizer_manager import RequestError, TokenizerManager
 from radixserve.protocol import GenerateReqInput
 
@@ -55,8 +57,9 @@ def _logprobs(tm: TokenizerManager, meta: Dict[str, Any], start: int, text_offse
 
 
 async def serve_completions(tm: TokenizerManager, req: CompletionRequest, raw_request: Any) -> Response:
-    check_model(tm, req.model)
-    model = req.model or tm.served_model_name  # `model` is optional
+    pd = req.bootstrap_room is not None  # sglang-router picked this server (and sends "unknown" for no model)
+    check_model(tm, None if pd else req.model)
+    model = tm.served_model_name if pd or not req.model else req.model  # `model` is optional
     obj = GenerateReqInput(
         **_prompts(req),
         sampling_params=req.sampling_params(req.max_tokens),
@@ -66,6 +69,7 @@ async def serve_completions(tm: TokenizerManager, req: CompletionRequest, raw_re
         return_text_in_logprobs=True,
         stream=req.stream,
         priority=req.priority,
+        **bootstrap_fields(req),
     )
     created = int(time.time())
     cid = f"cmpl-{uuid.uuid4().hex}"

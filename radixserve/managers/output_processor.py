@@ -5,7 +5,7 @@ and the requests' news into one BatchTokenIDOutput for the detokenizer."""
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Optional
 
 from radixserve.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch
 from radixserve.mem_cache.base_prefix_cache import BasePrefixCache
@@ -31,6 +31,8 @@ class SchedulerOutputProcessor:
         self.allocator = token_to_kv_pool_allocator
         self.send_fn = send_fn
         self.stream_interval = stream_interval
+        # PD prefill server: takes over a request whose prefill is done (PrefillDisaggregation).
+        self.on_disagg_prefilled: Optional[Callable[[Req, int, GenerationBatchResult, int], None]] = None
 
     # ---- results --------------------------------------------------------------------------
     def process_batch_result(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
@@ -51,7 +53,10 @@ class SchedulerOutputProcessor:
                 continue
             if self._is_stale(req):
                 continue
-            if self._append_token(req, next_ids[i], result, i):
+            if req.disagg_kv_sender is not None and self.on_disagg_prefilled is not None:
+                self.on_disagg_prefilled(req, next_ids[i], result, i)  # its KV goes to a decode server
+                continue
+            if self.append_token(req, next_ids[i], result, i):
                 continue
             if id(req) not in decoding:
                 # The prompt enters the tree now, so requests behind it can share it.
@@ -64,7 +69,7 @@ class SchedulerOutputProcessor:
         self.allocator.free_group_begin()
         for i, req in enumerate(batch.reqs):
             if not self._is_stale(req):
-                self._append_token(req, next_ids[i], result, i)
+                self.append_token(req, next_ids[i], result, i)
         self.allocator.free_group_end()
         self.stream_output(batch.reqs)
 
@@ -74,7 +79,7 @@ class SchedulerOutputProcessor:
         seed 001 §2.8.7) or was retracted; its token is dropped."""
         return req.finished() or req.req_pool_idx is None
 
-    def _append_token(self, req: Req, token: int, result: GenerationBatchResult, i: int) -> bool:
+    def append_token(self, req: Req, token: int, result: GenerationBatchResult, i: int) -> bool:
         """Append a sampled token, check the finish conditions; a finished request hands its
         KV to the tree. Returns whether it finished."""
         req.output_ids.append(token)
@@ -88,7 +93,7 @@ class SchedulerOutputProcessor:
                 f"Internal error while processing the sampled token: {type(e).__name__}: {e}",
                 status_code=500, err_type="InternalServerError",
             )
-        self._append_logprobs(req, result, i)
+        self.append_logprobs(req, result, i)
         if not req.finished():
             return False
         req.grammar = None  # release the matcher
@@ -107,7 +112,7 @@ class SchedulerOutputProcessor:
             )
 
     @staticmethod
-    def _append_logprobs(req: Req, result: GenerationBatchResult, i: int) -> None:
+    def append_logprobs(req: Req, result: GenerationBatchResult, i: int) -> None:
         if not req.return_logprob or result.next_token_logprobs is None:
             return
         req.output_token_logprobs_val.append(float(result.next_token_logprobs[i]))

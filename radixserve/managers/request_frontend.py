@@ -86,6 +86,19 @@ def is_single(obj: GenerateReqInput) -> bool:
     )
 
 
+def check_bootstrap(host: Any, port: Any, room: Any) -> None:
+    """PD disaggregation fields (sglang-router sets them): all absent, or a host, a port (or
+    null: the default) and a room."""
+    if host is None and port is None and room is None:
+        return
+    if not isinstance(host, str) or not host or unicode_error(host, "bootstrap_host") is not None:
+        raise RequestError("bootstrap_host must be a non-empty string when bootstrap_port or bootstrap_room is given.")
+    if port is not None and (not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535):
+        raise RequestError("bootstrap_port must be an integer in [1, 65535].")
+    if not isinstance(room, int) or isinstance(room, bool) or not 0 <= room < 2**64:
+        raise RequestError("bootstrap_room must be an integer in [0, 2**64).")
+
+
 class RequestFrontend:
     def __init__(self, tokenizer: Any, context_len: int, vocab_size: int,
                  sampling_defaults: Optional[Dict[str, Any]] = None):
@@ -195,6 +208,10 @@ class RequestFrontend:
         if not all(isinstance(x, bool) for x in return_logprobs):
             raise RequestError("return_logprob must be true or false (a list of them, one per prompt, for a batch).")
         self._check_logprob_args(obj)
+        bootstraps = list(zip(*(per_prompt(getattr(obj, f"bootstrap_{k}"), f"bootstrap_{k}", None)
+                                for k in ("host", "port", "room"))))
+        for bootstrap in bootstraps:
+            check_bootstrap(*bootstrap)
         session_id = None
         if obj.session_params is not None:
             if is_batch:
@@ -208,7 +225,7 @@ class RequestFrontend:
         reqs: List[TokenizedGenerateReqInput] = []
         parents: Dict[str, str] = {}
         batch_rids: set = set()  # two outputs of one batch could not share one request state
-        for text, ids, sp_dict, rid, ret_lp in zip(texts, ids_list, sp_dicts, rids, return_logprobs):
+        for text, ids, sp_dict, rid, ret_lp, bootstrap in zip(texts, ids_list, sp_dicts, rids, return_logprobs, bootstraps):
             error = input_ids_error(ids, self.context_len, self.vocab_size)
             if error is not None:
                 raise RequestError(error)
@@ -221,6 +238,8 @@ class RequestFrontend:
             n = sp.n
             if n > 1 and session_id is not None:
                 raise RequestError("n > 1 cannot continue a session.")
+            if n > 1 and bootstrap[2] is not None:
+                raise RequestError("n > 1 is not supported with PD disaggregation (one bootstrap_room per sample).")
             base = rid or uuid.uuid4().hex
             for j in range(n):
                 sub_rid = base if n == 1 else f"{base}-{j}"
@@ -234,6 +253,7 @@ class RequestFrontend:
                     dataclasses.replace(sp, n=1, sampling_seed=sample_seed(sp.sampling_seed, j)) if n > 1 else sp,
                     return_logprob=bool(ret_lp), logprob_start_len=obj.logprob_start_len,
                     top_logprobs_num=obj.top_logprobs_num, stream=bool(obj.stream), priority=obj.priority,
+                    bootstrap_host=bootstrap[0], bootstrap_port=bootstrap[1], bootstrap_room=bootstrap[2],
                 ))
                 if n > 1:
                     parents[sub_rid] = base
@@ -311,8 +331,9 @@ class RequestFrontend:
         if state.return_logprob:
             lp, with_text = state.logprobs, state.return_text_in_logprobs
             meta["output_token_logprobs"] = self._logprob_triples(lp["output_token_logprobs_val"], lp["output_token_logprobs_idx"], with_text)
-            if lp["input_token_logprobs_idx"]:
-                meta["input_token_logprobs"] = self._logprob_triples(lp["input_token_logprobs_val"], lp["input_token_logprobs_idx"], with_text)
+            # Always present (empty without logprob_start_len): sglang-router puts a PD prefill
+            # server's input logprobs in front of the decode server's list.
+            meta["input_token_logprobs"] = self._logprob_triples(lp["input_token_logprobs_val"], lp["input_token_logprobs_idx"], with_text)
             if state.top_logprobs_num > 0:
                 meta["output_top_logprobs"] = [
                     self._logprob_triples(v, ix, with_text)

@@ -115,6 +115,9 @@ class Req:
         vocab_size: Optional[int] = None,
         tokenizer: Any = None,
         arrival_time: Optional[float] = None,
+        bootstrap_host: Optional[str] = None,
+        bootstrap_port: Optional[int] = None,
+        bootstrap_room: Optional[int] = None,
     ):
         self.rid = rid
         self.origin_input_text = origin_input_text
@@ -169,6 +172,14 @@ class Req:
         self.output_top_logprobs_val: List[List[float]] = []
         self.output_top_logprobs_idx: List[List[int]] = []
 
+        # PD disaggregation (seed 001 §8): where the prefill server's handshake socket is and the
+        # request's room there; on the prefill server, the request's KVSender.
+        self.bootstrap_host = bootstrap_host
+        self.bootstrap_port = bootstrap_port
+        self.bootstrap_room = bootstrap_room
+        self.disagg_kv_sender: Any = None
+        self.disagg_queued_at = 0.0
+
     @classmethod
     def from_tokenized(cls, recv: Any, eos_token_ids: Iterable[int], vocab_size: int, tokenizer: Any) -> "Req":
         """The scheduler's Req for a TokenizedGenerateReqInput."""
@@ -177,6 +188,7 @@ class Req:
             return_logprob=recv.return_logprob, top_logprobs_num=recv.top_logprobs_num,
             logprob_start_len=recv.logprob_start_len, stream=recv.stream, priority=recv.priority,
             eos_token_ids=set(eos_token_ids), vocab_size=vocab_size, tokenizer=tokenizer,
+            bootstrap_host=recv.bootstrap_host, bootstrap_port=recv.bootstrap_port, bootstrap_room=recv.bootstrap_room,
         )
 
     # ---- state ---------------------------------------------------------------------------

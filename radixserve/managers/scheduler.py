@@ -16,16 +16,23 @@ import logging
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+import torch
+
 from radixserve.constrained.factory import create_grammar_backend
+from radixserve.disaggregation.conn import KVManager
+from radixserve.disaggregation.transfer import create_transfer_backend
+from radixserve.disaggregation.utils import DisaggregationMode, local_ip
 from radixserve.distributed.parallel_state import broadcast_pyobj, destroy_distributed_environment
 from radixserve.hf_transformers_utils import get_tokenizer, resolve_model_path
+from radixserve.managers.disagg_decode import DecodeDisaggregation, prepare_for_prebuilt
+from radixserve.managers.disagg_prefill import PrefillDisaggregation
 from radixserve.managers.grammar import GrammarQueue
 from radixserve.managers.output_processor import SchedulerOutputProcessor
 from radixserve.managers.overlap import TpModelWorkerClient
 from radixserve.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch
 from radixserve.managers.schedule_policy import NewTokenRatio, PrefillAdder, SchedulePolicy
 from radixserve.managers.scheduler_stats import SchedulerStats
-from radixserve.mem_cache.base_prefix_cache import BasePrefixCache, check_pools_idle
+from radixserve.mem_cache.base_prefix_cache import BasePrefixCache, MemoryLeakError, check_pools_idle
 from radixserve.mem_cache.chunk_cache import ChunkCache
 from radixserve.mem_cache.radix_cache import RadixCache
 from radixserve.model_executor.tp_worker import GenerationBatchResult, TpModelWorker
@@ -34,6 +41,7 @@ from radixserve.protocol import (
     AbortReq, BatchTokenizedGenerateReqInput, FlushCacheReqInput, FlushCacheReqOutput, GetInternalStateReq,
     GetInternalStateReqOutput, TokenizedGenerateReqInput,
 )
+from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
 from radixserve.sampling_params import input_ids_error
 from radixserve.server_args import ServerArgs
 from radixserve.utils import TypeBasedDispatcher
@@ -100,6 +108,7 @@ class Scheduler:
         self.chunked_req: Optional[Req] = None
         self.forward_ct = 0
         self.new_token_ratio = NewTokenRatio(args.schedule_conservativeness)
+        self._init_disaggregation()
 
         self._dispatcher = TypeBasedDispatcher([
             (TokenizedGenerateReqInput, self.handle_generate_request),
@@ -110,6 +119,29 @@ class Scheduler:
         ])
         logger.info("Scheduler ready: max_total_num_tokens=%d, max_running_requests=%d, context_len=%d, page_size=%d",
                     self.max_total_num_tokens, self.max_running_requests, self.context_len, self.page_size)
+
+    def _init_disaggregation(self) -> None:
+        """PD disaggregation (seed 001 §8): the prefill server's bootstrap and inflight queues,
+        or the decode server's prealloc and transfer queues, over one KVManager."""
+        args = self.server_args
+        self.disaggregation_mode = DisaggregationMode(args.disaggregation_mode)
+        self.disagg_prefill: Optional[PrefillDisaggregation] = None
+        self.disagg_decode: Optional[DecodeDisaggregation] = None
+        self.kv_manager: Optional[KVManager] = None
+        if self.disaggregation_mode == DisaggregationMode.NULL:
+            return
+        kv_pool = self.tp_worker.model_runner.token_to_kv_pool
+        backend = create_transfer_backend(args.disaggregation_transfer_backend, kv_pool, local_ip(args.host))
+        self.kv_manager = KVManager(self.disaggregation_mode, backend, args.host,
+                                    args.disaggregation_bootstrap_port, args.disaggregation_timeout)
+        if self.disaggregation_mode == DisaggregationMode.PREFILL:
+            self.disagg_prefill = PrefillDisaggregation(
+                self.kv_manager, self.tree_cache, self.req_to_token_pool.req_to_token, self.output_processor,
+                args.disaggregation_timeout)
+        else:
+            self.disagg_decode = DecodeDisaggregation(
+                self.kv_manager, self.req_to_token_pool, self.token_to_kv_pool_allocator, self.tree_cache,
+                self.output_processor, args.disaggregation_timeout)
 
     def _make_tree_cache(self) -> BasePrefixCache:
         args = self.server_args
@@ -128,7 +160,10 @@ class Scheduler:
     # ---- the loop (seed 001 §2): run_scheduler_process and the Engine call these ----------------
     def run_step(self) -> Optional[ScheduleBatch]:
         """One loop iteration after intake. Returns the batch launched."""
-        return self.run_step_overlap() if self.enable_overlap else self.run_step_normal()
+        batch = self.run_step_overlap() if self.enable_overlap else self.run_step_normal()
+        if self.server_args.test_check_memory:
+            self.check_slot_conservation()
+        return batch
 
     def run_step_normal(self) -> Optional[ScheduleBatch]:
         """An iteration of SGLang's event_loop_normal: schedule, run, process, one batch at a time."""
@@ -203,6 +238,13 @@ class Scheduler:
             not self.running_batch.is_empty() or self.chunked_req is not None or last_prefill_to_merge
         )
 
+    def waiting_on_peer(self) -> bool:
+        """PD: requests wait for the other server (handshake, KV transfer), not for a forward.
+        The loop then polls often (the news comes on the KVManager's thread) and the watchdog
+        leaves it alone (--disaggregation-timeout bounds the wait)."""
+        return bool(self.disagg_prefill is not None and len(self.disagg_prefill)) or bool(
+            self.disagg_decode is not None and len(self.disagg_decode))
+
     def get_stats(self) -> SchedulerStats:
         """A snapshot of the counters (the forward thread's busy time filled in)."""
         busy = self.forward_thread.busy_s if self.forward_thread is not None else 0.0
@@ -211,6 +253,8 @@ class Scheduler:
     def shutdown(self) -> None:
         if self.overlap_worker is not None:
             self.overlap_worker.close()
+        if self.kv_manager is not None:
+            self.kv_manager.close()
         self.grammar_queue.shutdown()
         if self.tp_size > 1:
             destroy_distributed_environment()
@@ -255,6 +299,15 @@ class Scheduler:
             err_type = "BadRequestError" if status == 400 else "ServiceUnavailable"
             self.output_processor.finish(req, FINISH_ABORT(message, status_code=status, err_type=err_type))
         elif self.grammar_queue.admit(req):
+            self._enqueue(req)
+
+    def _enqueue(self, req: Req) -> None:
+        """A request ready to schedule: PD requests first wait for the other server."""
+        if req.bootstrap_room is not None and self.disagg_prefill is not None:
+            self.disagg_prefill.add(req)
+        elif req.bootstrap_room is not None and self.disagg_decode is not None:
+            self.disagg_decode.add(req)
+        else:
             self.waiting_queue.append(req)
 
     def _validate_request(self, req: Req) -> Optional[Tuple[str, int]]:
@@ -294,7 +347,10 @@ class Scheduler:
             else:
                 self.tree_cache.cache_unfinished_req(self.chunked_req, chunked=True)
 
-        # 2. Merge the last prefill batch into the running batch.
+        # 2. Merge the last prefill batch into the running batch (PD prefill: not the requests
+        # whose KV is on its way to a decode server).
+        if self.disagg_prefill is not None:
+            chunked_to_exclude += self.disagg_prefill.inflight_queue
         if self.last_batch is not None and self.last_batch.forward_mode.is_extend():
             self.last_batch.filter_batch(chunked_req_to_exclude=chunked_to_exclude)
             if not self.last_batch.is_empty():
@@ -303,12 +359,14 @@ class Scheduler:
                 else:
                     self.running_batch.merge_batch(self.last_batch)
 
+        self._process_disagg_queues()
         if self.running_batch.is_empty():  # nothing left whose end would clear a "full" mark
             self.running_batch.batch_is_full = False
 
         # 3. Prefill first; 4. otherwise decode.
         idle = not self.waiting_queue and self.running_batch.is_empty() and self.chunked_req is None and not self._results_pending()
-        self.waiting_queue += self.grammar_queue.pop_ready(scheduler_idle=idle)
+        for req in self.grammar_queue.pop_ready(scheduler_idle=idle):
+            self._enqueue(req)
         new_batch = self.get_new_batch_prefill()
         if new_batch is not None:
             return new_batch
@@ -316,6 +374,33 @@ class Scheduler:
             return None
         self.running_batch = self.update_running_batch(self.running_batch)
         return None if self.running_batch.is_empty() else self.running_batch
+
+    def _process_disagg_queues(self) -> None:
+        """PD prefill: bootstrapped requests join the waiting queue, finished transfers end.
+        PD decode: arrived requests join the running batch, new ones get their slots."""
+        if self.disagg_prefill is not None:
+            self.disagg_prefill.process_inflight_queue()
+            self.waiting_queue += self.disagg_prefill.pop_bootstrapped()
+        if self.disagg_decode is not None:
+            arrived = self.disagg_decode.process_queues(self.running_batch, self.max_running_requests, self.new_token_ratio.value)
+            if arrived:
+                self._merge_prebuilt(*map(list, zip(*arrived)))
+
+    def _merge_prebuilt(self, reqs: List[Req], first_tokens: List[Any]) -> None:
+        """Transferred requests: their first token is processed like a prefill's result
+        (finish checks, grammar, streaming), then the rest join the running batch."""
+        batch = self._new_batch(reqs)
+        result = prepare_for_prebuilt(batch, first_tokens)
+        self.output_processor.process_batch_result_decode(batch, result)
+        batch.output_ids = result.next_token_ids
+        batch.filter_batch()
+        if batch.is_empty():
+            return
+        batch.sampling_info = SamplingBatchInfo.from_reqs(batch.reqs, self.vocab_size, self.device)
+        if self.running_batch.is_empty():
+            self.running_batch = batch
+        else:
+            self.running_batch.merge_batch(batch)
 
     def get_num_allocatable_reqs(self, running_bs: int) -> int:
         limit = self.max_running_requests - running_bs
@@ -424,6 +509,9 @@ class Scheduler:
             return recv.abort_all or r.rid == recv.rid
 
         message = "Aborted by AbortReq."
+        for disagg in (self.disagg_prefill, self.disagg_decode):
+            if disagg is not None:
+                disagg.abort(match, message)
         queued = [r for r in self.waiting_queue if match(r)] + self.grammar_queue.remove(match)
         self.waiting_queue = [r for r in self.waiting_queue if not match(r)]
         for r in queued:  # holds no KV: finish now
@@ -449,7 +537,7 @@ class Scheduler:
         self.output_processor.finish(req, reason)
 
     def flush_cache(self) -> bool:
-        if self.has_work():
+        if self.has_work() or self.waiting_on_peer():
             logger.warning("Cache not flushed because there are pending requests.")
             return False
         self.tree_cache.reset()
@@ -477,6 +565,8 @@ class Scheduler:
             num_waiting_reqs=len(self.waiting_queue),
             num_grammar_queue_reqs=len(self.grammar_queue),
             num_running_reqs=self.running_batch.batch_size(),
+            disaggregation_mode=self.disaggregation_mode.value,
+            num_disagg_queue_reqs=len(self.disagg_prefill or self.disagg_decode or ()),
             available_tokens=self.token_to_kv_pool_allocator.available_size(),
             evictable_tokens=self.tree_cache.evictable_size(),
             protected_tokens=self.tree_cache.protected_size(),
@@ -485,9 +575,32 @@ class Scheduler:
     # ---- invariants ---------------------------------------------------------------------------------
     def self_check_during_idle(self) -> None:
         """With nothing running, every slot is free or in the tree and no node is locked."""
-        if self.running_batch.is_empty() and self.chunked_req is None:
+        if self.running_batch.is_empty() and self.chunked_req is None and not self.waiting_on_peer():
             self.check_memory()
 
     def check_memory(self) -> None:
         """Raises MemoryLeakError (which ends the process) if a slot or a row was lost."""
         check_pools_idle(self.tree_cache, self.token_to_kv_pool_allocator, self.req_to_token_pool, self.max_total_num_tokens)
+
+    def check_slot_conservation(self) -> None:
+        """--test-check-memory, after every step: each KV page is free, in the prefix tree, or
+        held by a live request (running, chunked, or in a PD queue), and never both free and held."""
+        ps = self.page_size
+        allocator = self.token_to_kv_pool_allocator
+        live = list(self.running_batch.reqs) + ([self.chunked_req] if self.chunked_req is not None else [])
+        if self.last_batch is not None:
+            live += self.last_batch.reqs
+        for disagg in (self.disagg_prefill, self.disagg_decode):
+            if disagg is not None:
+                live += disagg.live_reqs()
+        rows = self.req_to_token_pool.req_to_token
+        held = [self.tree_cache.all_values_flatten().to(torch.int64)]
+        held += [rows[r.req_pool_idx, : r.kv_committed_len].to(torch.int64) for r in live
+                 if r.req_pool_idx is not None and not r.finished()]
+        used = torch.zeros(allocator.num_pages + 1, dtype=torch.bool)
+        used[torch.cat(held) // ps] = True
+        free = allocator.is_free
+        both = (used & free).nonzero().flatten()[:4].tolist()
+        lost = (~used & ~free)[1:].nonzero().flatten()[:4]
+        if both or lost.numel():
+            raise MemoryLeakError(f"KV pages both free and in use: {both}; pages neither free nor held: {(lost + 1).tolist()}")

@@ -31,6 +31,7 @@ from radixserve.server_args import PortArgs, ServerArgs
 logger = logging.getLogger("radixserve.scheduler")
 
 IDLE_POLL_MS = 500  # how long an idle loop blocks on the socket before looking around again
+PEER_POLL_MS = 2  # how long the loop blocks while PD requests wait for the other server
 HEARTBEAT_INTERVAL_S = 1.0  # rank 0 tells the TokenizerManager it is alive this often
 
 
@@ -224,7 +225,8 @@ def run_scheduler_process(
                         last_load = load
             if poller is not None and batch is None and not scheduler.has_work():
                 # Idle: block until a message arrives. Other TP ranks wait in the broadcast.
-                poller.poll(IDLE_POLL_MS)
+                # PD: a handshake or a transfer can end any moment (on the KVManager's thread).
+                poller.poll(PEER_POLL_MS if scheduler.waiting_on_peer() else IDLE_POLL_MS)
     except Exception:
         logger.error("Scheduler hit an exception:\n%s", traceback.format_exc())
         sys.stderr.flush()
