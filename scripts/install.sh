@@ -22,6 +22,27 @@ if [ "$TEST" = 1 ]; then
     "$PY" -m pip install -q "triton>=3.2"
   fi
   "$PY" -m pip install -q -e ".[test]"
+
+  # Mooncake (the PD tests' transfer backend; Linux wheels only) loads Debian's RDMA, NUMA and
+  # curl libraries when imported. Install the missing ones where we may; else say which.
+  LDCONFIG=$(command -v ldconfig || echo /sbin/ldconfig)
+  if [ "$(uname -s)" = Linux ] && [ -x "$LDCONFIG" ]; then
+    have=$("$LDCONFIG" -p 2>/dev/null || true)
+    missing=()
+    for lib in libibverbs.so.1:libibverbs1 librdmacm.so.1:librdmacm1 libnuma.so.1:libnuma1 libcurl.so.4:libcurl4; do
+      grep -qF "${lib%%:*} " <<<"$have" || missing+=("${lib#*:}")
+    done
+    if [ ${#missing[@]} -gt 0 ]; then
+      if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get install -y -q "${missing[@]}" >/dev/null 2>&1 ||
+          { apt-get update -q >/dev/null && apt-get install -y -q "${missing[@]}" >/dev/null; } ||
+          echo "install.sh: could not apt-get install ${missing[*]}; the mooncake PD tests will fail" >&2
+      else
+        echo "install.sh: missing ${missing[*]} (as root: apt-get install ${missing[*]}); the mooncake PD tests will fail" >&2
+      fi
+    fi
+  fi
 else
   "$PY" -m pip install -q -e .
 fi

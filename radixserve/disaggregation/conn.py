@@ -161,6 +161,11 @@ class KVManager:
         if isinstance(msg, KVPing):
             self._send_to_decode(identity, KVPong())
         elif isinstance(msg, KVPreallocInfo):
+            if msg.kv_args.backend != self.kv_args.backend:
+                self._send_to_decode(identity, KVAbort(msg.room, (
+                    f"the prefill server uses --disaggregation-transfer-backend {self.kv_args.backend}, "
+                    f"the decode server {msg.kv_args.backend}; use the same on both")))
+                return
             if msg.kv_args.layout() != self.kv_args.layout():
                 self._send_to_decode(identity, KVAbort(msg.room, (
                     f"the prefill and decode servers' KV caches differ: (layers, kv heads, head dim, dtype) "
@@ -181,10 +186,9 @@ class KVManager:
                 self._send_to_decode(peer.identity, KVAbort(room, cmd[2]))
         elif kind == "prealloc":
             self._send_prealloc(poller, room, *cmd[2:])
-        elif kind == "abort":
-            entry = self.inflight.pop(room, None)
-            if entry is not None and entry.peer in self.dealers:
-                self.dealers[entry.peer].send_multipart(encode_message(KVAbort(room, cmd[2])))
+        elif kind == "abort":  # decode side: tell the prefill server, whether or not slots were sent
+            self.inflight.pop(room, None)
+            self._dealer(poller, cmd[3]).send_multipart(encode_message(KVAbort(room, cmd[2])))
 
     def _transfer(self, room: int, src_slots: torch.Tensor, input_ids_hash: int, first_token: FirstToken) -> None:
         peer = self.peers.pop(room, None)
@@ -328,7 +332,7 @@ class KVReceiver:
         return self.mgr.failed.get(self.room, "")
 
     def abort(self, message: str) -> None:
-        self.mgr.command("abort", self.room, message)
+        self.mgr.command("abort", self.room, message, self.peer)
 
     def clear(self) -> None:
         self.mgr.failed.pop(self.room, None)

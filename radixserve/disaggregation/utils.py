@@ -39,6 +39,7 @@ class KVArgs:
     head_dim: int
     dtype: str
     slot_bytes: int  # bytes of one token's K (or V) in one layer
+    backend: str = "fake"  # --disaggregation-transfer-backend (both sides must agree)
     session_id: str = ""
     k_ptrs: List[int] = field(default_factory=list)
     v_ptrs: List[int] = field(default_factory=list)

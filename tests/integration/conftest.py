@@ -60,7 +60,10 @@ def assert_children_gone(pids: List[int], timeout: float = 10) -> None:
 
 
 class ServerProcess:
-    def __init__(self, *args: str, api_key: Optional[str] = None):
+    """`radixserve serve` on a free port; with wait=False, call wait_healthy() later (servers
+    that start side by side)."""
+
+    def __init__(self, *args: str, api_key: Optional[str] = None, wait: bool = True):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -70,6 +73,10 @@ class ServerProcess:
             cmd += ["--api-key", api_key]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        if wait:
+            self.wait_healthy()
+
+    def wait_healthy(self) -> None:
         self._wait_healthy()
         self.children = child_pids(self.proc.pid)
         m = re.search(r"IPC sockets in (\S+)", self.read_log())

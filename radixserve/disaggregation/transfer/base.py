@@ -15,6 +15,8 @@ class KVTransferBackend:
     returns the K and V tensors, which travel with the KVTransferDone message and are stored by
     the peer's `receive`."""
 
+    name = ""
+
     def __init__(self, kv_pool: Any):
         self.kv_pool = kv_pool
         k0 = kv_pool.k_buffer[0]
@@ -22,7 +24,7 @@ class KVTransferBackend:
 
     def kv_args(self) -> KVArgs:
         p = self.kv_pool
-        return KVArgs(p.layer_num, p.head_num, p.head_dim, str(p.dtype), self.slot_bytes)
+        return KVArgs(p.layer_num, p.head_num, p.head_dim, str(p.dtype), self.slot_bytes, backend=self.name)
 
     def write(self, peer: KVArgs, src: torch.Tensor, dst: torch.Tensor) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         raise NotImplementedError

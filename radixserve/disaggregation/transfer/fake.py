@@ -13,6 +13,8 @@ from radixserve.disaggregation.utils import KVArgs
 
 
 class FakeTransferBackend(KVTransferBackend):
+    name = "fake"
+
     def write(self, peer: KVArgs, src: torch.Tensor, dst: torch.Tensor) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         p = self.kv_pool
         src = src.to(p.k_buffer[0].device)

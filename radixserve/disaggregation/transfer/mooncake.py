@@ -4,7 +4,7 @@ side writes straight into the decode side's preallocated slots, one transfer per
 that is contiguous on both sides. Protocol "tcp" here; the same engine does RDMA on GPU clusters.
 
 Install: `pip install mooncake-transfer-engine-non-cuda` (and on Debian `apt-get install
-libibverbs1 librdmacm1 libnuma1`), or `mooncake-transfer-engine` on CUDA machines."""
+libibverbs1 librdmacm1 libnuma1 libcurl4`), or `mooncake-transfer-engine` on CUDA machines."""
 
 from __future__ import annotations
 
@@ -17,12 +17,14 @@ from radixserve.disaggregation.utils import KVArgs, contiguous_runs
 
 INSTALL_HINT = (
     "the mooncake transfer backend needs Mooncake: pip install mooncake-transfer-engine-non-cuda "
-    "(Debian also needs: apt-get install libibverbs1 librdmacm1 libnuma1), "
+    "(Debian also needs: apt-get install libibverbs1 librdmacm1 libnuma1 libcurl4), "
     "or use --disaggregation-transfer-backend fake"
 )
 
 
 class MooncakeTransferBackend(KVTransferBackend):
+    name = "mooncake"
+
     def __init__(self, kv_pool: Any, host: str):
         super().__init__(kv_pool)
         try:
