@@ -258,6 +258,16 @@ def wait_for(cond, timeout: float = 30, what: str = "") -> None:
         time.sleep(0.1)
 
 
+def generated_tokens(servers: List[ServerProcess]) -> float:
+    """Output tokens of the requests the servers finished (aborted ones are not counted)."""
+    total = 0.0
+    for srv in servers:
+        for line in httpx.get(srv.url + "/metrics", timeout=10).text.splitlines():
+            if line.startswith("radixserve:generation_tokens_total"):
+                total += float(line.split()[-1])
+    return total
+
+
 def assert_all_slots_free(srv: ServerProcess) -> None:
     """Idle, then after a flush every KV slot is free again."""
     wait_for(lambda: (lambda s: s["num_running_reqs"] + s["num_waiting_reqs"] + s["num_disagg_queue_reqs"] == 0)(pd_state(srv)),
@@ -303,7 +313,9 @@ def test_abort_while_decoding_and_client_disconnect(pd):
         httpx.post(srv.url + "/abort_request", json={"rid": "pd-abort-running"}, timeout=10)
     t.join(30)
     assert json.loads(events[-2])["meta_info"]["finish_reason"]["type"] == "abort"
-    # A client that goes away mid-stream: the decode server aborts its request.
+    # A client that goes away mid-stream: the decode server ends its request long before its
+    # 1000 tokens (the router closes its own connection; the decode server notices).
+    generated_before = generated_tokens(pd.decodes)
     with httpx.stream("POST", pd.router.url + "/generate", timeout=60,
                       json={**body, "rid": "pd-disconnect", "stream": True}) as r:
         for i, _ in enumerate(r.iter_lines()):
@@ -311,6 +323,7 @@ def test_abort_while_decoding_and_client_disconnect(pd):
                 break
     for srv in pd.servers():
         assert_all_slots_free(srv)
+    assert generated_tokens(pd.decodes) - generated_before < 1000
     assert decode.proc.poll() is None
 
 
