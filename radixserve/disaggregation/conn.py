@@ -69,6 +69,7 @@ class KVManager:
         self.failed: Dict[int, str] = {}
         self.done: Dict[int, FirstToken] = {}
         self.peers: Dict[int, _Prealloc] = {}  # prefill: decode slots per room
+        self.aborted: Dict[int, Tuple[str, float]] = {}  # prefill: rooms ended before their slots came
         self.sending: Dict[int, float] = {}  # prefill: rooms handed to the thread
         self.inflight: Dict[int, _Inflight] = {}  # decode: rooms waiting for their KV
 
@@ -171,6 +172,9 @@ class KVManager:
                     f"the prefill and decode servers' KV caches differ: (layers, kv heads, head dim, dtype) "
                     f"{self.kv_args.layout()} vs {msg.kv_args.layout()}; serve the same model with the same --dtype")))
                 return
+            if msg.room in self.aborted:  # the request ended here before the decode side was ready
+                self._send_to_decode(identity, KVAbort(msg.room, self.aborted.pop(msg.room)[0]))
+                return
             self.peers[msg.room] = _Prealloc(identity, msg, time.monotonic())
         elif isinstance(msg, KVAbort):
             self.failed[msg.room] = msg.message
@@ -184,6 +188,8 @@ class KVManager:
             peer = self.peers.pop(room, None)
             if peer is not None:
                 self._send_to_decode(peer.identity, KVAbort(room, cmd[2]))
+            else:
+                self.aborted[room] = (cmd[2], time.monotonic())
         elif kind == "prealloc":
             self._send_prealloc(poller, room, *cmd[2:])
         elif kind == "abort":  # decode side: tell the prefill server, whether or not slots were sent
@@ -211,6 +217,9 @@ class KVManager:
     def _gc_stale_peers(self) -> None:
         """Slots a decode server reserved for a request this server never got: release them."""
         now = time.monotonic()
+        for room, (_, at) in list(self.aborted.items()):
+            if now - at > self.timeout:
+                del self.aborted[room]
         for room, peer in list(self.peers.items()):
             if now - peer.arrived > self.timeout and room not in self.sending:
                 del self.peers[room]

@@ -159,3 +159,17 @@ def test_slot_conservation_check_catches_a_lost_and_a_double_held_page():
     sched.token_to_kv_pool_allocator.is_free[cached] = True  # a cached page also marked free
     with pytest.raises(MemoryLeakError, match="both free and in use"):
         sched.check_slot_conservation()
+
+
+def test_a_prefill_abort_reaches_a_decode_server_that_preallocates_later():
+    p, d, _, port = managers("fake", "fake", pool(fill=False))
+    try:
+        KVSender(p, 10).abort("aborted on the prefill server")  # before the decode side is ready
+        receiver = KVReceiver(d, "127.0.0.1", port, 10)
+        time.sleep(0.3)
+        receiver.init(torch.arange(1, 4), [1, 2, 3])
+        wait_state(receiver, KVPoll.Failed)
+        assert receiver.failure() == "aborted on the prefill server"
+    finally:
+        p.close()
+        d.close()
