@@ -29,6 +29,7 @@ from radixserve.mem_cache.base_prefix_cache import BasePrefixCache
 from radixserve.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from radixserve.model_executor.forward_batch import ForwardMode
 from radixserve.model_executor.tp_worker import GenerationBatchResult
+from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
 
 DEFAULT_BOOTSTRAP_PORT = 8998  # sglang-router sends bootstrap_port null for a prefill URL without one
 
@@ -175,6 +176,23 @@ class DecodeDisaggregation:
 
     def live_reqs(self) -> List[Req]:
         return [d.req for d in self.transfer_queue.queue]
+
+    def merge_prebuilt(self, arrived: List[Tuple[Req, FirstToken]], new_batch: Callable[[List[Req]], ScheduleBatch],
+                       running_batch: ScheduleBatch) -> ScheduleBatch:
+        """Arrived requests: their first token is processed like a prefill's result (finish
+        checks, grammar, streaming), then the unfinished ones join the running batch."""
+        batch = new_batch([r for r, _ in arrived])
+        result = prepare_for_prebuilt(batch, [t for _, t in arrived])
+        self.output_processor.process_batch_result_decode(batch, result)
+        batch.output_ids = result.next_token_ids
+        batch.filter_batch()
+        if batch.is_empty():
+            return running_batch
+        batch.sampling_info = SamplingBatchInfo.from_reqs(batch.reqs, batch.vocab_size, batch.device)
+        if running_batch.is_empty():
+            return batch
+        running_batch.merge_batch(batch)
+        return running_batch
 
 
 def prepare_for_prebuilt(batch: ScheduleBatch, first_tokens: List[FirstToken]) -> GenerationBatchResult:

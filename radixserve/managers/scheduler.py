@@ -16,15 +16,13 @@ import logging
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-import torch
-
 from radixserve.constrained.factory import create_grammar_backend
 from radixserve.disaggregation.conn import KVManager
 from radixserve.disaggregation.transfer import create_transfer_backend
 from radixserve.disaggregation.utils import DisaggregationMode, local_ip
 from radixserve.distributed.parallel_state import broadcast_pyobj, destroy_distributed_environment
 from radixserve.hf_transformers_utils import get_tokenizer, resolve_model_path
-from radixserve.managers.disagg_decode import DecodeDisaggregation, prepare_for_prebuilt
+from radixserve.managers.disagg_decode import DecodeDisaggregation
 from radixserve.managers.disagg_prefill import PrefillDisaggregation
 from radixserve.managers.grammar import GrammarQueue
 from radixserve.managers.output_processor import SchedulerOutputProcessor
@@ -32,7 +30,7 @@ from radixserve.managers.overlap import TpModelWorkerClient
 from radixserve.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch
 from radixserve.managers.schedule_policy import NewTokenRatio, PrefillAdder, SchedulePolicy
 from radixserve.managers.scheduler_stats import SchedulerStats
-from radixserve.mem_cache.base_prefix_cache import BasePrefixCache, MemoryLeakError, check_pools_idle
+from radixserve.mem_cache.base_prefix_cache import BasePrefixCache, check_pages_conserved, check_pools_idle
 from radixserve.mem_cache.chunk_cache import ChunkCache
 from radixserve.mem_cache.radix_cache import RadixCache
 from radixserve.model_executor.tp_worker import GenerationBatchResult, TpModelWorker
@@ -41,7 +39,6 @@ from radixserve.protocol import (
     AbortReq, BatchTokenizedGenerateReqInput, FlushCacheReqInput, FlushCacheReqOutput, GetInternalStateReq,
     GetInternalStateReqOutput, TokenizedGenerateReqInput,
 )
-from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
 from radixserve.sampling_params import input_ids_error
 from radixserve.server_args import ServerArgs
 from radixserve.utils import TypeBasedDispatcher
@@ -242,8 +239,7 @@ class Scheduler:
         """PD: requests wait for the other server (handshake, KV transfer), not for a forward.
         The loop then polls often (the news comes on the KVManager's thread) and the watchdog
         leaves it alone (--disaggregation-timeout bounds the wait)."""
-        return bool(self.disagg_prefill is not None and len(self.disagg_prefill)) or bool(
-            self.disagg_decode is not None and len(self.disagg_decode))
+        return any(d is not None and len(d) > 0 for d in (self.disagg_prefill, self.disagg_decode))
 
     def get_stats(self) -> SchedulerStats:
         """A snapshot of the counters (the forward thread's busy time filled in)."""
@@ -384,23 +380,7 @@ class Scheduler:
         if self.disagg_decode is not None:
             arrived = self.disagg_decode.process_queues(self.running_batch, self.max_running_requests, self.new_token_ratio.value)
             if arrived:
-                self._merge_prebuilt(*map(list, zip(*arrived)))
-
-    def _merge_prebuilt(self, reqs: List[Req], first_tokens: List[Any]) -> None:
-        """Transferred requests: their first token is processed like a prefill's result
-        (finish checks, grammar, streaming), then the rest join the running batch."""
-        batch = self._new_batch(reqs)
-        result = prepare_for_prebuilt(batch, first_tokens)
-        self.output_processor.process_batch_result_decode(batch, result)
-        batch.output_ids = result.next_token_ids
-        batch.filter_batch()
-        if batch.is_empty():
-            return
-        batch.sampling_info = SamplingBatchInfo.from_reqs(batch.reqs, self.vocab_size, self.device)
-        if self.running_batch.is_empty():
-            self.running_batch = batch
-        else:
-            self.running_batch.merge_batch(batch)
+                self.running_batch = self.disagg_decode.merge_prebuilt(arrived, self._new_batch, self.running_batch)
 
     def get_num_allocatable_reqs(self, running_bs: int) -> int:
         limit = self.max_running_requests - running_bs
@@ -583,24 +563,12 @@ class Scheduler:
         check_pools_idle(self.tree_cache, self.token_to_kv_pool_allocator, self.req_to_token_pool, self.max_total_num_tokens)
 
     def check_slot_conservation(self) -> None:
-        """--test-check-memory, after every step: each KV page is free, in the prefix tree, or
-        held by a live request (running, chunked, or in a PD queue), and never both free and held."""
-        ps = self.page_size
-        allocator = self.token_to_kv_pool_allocator
+        """--test-check-memory, after every step (see check_pages_conserved)."""
         live = list(self.running_batch.reqs) + ([self.chunked_req] if self.chunked_req is not None else [])
         if self.last_batch is not None:
             live += self.last_batch.reqs
         for disagg in (self.disagg_prefill, self.disagg_decode):
             if disagg is not None:
                 live += disagg.live_reqs()
-        rows = self.req_to_token_pool.req_to_token
-        held = [self.tree_cache.all_values_flatten().to(torch.int64)]
-        held += [rows[r.req_pool_idx, : r.kv_committed_len].to(torch.int64) for r in live
-                 if r.req_pool_idx is not None and not r.finished()]
-        used = torch.zeros(allocator.num_pages + 1, dtype=torch.bool)
-        used[torch.cat(held) // ps] = True
-        free = allocator.is_free
-        both = (used & free).nonzero().flatten()[:4].tolist()
-        lost = (~used & ~free)[1:].nonzero().flatten()[:4]
-        if both or lost.numel():
-            raise MemoryLeakError(f"KV pages both free and in use: {both}; pages neither free nor held: {(lost + 1).tolist()}")
+        check_pages_conserved(self.tree_cache, self.token_to_kv_pool_allocator, self.req_to_token_pool,
+                              [r for r in live if r.req_pool_idx is not None and not r.finished()])

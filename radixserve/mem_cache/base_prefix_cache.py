@@ -133,3 +133,19 @@ def check_pools_idle(tree_cache: BasePrefixCache, token_to_kv_pool_allocator: An
                               f"protected={protected}, total={max_total_num_tokens}")
     if free_rows != rows:
         raise MemoryLeakError(f"req_to_token_pool leak detected! free rows={free_rows}, size={rows}")
+
+
+def check_pages_conserved(tree_cache: BasePrefixCache, token_to_kv_pool_allocator: Any, req_to_token_pool: Any,
+                          live_reqs: List[CacheReq]) -> None:
+    """While requests run: every KV page is free, in the tree, or held by a live request's
+    row (its first kv_committed_len slots), and no page is both free and held."""
+    allocator = token_to_kv_pool_allocator
+    rows = req_to_token_pool.req_to_token
+    held = [tree_cache.all_values_flatten().to(torch.int64)]
+    held += [rows[r.req_pool_idx, : kv_committed_len(r)].to(torch.int64) for r in live_reqs]
+    used = torch.zeros(allocator.num_pages + 1, dtype=torch.bool)
+    used[torch.cat(held) // allocator.page_size] = True
+    both = (used & allocator.is_free).nonzero().flatten()[:4].tolist()
+    lost = ((~used & ~allocator.is_free)[1:].nonzero().flatten()[:4] + 1).tolist()  # page 0 is padding
+    if both or lost:
+        raise MemoryLeakError(f"KV pages both free and in use: {both}; pages neither free nor held: {lost}")
