@@ -281,52 +281,57 @@ class KVManager:
                 self.dealers[peer].send_multipart(encode_message(KVPing()))
 
 
-class KVSender:
-    """Prefill side of one request (SGLang's KVSender)."""
+class _KVConn:
+    """One request's side of the connection: its room, and the end the thread recorded."""
 
     def __init__(self, mgr: KVManager, room: int):
         self.mgr, self.room = mgr, room
 
-    def poll(self) -> KVPoll:
-        m = self.mgr
-        if self.room in m.failed:
+    def _ended(self) -> Optional[KVPoll]:
+        if self.room in self.mgr.failed:
             return KVPoll.Failed
-        if self.room in m.done:
-            return KVPoll.Success
-        if self.room in m.sending:
-            return KVPoll.Transferring
-        return KVPoll.WaitingForInput if self.room in m.peers else KVPoll.Bootstrapping
-
-    def send(self, src_slots: torch.Tensor, input_ids: List[int], first_token: FirstToken) -> None:
-        self.mgr.sending[self.room] = time.monotonic()
-        self.mgr.command("send", self.room, src_slots.to(torch.int64).cpu(), input_hash(input_ids), first_token)
+        return KVPoll.Success if self.room in self.mgr.done else None
 
     def failure(self) -> str:
         return self.mgr.failed.get(self.room, "")
-
-    def abort(self, message: str) -> None:
-        self.mgr.command("abort", self.room, message)
 
     def clear(self) -> None:
         for d in (self.mgr.failed, self.mgr.done, self.mgr.sending):
             d.pop(self.room, None)
 
 
-class KVReceiver:
+class KVSender(_KVConn):
+    """Prefill side of one request (SGLang's KVSender)."""
+
+    def poll(self) -> KVPoll:
+        ended = self._ended()  # KVPoll.Failed is 0: compare with None, never `or`
+        if ended is not None:
+            return ended
+        if self.room in self.mgr.sending:
+            return KVPoll.Transferring
+        return KVPoll.WaitingForInput if self.room in self.mgr.peers else KVPoll.Bootstrapping
+
+    def send(self, src_slots: torch.Tensor, input_ids: List[int], first_token: FirstToken) -> None:
+        self.mgr.sending[self.room] = time.monotonic()
+        self.mgr.command("send", self.room, src_slots.to(torch.int64).cpu(), input_hash(input_ids), first_token)
+
+    def abort(self, message: str) -> None:
+        self.mgr.command("abort", self.room, message)
+
+
+class KVReceiver(_KVConn):
     """Decode side of one request (SGLang's KVReceiver): created when the request arrives,
     `init` once its slots are preallocated."""
 
     def __init__(self, mgr: KVManager, bootstrap_host: str, bootstrap_port: int, room: int):
-        self.mgr, self.room = mgr, room
+        super().__init__(mgr, room)
         self.peer = (bootstrap_host, int(bootstrap_port))
         self.started = False
 
     def poll(self) -> KVPoll:
-        m = self.mgr
-        if self.room in m.failed:
-            return KVPoll.Failed
-        if self.room in m.done:
-            return KVPoll.Success
+        ended = self._ended()
+        if ended is not None:
+            return ended
         return KVPoll.Transferring if self.started else KVPoll.WaitingForInput
 
     def init(self, dst_slots: torch.Tensor, input_ids: List[int]) -> None:
@@ -337,12 +342,5 @@ class KVReceiver:
     def first_token(self) -> FirstToken:
         return self.mgr.done[self.room]
 
-    def failure(self) -> str:
-        return self.mgr.failed.get(self.room, "")
-
     def abort(self, message: str) -> None:
         self.mgr.command("abort", self.room, message, self.peer)
-
-    def clear(self) -> None:
-        self.mgr.failed.pop(self.room, None)
-        self.mgr.done.pop(self.room, None)
