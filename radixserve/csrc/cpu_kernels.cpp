@@ -41,7 +41,12 @@ inline void load_row(const at::BFloat16* src, float* dst, int64_t n) {
 }
 
 inline void load_row(const at::Half* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16)  // vcvtph2ps: 16 halves at a time (an fp16 KV cache is read per step)
+    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
 template <typename T>
@@ -194,16 +199,16 @@ inline void attend_block16(const float* qf, const float* kf, const float* vf, in
 // online softmax, the G = H / Hkv heads of a group against their shared KV head, so each slot's
 // K/V row (all KV heads, contiguous) is read once (GQA without repeating K/V, no gather copy). With few requests the sequence is split (flash
 // decoding) so that every thread has work; a second pass merges the splits.
-template <typename T>
+template <typename TQ, typename TKV>
 void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
                            const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
                            const at::Tensor& seq_lens, double scale) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t Hkv = k_buf.size(1), G = H / Hkv;
-  const T* qp = q.data_ptr<T>();
-  const T* kp = k_buf.data_ptr<T>();
-  const T* vp = v_buf.data_ptr<T>();
-  T* op = out.data_ptr<T>();
+  const TQ* qp = q.data_ptr<TQ>();
+  const TKV* kp = k_buf.data_ptr<TKV>();
+  const TKV* vp = v_buf.data_ptr<TKV>();
+  TQ* op = out.data_ptr<TQ>();
   const int32_t* r2t = req_to_token.data_ptr<int32_t>();
   const int64_t* rows = req_pool_indices.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
@@ -224,7 +229,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
   const float neg_inf = -std::numeric_limits<float>::infinity();
 #if defined(__AVX512F__)
   const bool fast = D % 16 == 0 && D / 16 <= kFastMaxChunks;  // the AVX-512 block path
-  const int64_t row_bytes = Hkv * D * static_cast<int64_t>(sizeof(T));
+  const int64_t row_bytes = Hkv * D * static_cast<int64_t>(sizeof(TKV));
 #else
   const bool fast = false;
 #endif
@@ -335,9 +340,8 @@ void decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_b
               "decode_attention: q/out [B, H, D], k_buf/v_buf [slots, Hkv, D]");
   TORCH_CHECK(q.size(1) % k_buf.size(1) == 0, "decode_attention: heads must be a multiple of KV heads");
   TORCH_CHECK(q.size(2) == k_buf.size(2) && v_buf.sizes() == k_buf.sizes(), "decode_attention: head_dim mismatch");
-  TORCH_CHECK(q.scalar_type() == k_buf.scalar_type() && q.scalar_type() == out.scalar_type() &&
-                  v_buf.scalar_type() == k_buf.scalar_type(),
-              "decode_attention: q, out and the KV pool must share a dtype");
+  TORCH_CHECK(q.scalar_type() == out.scalar_type() && v_buf.scalar_type() == k_buf.scalar_type(),
+              "decode_attention: q and out must share a dtype, and so must the K and V pools");
   TORCH_CHECK(req_to_token.scalar_type() == at::kInt && req_to_token.stride(1) == 1, "req_to_token: int32, rows contiguous");
   TORCH_CHECK(req_pool_indices.scalar_type() == at::kLong && req_pool_indices.is_contiguous() &&
                   seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous() &&
@@ -348,8 +352,13 @@ void decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_b
   TORCH_CHECK(k_buf.stride(1) == k_buf.size(2) && v_buf.stride(1) == v_buf.size(2) && k_buf.stride(2) == 1 &&
                   v_buf.stride(2) == 1,
               "decode_attention: a slot's K/V heads must be contiguous");
+  // q in the activations' dtype, the KV pool in --kv-cache-dtype (float32 q over a bf16 pool on
+  // the CPU's bf16 mode): each row is widened to float32 as it is read.
   DISPATCH_FLOAT_TYPES(q.scalar_type(), "decode_attention", [&] {
-    decode_attention_impl<scalar_t>(out, q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, scale);
+    using q_t = scalar_t;
+    DISPATCH_FLOAT_TYPES(k_buf.scalar_type(), "decode_attention", [&] {
+      decode_attention_impl<q_t, scalar_t>(out, q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, scale);
+    });
   });
 }
 
@@ -550,9 +559,10 @@ at::Tensor pack_bf16_weight(const at::Tensor& w_in) {
   return out;
 }
 
+// y: float32 (out_f32: the accumulators as they are) or bf16 (rounded once, to nearest even).
 template <int MR>
 inline void gemm_tile(const uint16_t* x, int64_t x_stride, const uint16_t* wp, int64_t k2, int64_t blocks,
-                      const float* bias, uint16_t* y, int64_t y_stride, int64_t n0, int64_t N) {
+                      const float* bias, void* y, bool out_f32, int64_t y_stride, int64_t n0, int64_t N) {
   __m512 acc[MR][kTileBlocks];
   for (int r = 0; r < MR; ++r)
     for (int64_t t = 0; t < kTileBlocks; ++t) acc[r][t] = _mm512_setzero_ps();
@@ -575,33 +585,52 @@ inline void gemm_tile(const uint16_t* x, int64_t x_stride, const uint16_t* wp, i
     const __mmask16 mask = valid >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1);
     const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
     for (int r = 0; r < MR; ++r) {
-      const __m256i out = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][t], b));
-      _mm256_mask_storeu_epi16(y + r * y_stride + n, mask, out);
+      const __m512 out = _mm512_add_ps(acc[r][t], b);
+      if (out_f32)
+        _mm512_mask_storeu_ps(static_cast<float*>(y) + r * y_stride + n, mask, out);
+      else
+        _mm256_mask_storeu_epi16(static_cast<uint16_t*>(y) + r * y_stride + n, mask, (__m256i)_mm512_cvtneps_pbh(out));
     }
   }
 }
 
-using TileFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, const float*, uint16_t*, int64_t,
+using TileFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, const float*, void*, bool, int64_t,
                         int64_t, int64_t);
 constexpr TileFn kTiles[kMr + 1] = {nullptr,         gemm_tile<1>, gemm_tile<2>, gemm_tile<3>, gemm_tile<4>,
                                     gemm_tile<5>, gemm_tile<6>, gemm_tile<7>, gemm_tile<8>};
 
+// x: float32 or bf16; y comes back in x's dtype. Float32 activations (the CPU's bf16 mode: bf16
+// weights, float32 activations) are rounded to bf16 (nearest even) only as the operand of the dot
+// products, as llama.cpp does for its BF16 weights; the fp32 sums are returned unrounded.
 at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& wp, int64_t N, const c10::optional<at::Tensor>& bias_in) {
-  TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 && wp.scalar_type() == at::kBFloat16 && wp.dim() == 4,
-              "bf16_linear: bf16 activations and a weight from pack_bf16_weight");
+  const bool out_f32 = x_in.scalar_type() == at::kFloat;
+  TORCH_CHECK((out_f32 || x_in.scalar_type() == at::kBFloat16) && wp.scalar_type() == at::kBFloat16 && wp.dim() == 4,
+              "bf16_linear: float32 or bf16 activations and a weight from pack_bf16_weight");
   const int64_t k2 = wp.size(1), K = x_in.size(-1);
   TORCH_CHECK(K % 2 == 0 && K / 2 == k2 && wp.size(0) * kBlockN >= N, "bf16_linear: shapes do not match");
   const at::Tensor x = x_in.reshape({-1, K}).contiguous();
   const int64_t M = x.size(0);
   auto sizes = x_in.sizes().vec();
   sizes.back() = N;
-  at::Tensor y = at::empty({M, N}, x.options());
+  at::Tensor y = at::empty({M, N}, x_in.options());
   at::Tensor bias;
   if (bias_in.has_value() && bias_in->defined()) bias = bias_in->to(at::kFloat).contiguous();
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  // The bf16 operand: x itself, or float32 x rounded once here (no tensor made per call).
+  std::vector<uint16_t> x_bf16(out_f32 ? M * K : 0);
+  if (out_f32) {
+    const float* xf = x.data_ptr<float>();
+    at::parallel_for(0, M, 64, [&](int64_t r0, int64_t r1) {
+      for (int64_t i = r0 * K; i < r1 * K; i += 16) {  // K is even; the tail is masked
+        const __mmask16 m = i + 16 <= r1 * K ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (r1 * K - i)) - 1);
+        _mm256_mask_storeu_epi16(x_bf16.data() + i, m, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, xf + i)));
+      }
+    });
+  }
+  const uint16_t* xp = out_f32 ? x_bf16.data() : reinterpret_cast<const uint16_t*>(x.data_ptr());
   const uint16_t* wpp = reinterpret_cast<const uint16_t*>(wp.data_ptr());
-  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  char* yp = static_cast<char*>(y.data_ptr());
+  const int64_t y_row_bytes = N * y.element_size();
   // Decode sizes (M <= kMBlock): a work item is a tile of outputs for every row, so each weight
   // is read from memory once per call and stays in cache across the row tiles. Longer inputs
   // (prefill): a work item is one tile x one row tile, tiles fastest, so a thread keeps its rows
@@ -615,14 +644,69 @@ at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& wp, int64_t N, 
       if (n0 >= N) continue;
       for (int64_t m0 = m_begin; m0 < m_end; m0 += kMr) {
         const int64_t mr = std::min(kMr, m_end - m0);
-        kTiles[mr](xp + m0 * K, K, wpp + b0 * k2 * kBlockN * 2, k2, blocks, bp, yp + m0 * N, N, n0, N);
+        kTiles[mr](xp + m0 * K, K, wpp + b0 * k2 * kBlockN * 2, k2, blocks, bp, yp + m0 * y_row_bytes, out_f32, N, n0, N);
       }
     }
   });
   return y.view(sizes);
 }
+
+// ---- the LM head's largest logits again, from float32 hidden states ----------------------------
+//
+// bf16_linear rounds float32 activations to bf16; for the LM head that error lands on the logits
+// themselves. Per row: the k largest logits (a min-heap fed only by the 16-lane blocks that hold
+// a value above its smallest) are recomputed as float32 hidden . widened bf16 weight row. In place.
+void refine_top_logits(at::Tensor logits, const at::Tensor& hidden_in, const at::Tensor& weight, int64_t k) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
+              "refine_top_logits: contiguous float32 logits [M, V]");
+  const at::Tensor hidden = hidden_in.to(at::kFloat).contiguous();
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() &&
+                  hidden.dim() == 2 && hidden.size(0) == logits.size(0) && hidden.size(1) == weight.size(1) &&
+                  weight.size(0) >= logits.size(1),
+              "refine_top_logits: hidden [M, H] and a contiguous bf16 weight [>= V, H]");
+  const int64_t M = logits.size(0), V = logits.size(1), H = hidden.size(1);
+  k = std::min(k, V);
+  if (k <= 0) return;
+  float* lp = logits.data_ptr<float>();
+  const float* hp = hidden.data_ptr<float>();
+  const at::BFloat16* wp = weight.data_ptr<at::BFloat16>();
+  at::parallel_for(0, M, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<std::pair<float, int64_t>> heap;  // (value, index), smallest value on top
+    std::vector<float> row(H);
+    const auto greater = [](const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) { return a > b; };
+    for (int64_t r = r0; r < r1; ++r) {
+      float* l = lp + r * V;
+      heap.clear();
+      const auto offer = [&](int64_t i) {
+        if (static_cast<int64_t>(heap.size()) < k) {
+          heap.emplace_back(l[i], -i);  // -i: among equal values the lower index ranks higher
+          std::push_heap(heap.begin(), heap.end(), greater);
+        } else if (std::make_pair(l[i], -i) > heap.front()) {
+          std::pop_heap(heap.begin(), heap.end(), greater);
+          heap.back() = {l[i], -i};
+          std::push_heap(heap.begin(), heap.end(), greater);
+        }
+      };
+      int64_t i = 0;
+      for (; i < k; ++i) offer(i);
+      for (; i + 16 <= V; i += 16) {
+        __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(l + i), _mm512_set1_ps(heap.front().first), _CMP_GE_OQ);
+        for (; hit; hit &= hit - 1) offer(i + __builtin_ctz(hit));
+      }
+      for (; i < V; ++i) offer(i);
+      const float* h = hp + r * H;
+      for (const auto& e : heap) {
+        load_row(wp - e.second * H, row.data(), H);
+        l[-e.second] = dot(h, row.data(), H);
+      }
+    }
+  });
+}
 #else
 bool has_bf16_gemm() { return false; }
+void refine_top_logits(at::Tensor, const at::Tensor&, const at::Tensor&, int64_t) {
+  TORCH_CHECK(false, "built without AVX512_BF16");
+}
 at::Tensor pack_bf16_weight(const at::Tensor&) { TORCH_CHECK(false, "built without AVX512_BF16"); }
 at::Tensor bf16_linear(const at::Tensor&, const at::Tensor&, int64_t, const c10::optional<at::Tensor>&) {
   TORCH_CHECK(false, "built without AVX512_BF16");
@@ -641,4 +725,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_linear", &bf16_linear, "y = x @ W^T (+ bias) with a packed bf16 weight", py::arg("x"), py::arg("packed"),
         py::arg("out_features"), py::arg("bias") = py::none());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
+  m.def("refine_top_logits", &refine_top_logits, "recompute each row's k largest logits from float32 hidden states");
 }

@@ -13,6 +13,7 @@ from radixserve.distributed.parallel_state import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
+from radixserve.layers import cpu_kernels
 from radixserve.layers.linear import PackedWeight, _copy, linear, pack_cpu_weight
 
 
@@ -25,6 +26,9 @@ class VocabParallelEmbedding(nn.Module):
         self.shard_size = -(-num_embeddings // self.tp_size)  # padded so every rank is equal
         self.vocab_start = self.tp_rank * self.shard_size
         self.weight = nn.Parameter(torch.zeros(self.shard_size, embedding_dim), requires_grad=False)
+        # The hidden states' dtype when it differs from the table's (the CPU's bf16 mode: a bf16
+        # table, float32 activations; layers/cpu_weight_only.py). None: the table's.
+        self.output_dtype: Optional[torch.dtype] = None
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
         if loaded.shape[1:] != param.shape[1:] or loaded.shape[0] != self.num_embeddings:
@@ -36,12 +40,16 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         local = input_ids - self.vocab_start
         mask = (local < 0) | (local >= self.shard_size)
-        out = F.embedding(local.masked_fill(mask, 0), self.weight)
+        out = self._lookup(local.masked_fill(mask, 0))
         out.masked_fill_(mask.unsqueeze(-1), 0)
         return tensor_model_parallel_all_reduce(out)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        out = F.embedding(ids, self.weight)
+        return out if self.output_dtype is None else out.to(self.output_dtype)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -52,6 +60,9 @@ class ParallelLMHead(VocabParallelEmbedding):
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__(num_embeddings, embedding_dim)
         self.weight_packed: Optional[PackedWeight] = None  # a plain attribute, as in LinearBase
+        # The CPU's bf16 mode (layers/cpu_weight_only.py): this many of each row's largest logits are
+        # recomputed from the float32 hidden states. 0: none.
+        self.refine_top_k = 0
 
     def pack_cpu_weight(self) -> bool:
         self.weight_packed = pack_cpu_weight(self.weight)  # the original stays (the embedding)
@@ -59,6 +70,11 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def get_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = linear(hidden, self.weight, self.weight_packed)
+        if self.refine_top_k and logits.dtype == torch.float32:
+            # The GEMM rounded the hidden states to bf16; the largest logits, what greedy choice,
+            # sampling and logprobs read, come again from the float32 ones (per row: batch-invariant).
+            cpu_kernels.get().refine_top_logits(logits, hidden.reshape(-1, hidden.shape[-1]), self.weight, self.refine_top_k)
         if self.tp_size > 1:
             logits = tensor_model_parallel_all_gather(logits, dim=-1)
         return logits[..., : self.num_embeddings]
+

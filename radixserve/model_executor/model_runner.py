@@ -15,7 +15,7 @@ from radixserve.distributed.parallel_state import (
 )
 from radixserve.layers.attention.base_attn_backend import AttentionBackend
 from radixserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
-from radixserve.layers.linear import pack_cpu_weights
+from radixserve.layers.cpu_weight_only import convert_to_weight_only, resolve_kv_cache_dtype, weight_only_available
 from radixserve.layers.logits_processor import LogitsProcessorOutput
 from radixserve.layers.sampler import Sampler, SamplerOutput
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
@@ -54,7 +54,7 @@ class ModelRunner:
         self.server_args = server_args
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.device = resolve_device(server_args.device)
-        self.dtype = model_config.resolve_dtype(server_args.dtype, self.device)
+        self.dtype = model_config.resolve_dtype(server_args.dtype, self.device)  # the weights'
         self.page_size = server_args.page_size
         if self.device == "cpu":
             share_cpu_cores(server_args.dp_size * tp_size // server_args.nnodes)
@@ -62,19 +62,17 @@ class ModelRunner:
             init_distributed_environment(tp_rank, tp_size, server_args.dist_init_addr, self.device)
         torch.manual_seed(server_args.seed)
         self.model = get_model(model_config, server_args.load_format, self.dtype, self.device, server_args.seed)
-        if self.device == "cpu":
-            self.pack_cpu_weights()
+        # bf16 on a CPU with the C++ GEMM: bf16 weights, float32 activations (cpu_weight_only.py)
+        self.weight_only = weight_only_available(self.dtype, self.device)
+        if self.weight_only:
+            convert_to_weight_only(self.model)
+        self.activation_dtype = torch.float32 if self.weight_only else self.dtype
+        self.kv_cache_dtype = resolve_kv_cache_dtype(server_args.kv_cache_dtype, self.activation_dtype, self.weight_only)
         self.context_len = min(server_args.context_length or model_config.context_len, model_config.context_len)
         self.attn_backend = self.init_attention_backend()
         self.init_memory_pool()
         self.sampler = Sampler()
         self.cuda_graph_runner = self.init_cuda_graphs()
-
-    def pack_cpu_weights(self) -> None:
-        """bf16 on a CPU with AVX512_BF16: the linear layers and the LM head take the C++ GEMM."""
-        n = pack_cpu_weights(self.model)
-        if n:
-            logger.info("CPU bf16 GEMM: %d weight matrices packed", n)
 
     def init_attention_backend(self) -> AttentionBackend:
         if self.server_args.attention_backend == "triton":
@@ -108,7 +106,9 @@ class ModelRunner:
     def profile_max_num_token(self) -> int:
         """KV pool size in tokens from the memory budget (seed 004)."""
         cfg = self.model_config
-        per_token = MHATokenToKVPool.bytes_per_token(self.kv_heads_per_rank(), cfg.head_dim, cfg.num_hidden_layers, self.dtype)
+        per_token = MHATokenToKVPool.bytes_per_token(
+            self.kv_heads_per_rank(), cfg.head_dim, cfg.num_hidden_layers, self.kv_cache_dtype
+        )
         if self.device == "cuda":
             free, _ = torch.cuda.mem_get_info()
             total = torch.cuda.get_device_properties(0).total_memory
@@ -134,11 +134,12 @@ class ModelRunner:
         self.max_running_requests = max_reqs
         self.req_to_token_pool = ReqToTokenPool(max_reqs + 1, self.context_len + 4, self.device)
         self.token_to_kv_pool = MHATokenToKVPool(
-            max_tokens, self.page_size, self.dtype, self.kv_heads_per_rank(), self.model_config.head_dim,
+            max_tokens, self.page_size, self.kv_cache_dtype, self.kv_heads_per_rank(), self.model_config.head_dim,
             self.model_config.num_hidden_layers, self.device,
         )
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(max_tokens, self.page_size, self.device)
-        logger.info("KV pool: %d tokens, max running requests: %d, context: %d", max_tokens, max_reqs, self.context_len)
+        logger.info("KV pool: %d tokens of %s, max running requests: %d, context: %d", max_tokens,
+                    str(self.kv_cache_dtype).removeprefix("torch."), max_reqs, self.context_len)
 
     # ---- forward ------------------------------------------------------------------------
     @torch.inference_mode()

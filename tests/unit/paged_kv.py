@@ -22,15 +22,16 @@ def scattered_slots(seq_lens, page_size, num_pages, rng):
 
 
 def make_attention_batch(mode, prefix_lens, extend_lens, heads, kv_heads, head_dim, page_size, seed,
-                         dtype=torch.float32):
+                         dtype=torch.float32, kv_dtype=None):
     """(forward batch, q, k, v, layer): request i has prefix_lens[i] tokens in the pool and
-    extend_lens[i] new ones; q/k/v are the new tokens' [T, heads, head_dim]."""
+    extend_lens[i] new ones; q/k/v are the new tokens' [T, heads, head_dim] in `dtype`, the pool
+    in `kv_dtype` (default: `dtype`)."""
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
     bs = len(prefix_lens)
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
     num_pages = sum(-(-n // page_size) for n in seq_lens) + 3
-    pool = MHATokenToKVPool(num_pages * page_size, page_size, dtype, kv_heads, head_dim, 1)
+    pool = MHATokenToKVPool(num_pages * page_size, page_size, kv_dtype or dtype, kv_heads, head_dim, 1)
     pool.k_buffer[0].copy_(torch.randn(pool.k_buffer[0].shape, generator=g))
     pool.v_buffer[0].copy_(torch.randn(pool.v_buffer[0].shape, generator=g))
     r2t = ReqToTokenPool(bs + 3, max(seq_lens) + 4)

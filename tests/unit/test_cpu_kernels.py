@@ -90,10 +90,42 @@ def test_decode_attention_rejects_bad_shapes(ops):
     r2t = torch.zeros(3, 8, dtype=torch.int32)
     with pytest.raises(RuntimeError, match="multiple of KV heads"):
         ops.decode_attention(torch.empty_like(q), q, kv, kv, r2t, torch.tensor([0, 1]), torch.tensor([2, 2]), 0.25)
-    with pytest.raises(RuntimeError, match="share a dtype"):
-        q4 = torch.randn(2, 4, 16)
-        ops.decode_attention(torch.empty_like(q4), q4, kv.bfloat16(), kv.bfloat16(), r2t, torch.tensor([0, 1]),
+    q4 = torch.randn(2, 4, 16)
+    with pytest.raises(RuntimeError, match="q and out must share a dtype"):
+        ops.decode_attention(torch.empty_like(q4).bfloat16(), q4, kv, kv, r2t, torch.tensor([0, 1]),
                              torch.tensor([2, 2]), 0.25)
+    with pytest.raises(RuntimeError, match="the K and V pools"):
+        ops.decode_attention(torch.empty_like(q4), q4, kv, kv.bfloat16(), r2t, torch.tensor([0, 1]),
+                             torch.tensor([2, 2]), 0.25)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.EXTEND])
+def test_float32_queries_over_a_low_precision_kv_cache(ops, kv_dtype, mode):
+    """The CPU's bf16 mode: float32 q/k/v, the pool in --kv-cache-dtype. The store rounds K/V to
+    the pool's dtype once; the kernel widens the pool's rows and matches the torch path to float32
+    precision (the same rounded K/V, summed in another order); extend attends to its own new
+    tokens as the cache holds them, so a prefix hit later sees the very same K/V."""
+    seq_lens = [1, 40, 300] if mode == ForwardMode.DECODE else [7, 40, 90]
+    new = [1, 1, 1] if mode == ForwardMode.DECODE else [7, 12, 90]
+    fb, q, k, v, layer = make_attention_batch(mode, [s - n for s, n in zip(seq_lens, new)], new, 8, 2, 64, 1,
+                                              seed=5, dtype=torch.float32, kv_dtype=kv_dtype)
+    if mode == ForwardMode.DECODE:
+        out, ref = _run_both(fb, q, k, v, layer)
+        assert out.dtype == torch.float32 and _max_err(out, ref) <= 2e-5
+    else:
+        be = TorchNativeAttnBackend("cpu")
+        be.init_forward_metadata(fb)
+        out = be.forward(q, k, v, layer, fb)
+        # the last request has no prefix: its attention must equal one over the rounded K/V
+        sl = slice(sum(new[:2]), sum(new))
+        kr, vr = k[sl].to(kv_dtype).float(), v[sl].to(kv_dtype).float()
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q[sl].transpose(0, 1)[None], kr.transpose(0, 1)[None], vr.transpose(0, 1)[None], is_causal=True,
+            scale=layer.scaling, enable_gqa=True)[0].transpose(0, 1)
+        assert _max_err(out[sl], ref) <= 2e-5
+    pool = fb.token_to_kv_pool
+    assert torch.equal(pool.k_buffer[0][fb.out_cache_loc], k.to(kv_dtype))  # stored rounded, once
 
 
 def _torch_path(monkeypatch, fn):
@@ -177,6 +209,46 @@ def test_bf16_linear_matches_f_linear(ops, m, n, k, bias):
     assert ((y.float() - ref).abs() / (ref.abs() + 1)).max().item() <= 2**-7
 
 
+@pytest.mark.parametrize("m", [1, 5, 16, 70])
+def test_bf16_linear_takes_float32_activations(ops, m):
+    """Float32 x (the CPU's bf16 mode): rounded to bf16 only as the dot products' operand, as
+    llama.cpp does for BF16 weights; the fp32 sums come back unrounded, in float32."""
+    _needs_bf16_gemm(ops)
+    g = torch.Generator().manual_seed(m)
+    n, k = 200, 576
+    w = (torch.randn(n, k, generator=g) * k**-0.5).bfloat16()
+    x = torch.randn(m, k, generator=g) * 3
+    b = torch.randn(n, generator=g)
+    y = ops.bf16_linear(x, ops.pack_bf16_weight(w), n, b)
+    ref = x.bfloat16().double() @ w.double().T + b.double()
+    assert y.dtype == torch.float32 and y.shape == (m, n)
+    assert (y.double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()  # fp32 sums, not bf16
+    assert not torch.equal(y, y.bfloat16().float())  # the output was not rounded to bf16
+
+
+@pytest.mark.parametrize("m,vocab,k", [(1, 1000, 64), (7, 49153, 64), (3, 40, 64)])
+def test_refine_top_logits(ops, m, vocab, k):
+    """The LM head's k largest logits per row come again from float32 hidden states; the rest are
+    left as they were. Ties rank the lower token id first."""
+    _needs_bf16_gemm(ops)
+    g = torch.Generator().manual_seed(vocab)
+    hidden_size = 96
+    w = (torch.randn(vocab, hidden_size, generator=g) * 0.1).bfloat16()
+    h = torch.randn(m, hidden_size, generator=g)
+    logits = ops.bf16_linear(h, ops.pack_bf16_weight(w), vocab)
+    logits[0, :8] = logits[0].max() + 1  # a tie at the top
+    before = logits.clone()
+    ops.refine_top_logits(logits, h, w, k)
+    exact = h.double() @ w.double().T
+    kk = min(k, vocab)
+    # the rows' top k of the input logits: by value, then by lower index (a stable sort)
+    order = torch.sort(-before, dim=-1, stable=True).indices[:, :kk]
+    refined = torch.zeros_like(before, dtype=torch.bool).scatter_(1, order, True)
+    assert torch.equal(logits[~refined], before[~refined])
+    assert (logits.double()[refined] - exact[refined]).abs().max().item() <= 1e-5
+    assert (before.double()[refined] - exact[refined]).abs().max().item() > 1e-4  # bf16 operands were off
+
+
 def test_model_weights_are_packed_once(ops):
     """On a CPU with AVX512_BF16 a bf16 ModelRunner packs every linear layer for the C++ GEMM and
     frees its original layout (the weights are held once); the LM head gets a packed copy beside
@@ -207,11 +279,28 @@ def test_model_weights_are_packed_once(ops):
     linears = [m for m in packed.model.modules() if isinstance(m, LinearBase)]
     assert linears and all(m.weight_packed is not None and m.weight.numel() == 0 for m in linears)
     assert packed.model.lm_head.weight_packed is not None and packed.model.lm_head.weight.numel() > 0
+    # bf16 weights, float32 everything else (the CPU's bf16 mode), the KV cache in float16
+    assert packed.weight_only and packed.activation_dtype == torch.float32 and packed.dtype == torch.bfloat16
+    assert packed.model.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert packed.model.model.embed_tokens.output_dtype == torch.float32
+    others = [p for p in packed.model.parameters() if p.numel() and p is not packed.model.model.embed_tokens.weight]
+    assert others and all(p.dtype == torch.float32 for p in others)
+    assert packed.token_to_kv_pool.k_buffer[0].dtype == torch.float16
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(cpu_kernels, "ENABLED", False)
         plain = ModelRunner(ModelConfig.from_pretrained(path), args)
         assert all(m.weight_packed is None for m in plain.model.modules() if isinstance(m, LinearBase))
-        ref = logits(plain)
+        assert not plain.weight_only and plain.token_to_kv_pool.k_buffer[0].dtype == torch.bfloat16
+        # the reference: float32 on the torch path, with the same (bf16-rounded) weights
+        exact = ModelRunner(ModelConfig.from_pretrained(path), args.replace(dtype="float32"))
+        with torch.no_grad():
+            for p in exact.model.parameters():
+                if p.dim() == 2:
+                    p.copy_(p.bfloat16().float())
+        ref = logits(exact)
+        all_bf16 = logits(plain)
     out = logits(packed)
-    assert (out - ref).abs().max().item() <= 0.1 * ref.abs().max().item()  # bf16, two summation orders
+    assert (out - ref).abs().max().item() <= 0.02 * ref.abs().max().item()  # bf16 operands in the GEMMs, fp16 K/V
+    mean_err, mean_err_all_bf16 = (out - ref).abs().mean().item(), (all_bf16 - ref).abs().mean().item()
+    assert mean_err < 0.75 * mean_err_all_bf16  # closer than the torch path's bf16 activations
     assert (out.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.9

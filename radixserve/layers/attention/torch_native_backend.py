@@ -151,6 +151,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         if md.decode_groups or md.decode_rows is not None:
             self._decode_into(out, q, layer, md, pool)
         k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
+        if k_buf.dtype != k.dtype:  # attend to the new tokens as the cache holds them, as decode will
+            k, v = k.to(k_buf.dtype), v.to(v_buf.dtype)
         for s in md.extend_seqs:
             sl = slice(s.start, s.start + s.extend_len)
             if s.kv_slots is None:
