@@ -10,16 +10,25 @@ the same RequestFrontend and DetokenizerManager as the served runtime make the r
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, List, Optional, Union
+import uuid
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 from tqdm import tqdm
 
 from radixserve.hf_transformers_utils import load_sampling_defaults
+from radixserve.managers.admin_requests import check_reply, make_pause_req, make_profile_req, make_release_req, make_resume_req
 from radixserve.managers.detokenizer import DetokenizerManager
+from radixserve.managers.embedding_frontend import EmbeddingFrontend, check_request_kind
 from radixserve.managers.request_frontend import ReqState, RequestFrontend, is_single
 from radixserve.managers.scheduler import Scheduler
+from radixserve.managers.scheduler_pause import expects_progress
 from radixserve.managers.scheduler_stats import SchedulerStats
-from radixserve.protocol import AbortReq, BatchTokenIDOutput, FlushCacheReqInput, FlushCacheReqOutput, GenerateReqInput
+from radixserve.protocol import (
+    ContinueGenerationReqInput, ProfileReq, ProfileReqType,
+    AbortReq, BatchEmbeddingOutput, BatchTokenIDOutput, EmbeddingReqInput, FlushCacheReqInput, FlushCacheReqOutput,
+    GenerateReqInput, DestroyWeightsUpdateGroupReqInput, GetWeightsByNameReqInput, InitWeightsUpdateGroupReqInput,
+    UpdateWeightFromDiskReqInput, UpdateWeightsFromDistributedReqInput, UpdateWeightsFromTensorReqInput,
+)
 from radixserve.server_args import ServerArgs
 
 SamplingArg = Optional[Union[Dict[str, Any], List[Dict[str, Any]]]]
@@ -38,6 +47,8 @@ class Engine:
         self.frontend = RequestFrontend(self.tokenizer, self.scheduler.context_len, self.vocab_size,
                                         load_sampling_defaults(self.server_args))
         self.detokenizer = DetokenizerManager(self.tokenizer)
+        self.frontend.weight_version = self.server_args.weight_version
+        self.embeddings = EmbeddingFrontend(self.frontend, self.scheduler.model_config.hidden_size)
 
     def _drain_inbox(self) -> List[Any]:
         items, self._inbox = self._inbox, []
@@ -70,6 +81,7 @@ class Engine:
             top_logprobs_num=top_logprobs_num, return_text_in_logprobs=return_text_in_logprobs,
             stream=stream, priority=priority,
         )
+        self._check_not_paused()
         states = self.submit(obj)
         if stream:
             if len(states) != 1 or not is_single(obj):
@@ -96,9 +108,40 @@ class Engine:
         """Validate and queue a request (a GenerateReqInput, or its fields as keywords) without
         running it: step() runs it. One state per prompt and sample, updated as it runs.
         Raises ValueError (RequestError) for a refused request."""
+        check_request_kind(self.server_args.is_embedding, is_embedding_request=False)
         reqs = self.frontend.tokenize(obj if obj is not None else GenerateReqInput(**kwargs))
         self._inbox.extend(reqs)
         return [self.frontend.rid_to_state[r.rid] for r in reqs]
+
+    def encode(
+        self,
+        prompt: Optional[Union[str, List[str]]] = None,
+        input_ids: Optional[Union[List[int], List[List[int]]]] = None,
+        rid: Optional[Union[str, List[str]]] = None,
+        dimensions: Optional[int] = None,
+    ) -> Union[Dict[str, Any], List[Dict[str, Any]]]:
+        """An embedding model's embeddings (--is-embedding / is_embedding=True), the same as POST
+        /encode's: {"embedding": [...], "meta_info": {...}}, a list for a list of prompts. A
+        request the front end refuses raises ValueError; one the scheduler refuses comes back with
+        embedding None and finish_reason {"type": "abort", "status_code", ...}."""
+        check_request_kind(self.server_args.is_embedding, is_embedding_request=True)
+        self._check_not_paused()
+        reqs, single = self.embeddings.prepare(EmbeddingReqInput(text=prompt, input_ids=input_ids, rid=rid, dimensions=dimensions))
+        states = self.embeddings.register(reqs)
+        self._inbox.extend(reqs)
+        try:
+            while not all(s.finished for s in states):
+                self.step()
+        finally:  # interrupted: stop what still runs
+            for s in states:
+                if not s.finished:
+                    self.abort(s.rid)
+        results = [self.embeddings.make_output(s) for s in states]
+        return results[0] if single else results
+
+    def _check_not_paused(self) -> None:
+        if self.scheduler.generation_pause.engine_paused:  # this thread would wait for continue forever
+            raise ValueError("Generation is paused: call continue_generation() first (or submit() and step() later).")
 
     def _withdraw(self, states: List[ReqState]) -> None:
         """Take back requests submitted but not yet sent to the scheduler."""
@@ -128,15 +171,19 @@ class Engine:
         sched.run_step()
         outputs, self._outbox[:] = list(self._outbox), []
         for out in outputs:
-            if isinstance(out, BatchTokenIDOutput):
+            if isinstance(out, BatchEmbeddingOutput):
+                for state in self.embeddings.handle_batch_embedding_output(out):
+                    self.frontend.rid_to_state.pop(state.rid, None)
+            elif isinstance(out, BatchTokenIDOutput):
                 updated = self.frontend.handle_batch_output(self.detokenizer.handle_batch_token_id_out(out))
                 for state, _ in updated:  # the caller holds its states; the rid is free again
                     if state.finished:
                         self.frontend.rid_to_state.pop(state.rid, None)
 
     def wait_until_idle(self) -> None:
-        """Step until nothing is submitted or scheduled (the last batch retired)."""
-        while self._inbox or self.scheduler.has_work():
+        """Step until nothing is submitted or scheduled (the last batch retired), or until only
+        what a paused generation holds is left (it waits for continue_generation)."""
+        while self._inbox or expects_progress(self.scheduler):
             self.step()
 
     # ---- control ----------------------------------------------------------------------------------
@@ -155,6 +202,84 @@ class Engine:
 
     def get_server_info(self) -> Dict[str, Any]:
         return self.scheduler.internal_state()
+
+    # ---- weight updates without a restart (SGLang's Engine methods; managers/scheduler_update_weights.py)
+    def update_weights_from_disk(self, model_path: str, load_format: Optional[str] = None,
+                                 weight_version: Optional[str] = None) -> Tuple[bool, str]:
+        """New weights of the same model from a checkpoint; the cache is flushed. (success, message):
+        a refused update (no such path, another architecture or shape) leaves the weights as they were."""
+        return self._update_weights(UpdateWeightFromDiskReqInput(model_path, load_format, weight_version=weight_version))
+
+    def update_weights_from_tensor(self, named_tensors: List[Tuple[str, Any]], load_format: Optional[str] = None,
+                                   flush_cache: bool = True, weight_version: Optional[str] = None) -> Tuple[bool, str]:
+        """(checkpoint name, full tensor) pairs; each TP rank's loader takes its slice."""
+        return self._update_weights(UpdateWeightsFromTensorReqInput(
+            list(named_tensors), load_format, flush_cache, weight_version=weight_version))
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = "weight_update_group", backend: str = "gloo") -> Tuple[bool, str]:
+        out = self._control(InitWeightsUpdateGroupReqInput(master_address, master_port, rank_offset, world_size,
+                                                           group_name, backend))
+        return out.success, out.message
+
+    def update_weights_from_distributed(self, names: List[str], dtypes: List[str], shapes: List[List[int]],
+                                        group_name: str = "weight_update_group", flush_cache: bool = True,
+                                        weight_version: Optional[str] = None) -> Tuple[bool, str]:
+        return self._update_weights(UpdateWeightsFromDistributedReqInput(
+            names, dtypes, shapes, group_name, flush_cache, weight_version=weight_version))
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> Tuple[bool, str]:
+        out = self._control(DestroyWeightsUpdateGroupReqInput(group_name))
+        return out.success, out.message
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> Optional[List[Any]]:
+        return self._control(GetWeightsByNameReqInput(name, truncate_size)).parameter
+
+    def _update_weights(self, obj: Any) -> Tuple[bool, str]:
+        self.wait_until_idle()  # the requests in flight finish with the old weights first
+        out = self._control(obj)
+        if out.success and obj.weight_version is not None:
+            self.server_args.weight_version = self.frontend.weight_version = obj.weight_version
+        return out.success, out.message
+
+    # ---- memory release, pause, profiling (SGLang's Engine methods; managers/admin_requests.py) ----
+    def release_memory_occupation(self, tags: Optional[List[str]] = None) -> None:
+        """Free the KV pool and / or the weights ("kv_cache", "weights"; None: all) of an idle
+        engine; generate requests are refused (503) until resume_memory_occupation. Raises
+        ValueError when refused (requests running, an unknown tag, already released)."""
+        check_reply(self._control(make_release_req(tags)))
+
+    def resume_memory_occupation(self, tags: Optional[List[str]] = None) -> None:
+        """Restore what was released (None: all of it); the weights come back bit for bit."""
+        check_reply(self._control(make_resume_req(tags)))
+
+    def pause_generation(self, mode: str = "abort") -> None:
+        """abort / retract / in_place (see managers/scheduler_pause.py); submitted requests wait
+        until continue_generation (generate() refuses to wait for them meanwhile)."""
+        check_reply(self._control(make_pause_req(mode)))
+        self.step()  # hands the aborted requests' ends to their states
+
+    def continue_generation(self) -> None:
+        check_reply(self._control(ContinueGenerationReqInput()))
+
+    def start_profile(self, output_dir: Optional[str] = None, start_step: Optional[int] = None,
+                      num_steps: Optional[int] = None, activities: Optional[List[str]] = None,
+                      with_stack: Optional[bool] = None, record_shapes: Optional[bool] = None) -> None:
+        """A torch.profiler trace of the scheduler, written by stop_profile (or after num_steps
+        batches) to output_dir/{profile_id}-TP-0.trace.json.gz."""
+        check_reply(self._control(make_profile_req(output_dir, start_step, num_steps, activities, with_stack, record_shapes)))
+
+    def stop_profile(self) -> None:
+        check_reply(self._control(ProfileReq(ProfileReqType.STOP_PROFILE)))
+
+    def _control(self, obj: Any) -> Any:
+        """A control request's reply (the scheduler answers it at once, in this thread)."""
+        obj.query_id = uuid.uuid4().hex
+        self._inbox.append(obj)
+        self.scheduler.process_input_requests(self._drain_inbox())
+        reply = next(o for o in self._outbox if getattr(o, "query_id", None) == obj.query_id)
+        self._outbox.remove(reply)
+        return reply
 
     def stats(self) -> SchedulerStats:
         """The scheduler's counters and phase timings (a snapshot; subtract two for a run)."""

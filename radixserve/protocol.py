@@ -4,6 +4,7 @@ Plain dataclasses: pickled over ZeroMQ in the served runtime, passed as objects 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Dict, List, Optional
 
 from radixserve.sampling_params import SamplingParams
@@ -38,10 +39,49 @@ class BatchTokenizedGenerateReqInput:
     batch: List[TokenizedGenerateReqInput]
 
 
+# ---- embeddings (--is-embedding: prefill only, SGLang's io_struct names) -------------------
+@dataclass
+class EmbeddingReqInput:
+    """The body of POST /encode and what /v1/embeddings and Engine.encode make: one prompt or a
+    batch, `text` (str or list of str) or `input_ids` (list of int, or list of lists)."""
+
+    text: Optional[Any] = None
+    input_ids: Optional[Any] = None
+    rid: Optional[Any] = None  # str, or one per prompt of a batch
+    dimensions: Optional[int] = None  # Matryoshka truncation: only the hidden size itself here
+    priority: Optional[int] = None
+
+
+@dataclass
+class TokenizedEmbeddingReqInput:
+    rid: str
+    input_text: Optional[str]
+    input_ids: List[int]
+    priority: Optional[int] = None
+
+
+@dataclass
+class BatchTokenizedEmbeddingReqInput:
+    batch: List[TokenizedEmbeddingReqInput]
+
+
+@dataclass
+class BatchEmbeddingOutput:
+    """Scheduler -> TokenizerManager (no detokenizing): the embedding of each finished request
+    (None when it was aborted: its finished_reason says why)."""
+
+    rids: List[str]
+    finished_reasons: List[Dict[str, Any]]
+    embeddings: List[Optional[List[float]]]
+    prompt_tokens: List[int]
+    cached_tokens: List[int]
+
+
 @dataclass
 class AbortReq:
     rid: str = ""
     abort_all: bool = False
+    abort_message: Optional[str] = None  # the finish reason's message; None: "Aborted by AbortReq."
 
 
 # Control queries carry an id their reply echoes, so a reply is matched to its query even when
@@ -175,3 +215,216 @@ class SchedulerLoad:
 
     dp_rank: int
     num_reqs: int  # waiting + running
+
+
+# ---- weight updates without a restart (SGLang's io_struct names and fields) --------------------
+# Each reply echoes its query's query_id (see FlushCacheReqInput). A TP group answers from rank 0
+# after every rank agreed; with --dp-size every replica answers and the controller merges.
+@dataclass
+class UpdateWeightFromDiskReqInput:
+    model_path: str = ""  # a checkpoint of the same architecture and shapes
+    load_format: Optional[str] = None  # None: auto (safetensors, or a .gguf file)
+    abort_all_requests: bool = False  # False: in-flight requests finish first, new ones wait
+    weight_version: Optional[str] = None  # set as the new weight_version on success
+    query_id: str = ""
+
+
+@dataclass
+class UpdateWeightFromDiskReqOutput:
+    success: bool
+    message: str
+    num_paused_requests: int = 0
+    query_id: str = ""
+
+
+@dataclass
+class UpdateWeightsFromTensorReqInput:
+    """SGLang's field carries tensors pickled per TP rank; here the (name, tensor) pairs travel
+    in the message itself (pickled between our own processes only), full checkpoint tensors
+    that every rank shards as its loader does."""
+
+    named_tensors: List[Any] = field(default_factory=list)  # [(checkpoint name, torch.Tensor)]
+    load_format: Optional[str] = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: Optional[str] = None
+    query_id: str = ""
+
+
+@dataclass
+class UpdateWeightsFromTensorReqOutput:
+    success: bool
+    message: str
+    query_id: str = ""
+
+
+@dataclass
+class InitWeightsUpdateGroupReqInput:
+    """A trainer (rank 0) and every scheduler rank (rank_offset + tp_rank) form a process group."""
+
+    master_address: str = ""
+    master_port: int = 0
+    rank_offset: int = 1
+    world_size: int = 2
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+    query_id: str = ""
+
+
+@dataclass
+class InitWeightsUpdateGroupReqOutput:
+    success: bool
+    message: str
+    query_id: str = ""
+
+
+@dataclass
+class UpdateWeightsFromDistributedReqInput:
+    """The trainer broadcasts these tensors (from its rank 0), in this order."""
+
+    names: List[str] = field(default_factory=list)
+    dtypes: List[str] = field(default_factory=list)
+    shapes: List[List[int]] = field(default_factory=list)
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: Optional[str] = None
+    load_format: Optional[str] = None
+    query_id: str = ""
+
+
+@dataclass
+class UpdateWeightsFromDistributedReqOutput:
+    success: bool
+    message: str
+    query_id: str = ""
+
+
+@dataclass
+class DestroyWeightsUpdateGroupReqInput:
+    group_name: str = "weight_update_group"
+    query_id: str = ""
+
+
+@dataclass
+class DestroyWeightsUpdateGroupReqOutput:
+    success: bool
+    message: str
+    query_id: str = ""
+
+
+@dataclass
+class GetWeightsByNameReqInput:
+    name: str = ""  # a checkpoint tensor name (q_proj, not the fused qkv_proj)
+    truncate_size: int = 100  # the first rows (elements of a vector)
+    query_id: str = ""
+
+
+@dataclass
+class GetWeightsByNameReqOutput:
+    parameter: Optional[List[Any]]  # None: no such tensor; a list per replica with --dp-size
+    query_id: str = ""
+
+
+@dataclass
+class UpdateWeightVersionReqInput:
+    new_version: str = ""
+    abort_all_requests: bool = True
+
+
+# ---- memory release, pause, profiling (SGLang's io_struct names and fields) --------------------
+# Replies echo their query's query_id (see FlushCacheReqInput); success False carries the reason.
+@dataclass
+class ReleaseMemoryOccupationReqInput:
+    tags: Optional[List[str]] = None  # "kv_cache", "weights", "cuda_graph"; None: all of them
+    query_id: str = ""
+
+
+@dataclass
+class ReleaseMemoryOccupationReqOutput:
+    success: bool = True
+    message: str = ""
+    query_id: str = ""
+
+
+@dataclass
+class ResumeMemoryOccupationReqInput:
+    tags: Optional[List[str]] = None  # None: every tag released
+    query_id: str = ""
+
+
+@dataclass
+class ResumeMemoryOccupationReqOutput:
+    success: bool = True
+    message: str = ""
+    query_id: str = ""
+
+
+class BlockReqType(Enum):
+    BLOCK = 1
+    UNBLOCK = 2
+
+
+@dataclass
+class BlockReqInput:
+    """SchedulerInputBlocker (seed 000): from BLOCK to UNBLOCK new work requests are held."""
+
+    type: BlockReqType = BlockReqType.BLOCK
+
+
+@dataclass
+class PauseGenerationReqInput:
+    """abort: every request in flight or waiting ends (finish_reason abort); retract: running
+    requests go back to the waiting queue, their KV freed; in_place: everything stays, nothing
+    is scheduled. In every mode new requests are held until ContinueGenerationReqInput."""
+
+    mode: str = "abort"
+    query_id: str = ""
+
+
+@dataclass
+class PauseGenerationReqOutput:
+    success: bool = True
+    message: str = ""
+    query_id: str = ""
+
+
+@dataclass
+class ContinueGenerationReqInput:
+    query_id: str = ""
+
+
+@dataclass
+class ContinueGenerationReqOutput:
+    success: bool = True
+    message: str = ""
+    query_id: str = ""
+
+
+class ProfileReqType(Enum):
+    START_PROFILE = 1
+    STOP_PROFILE = 2
+
+
+@dataclass
+class ProfileReq:
+    """torch.profiler traces of every scheduler rank, written as Chrome-trace JSON (gzipped) to
+    output_dir/{profile_id}-TP-{rank}.trace.json.gz; with num_steps it stops by itself."""
+
+    type: ProfileReqType = ProfileReqType.START_PROFILE
+    output_dir: Optional[str] = None
+    start_step: Optional[int] = None
+    num_steps: Optional[int] = None
+    activities: Optional[List[str]] = None  # "CPU", "GPU" (also "CUDA")
+    with_stack: Optional[bool] = None
+    record_shapes: Optional[bool] = None
+    profile_by_stage: bool = False
+    profile_id: Optional[str] = None
+    query_id: str = ""
+
+
+@dataclass
+class ProfileReqOutput:
+    success: bool = True
+    message: str = ""
+    query_id: str = ""

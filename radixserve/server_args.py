@@ -30,10 +30,13 @@ class ServerArgs:
     sampling_defaults: str = "openai"  # "model": unset sampling fields come from generation_config.json
     load_format: str = "auto"
     dtype: str = "auto"
-    kv_cache_dtype: str = "auto"  # auto: the activations' dtype (bf16 in the CPU's bf16 mode)
+    kv_cache_dtype: str = "auto"  # auto: the activations' dtype (fp16 in the CPU's bf16 mode)
     device: str = "auto"  # "cpu", "cuda" or "auto" (cuda when available)
     seed: int = 0
     context_length: Optional[int] = None
+    # Serve the model as an embedding model (prefill only; /encode, /v1/embeddings): the pooling
+    # of its sentence-transformers config (modules.json), else the last token, normalized.
+    is_embedding: bool = False
 
     # Memory
     max_total_tokens: Optional[int] = None  # KV pool size in tokens; derived from memory when None
@@ -86,6 +89,7 @@ class ServerArgs:
     host: str = "127.0.0.1"
     port: int = 30000
     served_model_name: Optional[str] = None
+    weight_version: str = "default"  # the weights' version in every meta_info (RL: set by weight updates)
     log_level: str = "info"
     skip_tokenizer_init: bool = False
     api_key: Optional[str] = None  # every route but /health needs "Authorization: Bearer KEY"
@@ -186,6 +190,10 @@ class ServerArgs:
             raise ValueError("--disaggregation-bootstrap-port must be in [1, 65535]")
         if not self.disaggregation_timeout > 0:
             raise ValueError("--disaggregation-timeout must be > 0")
+        if self.is_embedding and self.disable_overlap_schedule is False:
+            raise ValueError("--is-embedding runs the normal loop (prefill only: nothing to overlap); drop --enable-overlap-schedule")
+        if self.is_embedding and self.disaggregation_mode != "null":
+            raise ValueError("--is-embedding does not run with --disaggregation-mode (an embedding has no decode)")
         if self.disaggregation_mode != "null" and (self.tp_size > 1 or self.dp_size > 1):
             raise ValueError("--disaggregation-mode runs with --tp-size 1 and --dp-size 1 in radixserve; "
                              "scale out with several prefill and decode servers behind sglang-router")
@@ -218,6 +226,8 @@ class ServerArgs:
         a scheduler thread beside it slowed decode steps (benchmarks/NOTES.md)."""
         if self.disaggregation_mode != "null":
             return False  # the PD queues run between steps of the normal loop
+        if self.is_embedding:
+            return False  # prefill only: a result must be processed before the next schedule
         if self.disable_overlap_schedule is None:
             return device != "cpu"
         return not self.disable_overlap_schedule
@@ -240,10 +250,11 @@ FLAG_HELP = {
     "sampling_defaults": "defaults of unset sampling fields: openai (temperature 1, top_p 1, ...) or model (its generation_config.json)",
     "load_format": f"weights: {', '.join(LOAD_FORMATS)} (dummy = random weights)",
     "dtype": f"model dtype: {', '.join(DTYPES)}; auto: float32 for a float32 checkpoint, else bf16 on a GPU and on a CPU with native bf16 (AVX512_BF16 / AMX), else float32. bf16 on a CPU with the C++ GEMM keeps the weights in bf16 and the activations in float32",
-    "kv_cache_dtype": f"KV cache dtype: {', '.join(KV_CACHE_DTYPES)}; auto: the activations' dtype, bf16 in the CPU's bf16 mode (bf16 weights, float32 activations)",
+    "kv_cache_dtype": f"KV cache dtype: {', '.join(KV_CACHE_DTYPES)}; auto: the activations' dtype, except fp16 in the CPU's bf16 mode (bf16 weights, float32 activations; as llama.cpp's default)",
     "device": "cpu, cuda, or auto (cuda when available)",
     "seed": "random seed for weights of dummy models and for sampling",
     "context_length": "override the model's context length",
+    "is_embedding": "serve the model as an embedding model (/encode, /v1/embeddings): pooling from its sentence-transformers modules.json, else last token, normalized",
     "max_total_tokens": "KV cache pool size in tokens; derived from memory when not given",
     "mem_fraction_static": "GPU: fraction of free memory for weights and the KV cache",
     "cpu_kv_cache_bytes": "CPU: byte budget for the KV cache pool",
@@ -276,6 +287,7 @@ FLAG_HELP = {
     "host": "address to bind; 0.0.0.0 exposes the server to the network",
     "port": "HTTP port",
     "served_model_name": "model name in the OpenAI API; the model path when not given",
+    "weight_version": "version of the served weights, reported in every response's meta_info; weight updates and /update_weight_version set it",
     "log_level": "debug, info, warning or error",
     "skip_tokenizer_init": "no tokenizer: input_ids in, output_ids out",
     "api_key": "require 'Authorization: Bearer KEY' on every route but /health",

@@ -4,6 +4,12 @@ Native:  POST /generate, GET /health, GET /health_generate, GET /get_model_info,
          GET /get_server_info, GET|POST /flush_cache, POST /abort_request, POST /open_session,
          POST /close_session, GET /metrics
 OpenAI:  POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id}
+Embeddings (--is-embedding, serving_embedding.py): POST /encode, POST /v1/embeddings
+Weights (http_weights.py): POST /update_weights_from_disk, /update_weights_from_tensor,
+         /init_weights_update_group, /update_weights_from_distributed, /destroy_weights_update_group,
+         /update_weight_version, GET|POST /get_weights_by_name, GET /get_weight_version
+Memory, pause, profiling (http_admin.py): /release_memory_occupation, /resume_memory_occupation,
+         /pause_generation, /continue_generation, /start_profile, /stop_profile
 Docs:    GET /docs (Swagger UI), GET /openapi.json
 
 Request bodies are typed models (native_protocol.py, openai_protocol.py) that FastAPI parses and
@@ -27,6 +33,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from radixserve.entrypoints.http_admin import add_admin_routes
+from radixserve.entrypoints.http_weights import add_weight_update_routes
 from radixserve.entrypoints.native_protocol import (
     AbortRequest, DetokenizeRequest, GenerateRequest, TokenizeRequest, lone_surrogate_error,
 )
@@ -41,6 +49,7 @@ from radixserve.entrypoints.serving_base import (
 )
 from radixserve.entrypoints.serving_chat import serve_chat
 from radixserve.entrypoints.serving_completions import serve_completions
+from radixserve.entrypoints.serving_embedding import add_embedding_routes
 from radixserve.managers.tokenizer_manager import ClientDisconnected, RequestError, TokenizerManager
 from radixserve.protocol import CloseSessionReqInput, OpenSessionReqInput
 
@@ -208,6 +217,9 @@ def create_app(tm: TokenizerManager) -> Any:
     add_exception_handlers(app)
     add_native_routes(app, tm)
     add_openai_routes(app, tm)
+    add_embedding_routes(app, tm)  # /encode, /v1/embeddings
+    add_weight_update_routes(app, tm)  # /update_weights_from_disk, ... (http_weights.py)
+    add_admin_routes(app, tm)  # memory release, pause, profiling (http_admin.py)
 
     wrapped: Any = app
     if tm.server_args.api_key:
@@ -246,7 +258,7 @@ def add_native_routes(app: FastAPI, tm: TokenizerManager) -> None:
             "model_path": tm.model_path,
             "tokenizer_path": args.tokenizer_path or tm.model_path,
             "served_model_name": tm.served_model_name,
-            "is_generation": True,
+            "is_generation": not args.is_embedding,
             "context_length": tm.context_len,
             "vocab_size": tm.vocab_size,
         }
@@ -289,6 +301,7 @@ def add_native_routes(app: FastAPI, tm: TokenizerManager) -> None:
                 "num_open_sessions": len(tm.sessions),
             },
             scheduler_pid=tm.model_info.get("pid"),
+            paused=st.get("paused", False), released_memory_tags=st.get("released_memory_tags", []),
             version=_version(),
         )
         return info

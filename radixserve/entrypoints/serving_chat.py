@@ -204,6 +204,7 @@ async def serve_chat(tm: TokenizerManager, req: ChatCompletionRequest, raw_reque
         return JSONResponse({
             "id": cid, "object": "chat.completion", "created": created, "model": model,
             "choices": choices, "usage": usage_of(outs, req.n),
+            "metadata": {"weight_version": outs[0]["meta_info"]["weight_version"]},  # SGLang's
         })
 
     first = await peek_first(gen)

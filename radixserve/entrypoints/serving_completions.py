@@ -93,6 +93,7 @@ async def serve_completions(tm: TokenizerManager, req: CompletionRequest, raw_re
         return JSONResponse({
             "id": cid, "object": "text_completion", "created": created, "model": model,
             "choices": choices, "usage": usage_of(outs, req.n),
+            "metadata": {"weight_version": outs[0]["meta_info"]["weight_version"]},  # SGLang's
         })
 
     first = await peek_first(gen)

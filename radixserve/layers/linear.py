@@ -66,6 +66,12 @@ class LinearBase(nn.Module):
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
         return True
 
+    def unpack_cpu_weight(self) -> None:
+        """The inverse of pack_cpu_weight: the weight back in its own layout, for a weight update
+        to write into (pack_cpu_weight again afterwards)."""
+        if self.weight_packed is not None and self.weight.numel() == 0:
+            self.weight = nn.Parameter(unpack_cpu_weight(self.weight_packed, self.in_features), requires_grad=False)
+
 
 class ColumnParallelLinear(LinearBase):
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
@@ -153,6 +159,13 @@ def pack_cpu_weight(weight: torch.Tensor) -> Optional[PackedWeight]:
     if ops is None or not ops.has_bf16_gemm() or weight.dtype != torch.bfloat16 or weight.shape[-1] % 2:
         return None
     return PackedWeight(ops.pack_bf16_weight(weight), weight.shape[0])
+
+
+def unpack_cpu_weight(packed: PackedWeight, in_features: int) -> torch.Tensor:
+    """The [N, K] weight a PackedWeight was made from ([N/16][K/2][16][2] -> [N, K])."""
+    blocks, k2, block_n, pair = packed.data.shape
+    full = packed.data.permute(0, 2, 1, 3).reshape(blocks * block_n, k2 * pair)
+    return full[: packed.out_features, :in_features].contiguous()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: Optional[PackedWeight], bias: Optional[torch.Tensor] = None) -> torch.Tensor:

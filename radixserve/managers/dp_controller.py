@@ -6,8 +6,9 @@ TokenizerManager and M scheduler groups (each of --tp-size ranks, its own model 
     scheduler dp{i} rank 0 --PUSH--> [detokenizer]   (token outputs go straight on)
 
 Generate requests go to one replica (round_robin, or shortest_queue from the load each
-replica reports); aborts, flushes and state queries go to all, and the controller merges
-their replies into one, so the TokenizerManager never knows there are several.
+replica reports); aborts and control queries (flush, state, pause, memory release, profiling,
+...) go to all, and the controller merges their replies into one, so the TokenizerManager never
+knows there are several.
 """
 
 from __future__ import annotations
@@ -21,12 +22,12 @@ from typing import Any, Dict, List
 
 from radixserve.managers.process_utils import configure_process_logging, watch_parent
 from radixserve.protocol import (
+    BatchTokenizedEmbeddingReqInput,
     BatchTokenizedGenerateReqInput,
-    FlushCacheReqInput,
-    FlushCacheReqOutput,
-    GetInternalStateReq,
     GetInternalStateReqOutput,
+    GetWeightsByNameReqOutput,
     SchedulerLoad,
+    TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
 )
 from radixserve.server_args import PortArgs, ServerArgs
@@ -38,7 +39,7 @@ _SUMMED = {
     "num_retractions", "num_retracted_reqs", "num_preempted_reqs", "num_prefill_batches", "num_decode_batches",
     "num_mixed_batches", "num_chunked_prefills", "prompt_tokens", "cached_tokens", "max_total_num_tokens",
     "max_running_requests", "num_waiting_reqs", "num_running_reqs", "available_tokens", "evictable_tokens",
-    "protected_tokens", "forward_ct", "gen_throughput",
+    "protected_tokens", "forward_ct", "gen_throughput", "num_held_reqs",
 }
 
 
@@ -104,13 +105,13 @@ class DataParallelController:
         self.workers[i].send_pyobj(req)
 
     def handle_tokenizer_message(self, obj: Any) -> None:
-        if isinstance(obj, TokenizedGenerateReqInput):
+        if isinstance(obj, (TokenizedGenerateReqInput, TokenizedEmbeddingReqInput)):
             self.dispatch(obj)
-        elif isinstance(obj, BatchTokenizedGenerateReqInput):
+        elif isinstance(obj, (BatchTokenizedGenerateReqInput, BatchTokenizedEmbeddingReqInput)):
             for r in obj.batch:
                 self.dispatch(r)
         else:
-            if isinstance(obj, (FlushCacheReqInput, GetInternalStateReq)):
+            if getattr(obj, "query_id", ""):  # a control query: one merged reply
                 self.pending[obj.query_id] = _Gather([])
             for w in self.workers:  # aborts and queries: every replica
                 w.send_pyobj(obj)
@@ -121,7 +122,7 @@ class DataParallelController:
             self.sent_since_report[obj.dp_rank] = 0
             return
         query_id = getattr(obj, "query_id", None)
-        gather = self.pending.get(query_id) if isinstance(obj, (FlushCacheReqOutput, GetInternalStateReqOutput)) else None
+        gather = self.pending.get(query_id) if query_id else None
         if gather is None:  # token-free messages (heartbeats) pass through
             self.send_to_tokenizer.send_pyobj(obj)
             return
@@ -131,9 +132,17 @@ class DataParallelController:
             self.send_to_tokenizer.send_pyobj(self.merge(gather.replies))
 
     def merge(self, replies: List[Any]) -> Any:
-        if isinstance(replies[0], FlushCacheReqOutput):
-            ok = all(r.success for r in replies)
-            return FlushCacheReqOutput(ok, "; ".join(r.message for r in replies if r.message), replies[0].query_id)
+        first = replies[0]
+        if isinstance(first, GetWeightsByNameReqOutput):  # SGLang's shape: one list per replica
+            params = [r.parameter for r in replies]
+            return replace(first, parameter=None if None in params else params)
+        if not isinstance(first, GetInternalStateReqOutput):
+            if not hasattr(first, "success"):
+                return first
+            # flush, pause, memory release, profiling, ...: it succeeded where every replica's did
+            messages = "; ".join(dict.fromkeys(r.message for r in replies if getattr(r, "message", "")))
+            return replace(first, success=all(r.success for r in replies),
+                           **({"message": messages} if hasattr(first, "message") else {}))
         states = [r.internal_state for r in replies]
         merged: Dict[str, Any] = {}
         for key in states[0]:

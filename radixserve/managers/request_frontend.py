@@ -108,6 +108,7 @@ class RequestFrontend:
         self.vocab_size = vocab_size
         self.rid_to_state: Dict[str, ReqState] = {}
         self.sessions = SessionStore()
+        self.weight_version = "default"  # reported in every meta_info (set by weight updates)
 
     # ---- intake ---------------------------------------------------------------------------
     def encode(self, text: str) -> List[int]:
@@ -325,6 +326,7 @@ class RequestFrontend:
             "completion_tokens": state.completion_tokens,
             "cached_tokens": state.cached_tokens,
             "e2e_latency": time.monotonic() - state.created,
+            "weight_version": self.weight_version,
         }
         if state.retraction_count:
             meta["retraction_count"] = state.retraction_count

@@ -28,8 +28,13 @@ from radixserve.managers.grammar import GrammarQueue
 from radixserve.managers.output_processor import SchedulerOutputProcessor
 from radixserve.managers.overlap import TpModelWorkerClient
 from radixserve.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch
+from radixserve.managers.scheduler_embedding import EmbeddingOutputProcessor, SchedulerEmbedding
+from radixserve.managers.scheduler_memory_saver import SchedulerMemorySaver
+from radixserve.managers.scheduler_pause import GenerationPause
+from radixserve.managers.scheduler_profiler import SchedulerProfiler
 from radixserve.managers.schedule_policy import NewTokenRatio, PrefillAdder, SchedulePolicy
 from radixserve.managers.scheduler_stats import SchedulerStats
+from radixserve.managers.scheduler_update_weights import SchedulerUpdateWeights
 from radixserve.mem_cache.base_prefix_cache import BasePrefixCache, check_pages_conserved, check_pools_idle
 from radixserve.mem_cache.chunk_cache import ChunkCache
 from radixserve.mem_cache.radix_cache import RadixCache
@@ -37,7 +42,7 @@ from radixserve.model_executor.tp_worker import GenerationBatchResult, TpModelWo
 from radixserve.models.model_config import ModelConfig
 from radixserve.protocol import (
     AbortReq, BatchTokenizedGenerateReqInput, FlushCacheReqInput, FlushCacheReqOutput, GetInternalStateReq,
-    GetInternalStateReqOutput, TokenizedGenerateReqInput,
+    GetInternalStateReqOutput, TokenizedGenerateReqInput, BatchTokenizedEmbeddingReqInput, TokenizedEmbeddingReqInput,
 )
 from radixserve.sampling_params import input_ids_error
 from radixserve.server_args import ServerArgs
@@ -95,10 +100,11 @@ class Scheduler:
         self.forward_thread = self.overlap_worker.forward_thread if self.overlap_worker else None
         self.stats = SchedulerStats()
 
-        self.output_processor = SchedulerOutputProcessor(self.tree_cache, self.token_to_kv_pool_allocator, self.send_fn, args.stream_interval)
+        self.output_processor = (EmbeddingOutputProcessor if args.is_embedding else SchedulerOutputProcessor)(self.tree_cache, self.token_to_kv_pool_allocator, self.send_fn, args.stream_interval)
         self.grammar_backend = create_grammar_backend(args, self.tokenizer, self.vocab_size, self.model_config.eos_token_ids)
         # Structured output: requests wait here while their grammar compiles (seed 000).
         self.grammar_queue = GrammarQueue(args, self.grammar_backend, self._reject_bad_grammar, tp_rank, tp_size)
+        self.embedding = SchedulerEmbedding(args, tp_worker, self._validate_request, self._enqueue, self.output_processor.finish)
         self.waiting_queue: List[Req] = []
         self.running_batch: ScheduleBatch = self._empty_batch()
         self.last_batch: Optional[ScheduleBatch] = None
@@ -107,12 +113,18 @@ class Scheduler:
         self.new_token_ratio = NewTokenRatio(args.schedule_conservativeness)
         self._init_disaggregation()
 
+        self.weight_updater = SchedulerUpdateWeights(self)  # weight updates without a restart
+        self.generation_pause, self.memory_saver, self.profiler = GenerationPause(self), SchedulerMemorySaver(self), SchedulerProfiler(self)
         self._dispatcher = TypeBasedDispatcher([
             (TokenizedGenerateReqInput, self.handle_generate_request),
             (BatchTokenizedGenerateReqInput, self.handle_batch_generate_request),
             (AbortReq, self.abort_request),
             (FlushCacheReqInput, self.flush_cache_wrapped),
             (GetInternalStateReq, self.get_internal_state),
+            *self.weight_updater.dispatch_entries(),
+            *self.generation_pause.dispatch_entries(), *self.memory_saver.dispatch_entries(), *self.profiler.dispatch_entries(),
+            (TokenizedEmbeddingReqInput, self.embedding.handle_embedding_request),
+            (BatchTokenizedEmbeddingReqInput, self.embedding.handle_batch_embedding_request),
         ])
         logger.info("Scheduler ready: max_total_num_tokens=%d, max_running_requests=%d, context_len=%d, page_size=%d",
                     self.max_total_num_tokens, self.max_running_requests, self.context_len, self.page_size)
@@ -263,7 +275,7 @@ class Scheduler:
         return broadcast_pyobj(reqs) if self.tp_size > 1 else reqs
 
     def process_input_requests(self, recv_reqs: List[Any]) -> None:
-        for recv_req in recv_reqs:
+        for recv_req in self.generation_pause.input_blocker.handle(recv_reqs):  # held while paused
             out = self._dispatcher(recv_req)
             if out is not None:
                 self.send_fn(out)
@@ -359,6 +371,8 @@ class Scheduler:
         if self.running_batch.is_empty():  # nothing left whose end would clear a "full" mark
             self.running_batch.batch_is_full = False
 
+        if self.generation_pause.hold_batches() or self.memory_saver.hold_batches():  # paused, or memory released
+            return None
         # 3. Prefill first; 4. otherwise decode.
         idle = not self.waiting_queue and self.running_batch.is_empty() and self.chunked_req is None and not self._results_pending()
         for req in self.grammar_queue.pop_ready(scheduler_idle=idle):
@@ -470,8 +484,11 @@ class Scheduler:
         """Normal loop: run and return the result. Overlap loop: launch on the forward thread
         (the result is processed later); batch.output_ids become future placeholders."""
         self.forward_ct += 1
+        self.profiler.on_forward()
         self.stats.count_batch(batch.forward_mode)
         worker_batch = batch.get_model_worker_batch()
+        if self.embedding.enabled:  # --is-embedding: prefill only, pooled hidden states, nothing sampled
+            return self.embedding.run_batch(worker_batch)
         if self.grammar_backend is not None:
             # This forward's grammar mask, filled now on this thread (the matchers have seen
             # every earlier token: see is_disable_overlap_for_batch).
@@ -488,7 +505,7 @@ class Scheduler:
         def match(r: Req) -> bool:
             return recv.abort_all or r.rid == recv.rid
 
-        message = "Aborted by AbortReq."
+        message = recv.abort_message or "Aborted by AbortReq."
         for disagg in (self.disagg_prefill, self.disagg_decode):
             if disagg is not None:
                 disagg.abort(match, message)
@@ -550,6 +567,7 @@ class Scheduler:
             available_tokens=self.token_to_kv_pool_allocator.available_size(),
             evictable_tokens=self.tree_cache.evictable_size(),
             protected_tokens=self.tree_cache.protected_size(),
+            **self.generation_pause.internal_state(), **self.memory_saver.internal_state(),
         )
 
     # ---- invariants ---------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from typing import Any, Callable, List, Optional
 
 from radixserve.managers.dp_controller import dp_port_args
 from radixserve.managers.process_utils import configure_process_logging, watch_parent
+from radixserve.managers.scheduler_pause import expects_progress
 from radixserve.protocol import BatchTokenIDOutput, GetInternalStateReqOutput, SchedulerHeartbeat, SchedulerLoad
 from radixserve.server_args import PortArgs, ServerArgs
 
@@ -125,7 +126,7 @@ class Watchdog:
         last_ct, last_change = self.sched.forward_ct, time.monotonic()
         while not stop.wait(self.period):
             ct = self.sched.forward_ct
-            if ct != last_ct or not self.sched.has_work():
+            if ct != last_ct or not expects_progress(self.sched):  # idle, or paused on purpose
                 last_ct, last_change = ct, time.monotonic()
                 continue
             if time.monotonic() - last_change > self.timeout:
@@ -188,6 +189,7 @@ def run_scheduler_process(
 
         scheduler = Scheduler(server_args, recv_fn=recv_fn, send_fn=send_fn, tp_rank=tp_rank, tp_size=server_args.tp_size)
         holder["metrics"] = metrics = SchedulerMetricsLogger(scheduler, server_args.decode_log_interval)
+        scheduler.profiler.dp_rank = dp_rank  # in its trace files' names
     except Exception as e:  # a model path that cannot load (LoadError): its one-line message, no traceback
         pipe.send({"status": "error", "error": str(e) if type(e).__name__ == "LoadError" else traceback.format_exc()})
         raise SystemExit(1)
@@ -200,6 +202,7 @@ def run_scheduler_process(
         "max_running_requests": scheduler.max_running_requests,
         "context_len": scheduler.context_len,
         "vocab_size": scheduler.vocab_size,
+        "hidden_size": scheduler.model_config.hidden_size,  # what /v1/embeddings' `dimensions` may ask
         "device": str(scheduler.device),
     })
     Watchdog(scheduler, server_args.watchdog_timeout, lambda: os._exit(1)).start()
@@ -223,7 +226,7 @@ def run_scheduler_process(
                     if load != last_load:
                         send_fn(SchedulerLoad(dp_rank, load))
                         last_load = load
-            if poller is not None and batch is None and not scheduler.has_work():
+            if poller is not None and batch is None and not expects_progress(scheduler):
                 # Idle: block until a message arrives. Other TP ranks wait in the broadcast.
                 # PD: a handshake or a transfer can end any moment (on the KVManager's thread).
                 poller.poll(PEER_POLL_MS if scheduler.waiting_on_peer() else IDLE_POLL_MS)

@@ -15,22 +15,27 @@ import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, AsyncIterator, Dict, List, Optional
+from typing import Any, AsyncIterator, Dict, List, Optional, Union
 
 from radixserve.hf_transformers_utils import get_tokenizer, load_sampling_defaults, resolve_model_path
+from radixserve.managers.admin_requests import TokenizerAdmin
 from radixserve.managers.detokenizer import DETOKENIZE_ERROR
+from radixserve.managers.embedding_frontend import EmbeddingFrontend, EmbeddingReqState, check_request_kind
 from radixserve.managers.request_frontend import ReqState, RequestError, RequestFrontend, is_single
 from radixserve.managers.session import SessionError
+from radixserve.managers.tokenizer_update_weights import TokenizerUpdateWeights
 from radixserve.protocol import (
     AbortReq,
+    BatchEmbeddingOutput,
     BatchStrOutput,
+    BatchTokenizedEmbeddingReqInput,
     BatchTokenizedGenerateReqInput,
     CloseSessionReqInput,
+    EmbeddingReqInput,
     FlushCacheReqInput,
     FlushCacheReqOutput,
     GenerateReqInput,
     GetInternalStateReq,
-    GetInternalStateReqOutput,
     OpenSessionReqInput,
     SchedulerHeartbeat,
 )
@@ -154,9 +159,12 @@ class TokenizerManager:
         self.context_len: int = model_info["context_len"]
         self.vocab_size: int = model_info["vocab_size"]
         self.frontend = RequestFrontend(self.tokenizer, self.context_len, self.vocab_size, load_sampling_defaults(server_args))
+        self.embeddings = EmbeddingFrontend(self.frontend, model_info.get("hidden_size"))
+        self.weight_updates = TokenizerUpdateWeights(self)  # update_weights_* and weight_version
         self.rid_to_state: Dict[str, ReqState] = self.frontend.rid_to_state
         self.sessions = self.frontend.sessions
         self.metrics = TokenizerMetrics()
+        self.admin = TokenizerAdmin(self)  # memory release, pause, profiling (admin_requests.py)
         self.dead_reason: Optional[str] = None  # set when a child process died
         self.draining = False  # SIGTERM: finish what runs, refuse what comes (503)
         self.created_time = int(time.time())
@@ -238,7 +246,9 @@ class TokenizerManager:
             try:
                 if isinstance(obj, BatchStrOutput):
                     self._handle_batch_output(obj)
-                elif isinstance(obj, (FlushCacheReqOutput, GetInternalStateReqOutput)):
+                elif isinstance(obj, BatchEmbeddingOutput):
+                    self._handle_batch_embedding_output(obj)
+                elif hasattr(obj, "query_id"):  # a reply to a control query (flush, state, pause, ...)
                     self.communicator.handle(obj)
                 elif isinstance(obj, SchedulerHeartbeat):
                     self.last_heartbeat[obj.dp_rank] = time.monotonic()
@@ -266,7 +276,15 @@ class TokenizerManager:
                 self.abort_request(state.rid)  # the scheduler still runs it: free its KV
             state.event.set()
 
+    def _handle_batch_embedding_output(self, out: BatchEmbeddingOutput) -> None:
+        now = time.monotonic()
+        for state in self.embeddings.handle_batch_embedding_output(out):
+            self.metrics.on_update(state, 0, now)
+            state.event.set()
+
     def make_output(self, state: ReqState) -> Dict[str, Any]:
+        if isinstance(state, EmbeddingReqState):
+            return self.embeddings.make_output(state)
         return self.frontend.make_output(state)
 
     def decode_token(self, token_id: int) -> str:
@@ -337,11 +355,27 @@ class TokenizerManager:
     def make_sampling_params(self, d: Optional[Dict[str, Any]]) -> SamplingParams:
         return self.frontend.make_sampling_params(d)
 
-    async def generate_request(self, obj: GenerateReqInput, request: Any = None) -> AsyncIterator[Any]:
+    async def generate_request(self, obj: Union[GenerateReqInput, EmbeddingReqInput], request: Any = None) -> AsyncIterator[Any]:
+        """_generate_request under the model_update_lock's reader side: a weight update waits for
+        it to end, and it waits for an update in progress (tokenizer_update_weights.py)."""
+        async with self.weight_updates.model_update_lock.reader_lock():
+            gen = self._generate_request(obj, request)
+            try:
+                async for out in gen:
+                    yield out
+            finally:
+                await gen.aclose()
+
+    async def _generate_request(self, obj: Union[GenerateReqInput, EmbeddingReqInput], request: Any = None) -> AsyncIterator[Any]:
         """Streaming: yields an output dict per update (with "index" when there are several
         samples). Otherwise yields once: one output dict, or a list for a batch or n > 1.
-        Raises RequestError for a refused request (400 / 503 ...)."""
+        Raises RequestError for a refused request (400 / 503 ...). An EmbeddingReqInput (on an
+        --is-embedding server) yields one {"embedding", "meta_info"} dict, or a list for a batch."""
         self._check_alive()
+        check_request_kind(self.server_args.is_embedding, isinstance(obj, EmbeddingReqInput))
+        if isinstance(obj, EmbeddingReqInput):
+            yield await self._embedding_request(obj, request)
+            return
         prepared = await self._loop.run_in_executor(self._tokenize_executor, self.frontend.prepare, obj)
         reqs = prepared[0]
         limit = self.server_args.max_concurrent_requests
@@ -381,6 +415,28 @@ class TokenizerManager:
                 if not s.finished:
                     self.abort_request(s.rid)
                 self.rid_to_state.pop(s.rid, None)
+
+    async def _embedding_request(self, obj: EmbeddingReqInput, request: Any) -> Any:
+        """Prefill only: each prompt's result comes once, when it is done (no streaming)."""
+        reqs, single = await self._loop.run_in_executor(self._tokenize_executor, self.embeddings.prepare, obj)
+        limit = self.server_args.max_concurrent_requests
+        if len(self.rid_to_state) + len(reqs) > limit:
+            raise RequestError(f"Too many requests in flight (--max-concurrent-requests {limit}); retry later.",
+                               503, "ServiceUnavailable")
+        states = self.embeddings.register(reqs)
+        tasks: List[asyncio.Task] = []
+        try:
+            self._send_request(reqs[0] if len(reqs) == 1 else BatchTokenizedEmbeddingReqInput(reqs))
+            tasks = [asyncio.create_task(self._final_output(s, request)) for s in states]
+            results = await asyncio.gather(*tasks)
+        finally:  # one failed: stop waiting for the others, abort what still runs
+            for t in tasks:
+                t.cancel()
+            for s in states:
+                if not s.finished:
+                    self.abort_request(s.rid)
+                self.rid_to_state.pop(s.rid, None)
+        return results[0] if single else list(results)
 
     async def _final_output(self, state: ReqState, request: Any) -> Dict[str, Any]:
         final = None
@@ -495,10 +551,10 @@ class TokenizerManager:
 
     async def health_generate(self) -> bool:
         """A real one-token generation (SGLang's /health_generate)."""
-        obj = GenerateReqInput(
-            input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0},
-            rid=f"HEALTH_CHECK_{uuid.uuid4().hex}",
-        )
+        rid = f"HEALTH_CHECK_{uuid.uuid4().hex}"
+        obj: Any = GenerateReqInput(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0}, rid=rid)
+        if self.server_args.is_embedding:  # an embedding server embeds instead (SGLang's too)
+            obj = EmbeddingReqInput(input_ids=[0], rid=rid)
 
         async def run() -> bool:
             gen = self.generate_request(obj)

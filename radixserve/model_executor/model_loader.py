@@ -7,7 +7,7 @@ from __future__ import annotations
 import glob
 import json
 import os
-from typing import Iterator, List
+from typing import Dict, Iterator, List, Tuple
 
 import torch
 from safetensors import safe_open
@@ -62,22 +62,17 @@ def iterate_safetensors(model_path: str) -> Iterator[NamedWeight]:
                 yield name, f.get_tensor(name), fn
 
 
-def dummy_weights(config: ModelConfig, seed: int) -> Iterator[NamedWeight]:
-    """Seeded random weights named and shaped like a Hugging Face checkpoint, so they go
-    through the same loaders (and the same TP slicing) as real ones."""
-    gen = torch.Generator().manual_seed(seed)
+def checkpoint_shapes(config: ModelConfig) -> Dict[str, Tuple[int, ...]]:
+    """Name -> shape of every tensor of a Hugging Face checkpoint of this config, in file order
+    (full tensors, before any TP split)."""
     h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
     nq, nkv = config.num_attention_heads, config.num_key_value_heads
     qkv_bias = config.attention_bias or config.architecture == "Qwen2ForCausalLM"
     qk_norm = config.architecture == "Qwen3ForCausalLM"
-
-    def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen) * (shape[-1] ** -0.5 if len(shape) > 1 else 0.02)
-
-    yield "model.embed_tokens.weight", torch.randn(config.vocab_size, h, generator=gen), "dummy"
+    shapes: Dict[str, Tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h)}
     for layer in range(config.num_hidden_layers):
         p = f"model.layers.{layer}."
-        shapes = {
+        layer_shapes = {
             "self_attn.q_proj.weight": (nq * d, h),
             "self_attn.k_proj.weight": (nkv * d, h),
             "self_attn.v_proj.weight": (nkv * d, h),
@@ -87,17 +82,34 @@ def dummy_weights(config: ModelConfig, seed: int) -> Iterator[NamedWeight]:
             "mlp.down_proj.weight": (h, i),
         }
         if qkv_bias:
-            shapes.update({"self_attn.q_proj.bias": (nq * d,), "self_attn.k_proj.bias": (nkv * d,), "self_attn.v_proj.bias": (nkv * d,)})
-        for name, shape in shapes.items():
-            yield p + name, rand(*shape), "dummy"
-        norms = ["input_layernorm.weight", "post_attention_layernorm.weight"]
-        norms += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"] if qk_norm else []
-        for name in norms:
-            n = d if "_norm" in name and "self_attn" in name else h
-            yield p + name, 1.0 + 0.1 * torch.randn(n, generator=gen), "dummy"
-    yield "model.norm.weight", torch.ones(h), "dummy"
+            layer_shapes.update({"self_attn.q_proj.bias": (nq * d,), "self_attn.k_proj.bias": (nkv * d,),
+                                 "self_attn.v_proj.bias": (nkv * d,)})
+        if config.o_bias:
+            layer_shapes["self_attn.o_proj.bias"] = (h,)
+        layer_shapes.update({"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)})
+        if qk_norm:
+            layer_shapes.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
+        shapes.update({p + name: shape for name, shape in layer_shapes.items()})
+    shapes["model.norm.weight"] = (h,)
     if not config.tie_word_embeddings:
-        yield "lm_head.weight", rand(config.vocab_size, h), "dummy"
+        shapes["lm_head.weight"] = (config.vocab_size, h)
+    return shapes
+
+
+def dummy_weights(config: ModelConfig, seed: int) -> Iterator[NamedWeight]:
+    """Seeded random weights named and shaped like a Hugging Face checkpoint, so they go
+    through the same loaders (and the same TP slicing) as real ones."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, shape in checkpoint_shapes(config).items():
+        if name == "model.embed_tokens.weight":
+            tensor = torch.randn(*shape, generator=gen)
+        elif name == "model.norm.weight":
+            tensor = torch.ones(shape)
+        elif name.endswith("norm.weight"):
+            tensor = 1.0 + 0.1 * torch.randn(*shape, generator=gen)
+        else:
+            tensor = torch.randn(*shape, generator=gen) * (shape[-1] ** -0.5 if len(shape) > 1 else 0.02)
+        yield name, tensor, "dummy"
 
 
 def _path(model_path, name: str) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Optional
+from typing import Any, List, Optional, Tuple
 
 import torch
 
@@ -17,11 +17,13 @@ from radixserve.layers.attention.base_attn_backend import AttentionBackend
 from radixserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from radixserve.layers.cpu_weight_only import convert_to_weight_only, resolve_kv_cache_dtype, weight_only_available
 from radixserve.layers.logits_processor import LogitsProcessorOutput
+from radixserve.layers.pooler import EmbeddingPoolerOutput, Pooler, PoolingConfig
 from radixserve.layers.sampler import Sampler, SamplerOutput
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from radixserve.model_executor.cuda_graph_runner import CudaGraphRunner
 from radixserve.model_executor.forward_batch import ForwardBatch, ModelWorkerBatch
 from radixserve.model_executor.model_loader import get_model
+from radixserve.model_executor.weight_updater import ModelWeightUpdater
 from radixserve.models.model_config import ModelConfig
 from radixserve.server_args import ServerArgs
 
@@ -67,9 +69,12 @@ class ModelRunner:
         if self.weight_only:
             convert_to_weight_only(self.model)
         self.activation_dtype = torch.float32 if self.weight_only else self.dtype
+        self.weight_updater = ModelWeightUpdater(self)  # weight updates without a restart
         self.kv_cache_dtype = resolve_kv_cache_dtype(server_args.kv_cache_dtype, self.activation_dtype, self.weight_only)
         self.context_len = min(server_args.context_length or model_config.context_len, model_config.context_len)
         self.attn_backend = self.init_attention_backend()
+        # --is-embedding: the pooling of the model directory's sentence-transformers config
+        self.pooler = Pooler(PoolingConfig.from_model_path(model_config.model_path)) if server_args.is_embedding else None
         self.init_memory_pool()
         self.sampler = Sampler()
         self.cuda_graph_runner = self.init_cuda_graphs()
@@ -85,6 +90,7 @@ class ModelRunner:
         return (
             self.device == "cuda"
             and not self.server_args.disable_cuda_graph
+            and not self.server_args.is_embedding  # the graphs are of decode steps
             and self.attn_backend.cuda_graph_unsupported_reason is None
         )
 
@@ -141,6 +147,28 @@ class ModelRunner:
         logger.info("KV pool: %d tokens of %s, max running requests: %d, context: %d", max_tokens,
                     str(self.kv_cache_dtype).removeprefix("torch."), max_reqs, self.context_len)
 
+    # ---- weight updates (weight_updater.py): each returns (success, message) ----------------
+    def update_weights_from_disk(self, model_path: str, load_format: Optional[str] = None) -> Tuple[bool, str]:
+        return self.weight_updater.update_weights_from_disk(model_path, load_format)
+
+    def update_weights_from_tensor(self, named_tensors: List[Any], load_format: Optional[str] = None) -> Tuple[bool, str]:
+        return self.weight_updater.update_weights_from_tensor(named_tensors, load_format)
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str, backend: str = "gloo") -> Tuple[bool, str]:
+        return self.weight_updater.init_weights_update_group(master_address, master_port, rank_offset, world_size,
+                                                             group_name, backend)
+
+    def update_weights_from_distributed(self, names: List[str], dtypes: List[str], shapes: List[List[int]],
+                                        group_name: str) -> Tuple[bool, str]:
+        return self.weight_updater.update_weights_from_distributed(names, dtypes, shapes, group_name)
+
+    def destroy_weights_update_group(self, group_name: str) -> Tuple[bool, str]:
+        return self.weight_updater.destroy_weights_update_group(group_name)
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> Optional[List[Any]]:
+        return self.weight_updater.get_weights_by_name(name, truncate_size)
+
     # ---- forward ------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
@@ -149,6 +177,14 @@ class ModelRunner:
         if forward_batch.attn_metadata is None:  # ForwardBatch.init_new left it for a replay
             self.attn_backend.init_forward_metadata(forward_batch)
         return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+
+    @torch.inference_mode()
+    def forward_embedding(self, forward_batch: ForwardBatch) -> EmbeddingPoolerOutput:
+        """--is-embedding: an EXTEND forward's final hidden states, pooled per request."""
+        if forward_batch.attn_metadata is None:
+            self.attn_backend.init_forward_metadata(forward_batch)
+        hidden_states = self.model(forward_batch.input_ids, forward_batch.positions, forward_batch, get_embedding=True)
+        return self.pooler(hidden_states, forward_batch)
 
     @torch.inference_mode()
     def sample(self, logits_output: LogitsProcessorOutput, batch: ModelWorkerBatch) -> SamplerOutput:

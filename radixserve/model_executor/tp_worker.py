@@ -11,6 +11,10 @@ from radixserve.layers.logits_processor import LogitsProcessorOutput
 from radixserve.model_executor.forward_batch import ForwardBatch, ModelWorkerBatch
 from radixserve.model_executor.model_runner import ModelRunner
 from radixserve.models.model_config import ModelConfig
+from radixserve.protocol import (
+    DestroyWeightsUpdateGroupReqInput, GetWeightsByNameReqInput, InitWeightsUpdateGroupReqInput,
+    UpdateWeightFromDiskReqInput, UpdateWeightsFromDistributedReqInput, UpdateWeightsFromTensorReqInput,
+)
 from radixserve.server_args import ServerArgs
 
 
@@ -39,6 +43,28 @@ class TpModelWorker:
         r = self.model_runner
         return r.req_to_token_pool, r.token_to_kv_pool_allocator
 
+    # ---- weight updates (SGLang's TpModelWorker: a request in, (success, message) out) ----------
+    def update_weights_from_disk(self, recv_req: UpdateWeightFromDiskReqInput) -> Tuple[bool, str]:
+        return self.model_runner.update_weights_from_disk(recv_req.model_path, recv_req.load_format)
+
+    def update_weights_from_tensor(self, recv_req: UpdateWeightsFromTensorReqInput) -> Tuple[bool, str]:
+        return self.model_runner.update_weights_from_tensor(recv_req.named_tensors, recv_req.load_format)
+
+    def init_weights_update_group(self, recv_req: InitWeightsUpdateGroupReqInput) -> Tuple[bool, str]:
+        r = recv_req
+        return self.model_runner.init_weights_update_group(r.master_address, r.master_port, r.rank_offset,
+                                                           r.world_size, r.group_name, r.backend)
+
+    def update_weights_from_distributed(self, recv_req: UpdateWeightsFromDistributedReqInput) -> Tuple[bool, str]:
+        r = recv_req
+        return self.model_runner.update_weights_from_distributed(r.names, r.dtypes, r.shapes, r.group_name)
+
+    def destroy_weights_update_group(self, recv_req: DestroyWeightsUpdateGroupReqInput) -> Tuple[bool, str]:
+        return self.model_runner.destroy_weights_update_group(recv_req.group_name)
+
+    def get_weights_by_name(self, recv_req: GetWeightsByNameReqInput) -> Optional[List[Any]]:
+        return self.model_runner.get_weights_by_name(recv_req.name, recv_req.truncate_size)
+
     @staticmethod
     def to_host(t: torch.Tensor) -> Tuple[torch.Tensor, Any]:
         """Start the device -> host copy of sampled tokens; returns (host tensor, event).
@@ -54,6 +80,12 @@ class TpModelWorker:
         copy_done = torch.cuda.Event()
         copy_done.record()
         return host, copy_done
+
+    def forward_batch_embedding(self, batch: ModelWorkerBatch) -> torch.Tensor:
+        """--is-embedding: a prefill's pooled hidden states, [bs, hidden] float32 on the CPU
+        (each request's part of its embedding; see layers/pooler.py)."""
+        forward_batch = ForwardBatch.init_new(batch, self.model_runner)
+        return self.model_runner.forward_embedding(forward_batch).embeddings.cpu()
 
     def forward_batch_generation(self, batch: ModelWorkerBatch, skip_sample: bool = False) -> GenerationBatchResult:
         forward_batch = ForwardBatch.init_new(batch, self.model_runner)

@@ -7,7 +7,7 @@ step of a small model on the CPU."""
 
 from __future__ import annotations
 
-from typing import Iterable, Optional, Tuple
+from typing import Iterable, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -141,14 +141,27 @@ class LlamaForCausalLM(nn.Module):
         self.logits_processor = LogitsProcessor(config.vocab_size)
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch) -> LogitsProcessorOutput:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch, get_embedding: bool = False
+    ) -> Union[LogitsProcessorOutput, torch.Tensor]:
         hidden_states = self.model(input_ids, positions, forward_batch)
+        if get_embedding:  # --is-embedding: the final hidden states, for the ModelRunner's Pooler
+            return hidden_states
         return self.logits_processor(hidden_states, self.lm_head, forward_batch)
 
-    def load_weights(self, weights: Iterable[NamedWeight]) -> None:
-        """weights: (checkpoint tensor name, tensor, file it came from). Raises LoadError."""
-        load_named_weights(self, weights, self.stacked_params_mapping)
+    def load_weights(self, weights: Iterable[NamedWeight], require_all: bool = True) -> None:
+        """weights: (checkpoint tensor name, tensor, file it came from). Raises LoadError.
+        require_all=False: a weight update of some of the tensors."""
+        load_named_weights(self, (_with_model_prefix(w) for w in weights), self.stacked_params_mapping, require_all)
 
 
 class MistralForCausalLM(LlamaForCausalLM):
     pass
+
+
+def _with_model_prefix(weight: NamedWeight) -> NamedWeight:
+    """A checkpoint saved from the bare model (AutoModel: Qwen3-Embedding is one) names its
+    tensors without the "model." prefix of the *ForCausalLM checkpoints."""
+    name, tensor, fn = weight
+    bare = name.startswith(("embed_tokens.", "layers.", "norm."))
+    return (f"model.{name}", tensor, fn) if bare else weight

@@ -16,20 +16,18 @@ from radixserve.models.model_config import LoadError
 NamedWeight = Tuple[str, torch.Tensor, str]  # (checkpoint name, tensor, file)
 
 
-def load_named_weights(model: nn.Module, weights: Iterable[NamedWeight], stacked_params_mapping) -> None:
+def load_named_weights(model: nn.Module, weights: Iterable[NamedWeight], stacked_params_mapping,
+                       require_all: bool = True) -> None:
     """Copy checkpoint tensors into the model, through each layer's TP-aware weight_loader.
-    q/k/v and gate/up checkpoint tensors go into the fused parameters (stacked_params_mapping)."""
+    q/k/v and gate/up checkpoint tensors go into the fused parameters (stacked_params_mapping).
+    require_all=False: a weight update of some tensors (the others keep their values)."""
     params: Dict[str, nn.Parameter] = dict(model.named_parameters())
     tied = getattr(model.config, "tie_word_embeddings", False)
     loaded = set()
     for name, tensor, fn in weights:
         if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
             continue
-        target, shard_id = name, None
-        for param_name, weight_name, sid in stacked_params_mapping:
-            if weight_name in name:
-                target, shard_id = name.replace(weight_name, param_name), sid
-                break
+        target, shard_id = param_name_for(name, stacked_params_mapping)
         param = params.get(target)
         if param is None:
             raise LoadError(f"{fn}: unexpected tensor {name!r} for {type(model).__name__}")
@@ -46,11 +44,19 @@ def load_named_weights(model: nn.Module, weights: Iterable[NamedWeight], stacked
             raise LoadError(f"{fn}: tensor {name!r}: {e}") from None
         loaded.add((target, shard_id))
     missing = [key for key in _expected_loads(params, stacked_params_mapping) if key not in loaded]
-    if missing:
+    if missing and require_all:
         where = model.config.model_path or "checkpoint"
         name, shard = missing[0]
         what = name if shard is None else f"{name} (shard {shard})"
         raise LoadError(f"{where}: no tensor for parameter {what!r} ({len(missing)} missing)")
+
+
+def param_name_for(name: str, stacked_params_mapping) -> Tuple[str, object]:
+    """(the model's parameter, shard id) a checkpoint tensor is loaded into: q_proj -> (qkv_proj, "q")."""
+    for param_name, weight_name, sid in stacked_params_mapping:
+        if weight_name in name:
+            return name.replace(weight_name, param_name), sid
+    return name, None
 
 
 def _expected_loads(params: Dict[str, nn.Parameter], mapping) -> List[Tuple[str, object]]:

@@ -1,0 +1,92 @@
+"""SGLang's routes for memory release, pause and profiling, with its request fields and replies
+(the work: managers/admin_requests.py, and the scheduler's scheduler_memory_saver.py,
+scheduler_pause.py and scheduler_profiler.py).
+
+    GET|POST /release_memory_occupation  {"tags": [...]}     -> 200 null
+    GET|POST /resume_memory_occupation   {"tags": [...]}     -> 200 null
+    POST     /pause_generation           {"mode": "abort"}   -> {"message": "Generation paused successfully.", "status": "ok"}
+    POST     /continue_generation                            -> {"message": "Generation continued successfully.", "status": "ok"}
+    GET|POST /start_profile              {"num_steps": 5, "activities": ["CPU"], "output_dir": ...} -> "Start profiling.\\n"
+    GET|POST /stop_profile                                   -> "Stop profiling. This will take some time.\\n"
+
+Every body is optional (its fields have defaults). A refusal is a 400 whose message says why:
+an unknown tag or mode or activity, a release while requests run, a resume of what was not
+released, a stop without a start.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, PlainTextResponse
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+
+from radixserve.managers.tokenizer_manager import TokenizerManager
+
+
+class MemoryOccupationRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    tags: Optional[List[str]] = Field(
+        None, description='What to release / resume: "kv_cache", "weights" (and "cuda_graph"); absent: all.')
+
+
+class PauseGenerationRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    mode: str = Field("abort", description="abort: end every request; retract: running requests give back their "
+                                           "KV and wait; in_place: everything stays. New requests wait until continue.")
+
+
+class ProfileRequest(BaseModel):
+    """SGLang's ProfileReqInput."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    output_dir: Optional[str] = Field(None, description="Where the traces go (default: $SGLANG_TORCH_PROFILER_DIR, else the temp dir).")
+    start_step: Optional[StrictInt] = Field(None, description="Start at this forward count (default: now).")
+    num_steps: Optional[StrictInt] = Field(None, description="Stop by itself after this many batches.")
+    activities: Optional[List[str]] = Field(None, description='"CPU", and "GPU" (or "CUDA") on a GPU.')
+    with_stack: Optional[StrictBool] = None
+    record_shapes: Optional[StrictBool] = None
+    profile_by_stage: StrictBool = False
+    merge_profiles: StrictBool = False  # SGLang's; one trace per rank here
+
+
+def add_admin_routes(app: FastAPI, tm: TokenizerManager) -> None:
+    admin = tm.admin
+
+    @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
+    async def release_memory_occupation(body: Optional[MemoryOccupationRequest] = None) -> None:
+        """Free the KV pool and / or the weights (requests get 503 until the resume)."""
+        await admin.release_memory_occupation(body.tags if body else None)
+
+    @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
+    async def resume_memory_occupation(body: Optional[MemoryOccupationRequest] = None) -> None:
+        """Restore what was released (the weights exactly as they were)."""
+        await admin.resume_memory_occupation(body.tags if body else None)
+
+    @app.post("/pause_generation")
+    async def pause_generation(body: Optional[PauseGenerationRequest] = None) -> JSONResponse:
+        await admin.pause_generation(body.mode if body else "abort")
+        return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
+
+    @app.post("/continue_generation")
+    async def continue_generation() -> JSONResponse:
+        await admin.continue_generation()
+        return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
+
+    @app.api_route("/start_profile", methods=["GET", "POST"])
+    async def start_profile(body: Optional[ProfileRequest] = None) -> PlainTextResponse:
+        """A torch.profiler trace of the scheduler (a gzipped Chrome trace per rank, for Perfetto)."""
+        b = body or ProfileRequest()
+        await admin.start_profile(output_dir=b.output_dir, start_step=b.start_step, num_steps=b.num_steps,
+                                  activities=b.activities, with_stack=b.with_stack, record_shapes=b.record_shapes,
+                                  profile_by_stage=b.profile_by_stage)
+        return PlainTextResponse("Start profiling.\n")
+
+    @app.api_route("/stop_profile", methods=["GET", "POST"])
+    async def stop_profile() -> PlainTextResponse:
+        await admin.stop_profile()
+        return PlainTextResponse("Stop profiling. This will take some time.\n")

@@ -1,0 +1,101 @@
+"""The Scheduler's handlers of weight updates (SGLang's SchedulerUpdateWeightsMixin, as a component
+the Scheduler composes: its dispatch_entries() join the TypeBasedDispatcher's table).
+
+    UpdateWeightFromDiskReqInput ----------.
+    UpdateWeightsFromTensorReqInput --------+--> settle --> TpModelWorker.update_weights_* --> flush_cache
+    UpdateWeightsFromDistributedReqInput --'       (every TP rank, in lockstep: control messages are
+    Init/DestroyWeightsUpdateGroupReqInput          broadcast by rank 0, see Scheduler.recv_requests)
+    GetWeightsByNameReqInput
+
+Before the weights change, what is in flight finishes (`settle`): the overlap loop's forward,
+which reads the weights on another thread, and requests admitted before the update. The
+TokenizerManager holds new requests back while an update runs (its model_update_lock), and with
+abort_all_requests it aborted the old ones first. The radix cache is flushed afterwards: its KV
+was computed with the old weights.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, List, Tuple
+
+from radixserve.protocol import (
+    DestroyWeightsUpdateGroupReqInput,
+    DestroyWeightsUpdateGroupReqOutput,
+    GetWeightsByNameReqInput,
+    GetWeightsByNameReqOutput,
+    InitWeightsUpdateGroupReqInput,
+    InitWeightsUpdateGroupReqOutput,
+    UpdateWeightFromDiskReqInput,
+    UpdateWeightFromDiskReqOutput,
+    UpdateWeightsFromDistributedReqInput,
+    UpdateWeightsFromDistributedReqOutput,
+    UpdateWeightsFromTensorReqInput,
+    UpdateWeightsFromTensorReqOutput,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class SchedulerUpdateWeights:
+    """`scheduler`: the Scheduler (its tp_worker, has_work, run_step, flush_cache)."""
+
+    def __init__(self, scheduler: Any):
+        self.scheduler = scheduler
+
+    def dispatch_entries(self) -> List[Tuple[type, Callable[[Any], Any]]]:
+        return [
+            (UpdateWeightFromDiskReqInput, self.update_weights_from_disk),
+            (UpdateWeightsFromTensorReqInput, self.update_weights_from_tensor),
+            (InitWeightsUpdateGroupReqInput, self.init_weights_update_group),
+            (UpdateWeightsFromDistributedReqInput, self.update_weights_from_distributed),
+            (DestroyWeightsUpdateGroupReqInput, self.destroy_weights_update_group),
+            (GetWeightsByNameReqInput, self.get_weights_by_name),
+        ]
+
+    # ---- handlers --------------------------------------------------------------------------------
+    def update_weights_from_disk(self, recv: UpdateWeightFromDiskReqInput) -> UpdateWeightFromDiskReqOutput:
+        self.settle()
+        success, message = self.scheduler.tp_worker.update_weights_from_disk(recv)
+        return UpdateWeightFromDiskReqOutput(success, self._after_update(success, message, True), 0, recv.query_id)
+
+    def update_weights_from_tensor(self, recv: UpdateWeightsFromTensorReqInput) -> UpdateWeightsFromTensorReqOutput:
+        self.settle()
+        success, message = self.scheduler.tp_worker.update_weights_from_tensor(recv)
+        return UpdateWeightsFromTensorReqOutput(success, self._after_update(success, message, recv.flush_cache), recv.query_id)
+
+    def update_weights_from_distributed(self, recv: UpdateWeightsFromDistributedReqInput) -> UpdateWeightsFromDistributedReqOutput:
+        self.settle()
+        success, message = self.scheduler.tp_worker.update_weights_from_distributed(recv)
+        return UpdateWeightsFromDistributedReqOutput(success, self._after_update(success, message, recv.flush_cache), recv.query_id)
+
+    def init_weights_update_group(self, recv: InitWeightsUpdateGroupReqInput) -> InitWeightsUpdateGroupReqOutput:
+        success, message = self.scheduler.tp_worker.init_weights_update_group(recv)
+        return InitWeightsUpdateGroupReqOutput(success, message, recv.query_id)
+
+    def destroy_weights_update_group(self, recv: DestroyWeightsUpdateGroupReqInput) -> DestroyWeightsUpdateGroupReqOutput:
+        success, message = self.scheduler.tp_worker.destroy_weights_update_group(recv)
+        return DestroyWeightsUpdateGroupReqOutput(success, message, recv.query_id)
+
+    def get_weights_by_name(self, recv: GetWeightsByNameReqInput) -> GetWeightsByNameReqOutput:
+        return GetWeightsByNameReqOutput(self.scheduler.tp_worker.get_weights_by_name(recv), recv.query_id)
+
+    # ---- around an update ------------------------------------------------------------------------
+    def settle(self) -> None:
+        """Run the loop until nothing is in flight: no forward on the forward thread, no request
+        admitted before the update still running. A step that launches nothing and leaves no
+        result pending ends the wait (e.g. a paused scheduler keeps its requests as they are)."""
+        s = self.scheduler
+        while s.has_work():
+            if s.run_step() is None and not s._results_pending():
+                break
+        if s.forward_thread is not None:
+            s.forward_thread.synchronize()
+
+    def _after_update(self, success: bool, message: str, flush_cache: bool) -> str:
+        if not success:
+            logger.error("Weight update refused: %s", message)
+            return message
+        if flush_cache and not self.scheduler.flush_cache():
+            return message + " The cache was not flushed: requests still hold KV of the old weights."
+        return message
