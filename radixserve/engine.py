@@ -21,6 +21,7 @@ from radixserve.managers.detokenizer import DetokenizerManager
 from radixserve.managers.embedding_frontend import EmbeddingFrontend, check_request_kind
 from radixserve.managers.request_frontend import ReqState, RequestFrontend, is_single
 from radixserve.managers.scheduler import Scheduler
+from radixserve.managers.schedule_policy import configure_lora_admission
 from radixserve.managers.scheduler_pause import expects_progress
 from radixserve.managers.scheduler_stats import SchedulerStats
 from radixserve.protocol import (
@@ -28,6 +29,7 @@ from radixserve.protocol import (
     AbortReq, BatchEmbeddingOutput, BatchTokenIDOutput, EmbeddingReqInput, FlushCacheReqInput, FlushCacheReqOutput,
     GenerateReqInput, DestroyWeightsUpdateGroupReqInput, GetWeightsByNameReqInput, InitWeightsUpdateGroupReqInput,
     UpdateWeightFromDiskReqInput, UpdateWeightsFromDistributedReqInput, UpdateWeightsFromTensorReqInput,
+    LoadLoRAAdapterReqInput, LoRAUpdateOutput, UnloadLoRAAdapterReqInput,
 )
 from radixserve.server_args import ServerArgs
 
@@ -48,6 +50,8 @@ class Engine:
                                         load_sampling_defaults(self.server_args))
         self.detokenizer = DetokenizerManager(self.tokenizer)
         self.frontend.weight_version = self.server_args.weight_version
+        configure_lora_admission(self.scheduler, self.server_args)
+        self.frontend.lora_names = set(self.server_args.lora_paths) if self.server_args.enable_lora else None
         self.embeddings = EmbeddingFrontend(self.frontend, self.scheduler.model_config.hidden_size)
 
     def _drain_inbox(self) -> List[Any]:
@@ -68,6 +72,7 @@ class Engine:
         rid: Optional[Union[str, List[str]]] = None,
         return_text_in_logprobs: bool = False,
         progress: bool = True,
+        lora_path: Optional[Union[str, List[Optional[str]]]] = None,
     ) -> Union[Dict[str, Any], List[Dict[str, Any]], Iterator[Dict[str, Any]]]:
         """SGLang-shaped results, the same as POST /generate's: {"text", "output_ids",
         "meta_info": {...}}; a list for a list of prompts or n > 1; with stream=True an
@@ -79,7 +84,7 @@ class Engine:
             text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
             return_logprob=return_logprob, logprob_start_len=logprob_start_len,
             top_logprobs_num=top_logprobs_num, return_text_in_logprobs=return_text_in_logprobs,
-            stream=stream, priority=priority,
+            stream=stream, priority=priority, lora_path=lora_path,
         )
         self._check_not_paused()
         states = self.submit(obj)
@@ -271,6 +276,26 @@ class Engine:
 
     def stop_profile(self) -> None:
         check_reply(self._control(ProfileReq(ProfileReqType.STOP_PROFILE)))
+
+    # ---- LoRA adapters at run time (--enable-lora) ----------------------------------------------
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> LoRAUpdateOutput:
+        out = self._control(LoadLoRAAdapterReqInput(lora_name, lora_path))
+        if out.success:
+            self.frontend.lora_names = set(out.loaded_adapters)
+        return out
+
+    def unload_lora_adapter(self, lora_name: str) -> LoRAUpdateOutput:
+        """New requests for it are refused at once; the ones running finish first (stepped here)."""
+        if self.frontend.lora_names is not None:
+            self.frontend.lora_names.discard(lora_name)
+        while True:
+            out = self._control(UnloadLoRAAdapterReqInput(lora_name))
+            if not out.in_use_by:
+                break
+            self.step()
+        if self.frontend.lora_names is not None:
+            self.frontend.lora_names = set(out.loaded_adapters)
+        return out
 
     def _control(self, obj: Any) -> Any:
         """A control request's reply (the scheduler answers it at once, in this thread)."""

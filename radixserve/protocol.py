@@ -14,6 +14,8 @@ LOGPROB_KEYS = (
     "input_token_logprobs_val", "input_token_logprobs_idx", "output_token_logprobs_val",
     "output_token_logprobs_idx", "output_top_logprobs_val", "output_top_logprobs_idx",
 )
+# Speculative decoding's per-request counters (SGLang's names), in BatchTokenIDOutput and BatchStrOutput.
+SPEC_KEYS = ("spec_verify_ct", "spec_num_correct_drafts", "spec_num_proposed_drafts")
 
 
 @dataclass
@@ -32,6 +34,7 @@ class TokenizedGenerateReqInput:
     bootstrap_host: Optional[str] = None
     bootstrap_port: Optional[int] = None
     bootstrap_room: Optional[int] = None
+    lora_path: Optional[str] = None  # --enable-lora: the adapter's name; None = the base model
 
 
 @dataclass
@@ -138,6 +141,9 @@ class BatchTokenIDOutput:
     output_top_logprobs_val: List[List[List[float]]] = field(default_factory=list)
     output_top_logprobs_idx: List[List[List[int]]] = field(default_factory=list)
     retraction_counts: List[int] = field(default_factory=list)
+    spec_verify_ct: List[int] = field(default_factory=list)  # SPEC_KEYS
+    spec_num_correct_drafts: List[int] = field(default_factory=list)
+    spec_num_proposed_drafts: List[int] = field(default_factory=list)
 
 
 # ---- served runtime ---------------------------------------------------------------
@@ -161,6 +167,7 @@ class GenerateReqInput:
     bootstrap_host: Optional[Any] = None  # str, or one per prompt of a batch
     bootstrap_port: Optional[Any] = None
     bootstrap_room: Optional[Any] = None
+    lora_path: Optional[Any] = None  # an adapter name (str), or one per prompt of a batch; None = base
 
 
 @dataclass
@@ -185,6 +192,9 @@ class BatchStrOutput:
     output_top_logprobs_val: List[List[List[float]]] = field(default_factory=list)
     output_top_logprobs_idx: List[List[List[int]]] = field(default_factory=list)
     retraction_counts: List[int] = field(default_factory=list)
+    spec_verify_ct: List[int] = field(default_factory=list)  # SPEC_KEYS
+    spec_num_correct_drafts: List[int] = field(default_factory=list)
+    spec_num_proposed_drafts: List[int] = field(default_factory=list)
 
 
 @dataclass
@@ -324,6 +334,29 @@ class GetWeightsByNameReqInput:
 class GetWeightsByNameReqOutput:
     parameter: Optional[List[Any]]  # None: no such tensor; a list per replica with --dp-size
     query_id: str = ""
+
+
+# ---- LoRA adapters at run time (--enable-lora; SGLang's io_struct names) ----------------------
+@dataclass
+class LoadLoRAAdapterReqInput:
+    lora_name: str = ""
+    lora_path: str = ""  # a PEFT directory: adapter_config.json + adapter_model.safetensors
+    query_id: str = ""
+
+
+@dataclass
+class UnloadLoRAAdapterReqInput:
+    lora_name: str = ""
+    query_id: str = ""
+
+
+@dataclass
+class LoRAUpdateOutput:
+    success: bool
+    error_message: Optional[str] = None
+    loaded_adapters: Dict[str, str] = field(default_factory=dict)  # name -> path, after the change
+    query_id: str = ""
+    in_use_by: int = 0  # unload refused: requests of the scheduler's that still use the adapter
 
 
 @dataclass

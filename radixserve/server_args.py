@@ -9,16 +9,22 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Dict, List, Optional
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 GRAMMAR_BACKENDS = ("xgrammar", "none")
+SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE")  # SGLang's names; only NGRAM is built
 # The names of entrypoints/parsers/ (kept here so the flags need no import from entrypoints)
 TOOL_CALL_PARSERS = ("hermes", "qwen25", "llama3", "mistral")
 REASONING_PARSERS = ("deepseek-r1", "qwen3")
+
+
+# NGRAM's verify forward: the last token and up to 3 drafts (a 4-token EXTEND costs about one
+# decode step on the CPU; benchmarks/cpu/spec_ngram.py).
+NGRAM_DEFAULT_NUM_DRAFT_TOKENS = 4
 
 
 @dataclass
@@ -70,6 +76,24 @@ class ServerArgs:
     test_retract_interval: Optional[int] = None
     # Test knob: after every step, check that each KV page is free, cached or held (conservation).
     test_check_memory: bool = False
+
+    # Speculative decoding (issue 27, SGLang's flags; radixserve/speculative/). NGRAM: drafts from
+    # an n-gram cache of every request's prompt and output, a chain verified in one forward.
+    speculative_algorithm: Optional[str] = None
+    # Tokens per request in a verify forward, the verified (last sampled) one included, as SGLang.
+    speculative_num_draft_tokens: Optional[int] = None  # None: NGRAM_DEFAULT_NUM_DRAFT_TOKENS
+    speculative_ngram_min_match_window_size: int = 1
+    speculative_ngram_max_match_window_size: int = 12
+    speculative_ngram_max_bfs_breadth: int = 1  # 1: a chain (SGLang's default 10 builds a token tree)
+    speculative_ngram_capacity: int = 200_000  # n-grams kept (SGLang counts 10M trie nodes)
+
+    # Multi-LoRA serving (issue 28, SGLang's flags; radixserve/lora/): PEFT adapters, many per batch
+    enable_lora: bool = False
+    lora_paths: Optional[Any] = None  # ["name=path", ...] (or a dict name -> path); parsed by check()
+    max_loras_per_batch: int = 8
+    max_lora_rank: Optional[int] = None  # None: the largest rank of --lora-paths
+    lora_target_modules: Optional[List[str]] = None  # None: every module --lora-paths target; "all"
+    max_loaded_loras: Optional[int] = None
 
     # PD disaggregation (seed 001 §8): this server prefills or decodes; sglang-router in front
     disaggregation_mode: str = "null"  # "null" (unified), "prefill" or "decode"
@@ -197,6 +221,62 @@ class ServerArgs:
         if self.disaggregation_mode != "null" and (self.tp_size > 1 or self.dp_size > 1):
             raise ValueError("--disaggregation-mode runs with --tp-size 1 and --dp-size 1 in radixserve; "
                              "scale out with several prefill and decode servers behind sglang-router")
+        if self.speculative_algorithm is not None:
+            self._check_speculative()
+        if self.enable_lora or self.lora_paths:
+            self._check_lora()
+
+    def _check_lora(self) -> None:
+        """What multi-LoRA serving runs with so far (one line each for what it does not)."""
+        self.enable_lora = True  # --lora-paths implies it, as in SGLang
+        self.lora_paths = parse_lora_paths(self.lora_paths)
+        if self.max_loras_per_batch < 1:
+            raise ValueError("--max-loras-per-batch must be >= 1")
+        if self.max_lora_rank is not None and self.max_lora_rank < 1:
+            raise ValueError("--max-lora-rank must be >= 1")
+        if self.max_loaded_loras is not None and self.max_loaded_loras < len(self.lora_paths):
+            raise ValueError(f"--max-loaded-loras {self.max_loaded_loras} is below the {len(self.lora_paths)} adapters of --lora-paths")
+        if isinstance(self.lora_target_modules, str):
+            self.lora_target_modules = [self.lora_target_modules]
+        refused = [  # (on, what, how to run instead)
+            (not self.disable_radix_cache, "the radix cache (prefixes are not keyed by adapter yet)", "add --disable-radix-cache"),
+            (self.disable_overlap_schedule is False, "the overlap loop", "drop --enable-overlap-schedule"),
+            (self.device == "cuda" and not self.disable_cuda_graph, "CUDA graphs", "add --disable-cuda-graph"),
+            (self.tp_size > 1, "--tp-size > 1", "use --tp-size 1"),
+            (self.disaggregation_mode != "null", "--disaggregation-mode", "drop it"),
+            (self.speculative_algorithm is not None, "--speculative-algorithm", "drop it"),
+            (self.is_embedding, "--is-embedding", "drop it"),
+        ]
+        for bad, what, instead in refused:
+            if bad:
+                raise ValueError(f"--enable-lora with {what} is not built yet: {instead}")
+
+    def _check_speculative(self) -> None:
+        """What speculative decoding runs with so far (one line each for what it does not)."""
+        self.speculative_algorithm = str(self.speculative_algorithm).upper()
+        _choice("--speculative-algorithm", self.speculative_algorithm, SPECULATIVE_ALGORITHMS)
+        if self.speculative_algorithm != "NGRAM":
+            raise ValueError(f"--speculative-algorithm {self.speculative_algorithm} is not built yet (NGRAM is)")
+        if self.speculative_num_draft_tokens is None:
+            self.speculative_num_draft_tokens = NGRAM_DEFAULT_NUM_DRAFT_TOKENS
+        if self.speculative_num_draft_tokens < 2:
+            raise ValueError("--speculative-num-draft-tokens counts the verified token too: it must be >= 2")
+        if not 1 <= self.speculative_ngram_min_match_window_size <= self.speculative_ngram_max_match_window_size:
+            raise ValueError("the n-gram match window sizes must be 1 <= --speculative-ngram-min-match-window-size "
+                             "<= --speculative-ngram-max-match-window-size")
+        if self.speculative_ngram_max_bfs_breadth != 1:
+            raise ValueError("--speculative-ngram-max-bfs-breadth > 1 (a token tree) is not built yet: NGRAM drafts a chain (1)")
+        if self.speculative_ngram_capacity < 1:
+            raise ValueError("--speculative-ngram-capacity must be >= 1")
+        refused = [
+            (self.disable_overlap_schedule is False, "the overlap loop (--enable-overlap-schedule): speculation runs in the normal loop"),
+            (self.disaggregation_mode != "null", "--disaggregation-mode"),
+            (self.is_embedding, "--is-embedding (nothing to decode)"),
+            (self.tp_size > 1, "--tp-size > 1"),
+        ]
+        for bad, what in refused:
+            if bad:
+                raise ValueError(f"--speculative-algorithm with {what} is not built yet")
 
     # ---- argparse -------------------------------------------------------------------------
     @staticmethod
@@ -209,6 +289,9 @@ class ServerArgs:
                 parser.add_argument(flag, action="store_const", const=True, default=None, help=text)
                 parser.add_argument("--enable-overlap-schedule", dest=f.name, action="store_const", const=False,
                                     help="run the overlap loop on the CPU too (where it is off by default)")
+                continue
+            if f.name in ("lora_paths", "lora_target_modules"):  # lists: --lora-paths a=/x b=/y
+                parser.add_argument(flag, nargs="*", default=default, help=text)
                 continue
             if f.type in ("bool", bool):
                 parser.add_argument(flag, action="store_true", default=default, help=f"{text} (default: off)".strip())
@@ -226,8 +309,12 @@ class ServerArgs:
         a scheduler thread beside it slowed decode steps (benchmarks/NOTES.md)."""
         if self.disaggregation_mode != "null":
             return False  # the PD queues run between steps of the normal loop
+        if self.speculative_algorithm is not None:
+            return False  # a verify step's tokens are needed to draft the next one
         if self.is_embedding:
             return False  # prefill only: a result must be processed before the next schedule
+        if self.enable_lora:
+            return False  # the LoRA slots of a batch are prepared in the normal loop only
         if self.disable_overlap_schedule is None:
             return device != "cpu"
         return not self.disable_overlap_schedule
@@ -280,6 +367,18 @@ FLAG_HELP = {
     "disable_consecutive_prefill_overlap": "overlap loop: process a prefill's result before launching the next prefill (lower TTFT)",
     "test_retract_interval": "testing: force a retraction every this many decode steps",
     "test_check_memory": "testing: after every scheduler step, check that every KV page is free, cached, or held by a live request",
+    "speculative_algorithm": f"speculative decoding: {', '.join(SPECULATIVE_ALGORITHMS)} (only NGRAM is built: drafts from an n-gram cache of prompts and outputs, no extra weights)",
+    "speculative_num_draft_tokens": "tokens per request in one verify forward, the last sampled token included (drafts + 1); default: 4 for NGRAM",
+    "speculative_ngram_min_match_window_size": "NGRAM: shortest suffix of a request's tokens looked up in the n-gram cache",
+    "speculative_ngram_max_match_window_size": "NGRAM: longest suffix looked up (the longest that matches drafts)",
+    "speculative_ngram_max_bfs_breadth": "NGRAM: branches of the draft tree; only 1 (a chain) is built",
+    "speculative_ngram_capacity": "NGRAM: most n-grams the cache keeps (the least recently seen go first)",
+    "enable_lora": "serve LoRA adapters (PEFT directories) of the base model, many in one batch",
+    "lora_paths": "LoRA adapters to load at start: name=path ... (a PEFT directory: adapter_config.json + adapter_model.safetensors)",
+    "max_loras_per_batch": "most distinct LoRA adapters in one batch (slots of the LoRA memory pool)",
+    "max_lora_rank": "largest LoRA rank served; default: the largest of --lora-paths",
+    "lora_target_modules": "modules LoRA may target (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj, or all); default: those of --lora-paths",
+    "max_loaded_loras": "most LoRA adapters kept in host memory; none = no limit",
     "disaggregation_mode": "PD disaggregation: null (prefill and decode here), prefill, or decode; put sglang-router --pd-disaggregation in front",
     "disaggregation_bootstrap_port": "prefill server: port of the handshake socket decode servers connect to (give it to the router after the prefill URL)",
     "disaggregation_transfer_backend": "how KV moves from prefill to decode: mooncake (Mooncake transfer engine, TCP or RDMA) or fake (through ZeroMQ)",
@@ -331,6 +430,21 @@ class PortArgs:
             f"ipc://{ipc_dir}/scheduler_input",
             f"ipc://{ipc_dir}/detokenizer",
         )
+
+
+def parse_lora_paths(lora_paths: Any) -> Dict[str, str]:
+    """--lora-paths: "name=path" or "path" (named by its path) entries, or a dict name -> path."""
+    if not lora_paths:
+        return {}
+    if isinstance(lora_paths, dict):
+        return {str(k): str(v) for k, v in lora_paths.items()}
+    if isinstance(lora_paths, str):
+        lora_paths = [lora_paths]
+    out: Dict[str, str] = {}
+    for item in lora_paths:
+        name, sep, path = str(item).partition("=")
+        out[name if sep else item] = path if sep else item
+    return out
 
 
 def _arg_type(f: dataclasses.Field) -> Any:

@@ -392,7 +392,9 @@ def add_openai_routes(app: FastAPI, tm: TokenizerManager) -> None:
 
     @app.get("/v1/models")
     async def v1_models() -> Dict[str, Any]:
-        return {"object": "list", "data": [model_card(tm.served_model_name)]}
+        adapters = [{**model_card(name), "root": path, "parent": tm.served_model_name}  # --enable-lora, as SGLang
+                    for name, path in (tm.server_args.lora_paths or {}).items()] if tm.server_args.enable_lora else []
+        return {"object": "list", "data": [model_card(tm.served_model_name), *adapters]}
 
     @app.get("/v1/models/{model_id:path}")
     async def v1_model(model_id: str) -> Dict[str, Any]:

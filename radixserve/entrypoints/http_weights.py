@@ -8,6 +8,7 @@ them between rollouts):
     POST /destroy_weights_update_group     {group_name}
     GET|POST /get_weights_by_name          {name, truncate_size}
     GET  /get_weight_version,  POST /update_weight_version {new_version, abort_all_requests}
+    POST /load_lora_adapter {lora_name, lora_path},  POST /unload_lora_adapter {lora_name}  (--enable-lora)
 
 An update answers {"success", "message"} with 200, or 400 when it was refused (the old weights
 still serve). SGLang's /update_weights_from_tensor takes pickled tensors (serialized_named_tensors);
@@ -29,6 +30,9 @@ from radixserve.protocol import (
     DestroyWeightsUpdateGroupReqInput,
     GetWeightsByNameReqInput,
     InitWeightsUpdateGroupReqInput,
+    LoadLoRAAdapterReqInput,
+    LoRAUpdateOutput,
+    UnloadLoRAAdapterReqInput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightsFromDistributedReqInput,
     UpdateWeightsFromTensorReqInput,
@@ -97,6 +101,20 @@ def _reply(success: bool, message: str, **extra: Any) -> JSONResponse:
     return JSONResponse({"success": success, "message": message, **extra}, status_code=200 if success else 400)
 
 
+class LoadLoRAAdapterRequest(_Body):
+    lora_name: StrictStr = Field(..., description="The name requests use in lora_path (or model).")
+    lora_path: StrictStr = Field(..., description="A PEFT directory: adapter_config.json + adapter_model.safetensors.")
+
+
+class UnloadLoRAAdapterRequest(_Body):
+    lora_name: StrictStr
+
+
+def _lora_reply(out: LoRAUpdateOutput) -> JSONResponse:
+    body = {"success": out.success, "error_message": out.error_message, "loaded_adapters": out.loaded_adapters}
+    return JSONResponse(body, status_code=200 if out.success else 400)
+
+
 def _named_tensors(pairs: List[Tuple[str, Any]]) -> List[Tuple[str, torch.Tensor]]:
     out = []
     for name, values in pairs:
@@ -145,6 +163,16 @@ def add_weight_update_routes(app: FastAPI, tm: TokenizerManager) -> None:
     async def get_weights_by_name(body: GetWeightsByNameRequest) -> JSONResponse:
         """The first truncate_size rows of a checkpoint tensor, whole (gathered over TP ranks)."""
         return JSONResponse(await weights.get_weights_by_name(GetWeightsByNameReqInput(**body.model_dump())))
+
+    @app.post("/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> JSONResponse:
+        """Load a LoRA adapter into host memory; requests may name it from then on."""
+        return _lora_reply(await weights.load_lora_adapter(LoadLoRAAdapterReqInput(**body.model_dump())))
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> JSONResponse:
+        """Unload an adapter once the requests that use it are done (new ones get 400 at once)."""
+        return _lora_reply(await weights.unload_lora_adapter(UnloadLoRAAdapterReqInput(**body.model_dump())))
 
     @app.get("/get_weight_version")
     async def get_weight_version() -> Dict[str, Any]:

@@ -71,6 +71,8 @@ class GenerateRequest(BaseModel):
     bootstrap_host: Optional[Union[StrictStr, List[StrictStr]]] = None
     bootstrap_port: Optional[Union[StrictInt, List[Optional[StrictInt]]]] = None
     bootstrap_room: Optional[Union[StrictInt, List[StrictInt]]] = None
+    # --enable-lora: the adapter (its --lora-paths name), one per prompt for a batch; None = base
+    lora_path: Optional[Union[StrictStr, List[Optional[StrictStr]]]] = None
 
     def to_input(self) -> GenerateReqInput:
         return GenerateReqInput(**self.model_dump())  # session_params becomes a dict, as it arrived

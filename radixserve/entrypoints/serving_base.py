@@ -46,8 +46,20 @@ async def first_result(gen: AsyncIterator[Any]) -> Any:
 
 
 def check_model(tm: Any, model: Optional[str]) -> None:
-    if model is not None and model not in served_model_names(tm):
+    if model is not None and model not in served_model_names(tm) and lora_path_of_model(tm, model) is None:
         raise RequestError(f"The model `{model}` does not exist.", 404, "NotFoundError")
+
+
+def lora_path_of_model(tm: Any, model: Optional[str]) -> Optional[str]:
+    """--enable-lora, as SGLang: `model: "adapter"` or `"base:adapter"` chooses a LoRA adapter
+    (an unknown adapter after a served base name goes on, to be refused with 400 by name)."""
+    names = getattr(getattr(tm, "frontend", None), "lora_names", None)
+    if not model or names is None:
+        return None
+    if model in names:
+        return model
+    base, sep, adapter = model.rpartition(":")
+    return adapter if sep and adapter and base in served_model_names(tm) else None
 
 
 def served_model_names(tm: Any) -> list:

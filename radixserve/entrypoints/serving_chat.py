@@ -25,7 +25,7 @@ from radixserve.entrypoints.openai_protocol import (
 from radixserve.entrypoints.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS, ToolCall, ToolCallDelta
 from radixserve.entrypoints.parsers.tool_call import as_tool_call
 from radixserve.entrypoints.serving_base import (
-    SSE_DONE, bootstrap_fields, chain_first, check_model, first_result, peek_first, sse,
+    SSE_DONE, bootstrap_fields, chain_first, check_model, first_result, lora_path_of_model, peek_first, sse,
 )
 from radixserve.managers.tokenizer_manager import RequestError, TokenizerManager
 from radixserve.protocol import GenerateReqInput
@@ -182,6 +182,7 @@ async def serve_chat(tm: TokenizerManager, req: ChatCompletionRequest, raw_reque
         input_ids=input_ids, sampling_params=sp, rid=req.rid, return_logprob=req.logprobs,
         top_logprobs_num=req.top_logprobs or 0, return_text_in_logprobs=True, stream=req.stream,
         priority=req.priority, **bootstrap_fields(req),
+        lora_path=lora_path_of_model(tm, None if pd else req.model),  # model: "adapter" / "base:adapter"
     )
     created = int(time.time())
     cid = f"chatcmpl-{uuid.uuid4().hex}"

@@ -16,7 +16,7 @@ from radixserve.entrypoints.openai_protocol import (
     usage_of,
 )
 from radixserve.entrypoints.serving_base import (
-    SSE_DONE, bootstrap_fields, chain_first, check_model, first_result, peek_first, sse,
+    SSE_DONE, bootstrap_fields, chain_first, check_model, first_result, lora_path_of_model, peek_first, sse,
 )
 from radixserve.managers.tokenizer_manager import RequestError, TokenizerManager
 from radixserve.protocol import GenerateReqInput
@@ -70,6 +70,7 @@ async def serve_completions(tm: TokenizerManager, req: CompletionRequest, raw_re
         stream=req.stream,
         priority=req.priority,
         **bootstrap_fields(req),
+        lora_path=lora_path_of_model(tm, None if pd else req.model),  # model: "adapter" / "base:adapter"
     )
     created = int(time.time())
     cid = f"cmpl-{uuid.uuid4().hex}"

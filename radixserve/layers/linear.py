@@ -15,7 +15,7 @@ torch's at decode batch sizes) and frees the original layout, so the weights are
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -50,8 +50,13 @@ class LinearBase(nn.Module):
         # Set by pack_cpu_weight. A plain attribute, not a buffer: nn.Module's attribute lookup of a
         # buffer is a slow path, taken by every forward.
         self.weight_packed: Optional[PackedWeight] = None
+        # --enable-lora: a radixserve.lora LoRALinearDelta that adds the batch's LoRA delta; a
+        # plain attribute for the same reason (None, its only cost when LoRA is off: one check).
+        self.lora: Optional[Any] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lora is not None:
+            return self.lora.apply(x, self.matmul(x, self.bias))
         return self.matmul(x, self.bias)
 
     def matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -137,6 +142,8 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x)
+        if self.lora is not None:
+            y = self.lora.apply(x, y)
         if self.reduce_results and self.tp_size > 1:
             y = tensor_model_parallel_all_reduce(y)
         if self.bias is not None:

@@ -10,7 +10,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Set
 
-from radixserve.protocol import LOGPROB_KEYS, BatchStrOutput
+from radixserve.protocol import LOGPROB_KEYS, SPEC_KEYS, BatchStrOutput
 
 logger = logging.getLogger("radixserve.detokenizer")
 
@@ -132,6 +132,9 @@ class DetokenizerManager:
                 src = getattr(out, key)
                 getattr(res, key).append(src[i] if i < len(src) else [])
             res.retraction_counts.append(out.retraction_counts[i] if i < len(out.retraction_counts) else 0)
+            for key in SPEC_KEYS:
+                src = getattr(out, key, ())
+                getattr(res, key).append(src[i] if i < len(src) else 0)
         return res
 
     def _text(self, state: _DetokState, out: Any, i: int, finished: bool) -> str:

@@ -40,6 +40,7 @@ _SUMMED = {
     "num_mixed_batches", "num_chunked_prefills", "prompt_tokens", "cached_tokens", "max_total_num_tokens",
     "max_running_requests", "num_waiting_reqs", "num_running_reqs", "available_tokens", "evictable_tokens",
     "protected_tokens", "forward_ct", "gen_throughput", "num_held_reqs",
+    "spec_verify_ct", "spec_num_accept_tokens", "spec_num_correct_drafts", "spec_num_proposed_drafts",
 }
 
 

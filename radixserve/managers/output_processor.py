@@ -7,11 +7,13 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, List, Optional
 
+import torch
+
 from radixserve.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch
 from radixserve.mem_cache.base_prefix_cache import BasePrefixCache
 from radixserve.mem_cache.memory_pool import TokenToKVPoolAllocator
 from radixserve.model_executor.tp_worker import GenerationBatchResult
-from radixserve.protocol import LOGPROB_KEYS, BatchTokenIDOutput
+from radixserve.protocol import LOGPROB_KEYS, SPEC_KEYS, BatchTokenIDOutput
 
 logger = logging.getLogger(__name__)
 
@@ -67,9 +69,16 @@ class SchedulerOutputProcessor:
     def process_batch_result_decode(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
         next_ids = result.next_token_ids.tolist()
         self.allocator.free_group_begin()
-        for i, req in enumerate(batch.reqs):
-            if not self._is_stale(req):
-                self.append_token(req, next_ids[i], result, i)
+        if result.accept_lens is not None:  # a speculative verify step: several tokens per request
+            start = 0
+            for req, accepted in zip(batch.reqs, result.accept_lens):
+                if not self._is_stale(req):
+                    self.append_tokens(req, next_ids[start : start + accepted + 1], result, start)
+                start += accepted + 1
+        else:
+            for i, req in enumerate(batch.reqs):
+                if not self._is_stale(req):
+                    self.append_token(req, next_ids[i], result, i)
         self.allocator.free_group_end()
         self.stream_output(batch.reqs)
 
@@ -82,6 +91,36 @@ class SchedulerOutputProcessor:
     def append_token(self, req: Req, token: int, result: GenerationBatchResult, i: int) -> bool:
         """Append a sampled token, check the finish conditions; a finished request hands its
         KV to the tree. Returns whether it finished."""
+        self._add_token(req, token, result, i)
+        if not req.finished():
+            return False
+        req.grammar = None  # release the matcher
+        self.tree_cache.cache_finished_req(req)
+        return True
+
+    def append_tokens(self, req: Req, tokens: List[int], result: GenerationBatchResult, i: int) -> bool:
+        """Speculative decoding: commit a verify step's tokens (result rows i, i + 1, ...) one by
+        one with the finish checks after each; a request that finishes drops the tokens after its
+        finish, and the KV computed for them goes back before the rest goes to the tree."""
+        for j, token in enumerate(tokens):
+            self._add_token(req, token, result, i + j)
+            if req.finished():
+                break
+        if not req.finished():
+            return False
+        kept = req.seqlen() - 1  # every token but the last has KV, as after a plain decode step
+        if req.kv_committed_len > kept:
+            # Whole pages past the last kept token go now; the rest of its page goes with it.
+            first_free = -(-kept // self.allocator.page_size) * self.allocator.page_size
+            if first_free < req.kv_committed_len:
+                row = self.tree_cache.req_to_token_pool.req_to_token[req.req_pool_idx]
+                self.allocator.free(row[first_free : req.kv_committed_len].to(torch.int64))
+            req.kv_committed_len = kept
+        req.grammar = None
+        self.tree_cache.cache_finished_req(req)
+        return True
+
+    def _add_token(self, req: Req, token: int, result: GenerationBatchResult, i: int) -> None:
         req.output_ids.append(token)
         try:
             if req.grammar is not None:
@@ -94,11 +133,6 @@ class SchedulerOutputProcessor:
                 status_code=500, err_type="InternalServerError",
             )
         self.append_logprobs(req, result, i)
-        if not req.finished():
-            return False
-        req.grammar = None  # release the matcher
-        self.tree_cache.cache_finished_req(req)
-        return True
 
     @staticmethod
     def _accept_grammar_token(req: Req, token: int) -> None:
@@ -169,6 +203,8 @@ class SchedulerOutputProcessor:
             out.spaces_between_special_tokens.append(sp.spaces_between_special_tokens)
             out.no_stop_trim.append(sp.no_stop_trim)
             out.retraction_counts.append(req.retraction_count)
+            for key in SPEC_KEYS:
+                getattr(out, key).append(getattr(req, key))
             if req.return_logprob:
                 k = req.input_logprob_send_offset
                 out.input_token_logprobs_val.append(req.input_token_logprobs_val[k:])

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from radixserve.managers.session import SessionError, SessionStore
-from radixserve.protocol import LOGPROB_KEYS, BatchStrOutput, GenerateReqInput, TokenizedGenerateReqInput
+from radixserve.protocol import LOGPROB_KEYS, SPEC_KEYS, BatchStrOutput, GenerateReqInput, TokenizedGenerateReqInput
 from radixserve.sampling_params import (
     MAX_INT_PARAM,
     SamplingParams,
@@ -66,9 +66,25 @@ class ReqState:
     cached_tokens: int = 0
     completion_tokens: int = 0
     retraction_count: int = 0
+    spec_verify_ct: int = 0  # speculative decoding (SPEC_KEYS)
+    spec_num_correct_drafts: int = 0
+    spec_num_proposed_drafts: int = 0
     first_token_time: Optional[float] = None
     last_time: Optional[float] = None
     logprobs: Dict[str, list] = field(default_factory=lambda: {k: [] for k in LOGPROB_KEYS})
+
+
+def spec_meta_info(state: ReqState) -> Dict[str, Any]:
+    """SGLang's speculative meta_info: spec_accept_length = completion_tokens / spec_verify_ct
+    (tokens per verify step, the target's own token included; the prefill's token counts too)."""
+    proposed, correct = state.spec_num_proposed_drafts, state.spec_num_correct_drafts
+    return {
+        "spec_verify_ct": state.spec_verify_ct,
+        "spec_accept_length": state.completion_tokens / state.spec_verify_ct,
+        "spec_accept_rate": correct / proposed if proposed else 0.0,
+        "spec_num_correct_drafts": correct,
+        "spec_num_proposed_drafts": proposed,
+    }
 
 
 def public_finish_reason(reason: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
@@ -109,6 +125,7 @@ class RequestFrontend:
         self.rid_to_state: Dict[str, ReqState] = {}
         self.sessions = SessionStore()
         self.weight_version = "default"  # reported in every meta_info (set by weight updates)
+        self.lora_names: Optional[set] = None  # --enable-lora: the adapters a request may name
 
     # ---- intake ---------------------------------------------------------------------------
     def encode(self, text: str) -> List[int]:
@@ -213,6 +230,9 @@ class RequestFrontend:
                                 for k in ("host", "port", "room"))))
         for bootstrap in bootstraps:
             check_bootstrap(*bootstrap)
+        lora_paths = per_prompt(obj.lora_path, "lora_path", None)
+        for lora_path in lora_paths:
+            self.check_lora_path(lora_path)
         session_id = None
         if obj.session_params is not None:
             if is_batch:
@@ -226,7 +246,8 @@ class RequestFrontend:
         reqs: List[TokenizedGenerateReqInput] = []
         parents: Dict[str, str] = {}
         batch_rids: set = set()  # two outputs of one batch could not share one request state
-        for text, ids, sp_dict, rid, ret_lp, bootstrap in zip(texts, ids_list, sp_dicts, rids, return_logprobs, bootstraps):
+        for text, ids, sp_dict, rid, ret_lp, bootstrap, lora_path in zip(
+                texts, ids_list, sp_dicts, rids, return_logprobs, bootstraps, lora_paths):
             error = input_ids_error(ids, self.context_len, self.vocab_size)
             if error is not None:
                 raise RequestError(error)
@@ -255,10 +276,23 @@ class RequestFrontend:
                     return_logprob=bool(ret_lp), logprob_start_len=obj.logprob_start_len,
                     top_logprobs_num=obj.top_logprobs_num, stream=bool(obj.stream), priority=obj.priority,
                     bootstrap_host=bootstrap[0], bootstrap_port=bootstrap[1], bootstrap_room=bootstrap[2],
+                    lora_path=lora_path,
                 ))
                 if n > 1:
                     parents[sub_rid] = base
         return reqs, parents, session_id
+
+    def check_lora_path(self, lora_path: Any) -> None:
+        """A request's adapter must be one the server has loaded (400 naming it otherwise)."""
+        if lora_path is None:
+            return
+        if not isinstance(lora_path, str):
+            raise RequestError("lora_path must be an adapter name (a string), or a list of them for a batch.")
+        if self.lora_names is None:
+            raise RequestError(f"LoRA adapter {lora_path!r} was requested but the server runs without --enable-lora.")
+        if lora_path not in self.lora_names:
+            loaded = ", ".join(sorted(self.lora_names)) or "none"
+            raise RequestError(f"LoRA adapter {lora_path!r} is not loaded (loaded adapters: {loaded}).")
 
     def register(self, obj: GenerateReqInput, reqs: List[TokenizedGenerateReqInput],
                  parents: Dict[str, str], session_id: Optional[str]) -> None:
@@ -293,6 +327,9 @@ class RequestFrontend:
             state.cached_tokens = out.cached_tokens[i]
             if i < len(out.retraction_counts):
                 state.retraction_count = out.retraction_counts[i]
+            for key in SPEC_KEYS:
+                if i < len(getattr(out, key, ())):
+                    setattr(state, key, getattr(out, key)[i])
             if state.return_logprob:
                 for key in LOGPROB_KEYS:
                     state.logprobs[key].extend(getattr(out, key)[i])
@@ -330,6 +367,8 @@ class RequestFrontend:
         }
         if state.retraction_count:
             meta["retraction_count"] = state.retraction_count
+        if state.spec_verify_ct:  # speculative decoding, SGLang's fields
+            meta.update(spec_meta_info(state))
         if state.return_logprob:
             lp, with_text = state.logprobs, state.return_text_in_logprobs
             meta["output_token_logprobs"] = self._logprob_triples(lp["output_token_logprobs_val"], lp["output_token_logprobs_idx"], with_text)

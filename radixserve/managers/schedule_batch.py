@@ -118,8 +118,10 @@ class Req:
         bootstrap_host: Optional[str] = None,
         bootstrap_port: Optional[int] = None,
         bootstrap_room: Optional[int] = None,
+        lora_path: Optional[str] = None,
     ):
         self.rid = rid
+        self.lora_path = lora_path  # --enable-lora: the adapter's name; None = the base model
         self.origin_input_text = origin_input_text
         self.origin_input_ids = list(origin_input_ids)
         self.sampling_params = sampling_params
@@ -179,6 +181,10 @@ class Req:
         self.bootstrap_room = bootstrap_room
         self.disagg_kv_sender: Any = None
         self.disagg_queued_at = 0.0
+        # Speculative decoding (SGLang's meta_info names): verify steps, drafts proposed and accepted.
+        self.spec_verify_ct = 0
+        self.spec_num_proposed_drafts = 0
+        self.spec_num_correct_drafts = 0
 
     @classmethod
     def from_tokenized(cls, recv: Any, eos_token_ids: Iterable[int], vocab_size: int, tokenizer: Any) -> "Req":
@@ -189,6 +195,7 @@ class Req:
             logprob_start_len=recv.logprob_start_len, stream=recv.stream, priority=recv.priority,
             eos_token_ids=set(eos_token_ids), vocab_size=vocab_size, tokenizer=tokenizer,
             bootstrap_host=recv.bootstrap_host, bootstrap_port=recv.bootstrap_port, bootstrap_room=recv.bootstrap_room,
+            lora_path=getattr(recv, "lora_path", None),
         )
 
     # ---- state ---------------------------------------------------------------------------
@@ -351,11 +358,13 @@ class ScheduleBatch:
     # Overlap mode: the ForwardThread that samples with sampling_info. Changes to
     # sampling_info (filter / merge) are queued there, after the forwards already in flight.
     forward_thread: Any = None
+    # Speculative decoding: drafts a decode step may add per request (the memory check counts their slots).
+    spec_max_drafts: int = 0
 
     @classmethod
     def init_new(cls, reqs: List[Req], req_to_token_pool, token_to_kv_pool_allocator, tree_cache,
                  vocab_size: int, device: str = "cpu", chunked_req: Optional[Req] = None,
-                 forward_thread: Any = None) -> "ScheduleBatch":
+                 forward_thread: Any = None, spec_max_drafts: int = 0) -> "ScheduleBatch":
         return cls(
             reqs=reqs,
             req_to_token_pool=req_to_token_pool,
@@ -366,6 +375,7 @@ class ScheduleBatch:
             return_logprob=any(r.return_logprob for r in reqs),
             chunked_req=chunked_req,
             forward_thread=forward_thread,
+            spec_max_drafts=spec_max_drafts,
         )
 
     def copy(self) -> "ScheduleBatch":
@@ -409,6 +419,13 @@ class ScheduleBatch:
         if out is None:
             raise RuntimeError(f"KV cache out of memory: need {need} slots. {self._mem_report()}")
         return out
+
+    def alloc_slots_after(self, prefix_lens: List[int], seq_lens: List[int]) -> torch.Tensor:
+        """Slots for tokens prefix_len..seq_len-1 of each request, whose row already holds the
+        slots before them (speculative drafts after the decode token): concatenated."""
+        if self.token_to_kv_pool_allocator.page_size == 1:
+            return self.alloc_token_slots(sum(s - p for p, s in zip(prefix_lens, seq_lens)))
+        return self._alloc_paged(prefix_lens, seq_lens, self._last_locs(prefix_lens))
 
     def _mem_report(self) -> str:
         return (
@@ -504,11 +521,14 @@ class ScheduleBatch:
 
     # ---- decode ------------------------------------------------------------------------------
     def new_tokens_next_decode(self, indices: Optional[List[int]] = None) -> int:
-        """Slots the next decode step needs (whole new pages when page_size > 1)."""
+        """Slots the next decode step needs (whole new pages when page_size > 1; with
+        speculative decoding, room for each request's drafts too)."""
         ps = self.token_to_kv_pool_allocator.page_size
         lens = self.seq_lens_cpu if indices is None else [self.seq_lens_cpu[i] for i in indices]
         if ps == 1:
-            return len(lens)
+            return len(lens) * (1 + self.spec_max_drafts)
+        if self.spec_max_drafts:  # tokens seq_len .. seq_len + drafts: the new pages they reach
+            return sum(ps * (-(-(n + 1 + self.spec_max_drafts) // ps) - -(-n // ps)) for n in lens)
         # The next token goes at position seq_len; it starts a new page when that is aligned.
         return sum(ps for n in lens if n % ps == 0)
 
@@ -643,4 +663,5 @@ class ScheduleBatch:
             top_logprobs_nums=list(self.top_logprobs_nums) if self.return_logprob else None,
             input_logprob_positions=self.input_logprob_positions if extend else None,
             input_logprob_token_ids=self.input_logprob_token_ids if extend else None,
+            lora_paths=[r.lora_path for r in self.reqs],
         )

@@ -51,6 +51,9 @@ class SchedulePolicy:
         self.rng = random.Random(seed)
         # A scratch tree of the prompts chosen so far in this round (in-batch prefix caching).
         self.waiting_queue_radix_tree = RadixCache(None, None, page_size=1)
+        # --enable-lora: most distinct adapters in one batch (PrefillAdder.lora_fits); None: off.
+        # Set by whoever makes the Scheduler (configure_lora_admission), not by the Scheduler.
+        self.max_loras_per_batch: Optional[int] = None
 
     def priority_key(self, req: Req) -> int:
         """Smaller sorts first."""
@@ -303,6 +306,8 @@ class PrefillAdder:
                     running_batch.batch_is_full = True
                     return
                 running_batch.batch_is_full = False
+            if not self.lora_fits(req):
+                return  # nothing overtakes it: the slots free up as running requests finish
             req.init_next_round_input(self.tree_cache)
             res = self.add_one_req(req, has_chunked_req=has_chunked_req)
             if res == AddReqResult.NO_TOKEN and try_preemption and req not in self.can_run_list:
@@ -312,6 +317,17 @@ class PrefillAdder:
                 if res == AddReqResult.NO_TOKEN:
                     running_batch.batch_is_full = True
                 return
+
+    def lora_fits(self, req: Req) -> bool:
+        """SGLang's can_run_lora_batch: the adapters of the running batch, of what this round
+        admitted and of `req` fit the LoRA pool's --max-loras-per-batch slots (base: no slot)."""
+        limit = getattr(self.policy, "max_loras_per_batch", None)
+        if limit is None or req.lora_path is None:
+            return True
+        running = self.running_batch.reqs if self.running_batch is not None else []
+        in_use = {r.lora_path for r in running} | {r.lora_path for r in self.can_run_list}
+        in_use.discard(None)
+        return req.lora_path in in_use or len(in_use) < limit
 
     def preempt_to_schedule(self, req: Req, need_slot: bool) -> bool:
         """Retract running requests whose priority is worse than `req`'s by more than the
@@ -341,3 +357,9 @@ class PrefillAdder:
         self.running_batch.filter_batch(keep_indices=keep)
         self.preempt_list.extend(chosen)
         return True
+
+
+def configure_lora_admission(scheduler, server_args) -> None:
+    """--enable-lora: the Scheduler's PrefillAdder admits only what fits the LoRA slots."""
+    if server_args.enable_lora:
+        scheduler.policy.max_loras_per_batch = server_args.max_loras_per_batch

@@ -46,6 +46,7 @@ from radixserve.protocol import (
 )
 from radixserve.sampling_params import input_ids_error
 from radixserve.server_args import ServerArgs
+from radixserve.speculative.ngram_worker import create_speculative_worker
 from radixserve.utils import TypeBasedDispatcher
 
 logger = logging.getLogger(__name__)
@@ -99,6 +100,7 @@ class Scheduler:
         # Overlap: sampling-state changes are queued on the forward thread, behind the forwards in flight.
         self.forward_thread = self.overlap_worker.forward_thread if self.overlap_worker else None
         self.stats = SchedulerStats()
+        self.spec_worker = create_speculative_worker(args, tp_worker, self.stats)  # --speculative-algorithm; None: off
 
         self.output_processor = (EmbeddingOutputProcessor if args.is_embedding else SchedulerOutputProcessor)(self.tree_cache, self.token_to_kv_pool_allocator, self.send_fn, args.stream_interval)
         self.grammar_backend = create_grammar_backend(args, self.tokenizer, self.vocab_size, self.model_config.eos_token_ids)
@@ -164,7 +166,8 @@ class Scheduler:
 
     def _new_batch(self, reqs: List[Req], chunked_req: Optional[Req] = None) -> ScheduleBatch:
         return ScheduleBatch.init_new(reqs, self.req_to_token_pool, self.token_to_kv_pool_allocator, self.tree_cache,
-                                      self.vocab_size, self.device, chunked_req, self.forward_thread)
+                                      self.vocab_size, self.device, chunked_req, self.forward_thread,
+                                      self.spec_worker.max_drafts if self.spec_worker is not None else 0)
 
     # ---- the loop (seed 001 §2): run_scheduler_process and the Engine call these ----------------
     def run_step(self) -> Optional[ScheduleBatch]:
@@ -493,6 +496,8 @@ class Scheduler:
             # This forward's grammar mask, filled now on this thread (the matchers have seen
             # every earlier token: see is_disable_overlap_for_batch).
             worker_batch.token_bitmask = self.grammar_backend.fill_token_bitmask(batch.reqs, GrammarQueue.fail_request)
+        if self.spec_worker is not None and batch.forward_mode.is_decode():  # drafts + one verify forward
+            return self.spec_worker.forward_batch_speculative_generation(batch, worker_batch)
         if self.overlap_worker is not None:
             batch.output_ids = self.overlap_worker.launch(batch, worker_batch)
             return None

@@ -25,6 +25,7 @@ from typing import Any, Callable, List, Optional
 
 from radixserve.managers.dp_controller import dp_port_args
 from radixserve.managers.process_utils import configure_process_logging, watch_parent
+from radixserve.managers.schedule_policy import configure_lora_admission
 from radixserve.managers.scheduler_pause import expects_progress
 from radixserve.protocol import BatchTokenIDOutput, GetInternalStateReqOutput, SchedulerHeartbeat, SchedulerLoad
 from radixserve.server_args import PortArgs, ServerArgs
@@ -62,6 +63,7 @@ class SchedulerMetricsLogger:
         self.decode_tokens_since_log = 0
         self.last_log_time = time.monotonic()
         self.gen_throughput = 0.0
+        self.spec_seen = (0, 0)  # speculative decoding: (verify steps, tokens committed) at the last log
 
     def token_usage(self) -> float:
         s = self.sched
@@ -81,13 +83,17 @@ class SchedulerMetricsLogger:
             self.decode_tokens_since_log += batch.batch_size()
             if self.num_decode_steps % self.decode_log_interval == 0:
                 now = time.monotonic()
+                spec = self._spec_since_log()  # speculative decoding: several tokens per request and step
+                if spec is not None:
+                    self.decode_tokens_since_log = spec[1]
                 self.gen_throughput = self.decode_tokens_since_log / max(now - self.last_log_time, 1e-6)
                 self.decode_tokens_since_log, self.last_log_time = 0, now
                 num_tokens = sum(r.seqlen() for r in batch.reqs)
                 logger.info(
                     "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, "
-                    "gen throughput (token/s): %.2f, #queue-req: %d",
+                    "gen throughput (token/s): %.2f, #queue-req: %d%s",
                     batch.batch_size(), num_tokens, self.token_usage(), self.gen_throughput, len(s.waiting_queue),
+                    f", accept len: {spec[1] / spec[0]:.2f}" if spec is not None and spec[0] else "",
                 )
             return
         decoding = set(id(r) for r in (batch.decoding_reqs or []))
@@ -99,6 +105,15 @@ class SchedulerMetricsLogger:
             "#running-req: %d, #queue-req: %d",
             len(new), new_tokens, cached, self.token_usage(), s.running_batch.batch_size(), len(s.waiting_queue),
         )
+
+    def _spec_since_log(self) -> Any:
+        """(verify steps, tokens they committed) since the last log line; None without speculation."""
+        stats = self.sched.stats
+        if getattr(self.sched, "spec_worker", None) is None:
+            return None
+        now = (stats.spec_verify_ct, stats.spec_num_accept_tokens)
+        delta, self.spec_seen = (now[0] - self.spec_seen[0], now[1] - self.spec_seen[1]), now
+        return delta
 
     def decorate_state(self, out: Any) -> Any:
         if isinstance(out, GetInternalStateReqOutput):
@@ -188,10 +203,11 @@ def run_scheduler_process(
                     to_tokenizer.send_pyobj(holder["metrics"].decorate_state(obj))
 
         scheduler = Scheduler(server_args, recv_fn=recv_fn, send_fn=send_fn, tp_rank=tp_rank, tp_size=server_args.tp_size)
+        configure_lora_admission(scheduler, server_args)
         holder["metrics"] = metrics = SchedulerMetricsLogger(scheduler, server_args.decode_log_interval)
         scheduler.profiler.dp_rank = dp_rank  # in its trace files' names
     except Exception as e:  # a model path that cannot load (LoadError): its one-line message, no traceback
-        pipe.send({"status": "error", "error": str(e) if type(e).__name__ == "LoadError" else traceback.format_exc()})
+        pipe.send({"status": "error", "error": str(e) if type(e).__name__ in ("LoadError", "LoRAError") else traceback.format_exc()})
         raise SystemExit(1)
 
     pipe.send({

@@ -31,6 +31,11 @@ class SchedulerStats:
     wait_s: float = 0.0  # overlap loop: waiting for a result
     # seconds the forward thread ran (overlap loop; the "device" time)
     forward_thread_busy_s: float = 0.0
+    # speculative decoding, summed over requests: verify steps, tokens they committed, drafts
+    spec_verify_ct: int = 0
+    spec_num_accept_tokens: int = 0
+    spec_num_correct_drafts: int = 0
+    spec_num_proposed_drafts: int = 0
 
     def count_batch(self, forward_mode: Any) -> None:
         if forward_mode.is_decode():
@@ -55,4 +60,7 @@ class SchedulerStats:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     def to_dict(self) -> Dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        if self.spec_verify_ct:  # SGLang's get_internal_state key: tokens per request per verify step
+            out["avg_spec_accept_length"] = self.spec_num_accept_tokens / self.spec_verify_ct
+        return out

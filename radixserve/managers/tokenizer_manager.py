@@ -159,6 +159,7 @@ class TokenizerManager:
         self.context_len: int = model_info["context_len"]
         self.vocab_size: int = model_info["vocab_size"]
         self.frontend = RequestFrontend(self.tokenizer, self.context_len, self.vocab_size, load_sampling_defaults(server_args))
+        self.frontend.lora_names = set(server_args.lora_paths) if server_args.enable_lora else None
         self.embeddings = EmbeddingFrontend(self.frontend, model_info.get("hidden_size"))
         self.weight_updates = TokenizerUpdateWeights(self)  # update_weights_* and weight_version
         self.rid_to_state: Dict[str, ReqState] = self.frontend.rid_to_state

@@ -21,6 +21,9 @@ from radixserve.protocol import (
     DestroyWeightsUpdateGroupReqInput,
     GetWeightsByNameReqInput,
     InitWeightsUpdateGroupReqInput,
+    LoadLoRAAdapterReqInput,
+    LoRAUpdateOutput,
+    UnloadLoRAAdapterReqInput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightsFromDistributedReqInput,
     UpdateWeightsFromTensorReqInput,
@@ -30,6 +33,7 @@ from radixserve.protocol import (
 # A weight update may read a large checkpoint, or wait for a trainer to join its group (the
 # scheduler gives up on a trainer after weight_updater.WEIGHTS_UPDATE_GROUP_TIMEOUT).
 WEIGHT_UPDATE_RPC_TIMEOUT = 600.0
+LORA_UNLOAD_POLL_S = 0.05  # unload: how often to ask whether the adapter's last requests are done
 ABORT_MESSAGE = "Aborted: the server's weights are being updated (abort_all_requests)."
 
 
@@ -127,6 +131,40 @@ class TokenizerUpdateWeights:
         self.set_weight_version(obj.new_version)
         return {"success": True, "message": f"Weight version updated to {obj.new_version}",
                 "new_version": obj.new_version}
+
+    # ---- LoRA adapters at run time (--enable-lora) -----------------------------------------------
+    async def load_lora_adapter(self, obj: LoadLoRAAdapterReqInput) -> LoRAUpdateOutput:
+        self._check_lora("load_lora_adapter")
+        out = await self._call(obj)
+        if out.success:
+            self._set_lora_adapters(out.loaded_adapters)
+        return out
+
+    async def unload_lora_adapter(self, obj: UnloadLoRAAdapterReqInput) -> LoRAUpdateOutput:
+        """New requests for the adapter get 400 from now on; the ones in flight finish first."""
+        self._check_lora("unload_lora_adapter")
+        names = self.tm.frontend.lora_names
+        if obj.lora_name not in names:
+            raise RequestError(f"LoRA adapter {obj.lora_name!r} is not loaded.")
+        names.discard(obj.lora_name)
+        deadline = asyncio.get_running_loop().time() + WEIGHT_UPDATE_RPC_TIMEOUT
+        while True:
+            out = await self._call(obj)
+            if not out.in_use_by or asyncio.get_running_loop().time() > deadline:
+                break
+            await asyncio.sleep(LORA_UNLOAD_POLL_S)
+        self._set_lora_adapters(out.loaded_adapters)
+        return out
+
+    def _check_lora(self, what: str) -> None:
+        if not self.tm.server_args.enable_lora:
+            raise RequestError(f"{what}: LoRA is not enabled: start the server with --enable-lora.")
+        self._check_single_replica(what)
+
+    def _set_lora_adapters(self, adapters: Dict[str, str]) -> None:
+        """What requests may name and /v1/models lists."""
+        self.tm.frontend.lora_names = set(adapters)
+        self.tm.server_args.lora_paths = dict(adapters)
 
     # ---- plumbing ------------------------------------------------------------------------------
     async def _locked_update(self, obj: Any) -> Any:

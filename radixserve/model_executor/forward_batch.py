@@ -28,9 +28,15 @@ class ForwardMode(IntEnum):
     EXTEND = auto()  # prefill, possibly after a cached prefix, possibly a chunk
     DECODE = auto()  # one new token per request
     MIXED = auto()  # a prefill chunk and decode requests in one forward (--enable-mixed-chunk)
+    # Speculative decoding: an EXTEND of each request's last token and its drafts (a chain: the
+    # ordinary causal mask), logits at every position (radixserve/speculative/)
+    TARGET_VERIFY = auto()
 
     def is_extend(self) -> bool:
-        return self in (ForwardMode.EXTEND, ForwardMode.MIXED)
+        return self in (ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY)
+
+    def is_target_verify(self) -> bool:
+        return self == ForwardMode.TARGET_VERIFY
 
     def is_decode(self) -> bool:
         return self == ForwardMode.DECODE
@@ -59,6 +65,7 @@ class ModelWorkerBatch:
     token_bitmask: Any = None
     input_logprob_positions: Optional[torch.Tensor] = None  # flat token positions to score
     input_logprob_token_ids: Optional[torch.Tensor] = None  # the prompt token each one scores
+    lora_paths: Optional[List[Optional[str]]] = None  # --enable-lora: each request's adapter (None: base)
 
     @property
     def batch_size(self) -> int:
@@ -84,6 +91,8 @@ class ForwardBatch:
     input_logprob_positions: Optional[torch.Tensor] = None
     input_logprob_token_ids: Optional[torch.Tensor] = None
     attn_metadata: Any = field(default=None, repr=False)  # set by attn_backend.init_forward_metadata
+    lora_paths: Optional[List[Optional[str]]] = None
+    lora_info: Any = None  # radixserve.lora LoRABatchInfo, set by ModelRunner.forward (--enable-lora)
 
     @classmethod
     def init_new(cls, batch: ModelWorkerBatch, model_runner: Any) -> "ForwardBatch":
@@ -114,6 +123,7 @@ class ForwardBatch:
             capture_all_logits=batch.capture_all_logits,
             input_logprob_positions=batch.input_logprob_positions,
             input_logprob_token_ids=batch.input_logprob_token_ids,
+            lora_paths=batch.lora_paths,
         )
         # A batch a CUDA graph will replay needs none of the eager metadata.
         graph_runner = getattr(model_runner, "cuda_graph_runner", None)

@@ -19,6 +19,7 @@ from radixserve.layers.cpu_weight_only import convert_to_weight_only, resolve_kv
 from radixserve.layers.logits_processor import LogitsProcessorOutput
 from radixserve.layers.pooler import EmbeddingPoolerOutput, Pooler, PoolingConfig
 from radixserve.layers.sampler import Sampler, SamplerOutput
+from radixserve.lora.lora_manager import LoRAManager
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from radixserve.model_executor.cuda_graph_runner import CudaGraphRunner
 from radixserve.model_executor.forward_batch import ForwardBatch, ModelWorkerBatch
@@ -69,6 +70,7 @@ class ModelRunner:
         if self.weight_only:
             convert_to_weight_only(self.model)
         self.activation_dtype = torch.float32 if self.weight_only else self.dtype
+        self.lora_manager = self.init_lora_manager()
         self.weight_updater = ModelWeightUpdater(self)  # weight updates without a restart
         self.kv_cache_dtype = resolve_kv_cache_dtype(server_args.kv_cache_dtype, self.activation_dtype, self.weight_only)
         self.context_len = min(server_args.context_length or model_config.context_len, model_config.context_len)
@@ -78,6 +80,11 @@ class ModelRunner:
         self.init_memory_pool()
         self.sampler = Sampler()
         self.cuda_graph_runner = self.init_cuda_graphs()
+
+    def init_lora_manager(self) -> Optional[LoRAManager]:
+        if not self.server_args.enable_lora:
+            return None
+        return LoRAManager.from_server_args(self.model, self.server_args, self.activation_dtype, self.device)
 
     def init_attention_backend(self) -> AttentionBackend:
         if self.server_args.attention_backend == "triton":
@@ -89,6 +96,7 @@ class ModelRunner:
     def use_cuda_graph(self) -> bool:
         return (
             self.device == "cuda"
+            and self.lora_manager is None  # the LoRA delta runs eagerly (server_args refuses the pair)
             and not self.server_args.disable_cuda_graph
             and not self.server_args.is_embedding  # the graphs are of decode steps
             and self.attn_backend.cuda_graph_unsupported_reason is None
@@ -176,6 +184,8 @@ class ModelRunner:
             return self.cuda_graph_runner.replay(forward_batch)
         if forward_batch.attn_metadata is None:  # ForwardBatch.init_new left it for a replay
             self.attn_backend.init_forward_metadata(forward_batch)
+        if self.lora_manager is not None:
+            self.lora_manager.prepare_lora_batch(forward_batch)
         return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
 
     @torch.inference_mode()

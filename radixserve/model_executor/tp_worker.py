@@ -26,6 +26,9 @@ class GenerationBatchResult:
     top_logprobs_val: Optional[List[List[float]]] = None
     top_logprobs_idx: Optional[List[List[int]]] = None
     copy_done: Any = None  # CUDA event: next_token_ids (pinned host memory) is filled (overlap)
+    # Speculative decoding (SGLang's name): drafts accepted per request; next_token_ids then holds
+    # accept_lens[i] + 1 tokens of each request back to back (logprobs likewise).
+    accept_lens: Optional[List[int]] = None
 
 
 class TpModelWorker:

@@ -76,6 +76,10 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     def init_forward_metadata(self, fb) -> None:
         md = TorchNativeMetadata()
+        if fb.forward_mode.is_target_verify() and self.cpu_ops is not None:
+            md.decode_rows = self._verify_rows(fb)
+            fb.attn_metadata = md
+            return
         ext_lens, prefix_lens = fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu
         if fb.forward_mode.is_decode():
             dec_rows = list(range(fb.batch_size))
@@ -118,6 +122,16 @@ class TorchNativeAttnBackend(AttentionBackend):
         token_idx = torch.tensor([token_of_row[i] for i in dec_rows], dtype=torch.int64)
         seq_lens = torch.tensor([fb.seq_lens_cpu[i] for i in dec_rows], dtype=torch.int64)
         return DecodeRows(token_idx, fb.req_pool_indices[idx].long().contiguous(), seq_lens, req_to_token)
+
+    @staticmethod
+    def _verify_rows(fb) -> DecodeRows:
+        """A speculative verify forward: token j of a request attends to its first prefix_len + j + 1
+        positions (a chain's causal mask), so each token is a decode-like row of the C++ kernel,
+        and all of them go in one call per layer."""
+        lens = torch.tensor(fb.extend_seq_lens_cpu, dtype=torch.int64)
+        req_pool_indices = torch.repeat_interleave(fb.req_pool_indices.long().cpu(), lens).contiguous()
+        seq_lens = [p + j + 1 for p, n in zip(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu) for j in range(n)]
+        return DecodeRows(None, req_pool_indices, torch.tensor(seq_lens, dtype=torch.int64), fb.req_to_token_pool.req_to_token)
 
     def _decode_groups(self, fb, dec_rows: List[int], token_of_row) -> List[DecodeGroup]:
         req_to_token = fb.req_to_token_pool.req_to_token

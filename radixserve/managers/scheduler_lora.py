@@ -1,0 +1,63 @@
+"""The Scheduler's handlers of LoRA adapters loaded and unloaded at run time (--enable-lora;
+SGLang's load_lora_adapter / unload_lora_adapter). Its dispatch entries join the weight
+updater's (scheduler_update_weights.py), so the Scheduler itself does not change.
+
+An adapter is unloaded only when no request of the scheduler's (waiting, running, in the grammar
+queue or a chunked prefill) uses it; otherwise the reply says so and the caller retries once those
+requests are done (the front end stopped admitting new ones for it first)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+
+from radixserve.lora.lora_config import LoRAError
+from radixserve.protocol import LoadLoRAAdapterReqInput, LoRAUpdateOutput, UnloadLoRAAdapterReqInput
+
+NOT_ENABLED = "LoRA is not enabled: start the server with --enable-lora"
+
+
+class SchedulerLoRA:
+    def __init__(self, scheduler: Any):
+        self.scheduler = scheduler
+
+    def dispatch_entries(self) -> List[Tuple[type, Callable[[Any], Any]]]:
+        return [(LoadLoRAAdapterReqInput, self.load_lora_adapter), (UnloadLoRAAdapterReqInput, self.unload_lora_adapter)]
+
+    def _manager(self) -> Optional[Any]:
+        return getattr(getattr(self.scheduler.tp_worker, "model_runner", None), "lora_manager", None)
+
+    def _reply(self, recv: Any, error: Optional[str], in_use_by: int = 0) -> LoRAUpdateOutput:
+        manager = self._manager()
+        loaded: Dict[str, str] = manager.loaded_adapters() if manager is not None else {}
+        return LoRAUpdateOutput(error is None, error, loaded, recv.query_id, in_use_by)
+
+    def load_lora_adapter(self, recv: LoadLoRAAdapterReqInput) -> LoRAUpdateOutput:
+        manager = self._manager()
+        if manager is None:
+            return self._reply(recv, NOT_ENABLED)
+        try:
+            manager.load_lora_adapter(recv.lora_name, recv.lora_path)
+        except LoRAError as e:
+            return self._reply(recv, str(e))
+        return self._reply(recv, None)
+
+    def unload_lora_adapter(self, recv: UnloadLoRAAdapterReqInput) -> LoRAUpdateOutput:
+        manager = self._manager()
+        if manager is None:
+            return self._reply(recv, NOT_ENABLED)
+        users = sum(1 for r in self._live_reqs() if r.lora_path == recv.lora_name)
+        if users:
+            return self._reply(recv, f"LoRA adapter {recv.lora_name!r} is in use by {users} request(s)", users)
+        try:
+            manager.unload_lora_adapter(recv.lora_name)
+        except LoRAError as e:
+            return self._reply(recv, str(e))
+        return self._reply(recv, None)
+
+    def _live_reqs(self) -> Iterable[Any]:
+        s = self.scheduler
+        yield from s.waiting_queue
+        yield from s.running_batch.reqs
+        yield from (r for r in (getattr(s, "grammar_queue", None) or ()) if hasattr(r, "lora_path"))
+        if s.chunked_req is not None:
+            yield s.chunked_req

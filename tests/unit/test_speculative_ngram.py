@@ -1,0 +1,371 @@
+"""Issue 27, NGRAM speculative decoding (a chain of drafts verified in one EXTEND forward): the
+n-gram cache, the acceptance rule (greedy, and rejection sampling that keeps the target's
+distribution), and end to end: greedy outputs equal speculation off (chunked prefill, forced
+retraction, stop conditions mid-chain, logprobs, slot conservation after every step), the
+sampled distribution of short requests equals speculation off, and the real SmolLM2."""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Dict, List
+
+import pytest
+import torch
+from scipy.stats import chi2_contingency, chisquare
+
+from radixserve.engine import Engine
+from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
+from radixserve.sampling_params import SamplingParams
+from radixserve.server_args import ServerArgs
+from radixserve.speculative.ngram_cache import MAX_CONTINUATIONS, NgramCache
+from radixserve.speculative.spec_info import NgramVerifyInput
+from radixserve.speculative.verify import verify_chain
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from real_model import smollm2_gguf  # noqa: E402
+
+VOCAB_LO = 3  # ids 0-2 are the tiny model's special tokens
+NEAR_TIE = 1e-4
+SPEC = dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=5)
+
+
+# ---- the n-gram cache ------------------------------------------------------------------------
+def test_ngram_cache_drafts_from_the_longest_matching_window():
+    cache = NgramCache(min_window=1, max_window=3, capacity=1000)
+    cache.insert([1, 2, 3, 4, 9, 2, 3, 5, 6])
+    # (1, 2, 3) was followed by 4 only; (2, 3) by 4 and 5: the longest window decides.
+    assert cache.draft([7, 1, 2, 3], 1) == [4]
+    assert cache.draft([7, 8, 2, 3], 1) == [5]  # a tie of counts: the latest continuation
+    # The chain goes on from its own drafts: after 4 comes 9, then (9,) -> 2, (9, 2) -> 3 ...
+    assert cache.draft([1, 2, 3], 4) == [4, 9, 2, 3]
+    assert cache.draft([42], 3) == []  # nothing matches: no drafts
+    cache.insert([2, 3, 5, 2, 3, 5], start=0)
+    assert cache.draft([8, 2, 3], 1) == [5]  # now the most frequent continuation of (2, 3)
+
+
+def test_ngram_cache_min_window_and_incremental_insert():
+    cache = NgramCache(min_window=2, max_window=4, capacity=1000)
+    tokens = [10, 11, 12, 13]
+    cache.insert(tokens)
+    assert cache.draft([99, 12], 2) == []  # (12,) is below the minimum window
+    assert cache.draft([10, 11], 2) == [12, 13]
+    tokens += [14]
+    cache.insert(tokens, start=4)  # only the new continuation is added
+    assert cache.lookup([12, 13]) == {14: 1}
+    assert cache.lookup([11, 12]) == {13: 1}  # not counted twice
+
+
+def test_ngram_cache_is_bounded():
+    cache = NgramCache(min_window=3, max_window=3, capacity=50)
+    rng = random.Random(0)
+    tokens = [rng.randrange(1000) for _ in range(500)]
+    cache.insert(tokens)
+    assert len(cache) == 50
+    assert cache.lookup(tokens[-4:-1]) == {tokens[-1]: 1}  # the newest n-grams are the ones kept
+    assert cache.lookup(tokens[:3]) == {}  # the oldest are gone
+    many = NgramCache(min_window=1, max_window=1, capacity=10)
+    many.insert([t for x in range(3 * MAX_CONTINUATIONS) for t in (7, 100 + x)])
+    assert len(many.lookup([7])) == MAX_CONTINUATIONS
+
+
+# ---- the acceptance rule ---------------------------------------------------------------------
+def _info(n: int, vocab: int, **sp) -> SamplingBatchInfo:
+    reqs = []
+    for _ in range(n):
+        params = SamplingParams(**sp)
+        params.normalize()
+        reqs.append(SimpleNamespace(sampling_params=params, output_ids=[], origin_input_ids=[1], eos_token_ids=set()))
+    return SamplingBatchInfo.from_reqs(reqs, vocab)
+
+
+def test_greedy_acceptance_takes_the_longest_agreeing_prefix_and_the_target_token():
+    vocab = 8
+    # request 0: drafts [3, 5, 6], argmax per position 3, 5, 2, 7 -> accepts 2, then 2
+    # request 1: drafts [4], argmax 1, 0 -> accepts none, then 1
+    # request 2: no drafts, argmax 6
+    argmax = [3, 5, 2, 7, 1, 0, 6]
+    logits = torch.zeros(len(argmax), vocab)
+    logits[torch.arange(len(argmax)), torch.tensor(argmax)] = 5.0
+    spec = NgramVerifyInput([[3, 5, 6], [4], []])
+    out = verify_chain(logits, _info(3, vocab, temperature=0), spec, return_logprob=True, top_logprobs_nums=[1, 0, 2])
+    assert out.accept_lens == [2, 0, 0]
+    assert out.token_ids == [[3, 5, 2], [1], [6]]
+    expected = torch.log_softmax(logits[0], -1)[3].item()
+    assert out.logprobs[0][0] == pytest.approx(expected) and len(out.logprobs[0]) == 3
+    assert out.top_logprobs_idx[0] == [[3], [5], [2]] and out.top_logprobs_idx[1] == [[]]
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    """Many independent rows of one 2-position chain: the first committed token is distributed
+    as the target's p0 whatever the draft, and the one after an accepted draft as p1."""
+    torch.manual_seed(0)
+    vocab, n = 6, 30000
+    p0 = torch.tensor([0.30, 0.25, 0.20, 0.15, 0.07, 0.03])
+    p1 = torch.tensor([0.05, 0.05, 0.40, 0.10, 0.30, 0.10])
+    logits = torch.stack([p0.log(), p1.log()]).repeat(n, 1)
+    draft = 1
+    out = verify_chain(logits, _info(n, vocab, temperature=1.0), NgramVerifyInput([[draft] for _ in range(n)]))
+    first = torch.tensor([t[0] for t in out.token_ids])
+    observed = torch.bincount(first, minlength=vocab).float()
+    assert chisquare(observed.numpy(), (p0 * n).numpy()).pvalue > 1e-3
+    accepted = [t for t, a in zip(out.token_ids, out.accept_lens) if a == 1]
+    assert abs(len(accepted) / n - p0[draft].item()) < 0.015  # accepted with probability p0(d)
+    second = torch.bincount(torch.tensor([t[1] for t in accepted]), minlength=vocab).float()
+    assert chisquare(second.numpy(), (p1 * len(accepted)).numpy()).pvalue > 1e-3
+
+
+def test_rejection_sampling_respects_top_k():
+    """After the filters the draft may be outside the support: never accepted then, and the
+    committed token is always within the top-k."""
+    vocab, n = 6, 4000
+    p0 = torch.tensor([0.30, 0.25, 0.20, 0.15, 0.07, 0.03])
+    logits = p0.log().view(1, -1).repeat(n, 1)
+    out = verify_chain(logits, _info(n, vocab, temperature=1.0, top_k=2), NgramVerifyInput([[] for _ in range(n)]))
+    assert set(t[0] for t in out.token_ids) == {0, 1}
+    logits = torch.stack([p0.log(), p0.log()]).repeat(n, 1)
+    out = verify_chain(logits, _info(n, vocab, temperature=1.0, top_k=2), NgramVerifyInput([[4] for _ in range(n)]))
+    assert out.accept_lens == [0] * n and set(t[0] for t in out.token_ids) == {0, 1}
+
+
+# ---- end to end on the tiny model --------------------------------------------------------------
+NUM_BASE = 16
+
+
+def make_prompts(seed: int = 0):
+    """16 base prompts, random and repetitive (a phrase repeated) in turn, then 8 repeats of the
+    random ones: a repeat runs after its original, whose output is then in the n-gram cache."""
+    rng = random.Random(seed)
+    prompts, params = [], []
+    for i in range(NUM_BASE):
+        if i % 2 == 0:
+            prompt = [rng.randrange(VOCAB_LO, 8192) for _ in range(rng.randint(5, 80))]
+        else:
+            phrase = [rng.randrange(VOCAB_LO, 8192) for _ in range(rng.randint(3, 12))]
+            prompt = phrase * rng.randint(3, 8)
+        prompts.append(prompt)
+        params.append({"max_new_tokens": rng.randint(8, 48), "temperature": 0})
+    for i in range(0, NUM_BASE, 2):
+        prompts.append(list(prompts[i]))
+        params.append(dict(params[i]))
+    return prompts, params
+
+
+@pytest.fixture(scope="module")
+def workload():
+    return make_prompts()
+
+
+@pytest.fixture(scope="module")
+def reference(workload):
+    """Speculation off, each request alone, with top-2 logprobs to tell near-ties."""
+    prompts, params = workload
+    engine = Engine(max_total_tokens=16384)
+    return [engine.generate(input_ids=[p], sampling_params=[sp], return_logprob=True, top_logprobs_num=2)[0]
+            for p, sp in zip(prompts, params)]
+
+
+def assert_same_greedy(results: List[Dict], reference: List[Dict]) -> None:
+    """Equal to the reference, except after a position where its top two logits are a near-tie."""
+    for i, (got, ref) in enumerate(zip(results, reference)):
+        a, b = got["output_ids"], ref["output_ids"]
+        for k, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                top2 = ref["meta_info"]["output_top_logprobs"][k]
+                gap = top2[0][0] - top2[1][0]
+                assert gap < NEAR_TIE, f"request {i} diverged at token {k} with logit gap {gap}"
+                break
+        else:
+            assert len(a) == len(b), f"request {i}: {len(a)} tokens vs {len(b)}"
+
+
+def run_in_two_waves(engine: Engine, prompts, params, **kw) -> List[Dict]:
+    """The base prompts, then the repeats (which find the base outputs in the cache)."""
+    out = engine.generate(input_ids=prompts[:NUM_BASE], sampling_params=params[:NUM_BASE], progress=False, **kw)
+    return out + engine.generate(input_ids=prompts[NUM_BASE:], sampling_params=params[NUM_BASE:], progress=False, **kw)
+
+
+CONFIGS = {
+    "default": dict(),
+    "chunked_prefill_32": dict(chunked_prefill_size=32),
+    "forced_retract": dict(test_retract_interval=3),
+    "tiny_pool_retracts": dict(max_total_tokens=700, schedule_conservativeness=0.02, chunked_prefill_size=64),
+    "radix_disabled": dict(disable_radix_cache=True),
+    "page_size_4": dict(page_size=4, chunked_prefill_size=32),
+    "page_size_16_tiny_pool": dict(page_size=16, max_total_tokens=1024, schedule_conservativeness=0.02, chunked_prefill_size=64),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_greedy_outputs_equal_speculation_off(name, workload, reference):
+    prompts, params = workload
+    kw = dict(max_total_tokens=16384, test_check_memory=True, **SPEC)
+    kw.update(CONFIGS[name])
+    engine = Engine(**kw)
+    results = run_in_two_waves(engine, prompts, params)
+    assert_same_greedy(results, reference)
+    engine.scheduler.check_memory()  # every slot back: free or in the tree
+    metas = [r["meta_info"] for r in results]
+    assert all(m["spec_verify_ct"] >= 1 for m in metas if m["completion_tokens"] > 1)
+    # Drafts were used: the repeats commit several tokens per verify step.
+    repeats = metas[NUM_BASE:]
+    assert sum(m["spec_accept_length"] for m in repeats) / len(repeats) > 1.5
+    state = engine.scheduler.internal_state()
+    assert state["spec_num_correct_drafts"] == sum(m["spec_num_correct_drafts"] for m in metas) > 0
+    assert state["avg_spec_accept_length"] > 1.0
+    if name in ("forced_retract", "tiny_pool_retracts"):
+        assert state["num_retractions"] > 0
+    if name.startswith("chunked"):
+        assert state["num_chunked_prefills"] > 0
+
+
+def test_stop_conditions_apply_per_committed_token(workload, reference):
+    """A repeat that stops on a token from the middle of its output stops inside an accepted
+    chain: it keeps the tokens up to its finish, exactly as without speculation, and the KV of
+    the rest of the chain is freed (slot conservation is checked after every step)."""
+    prompts, params = workload
+    stop_params = []
+    for i in range(NUM_BASE, len(prompts)):
+        out = reference[i]["output_ids"]
+        stop_params.append(dict(params[i], stop_token_ids=[out[len(out) // 2]]))
+    params = params[:NUM_BASE] + stop_params
+    off = run_in_two_waves(Engine(max_total_tokens=16384), prompts, params)
+    engine = Engine(max_total_tokens=16384, test_check_memory=True, **SPEC)
+    on = run_in_two_waves(engine, prompts, params)
+    for a, b in zip(on[NUM_BASE:], off[NUM_BASE:]):
+        assert a["output_ids"] == b["output_ids"]
+        assert a["meta_info"]["finish_reason"] == b["meta_info"]["finish_reason"]
+    assert sum(r["meta_info"]["spec_num_correct_drafts"] for r in on[NUM_BASE:]) > 0
+    engine.scheduler.check_memory()
+
+
+def test_logprobs_of_accepted_tokens_equal_speculation_off(workload, reference):
+    prompts, params = workload
+    engine = Engine(max_total_tokens=16384, **SPEC)
+    got = run_in_two_waves(engine, prompts, params, return_logprob=True, top_logprobs_num=2)
+    compared = 0
+    for r, ref in zip(got, reference):
+        if r["output_ids"] != ref["output_ids"]:
+            continue  # a near-tie flipped (test_greedy_outputs_equal_speculation_off tells)
+        lp, ref_lp = r["meta_info"]["output_token_logprobs"], ref["meta_info"]["output_token_logprobs"]
+        assert [t[1] for t in lp] == r["output_ids"]
+        assert max(abs(a[0] - b[0]) for a, b in zip(lp, ref_lp)) < 1e-4
+        tops = [[t[1] for t in top] for top in r["meta_info"]["output_top_logprobs"]]
+        assert tops == [[t[1] for t in top] for top in ref["meta_info"]["output_top_logprobs"]]
+        compared += 1
+    assert compared >= len(got) - 2
+    assert sum(r["meta_info"]["spec_num_correct_drafts"] for r in got[NUM_BASE:]) > 0
+
+
+def test_sampled_distribution_equals_speculation_off():
+    """Short sampled requests (3 tokens, top_k 3: 27 outcomes), one seed each: the distribution
+    of the outputs with NGRAM matches speculation off (chi-square on the contingency table).
+    The cache is seeded so that every request gets a draft for its second and third tokens."""
+    prompt = [5, 17, 99, 250, 1000, 17, 99]
+    n = 900
+    def params(first_seed: int):  # the two runs draw with different seeds: independent samples
+        return [{"max_new_tokens": 3, "temperature": 1.0, "top_k": 3, "sampling_seed": first_seed + s} for s in range(n)]
+
+    off = Engine(max_total_tokens=16384).generate(input_ids=[prompt] * n, sampling_params=params(0), progress=False)
+    outs_off = [tuple(r["output_ids"]) for r in off]
+    # Drafts: after t0 the token that most often followed it without speculation, then the
+    # most frequent third token: both accepted often and rejected often.
+    follow: Dict[int, Dict[int, int]] = {}
+    for a, b, c in outs_off:
+        follow.setdefault(a, {}).setdefault(b, 0)
+        follow[a][b] += 1
+    engine = Engine(max_total_tokens=16384, test_check_memory=True, **SPEC)
+    worker = engine.scheduler.spec_worker
+    for a, counts in follow.items():
+        b = max(counts, key=counts.get)
+        worker.ngram_cache.insert([a, b, a, b, a])
+    on = engine.generate(input_ids=[prompt] * n, sampling_params=params(n), progress=False)
+    outs_on = [tuple(r["output_ids"]) for r in on]
+    metas = [r["meta_info"] for r in on]
+    assert sum(m["spec_num_proposed_drafts"] for m in metas) > n * 0.9
+    correct = sum(m["spec_num_correct_drafts"] for m in metas)
+    assert 0.1 * n < correct < 0.9 * sum(m["spec_num_proposed_drafts"] for m in metas)
+    keys = sorted(set(outs_off) | set(outs_on))
+    table = [[outs_off.count(k) for k in keys], [outs_on.count(k) for k in keys]]
+    # Outcomes too rare for the test are pooled.
+    common = [j for j in range(len(keys)) if table[0][j] + table[1][j] >= 10]
+    rare = [j for j in range(len(keys)) if j not in common]
+    rows = [[r[j] for j in common] + [sum(r[j] for j in rare)] for r in table]
+    rows = [r[:-1] for r in rows] if rows[0][-1] + rows[1][-1] == 0 else rows
+    assert chi2_contingency(rows).pvalue > 1e-3
+
+
+def test_structured_output_requests_decode_without_drafts():
+    """A grammar request gets no drafts (its matcher cannot follow them) but shares verify
+    forwards with requests that do: its mask reaches its own position, and its output is the
+    one without speculation."""
+    sp_free = {"max_new_tokens": 32, "temperature": 0}
+    sp_regex = {"max_new_tokens": 24, "temperature": 0, "regex": "(ab|cd)+"}
+    prompts = ["one two three four one two three four", "abab"]
+
+    def run(engine: Engine) -> List[Dict]:
+        engine.generate(prompts[0], sp_free)  # its output is in the n-gram cache now
+        return engine.generate(prompts, [sp_free, sp_regex])
+
+    off = run(Engine(max_total_tokens=8192))
+    on = run(Engine(max_total_tokens=8192, test_check_memory=True, **SPEC))
+    assert [r["output_ids"] for r in on] == [r["output_ids"] for r in off]
+    assert on[0]["meta_info"]["spec_num_correct_drafts"] > 0
+    assert on[1]["meta_info"]["spec_num_proposed_drafts"] == 0 and on[1]["meta_info"]["spec_verify_ct"] > 0
+
+
+# ---- flags -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kw, message", [
+    (dict(speculative_algorithm="EAGLE"), "not built yet"),
+    (dict(speculative_algorithm="STANDALONE"), "not built yet"),
+    (dict(speculative_algorithm="MEDUSA"), "--speculative-algorithm"),
+    (dict(speculative_algorithm="NGRAM", speculative_ngram_max_bfs_breadth=4), "--speculative-ngram-max-bfs-breadth"),
+    (dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=1), "--speculative-num-draft-tokens"),
+    (dict(speculative_algorithm="NGRAM", speculative_ngram_min_match_window_size=5,
+          speculative_ngram_max_match_window_size=3), "window"),
+    (dict(speculative_algorithm="NGRAM", disable_overlap_schedule=False), "overlap"),
+    (dict(speculative_algorithm="NGRAM", disaggregation_mode="prefill"), "--disaggregation-mode"),
+    (dict(speculative_algorithm="NGRAM", is_embedding=True), "--is-embedding"),
+    (dict(speculative_algorithm="NGRAM", tp_size=2), "--tp-size"),
+])
+def test_combinations_not_built_are_refused_at_start(kw, message):
+    with pytest.raises(ValueError, match=message):
+        ServerArgs(**kw)
+
+
+# ---- the real model ----------------------------------------------------------------------------
+REAL_QUESTIONS = [
+    "Repeat the following text exactly, word for word:\n\nThe city library opens at nine in the morning and closes "
+    "at six in the evening. Members may borrow up to five books at a time for three weeks.",
+    "Copy this code and add a comment above each line:\n\ndef area(width, height):\n    return width * height\n",
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_smollm2_greedy_outputs_equal_speculation_off(dtype):
+    """The real SmolLM2-135M, greedy: NGRAM gives exactly the tokens and logprobs speculation off
+    gives in the same dtype, the CPU's bf16 mode included (the GEMMs are row-independent, and
+    every verify token's attention runs the decode kernel a decode step runs), and the copying
+    prompts accept drafts."""
+    from real_model import chat_prompt_ids
+
+    kw = dict(model_path=str(smollm2_gguf()), dtype=dtype, max_total_tokens=4096)
+    sp = {"max_new_tokens": 48, "temperature": 0}
+    engine = Engine(**kw)
+    prompts = [chat_prompt_ids(engine.tokenizer, q) for q in REAL_QUESTIONS]
+    off = engine.generate(input_ids=prompts, sampling_params=[sp] * len(prompts), return_logprob=True, progress=False)
+    engine.shutdown()
+    engine = Engine(**kw, test_check_memory=True, **SPEC)
+    on = engine.generate(input_ids=prompts, sampling_params=[sp] * len(prompts), return_logprob=True, progress=False)
+    engine.scheduler.check_memory()
+    engine.shutdown()
+    assert [r["output_ids"] for r in on] == [r["output_ids"] for r in off]
+    for a, b in zip(on, off):
+        lp_on, lp_off = a["meta_info"]["output_token_logprobs"], b["meta_info"]["output_token_logprobs"]
+        assert max(abs(x[0] - y[0]) for x, y in zip(lp_on, lp_off)) < 1e-5
+    copying = [r["meta_info"] for r in on[:2]]
+    assert min(m["spec_accept_length"] for m in copying) > 1.3, copying
