@@ -29,6 +29,7 @@ from radixserve.managers.output_processor import SchedulerOutputProcessor
 from radixserve.managers.overlap import TpModelWorkerClient
 from radixserve.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch
 from radixserve.managers.scheduler_embedding import EmbeddingOutputProcessor, SchedulerEmbedding
+from radixserve.managers.scheduler_lora import SchedulerLoRA
 from radixserve.managers.scheduler_memory_saver import SchedulerMemorySaver
 from radixserve.managers.scheduler_pause import GenerationPause
 from radixserve.managers.scheduler_profiler import SchedulerProfiler
@@ -42,7 +43,7 @@ from radixserve.model_executor.tp_worker import GenerationBatchResult, TpModelWo
 from radixserve.models.model_config import ModelConfig
 from radixserve.protocol import (
     AbortReq, BatchTokenizedGenerateReqInput, FlushCacheReqInput, FlushCacheReqOutput, GetInternalStateReq,
-    GetInternalStateReqOutput, TokenizedGenerateReqInput, BatchTokenizedEmbeddingReqInput, TokenizedEmbeddingReqInput,
+    GetInternalStateReqOutput, TokenizedGenerateReqInput,
 )
 from radixserve.sampling_params import input_ids_error
 from radixserve.server_args import ServerArgs
@@ -125,8 +126,7 @@ class Scheduler:
             (GetInternalStateReq, self.get_internal_state),
             *self.weight_updater.dispatch_entries(),
             *self.generation_pause.dispatch_entries(), *self.memory_saver.dispatch_entries(), *self.profiler.dispatch_entries(),
-            (TokenizedEmbeddingReqInput, self.embedding.handle_embedding_request),
-            (BatchTokenizedEmbeddingReqInput, self.embedding.handle_batch_embedding_request),
+            *self.embedding.dispatch_entries(), *SchedulerLoRA(self).dispatch_entries(),
         ])
         logger.info("Scheduler ready: max_total_num_tokens=%d, max_running_requests=%d, context_len=%d, page_size=%d",
                     self.max_total_num_tokens, self.max_running_requests, self.context_len, self.page_size)
@@ -546,6 +546,8 @@ class Scheduler:
         self.token_to_kv_pool_allocator.clear()
         self.req_to_token_pool.clear()
         self.grammar_queue.reset()
+        if self.spec_worker is not None:  # SGLang's flush clears the n-gram store too
+            self.spec_worker.clear_cache_pool()
         self.new_token_ratio.reset()
         self.last_batch = None
         return True

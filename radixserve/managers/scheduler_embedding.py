@@ -91,6 +91,10 @@ class SchedulerEmbedding:
         self.vocab_size = tp_worker.model_config.vocab_size
         self.validate, self.enqueue, self.finish = validate, enqueue, finish
 
+    def dispatch_entries(self) -> List[Tuple[type, Callable[[Any], Any]]]:
+        return [(TokenizedEmbeddingReqInput, self.handle_embedding_request),
+                (BatchTokenizedEmbeddingReqInput, self.handle_batch_embedding_request)]
+
     def handle_batch_embedding_request(self, recv: BatchTokenizedEmbeddingReqInput) -> None:
         for r in recv.batch:
             self.handle_embedding_request(r)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, List, Tuple
 
-from radixserve.managers.scheduler_lora import SchedulerLoRA
 from radixserve.protocol import (
     DestroyWeightsUpdateGroupReqInput,
     DestroyWeightsUpdateGroupReqOutput,
@@ -52,7 +51,6 @@ class SchedulerUpdateWeights:
             (UpdateWeightsFromDistributedReqInput, self.update_weights_from_distributed),
             (DestroyWeightsUpdateGroupReqInput, self.destroy_weights_update_group),
             (GetWeightsByNameReqInput, self.get_weights_by_name),
-            *SchedulerLoRA(self.scheduler).dispatch_entries(),  # LoRA adapters at run time
         ]
 
     # ---- handlers --------------------------------------------------------------------------------

@@ -32,12 +32,12 @@ from radixserve.distributed.weight_sync import (
     destroy_custom_process_group,
     init_custom_process_group,
 )
-from radixserve.layers.linear import default_weight_loader, unpack_cpu_weight
+from radixserve.layers.linear import unpack_cpu_weight
 from radixserve.model_executor.gguf_loader import gguf_weights
 from radixserve.model_executor.model_loader import checkpoint_shapes, iterate_safetensors, safetensors_files
 from radixserve.models.model_config import LoadError, ModelConfig
 from radixserve.models.registry import get_model_class
-from radixserve.models.weight_utils import NamedWeight, param_name_for
+from radixserve.models.weight_utils import NamedWeight, call_weight_loader, param_name_for
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +85,9 @@ class ModelWeightUpdater:
                         and isinstance(item[1], torch.Tensor)):
                     raise LoadError("named_tensors must be (name, torch.Tensor) pairs")
             self.validate(((n, t.shape, "named_tensors") for n, t in named_tensors), require_all=False)
+            for name, t in named_tensors:  # a NaN or inf weight would silently poison every answer
+                if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                    raise LoadError(f"named_tensors: tensor {name!r} holds NaN or infinite values")
 
         return self._checked_write(check, lambda: [(n, t, "named_tensors") for n, t in named_tensors], False,
                                    f"Succeeded to update {len(named_tensors)} tensor(s).")
@@ -185,19 +188,13 @@ class ModelWeightUpdater:
         packed = getattr(owner, "weight_packed", None)
         if attr == "weight" and values.numel() == 0 and packed is not None:  # the CPU's bf16 mode
             values = unpack_cpu_weight(packed, owner.in_features)
-        loader = getattr(owner, "weight_loader", None)
         coords = []
         for dim, size in enumerate(full):
             view = [1] * len(full)
             view[dim] = size
             source = torch.arange(size).view(view).expand(full)
             local = torch.full(values.shape, -1, dtype=torch.int64, device=values.device)
-            if loader is None:
-                default_weight_loader(local, source)
-            elif shard_id is None:
-                loader(local, source)
-            else:
-                loader(local, source, shard_id)
+            call_weight_loader(owner, local, source, shard_id)
             coords.append(local.cpu())
         keep = (coords[0] >= 0) & (coords[0] < truncate_size)
         flat = torch.zeros_like(coords[0][keep])

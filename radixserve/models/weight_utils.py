@@ -5,7 +5,7 @@ pyproject.toml); model_executor/model_loader.py finds the files and hands the te
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Tuple
+from typing import Any, Dict, Iterable, List, Tuple
 
 import torch
 from torch import nn
@@ -32,14 +32,8 @@ def load_named_weights(model: nn.Module, weights: Iterable[NamedWeight], stacked
         if param is None:
             raise LoadError(f"{fn}: unexpected tensor {name!r} for {type(model).__name__}")
         owner = model.get_submodule(target.rsplit(".", 1)[0])
-        loader = getattr(owner, "weight_loader", None)
         try:
-            if loader is None:
-                default_weight_loader(param, tensor)
-            elif shard_id is None:
-                loader(param, tensor)
-            else:
-                loader(param, tensor, shard_id)
+            call_weight_loader(owner, param, tensor, shard_id)
         except (WeightShapeError, ValueError, RuntimeError) as e:
             raise LoadError(f"{fn}: tensor {name!r}: {e}") from None
         loaded.add((target, shard_id))
@@ -66,3 +60,15 @@ def _expected_loads(params: Dict[str, nn.Parameter], mapping) -> List[Tuple[str,
         shards = [sid for fused, _, sid in mapping if f"{fused}." in name]
         out += [(name, sid) for sid in shards] if shards else [(name, None)]
     return out
+
+
+def call_weight_loader(owner: Any, param: torch.Tensor, tensor: torch.Tensor, shard_id: Any = None) -> None:
+    """Copy a checkpoint tensor into `param` the way its layer loads it (its TP slice, its
+    shard of a merged projection), or whole where the layer has no weight_loader."""
+    loader = getattr(owner, "weight_loader", None)
+    if loader is None:
+        default_weight_loader(param, tensor)
+    elif shard_id is None:
+        loader(param, tensor)
+    else:
+        loader(param, tensor, shard_id)

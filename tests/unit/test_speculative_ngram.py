@@ -369,3 +369,15 @@ def test_smollm2_greedy_outputs_equal_speculation_off(dtype):
         assert max(abs(x[0] - y[0]) for x, y in zip(lp_on, lp_off)) < 1e-5
     copying = [r["meta_info"] for r in on[:2]]
     assert min(m["spec_accept_length"] for m in copying) > 1.3, copying
+
+
+def test_flush_cache_clears_the_ngram_store():
+    """/flush_cache empties the n-gram store with the radix cache (as SGLang's flush does)."""
+    engine = Engine(max_total_tokens=4096, **SPEC)
+    engine.generate(input_ids=[[5, 6, 7, 8] * 6], sampling_params={"max_new_tokens": 8, "temperature": 0}, progress=False)
+    worker = engine.scheduler.spec_worker
+    assert len(worker.ngram_cache) > 0
+    engine.wait_until_idle()
+    assert engine.flush_cache()
+    assert len(worker.ngram_cache) == 0
+    engine.shutdown()

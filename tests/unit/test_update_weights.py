@@ -181,6 +181,8 @@ def test_refused_update_from_tensor_writes_nothing(dirs, hf):
                       "'model.layers.0.mlp.gate_proj.weight' has shape (3, 3); the model's is (256, 128)"),
             "name": (good + [("model.layers.0.mlp.nope.weight", torch.zeros(3))], "unexpected tensor 'model.layers.0.mlp.nope.weight'"),
             "format": (good, "load_format 'direct' is not supported"),
+            "nan": (good + [("model.norm.weight", torch.full((128,), float("nan")))],
+                    "tensor 'model.norm.weight' holds NaN or infinite values"),
         }
         for case, (tensors, expected) in cases.items():
             ok, message = e.update_weights_from_tensor(tensors, load_format="direct" if case == "format" else None)
