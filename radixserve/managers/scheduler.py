@@ -17,17 +17,13 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from radixserve.constrained.factory import create_grammar_backend
-from radixserve.disaggregation.conn import KVManager
-from radixserve.disaggregation.transfer import create_transfer_backend
-from radixserve.disaggregation.utils import DisaggregationMode, local_ip
 from radixserve.distributed.parallel_state import broadcast_pyobj, destroy_distributed_environment
 from radixserve.hf_transformers_utils import get_tokenizer, resolve_model_path
-from radixserve.managers.disagg_decode import DecodeDisaggregation
-from radixserve.managers.disagg_prefill import PrefillDisaggregation
 from radixserve.managers.grammar import GrammarQueue
 from radixserve.managers.output_processor import SchedulerOutputProcessor
 from radixserve.managers.overlap import TpModelWorkerClient
 from radixserve.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch
+from radixserve.managers.scheduler_disagg import init_disaggregation
 from radixserve.managers.scheduler_embedding import EmbeddingOutputProcessor, SchedulerEmbedding
 from radixserve.managers.scheduler_lora import SchedulerLoRA
 from radixserve.managers.scheduler_memory_saver import SchedulerMemorySaver
@@ -47,7 +43,7 @@ from radixserve.protocol import (
 )
 from radixserve.sampling_params import input_ids_error
 from radixserve.server_args import ServerArgs
-from radixserve.speculative.ngram_worker import create_speculative_worker
+from radixserve.speculative.factory import create_speculative_worker
 from radixserve.utils import TypeBasedDispatcher
 
 logger = logging.getLogger(__name__)
@@ -114,7 +110,8 @@ class Scheduler:
         self.chunked_req: Optional[Req] = None
         self.forward_ct = 0
         self.new_token_ratio = NewTokenRatio(args.schedule_conservativeness)
-        self._init_disaggregation()
+        # PD disaggregation (seed 001 §8): the prefill or decode server's queues over one KVManager.
+        self.disaggregation_mode, self.disagg_prefill, self.disagg_decode, self.kv_manager = init_disaggregation(self)
 
         self.weight_updater = SchedulerUpdateWeights(self)  # weight updates without a restart
         self.generation_pause, self.memory_saver, self.profiler = GenerationPause(self), SchedulerMemorySaver(self), SchedulerProfiler(self)
@@ -130,29 +127,6 @@ class Scheduler:
         ])
         logger.info("Scheduler ready: max_total_num_tokens=%d, max_running_requests=%d, context_len=%d, page_size=%d",
                     self.max_total_num_tokens, self.max_running_requests, self.context_len, self.page_size)
-
-    def _init_disaggregation(self) -> None:
-        """PD disaggregation (seed 001 §8): the prefill server's bootstrap and inflight queues,
-        or the decode server's prealloc and transfer queues, over one KVManager."""
-        args = self.server_args
-        self.disaggregation_mode = DisaggregationMode(args.disaggregation_mode)
-        self.disagg_prefill: Optional[PrefillDisaggregation] = None
-        self.disagg_decode: Optional[DecodeDisaggregation] = None
-        self.kv_manager: Optional[KVManager] = None
-        if self.disaggregation_mode == DisaggregationMode.NULL:
-            return
-        kv_pool = self.tp_worker.model_runner.token_to_kv_pool
-        backend = create_transfer_backend(args.disaggregation_transfer_backend, kv_pool, local_ip(args.host))
-        self.kv_manager = KVManager(self.disaggregation_mode, backend, args.host,
-                                    args.disaggregation_bootstrap_port, args.disaggregation_timeout)
-        if self.disaggregation_mode == DisaggregationMode.PREFILL:
-            self.disagg_prefill = PrefillDisaggregation(
-                self.kv_manager, self.tree_cache, self.req_to_token_pool.req_to_token, self.output_processor,
-                args.disaggregation_timeout)
-        else:
-            self.disagg_decode = DecodeDisaggregation(
-                self.kv_manager, self.req_to_token_pool, self.token_to_kv_pool_allocator, self.tree_cache,
-                self.output_processor, args.disaggregation_timeout)
 
     def _make_tree_cache(self) -> BasePrefixCache:
         args = self.server_args
@@ -496,8 +470,8 @@ class Scheduler:
             # This forward's grammar mask, filled now on this thread (the matchers have seen
             # every earlier token: see is_disable_overlap_for_batch).
             worker_batch.token_bitmask = self.grammar_backend.fill_token_bitmask(batch.reqs, GrammarQueue.fail_request)
-        if self.spec_worker is not None and batch.forward_mode.is_decode():  # drafts + one verify forward
-            return self.spec_worker.forward_batch_speculative_generation(batch, worker_batch)
+        if self.spec_worker is not None:  # decode: drafts + one verify forward (speculative/factory.py)
+            return self.spec_worker.forward_batch(batch, worker_batch)
         if self.overlap_worker is not None:
             batch.output_ids = self.overlap_worker.launch(batch, worker_batch)
             return None

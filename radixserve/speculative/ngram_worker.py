@@ -51,6 +51,15 @@ class NGRAMWorker:
         self._inserted.clear()
 
     # ---- the interface the scheduler calls ------------------------------------------------
+    def forward_batch(self, batch: Any, worker_batch: ModelWorkerBatch) -> GenerationBatchResult:
+        """Run `batch` (the scheduler's run_batch): decode batches with drafts, others as usual
+        (NGRAM keeps no state of its own in the KV pools)."""
+        if batch.forward_mode.is_decode():
+            return self.forward_batch_speculative_generation(batch, worker_batch)
+        result = self.target_worker.forward_batch_generation(worker_batch)
+        batch.output_ids = result.next_token_ids
+        return result
+
     def forward_batch_speculative_generation(self, batch: Any, worker_batch: ModelWorkerBatch) -> GenerationBatchResult:
         """Run one decode step of `batch` (a prepared DECODE ScheduleBatch; `worker_batch` is its
         ModelWorkerBatch, grammar mask included) with drafts. Sets batch.output_ids to each
@@ -196,12 +205,3 @@ def _cumulate_tokens(info: Any, token_ids: List[List[int]]) -> None:
         info.output_token_counts.index_put_((rows, ids), torch.ones_like(ids, dtype=torch.float32), accumulate=True)
     if info.seen_token_mask is not None:
         info.seen_token_mask[rows, ids] = True
-
-
-def create_speculative_worker(server_args: Any, target_worker: TpModelWorker, stats: Any = None) -> Optional[NGRAMWorker]:
-    """The worker of --speculative-algorithm (None without it). ServerArgs refused the others."""
-    if server_args.speculative_algorithm is None:
-        return None
-    assert server_args.speculative_algorithm == "NGRAM", server_args.speculative_algorithm
-    logger.info("Speculative decoding: NGRAM, %d draft tokens per step", server_args.speculative_num_draft_tokens - 1)
-    return NGRAMWorker(server_args, target_worker, stats)
