@@ -715,6 +715,8 @@ at::Tensor bf16_linear(const at::Tensor&, const at::Tensor&, int64_t, const c10:
 
 }  // namespace
 
+void register_lora_kernels(pybind11::module_& m);  // lora_kernels.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention (writes out)");
   m.def("store_kv", &store_kv, "write new tokens' K/V rows at their KV-pool slots");
@@ -726,4 +728,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out_features"), py::arg("bias") = py::none());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
   m.def("refine_top_logits", &refine_top_logits, "recompute each row's k largest logits from float32 hidden states");
+  register_lora_kernels(m);
 }

@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "RADIXSERVE_DISABLE_CPU_KERNELS"
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_kernels.cpp"
+SOURCES = [SOURCE, SOURCE.with_name("lora_kernels.cpp")]  # the segmented LoRA matmul (issue 28)
 
 
 def extension_name() -> str:
@@ -50,7 +51,7 @@ def build() -> Optional[ModuleType]:
 
         return load(
             name=extension_name(),
-            sources=[str(SOURCE)],
+            sources=[str(p) for p in SOURCES],
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"],
             extra_ldflags=["-fopenmp"],
             verbose=False,

@@ -143,6 +143,8 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x)
         if self.lora is not None:
+            # Before the all-reduce: this rank's delta, from its slice of the input (A is cut like
+            # the weight), is a partial sum like y's, and the reduce adds them all up.
             y = self.lora.apply(x, y)
         if self.reduce_results and self.tp_size > 1:
             y = tensor_model_parallel_all_reduce(y)

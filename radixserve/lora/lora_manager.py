@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from radixserve.lora.layers import LoRABatchInfo, LoRABatchState, LoRALinearDelta
-from radixserve.lora.lora import LoRAAdapter
+from radixserve.lora.lora import LoRAAdapter, LoRAShard
 from radixserve.lora.lora_config import ALL_TARGET_MODULES, CONFIG_FILE, LoRAConfig, LoRAError
 from radixserve.lora.mem_pool import LoRAMemoryPool
 from radixserve.server_args import parse_lora_paths
@@ -24,30 +24,47 @@ logger = logging.getLogger(__name__)
 _LINEAR = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(qkv_proj|o_proj|gate_up_proj|down_proj)$")
 
 
-def model_lora_parts(model: nn.Module) -> Tuple[Dict[Tuple[int, str], Tuple[nn.Module, List[Tuple[str, int, int]]]], Dict[str, Tuple[int, int]]]:
-    """The model's linear layers LoRA can target: (layer, fused name) -> (module, parts), where a
-    part is (PEFT module name, offset in the fused output, size); and PEFT name -> (in, out)."""
-    found: Dict[Tuple[int, str], Tuple[nn.Module, List[Tuple[str, int, int]]]] = {}
+# (layer, fused name) -> (the linear module, its parts: (PEFT module name, offset in this rank's fused output, size))
+LoRALinears = Dict[Tuple[int, str], Tuple[nn.Module, List[Tuple[str, int, int]]]]
+
+
+def model_lora_parts(model: nn.Module) -> Tuple[LoRALinears, Dict[str, Tuple[int, int]], Dict[str, LoRAShard]]:
+    """The model's linear layers LoRA can target (LoRALinears); per PEFT module name, the whole
+    projection's (in, out), which an adapter file must match; and the slice of A and B this TP
+    rank keeps, cut as the base layer cuts its weight (linear.py): q/k/v by heads (a kv head
+    replicated on several ranks goes to each of them), gate/up each split evenly, o/down (row
+    parallel) along their input."""
+    found: LoRALinears = {}
     dims: Dict[str, Tuple[int, int]] = {}
+    shards: Dict[str, LoRAShard] = {}
     for name, module in model.named_modules():
         m = _LINEAR.search(name)
         if m is None:
             continue
         layer, kind = int(m.group(1)), m.group(2)
+        rank, tp = getattr(module, "tp_rank", 0), getattr(module, "tp_size", 1)
+        # (PEFT name, this rank's out size, the whole out size, where this rank's rows start)
         if kind == "qkv_proj":
+            replicas = getattr(module, "kv_replicas", 1)
             q, kv = module.num_heads * module.head_dim, module.num_kv_heads * module.head_dim
-            sizes = [("q_proj", q), ("k_proj", kv), ("v_proj", kv)]
+            kv_part = (kv, kv * tp // replicas, rank // replicas * kv)
+            outs = [("q_proj", q, q * tp, rank * q), ("k_proj", *kv_part), ("v_proj", *kv_part)]
         elif kind == "gate_up_proj":
-            sizes = [("gate_proj", module.output_sizes[0]), ("up_proj", module.output_sizes[1])]
+            outs = [(part, full // tp, full, rank * (full // tp))
+                    for part, full in zip(("gate_proj", "up_proj"), module.output_sizes)]
         else:
-            sizes = [(kind, module.out_features)]
+            outs = [(kind, module.out_features, module.out_features, 0)]
+        row_parallel = kind in ("o_proj", "down_proj")
+        in_local = module.in_features  # this rank's input: all of it, but 1/tp of a row-parallel layer's
+        in_full, in_start = (in_local * tp, rank * in_local) if row_parallel else (in_local, 0)
         parts, offset = [], 0
-        for peft_name, size in sizes:
+        for peft_name, size, full, out_start in outs:
             parts.append((peft_name, offset, size))
-            dims[peft_name] = (module.in_features, size)
+            dims[peft_name] = (in_full, full)
+            shards[peft_name] = LoRAShard(in_start, in_local, out_start, size)
             offset += size
         found[(layer, kind)] = (module, parts)
-    return found, dims
+    return found, dims, shards
 
 
 class LoRAManager:
@@ -56,7 +73,7 @@ class LoRAManager:
                  dtype: torch.dtype, device: str):
         self.max_loaded_loras = max_loaded_loras
         self.adapters: Dict[str, LoRAAdapter] = {}
-        self.linears, self.module_dims = model_lora_parts(model)
+        self.linears, self.module_dims, self.shards = model_lora_parts(model)
         self.num_layers = 1 + max((layer for layer, _ in self.linears), default=-1)
         configs = {name: LoRAConfig.from_dir(path, max_lora_rank) for name, path in lora_paths.items()}
         if target_modules:
@@ -72,8 +89,10 @@ class LoRAManager:
         if not targets or max_lora_rank < 1:
             raise LoRAError("--enable-lora without --lora-paths needs --max-lora-rank and --lora-target-modules")
         self.max_lora_rank = max_lora_rank
-        self.pool = LoRAMemoryPool(max_loras_per_batch, max_lora_rank, {t: self.module_dims[t] for t in targets},
-                                   self.num_layers, dtype, device)
+        # The slots hold this TP rank's slices (LoRAShard): the layers' deltas then line up with
+        # their sharded outputs (and a row-parallel layer's with its partial sums).
+        local_dims = {t: (self.shards[t].in_size, self.shards[t].out_size) for t in targets}
+        self.pool = LoRAMemoryPool(max_loras_per_batch, max_lora_rank, local_dims, self.num_layers, dtype, device)
         self.state = LoRABatchState()
         for (layer, _), (module, parts) in self.linears.items():
             if any(p[0] in targets for p in parts):
@@ -96,7 +115,7 @@ class LoRAManager:
             raise LoRAError(f"{fn}: target module {outside[0]!r} is not in --lora-target-modules ({', '.join(self.target_modules)})")
         if self.max_loaded_loras is not None and len(self.adapters) >= self.max_loaded_loras:
             raise LoRAError(f"adapter {name!r}: --max-loaded-loras {self.max_loaded_loras} adapters are loaded already")
-        self.adapters[name] = LoRAAdapter.load(name, config, self.module_dims, self.num_layers)
+        self.adapters[name] = LoRAAdapter.load(name, config, self.module_dims, self.num_layers, self.shards)
         logger.info("LoRA adapter %r loaded from %s (r=%d, %s)", name, config.path, config.r, ", ".join(config.target_modules))
 
     def load_lora_adapter(self, name: str, path: str) -> None:

@@ -15,7 +15,8 @@ from radixserve.lora.lora import LoRAAdapter
 class LoRAMemoryPool:
     def __init__(self, max_loras_per_batch: int, max_lora_rank: int, module_dims: Dict[str, Tuple[int, int]],
                  num_layers: int, dtype: torch.dtype, device: str):
-        """module_dims: the target modules (PEFT names) -> (in_features, out_features)."""
+        """module_dims: the target modules (PEFT names) -> this TP rank's (in_features,
+        out_features) of them: a slot holds the rank's slice of an adapter (lora.LoRAShard)."""
         self.num_slots = max_loras_per_batch
         self.max_rank = max_lora_rank
         self.dtype, self.device = dtype, device

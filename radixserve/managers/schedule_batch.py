@@ -245,7 +245,8 @@ class Req:
             if self.wants_input_logprobs():
                 # the logits at position start-1 give token start's logprob: compute from there
                 max_prefix_len = min(max_prefix_len, self.next_input_logprob_token() - 1)
-            match = tree_cache.match_prefix(self.fill_ids[: max(max_prefix_len, 0)])
+            # only prefixes computed under this request's adapter (lora_path; None = base)
+            match = tree_cache.match_prefix(self.fill_ids[: max(max_prefix_len, 0)], self.lora_path)
             self.prefix_indices, self.last_node = match.device_indices, match.last_device_node
         self.extend_input_len = len(self.fill_ids) - len(self.prefix_indices)
 

@@ -91,14 +91,16 @@ class SchedulePolicy:
         self.waiting_queue_radix_tree.reset()
         for r in waiting_queue:
             ids = r.origin_input_ids + r.output_ids
-            match = self.tree_cache.match_prefix(ids[: max(len(ids) - 1, 0)])
+            # Both trees key prefixes by adapter: one under another adapter is no hit for r.
+            match = self.tree_cache.match_prefix(ids[: max(len(ids) - 1, 0)], r.lora_path)
             r.prefix_indices, r.last_node = match.device_indices, match.last_device_node
             if len(r.prefix_indices) <= IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD:
-                in_batch = self.waiting_queue_radix_tree.match_prefix(ids).device_indices
+                in_batch = self.waiting_queue_radix_tree.match_prefix(ids, r.lora_path).device_indices
                 if len(in_batch) >= IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD:
                     deprioritized.add(r.rid)
                 else:
-                    self.waiting_queue_radix_tree.insert(ids, torch.zeros(len(ids), dtype=torch.int64))
+                    zeros = torch.zeros(len(ids), dtype=torch.int64)
+                    self.waiting_queue_radix_tree.insert(ids, zeros, extra_key=r.lora_path)
         return deprioritized
 
     def _sort_by_longest_prefix(self, waiting_queue: List[Req], deprioritized: set) -> None:

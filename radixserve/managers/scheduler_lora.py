@@ -2,9 +2,17 @@
 SGLang's load_lora_adapter / unload_lora_adapter). Its dispatch entries join the weight
 updater's (scheduler_update_weights.py), so the Scheduler itself does not change.
 
-An adapter is unloaded only when no request of the scheduler's (waiting, running, in the grammar
-queue or a chunked prefill) uses it; otherwise the reply says so and the caller retries once those
-requests are done (the front end stopped admitting new ones for it first)."""
+An adapter is unloaded only when no request of the scheduler's (waiting, running, in the last
+batch (a prefill not merged into the running batch yet, or in the overlap loop the batch in
+flight), in the grammar queue or a chunked prefill) uses it; otherwise the reply says so and the
+caller retries once those requests are done (the front end stopped admitting new ones for it
+first).
+
+The overlap loop: the LoRA slots are filled on the forward thread, by ModelRunner.forward right
+before the batch that needs them (so in order with the forwards, and never under a forward still
+reading a slot). Unloading changes the registry and the pool that thread reads, so it first waits
+for the forwards in flight (one batch, the last launched): nothing then reads them meanwhile.
+Loading only adds an adapter no batch can use before the reply, so it does not wait."""
 
 from __future__ import annotations
 
@@ -45,19 +53,27 @@ class SchedulerLoRA:
         manager = self._manager()
         if manager is None:
             return self._reply(recv, NOT_ENABLED)
-        users = sum(1 for r in self._live_reqs() if r.lora_path == recv.lora_name)
+        # by id: the last batch may be the running batch itself
+        users = len({id(r) for r in self._live_reqs() if r.lora_path == recv.lora_name})
         if users:
             return self._reply(recv, f"LoRA adapter {recv.lora_name!r} is in use by {users} request(s)", users)
+        forward_thread = getattr(self.scheduler, "forward_thread", None)
+        if forward_thread is not None:
+            forward_thread.synchronize()
         try:
             manager.unload_lora_adapter(recv.lora_name)
         except LoRAError as e:
             return self._reply(recv, str(e))
+        # The name may be loaded again with other weights: its cached prefixes must not match.
+        self.scheduler.tree_cache.evict_extra_key(recv.lora_name)
         return self._reply(recv, None)
 
     def _live_reqs(self) -> Iterable[Any]:
         s = self.scheduler
         yield from s.waiting_queue
         yield from s.running_batch.reqs
+        if s.last_batch is not None:
+            yield from s.last_batch.reqs
         yield from (r for r in (getattr(s, "grammar_queue", None) or ()) if hasattr(r, "lora_path"))
         if s.chunked_req is not None:
             yield s.chunked_req

@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 class CacheReq(Protocol):
     """The fields of a request (managers/schedule_batch.py's Req) a prefix cache uses.
 
-    Optionally `kv_committed_len: int` too (see kv_committed_len() below)."""
+    Optionally `kv_committed_len: int` (see kv_committed_len() below) and `lora_path:
+    Optional[str]` (see extra_key_of() below) too."""
 
     origin_input_ids: List[int]  # read: the prompt
     output_ids: List[int]  # read: tokens generated so far
@@ -48,6 +49,13 @@ def kv_committed_len(req: CacheReq) -> int:
     return len(req.fill_ids)
 
 
+def extra_key_of(req: CacheReq) -> Optional[str]:
+    """The namespace a request's prefixes are cached under (SGLang's Req.extra_key): its LoRA
+    adapter's name, since the same tokens have other KV under another adapter; None = the
+    base model (whose prefixes only base requests share)."""
+    return getattr(req, "lora_path", None)
+
+
 @dataclass
 class MatchResult:
     device_indices: torch.Tensor  # int64 KV slots of the matched prefix
@@ -68,25 +76,34 @@ class BasePrefixCache(ABC):
         """Forget every cached prefix (the caller clears the allocator)."""
 
     @abstractmethod
-    def match_prefix(self, key: List[int]) -> MatchResult:
-        """Longest cached prefix of `key` and the node it ends at."""
+    def match_prefix(self, key: List[int], extra_key: Optional[str] = None) -> MatchResult:
+        """Longest prefix of `key` cached under `extra_key` (extra_key_of(req)), and the node
+        it ends at. Prefixes cached under another extra_key never match."""
 
     @abstractmethod
-    def insert(self, key: List[int], value: Optional[torch.Tensor] = None, chunked: bool = False) -> int:
-        """Add key -> value; returns how many leading tokens of `key` were already cached."""
+    def insert(self, key: List[int], value: Optional[torch.Tensor] = None, chunked: bool = False,
+               extra_key: Optional[str] = None) -> int:
+        """Add key -> value under `extra_key`; returns how many leading tokens of `key` were
+        already cached there."""
 
     @abstractmethod
     def cache_finished_req(self, req: CacheReq, is_insert: bool = True) -> None:
-        """A finished or aborted request: keep its KV (or free it), free its row, drop its lock."""
+        """A finished or aborted request: keep its KV under extra_key_of(req) (or free it),
+        free its row, drop its lock."""
 
     @abstractmethod
     def cache_unfinished_req(self, req: CacheReq, chunked: bool = False) -> None:
-        """After a prefill chunk: cache the KV computed so far, set req.prefix_indices and
-        move req's lock to req.last_node."""
+        """After a prefill chunk: cache the KV computed so far under extra_key_of(req), set
+        req.prefix_indices and move req's lock to req.last_node."""
 
     @abstractmethod
     def evict(self, num_tokens: int) -> int:
         """Free at least `num_tokens` evictable slots if there are; returns how many were freed."""
+
+    @abstractmethod
+    def evict_extra_key(self, extra_key: str) -> int:
+        """Free the unlocked prefixes cached under `extra_key` (an unloaded LoRA adapter's);
+        returns how many slots were freed."""
 
     @abstractmethod
     def inc_lock_ref(self, node: Any) -> int:

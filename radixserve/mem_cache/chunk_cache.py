@@ -32,10 +32,11 @@ class ChunkCache(BasePrefixCache):
         self.root_node = TreeNode()
         self.root_node.lock_ref = 1
 
-    def match_prefix(self, key: List[int]) -> MatchResult:
+    def match_prefix(self, key: List[int], extra_key: Optional[str] = None) -> MatchResult:
         return MatchResult(torch.empty((0,), dtype=torch.int64, device=self.device), self.root_node)
 
-    def insert(self, key: List[int], value: Optional[torch.Tensor] = None, chunked: bool = False) -> int:
+    def insert(self, key: List[int], value: Optional[torch.Tensor] = None, chunked: bool = False,
+               extra_key: Optional[str] = None) -> int:
         return 0
 
     def cache_finished_req(self, req: CacheReq, is_insert: bool = True) -> None:
@@ -49,6 +50,9 @@ class ChunkCache(BasePrefixCache):
         req.prefix_indices = self.req_to_token_pool.req_to_token[row, : len(req.fill_ids)].to(torch.int64)
 
     def evict(self, num_tokens: int) -> int:
+        return 0
+
+    def evict_extra_key(self, extra_key: str) -> int:
         return 0
 
     def inc_lock_ref(self, node: TreeNode) -> int:

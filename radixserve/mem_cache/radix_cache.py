@@ -5,6 +5,15 @@
                       └── [7 8 9]      children are keyed by their first token
                                        (by their first page, as a tuple, when page_size > 1)
 
+Namespaces (SGLang's RadixKey.extra_key): a prefix computed under a LoRA adapter has other KV
+than the same tokens under the base model, so every node carries the `extra_key` it was
+inserted under (the adapter's name; None = the base model) and a child's key is
+(extra_key, first token or page) for a non-None extra_key. Each namespace is thus its own
+subtree under the root; matching never crosses from one to another.
+
+    root ──┬── 1 ──────── [1 2 3]      base model
+           └── ("A", 1) ─ [1 2 3]      the same tokens under adapter "A": other slots
+
 Ownership of KV slots (the invariant the tests check after every step):
 
     allocator.available_size() + total_size() + (slots held privately by running requests)
@@ -33,12 +42,13 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Tuple, Union
 import torch
 
 # (MatchResult and kv_committed_len stay importable from here too.)
-from radixserve.mem_cache.base_prefix_cache import BasePrefixCache, CacheReq, MatchResult, kv_committed_len
+from radixserve.mem_cache.base_prefix_cache import BasePrefixCache, CacheReq, MatchResult, extra_key_of, kv_committed_len
 
 if TYPE_CHECKING:
     from radixserve.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 
-ChildKey = Union[int, Tuple[int, ...]]
+# The first token (or page) of a node's key, prefixed by the node's extra_key when it has one.
+ChildKey = Union[int, Tuple[int, ...], Tuple[str, Union[int, Tuple[int, ...]]]]
 
 _node_ids = itertools.count()
 
@@ -50,6 +60,7 @@ class TreeNode:
         self.children: Dict[ChildKey, TreeNode] = {}
         self.parent: Optional[TreeNode] = None
         self.key: List[int] = []
+        self.extra_key: Optional[str] = None  # the namespace (LoRA adapter) of key; None = base
         self.value: torch.Tensor = torch.empty(0, dtype=torch.int64)
         self.lock_ref = 0
         self.last_access_time = time.monotonic()
@@ -62,7 +73,8 @@ class TreeNode:
     def __repr__(self) -> str:
         head = self.key[:8]
         more = "..." if len(self.key) > 8 else ""
-        return f"TreeNode(id={self.id}, len={len(self.key)}, key={head}{more}, lock_ref={self.lock_ref})"
+        ns = f", extra_key={self.extra_key!r}" if self.extra_key is not None else ""
+        return f"TreeNode(id={self.id}, len={len(self.key)}, key={head}{more}{ns}, lock_ref={self.lock_ref})"
 
 
 def _empty_indices(device) -> torch.Tensor:
@@ -101,8 +113,9 @@ class RadixCache(BasePrefixCache):
         # Unlocked nodes without children: the eviction candidates.
         self.evictable_leaves: set = set()
 
-    def match_prefix(self, key: List[int]) -> MatchResult:
-        """Longest cached prefix of `key` (page-aligned when page_size > 1).
+    def match_prefix(self, key: List[int], extra_key: Optional[str] = None) -> MatchResult:
+        """Longest cached prefix of `key` among those inserted under `extra_key`
+        (page-aligned when page_size > 1).
 
         Refreshes last_access_time along the path; splits the last node when the match
         ends inside it, so that the returned node covers exactly the matched prefix."""
@@ -111,13 +124,15 @@ class RadixCache(BasePrefixCache):
         key = self._page_align(key)
         if len(key) == 0:
             return MatchResult(_empty_indices(self.device), self.root_node)
-        values, last_node = self._match_prefix_helper(key)
+        values, last_node = self._match_prefix_helper(key, extra_key)
         indices = torch.cat(values) if values else _empty_indices(self.device)
         return MatchResult(indices, last_node)
 
-    def insert(self, key: List[int], value: Optional[torch.Tensor] = None, chunked: bool = False) -> int:
-        """Add key -> value; returns how many leading tokens of `key` were already cached
-        (their slots in `value` are duplicates the caller still owns and should free)."""
+    def insert(self, key: List[int], value: Optional[torch.Tensor] = None, chunked: bool = False,
+               extra_key: Optional[str] = None) -> int:
+        """Add key -> value under `extra_key`; returns how many leading tokens of `key` were
+        already cached there (their slots in `value` are duplicates the caller still owns and
+        should free)."""
         if self.disable:
             return 0
         if value is None:
@@ -126,7 +141,7 @@ class RadixCache(BasePrefixCache):
         assert len(key) % self.page_size == 0, (
             f"insert() takes page-aligned keys (len {len(key)}, page_size {self.page_size})"
         )
-        return self._insert_helper(list(key), value.to(torch.int64), chunked)
+        return self._insert_helper(list(key), value.to(torch.int64), chunked, extra_key)
 
     def cache_finished_req(self, req: CacheReq, is_insert: bool = True) -> None:
         """Hand a finished (or aborted) request's KV to the tree and release its row and lock."""
@@ -143,7 +158,7 @@ class RadixCache(BasePrefixCache):
         keys = self._page_align(token_ids)
         protected_len = self._protected_len(req)
         if is_insert:
-            new_prefix_len = self.insert(keys, kv_indices[: len(keys)].clone())
+            new_prefix_len = self.insert(keys, kv_indices[: len(keys)].clone(), extra_key=extra_key_of(req))
             # Slots of tokens another request cached meanwhile: ours are duplicates.
             allocator.free(kv_indices[protected_len:new_prefix_len])
         else:
@@ -166,11 +181,12 @@ class RadixCache(BasePrefixCache):
 
         keys = self._page_align(token_ids)
         protected_len = self._protected_len(req)
-        new_prefix_len = self.insert(keys, kv_indices[: len(keys)].clone(), chunked=chunked)
+        extra_key = extra_key_of(req)
+        new_prefix_len = self.insert(keys, kv_indices[: len(keys)].clone(), chunked=chunked, extra_key=extra_key)
         self.token_to_kv_pool_allocator.free(kv_indices[protected_len:new_prefix_len])
 
         # Re-point the row at the tree's slots (they differ where we just freed duplicates).
-        match = self.match_prefix(keys)
+        match = self.match_prefix(keys, extra_key)
         new_indices, new_last_node = match.device_indices, match.last_device_node
         assert len(new_indices) == len(keys), f"{len(new_indices)=} != {len(keys)=}"
         self.req_to_token_pool.write((row, slice(protected_len, len(new_indices))), new_indices[protected_len:])
@@ -207,6 +223,27 @@ class RadixCache(BasePrefixCache):
         if freed:
             self.token_to_kv_pool_allocator.free(torch.cat(freed))
         return num_evicted
+
+    def evict_extra_key(self, extra_key: str) -> int:
+        """Free every unlocked prefix cached under `extra_key`: an unloaded adapter's KV is of
+        no use, and its name may be loaded again with other weights (SGLang keys by a fresh
+        lora_id per load instead). Returns the number of slots freed."""
+        if self.disable:
+            return 0
+        nodes: List[TreeNode] = []  # pre-order: every node before its descendants
+        stack = [c for c in self.root_node.children.values() if c.extra_key == extra_key]
+        while stack:
+            node = stack.pop()
+            nodes.append(node)
+            stack.extend(node.children.values())
+        freed: List[torch.Tensor] = []
+        for node in reversed(nodes):  # children first, so a parent may become a leaf in turn
+            if node.lock_ref == 0 and not node.children:
+                freed.append(node.value)
+                self._delete_leaf(node)
+        if freed:
+            self.token_to_kv_pool_allocator.free(torch.cat(freed))
+        return sum(len(v) for v in freed)
 
     def inc_lock_ref(self, node: TreeNode) -> int:
         """Lock node and its ancestors. Returns the change of evictable_size() (<= 0)."""
@@ -273,7 +310,8 @@ class RadixCache(BasePrefixCache):
         while stack:
             node, depth = stack.pop()
             head = node.key[:10]
-            lines.append(f"{'  ' * depth}{len(node.key)} {head}{'...' if len(node.key) > 10 else ''} r={node.lock_ref}")
+            ns = f" [{node.extra_key}]" if node.extra_key is not None else ""
+            lines.append(f"{'  ' * depth}{len(node.key)}{ns} {head}{'...' if len(node.key) > 10 else ''} r={node.lock_ref}")
             for child in reversed(list(node.children.values())):
                 stack.append((child, depth + 1))
         lines.append(f"#tokens: {self.total_size()}")
@@ -300,10 +338,9 @@ class RadixCache(BasePrefixCache):
         n = len(req.prefix_indices) if req.prefix_indices is not None else 0
         return n // self.page_size * self.page_size
 
-    def _child_key(self, key: List[int]) -> ChildKey:
-        if self.page_size == 1:
-            return key[0]
-        return tuple(key[: self.page_size])
+    def _child_key(self, key: List[int], extra_key: Optional[str]) -> ChildKey:
+        first = key[0] if self.page_size == 1 else tuple(key[: self.page_size])
+        return first if extra_key is None else (extra_key, first)
 
     def _key_match(self, key0: List[int], key1: List[int]) -> int:
         """Length of the common prefix, in whole pages when page_size > 1."""
@@ -324,13 +361,13 @@ class RadixCache(BasePrefixCache):
             return (node.hit_count, node.last_access_time)
         return (node.last_access_time,)
 
-    def _match_prefix_helper(self, key: List[int]) -> Tuple[List[torch.Tensor], TreeNode]:
+    def _match_prefix_helper(self, key: List[int], extra_key: Optional[str]) -> Tuple[List[torch.Tensor], TreeNode]:
         now = self._now()
         node = self.root_node
         node.last_access_time = now
         values: List[torch.Tensor] = []
         while len(key) > 0:
-            child = node.children.get(self._child_key(key))
+            child = node.children.get(self._child_key(key, extra_key))
             if child is None:
                 break
             child.last_access_time = now
@@ -352,6 +389,7 @@ class RadixCache(BasePrefixCache):
         new_node = TreeNode()
         new_node.parent = parent
         new_node.key = child.key[:split_len]
+        new_node.extra_key = child.extra_key
         new_node.value = child.value[:split_len].clone()
         new_node.lock_ref = child.lock_ref  # every lock on child passes through new_node
         new_node.hit_count = child.hit_count
@@ -359,18 +397,18 @@ class RadixCache(BasePrefixCache):
         child.parent = new_node
         child.key = child.key[split_len:]
         child.value = child.value[split_len:].clone()
-        new_node.children[self._child_key(child.key)] = child
-        parent.children[self._child_key(new_node.key)] = new_node
+        new_node.children[self._child_key(child.key, child.extra_key)] = child
+        parent.children[self._child_key(new_node.key, new_node.extra_key)] = new_node
         # Sizes are unchanged; new_node has a child so it is not a leaf; child keeps its status.
         return new_node
 
-    def _insert_helper(self, key: List[int], value: torch.Tensor, chunked: bool) -> int:
+    def _insert_helper(self, key: List[int], value: torch.Tensor, chunked: bool, extra_key: Optional[str]) -> int:
         now = self._now()
         node = self.root_node
         node.last_access_time = now
         total_prefix_len = 0
         while len(key) > 0:
-            child = node.children.get(self._child_key(key))
+            child = node.children.get(self._child_key(key, extra_key))
             if child is None:
                 break
             child.last_access_time = now
@@ -388,11 +426,12 @@ class RadixCache(BasePrefixCache):
             new_node = TreeNode()
             new_node.parent = node
             new_node.key = key
+            new_node.extra_key = extra_key
             new_node.value = value.clone()
             new_node.last_access_time = now
             if not chunked:
                 new_node.hit_count += 1
-            node.children[self._child_key(key)] = new_node
+            node.children[self._child_key(key, extra_key)] = new_node
             self.evictable_size_ += len(key)
             self.evictable_leaves.discard(node)
             self.evictable_leaves.add(new_node)
@@ -400,7 +439,7 @@ class RadixCache(BasePrefixCache):
 
     def _delete_leaf(self, node: TreeNode) -> None:
         parent = node.parent
-        removed = parent.children.pop(self._child_key(node.key), None)
+        removed = parent.children.pop(self._child_key(node.key, node.extra_key), None)
         assert removed is node, "tree is corrupt: leaf not found under its parent"
         self.evictable_size_ -= len(node.key)
         self.evictable_leaves.discard(node)

@@ -26,7 +26,7 @@ def lora_server(tmp_path_factory):
     a4 = write_adapter(root / "a4", 4, 8.0, ["q_proj", "v_proj"], base, seed=1)
     c16 = write_adapter(root / "c16", 16, 32.0, ["q_proj", "o_proj", "up_proj", "down_proj"], base, seed=3)
     srv = ServerProcess("--enable-lora", "--lora-paths", f"a4={a4}", f"c16={c16}", "--max-loras-per-batch", "2",
-                        "--disable-radix-cache", "--dtype", "float32", "--max-total-tokens", "2048")
+                        "--dtype", "float32", "--max-total-tokens", "2048")  # radix cache on: keyed by adapter
     d8 = write_adapter(root / "d8", 8, 8.0, ["q_proj", "down_proj"], base, seed=4)  # loaded at run time
     yield srv, {"a4": str(a4), "c16": str(c16), "d8": str(d8)}
     assert srv.stop() == 0, srv.read_log()[-3000:]

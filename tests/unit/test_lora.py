@@ -131,6 +131,74 @@ def test_cache_isolation(adapters, references):
         engine.shutdown()
 
 
+def test_radix_cache_keys_prefixes_by_adapter(adapters):
+    """Radix cache on: a long prompt under a4, then c16, then the base model is never served from
+    another's cached prefix, and each output is the one a fresh engine (no cache) gives; the same
+    adapter again hits its own prefix and still gives its output."""
+    prompt = " ".join(PROMPTS * 3)
+    engine = _lora_engine(adapters)  # the reference: radix cache off, so nothing carries over
+    try:
+        fresh = {name: _run(engine, [name], [prompt])[0] for name in [None, "a4", "c16"]}
+    finally:
+        engine.shutdown()
+    prompt_len = fresh[None]["meta_info"]["prompt_tokens"]
+    assert prompt_len > 40
+
+    engine = _lora_engine(adapters, disable_radix_cache=False)
+    try:
+        for name, hit in [("a4", False), ("c16", False), (None, False), ("a4", True), ("c16", True), (None, True)]:
+            out = _run(engine, [name], [prompt])[0]
+            _assert_matches(out, fresh[name], f"adapter {name}, prefix hit {hit}")
+            # a hit covers the whole prompt but its last token (its logits give the first output)
+            assert out["meta_info"]["cached_tokens"] == (prompt_len - 1 if hit else 0), (name, hit)
+    finally:
+        engine.shutdown()
+
+
+def test_reloaded_adapter_name_does_not_reuse_old_prefixes(adapters, references):
+    """Radix cache on: an adapter name unloaded and loaded again with other weights must not be
+    served the KV its old weights computed (the unload drops the name's cached prefixes)."""
+    engine = _lora_engine({"x": adapters["a4"]}, disable_radix_cache=False, max_lora_rank=16, lora_target_modules=["all"])
+    try:
+        for path, ref in [(adapters["a4"], references["a4"]), (adapters["c16"], references["c16"])]:
+            if path != adapters["a4"]:
+                assert engine.unload_lora_adapter("x").success
+                assert engine.load_lora_adapter("x", str(path)).success
+            _assert_matches(_run(engine, ["x"], [PROMPTS[1]])[0], ref[1], f"x = {path.name}")
+        assert engine.scheduler.tree_cache.total_size() > 0  # the second run cached its own prefix
+    finally:
+        engine.shutdown()
+
+
+def test_lpm_matches_prefixes_under_each_request_adapter():
+    """The cache-aware policy (LPM) and its in-batch tree: a prefix cached or chosen this round
+    under one adapter counts for requests of that adapter only."""
+    from radixserve.managers.schedule_batch import Req
+    from radixserve.managers.schedule_policy import IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD, SchedulePolicy
+    from radixserve.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
+    from radixserve.mem_cache.radix_cache import RadixCache
+    from radixserve.sampling_params import SamplingParams
+
+    def req(rid: str, ids: List[int], lora: Optional[str]) -> Req:
+        sp = SamplingParams(max_new_tokens=4)
+        sp.normalize()
+        return Req(rid, None, ids, sp, lora_path=lora)
+
+    alloc = TokenToKVPoolAllocator(4096)
+    cache = RadixCache(ReqToTokenPool(16, 1024), alloc)
+    shared = list(range(1, 11))
+    cache.insert(shared, alloc.alloc(len(shared)), extra_key="a")  # cached under adapter a only
+    long_ids = list(range(100, 100 + IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD + 8))
+    waiting = [req("base", shared + [50], None), req("b", shared + [51], "b"), req("a", shared + [52], "a"),
+               req("first", long_ids + [1], "a"), req("same", long_ids + [2], "a"), req("other", long_ids + [3], "b")]
+    SchedulePolicy("lpm", cache).calc_priority(waiting)
+    prefix = {r.rid: len(r.prefix_indices) for r in waiting}
+    assert prefix == {"base": 0, "b": 0, "a": 10, "first": 0, "same": 0, "other": 0}
+    # "a" hits first; "same" shares a long prefix with "first" chosen this round under the same
+    # adapter, so it waits for that prefix to be cached; "other" (adapter b) does not wait.
+    assert [r.rid for r in waiting] == ["a", "base", "b", "first", "other", "same"]
+
+
 def test_unknown_adapter_is_refused_by_name(adapters):
     engine = _lora_engine(adapters)
     try:
@@ -186,9 +254,6 @@ def test_shapes_that_do_not_match(tmp_path):
 
 def test_refused_combinations():
     for kwargs, what in [
-        ({}, "--disable-radix-cache"),
-        ({"disable_radix_cache": True, "tp_size": 2}, "--tp-size > 1"),
-        ({"disable_radix_cache": True, "disable_overlap_schedule": False}, "the overlap loop"),
         ({"disable_radix_cache": True, "is_embedding": True}, "--is-embedding"),
         ({"disable_radix_cache": True, "speculative_algorithm": "NGRAM"}, "--speculative-algorithm"),
         ({"disable_radix_cache": True, "device": "cuda"}, "CUDA graphs"),
@@ -196,7 +261,9 @@ def test_refused_combinations():
         with pytest.raises(ValueError, match="--enable-lora with") as e:
             ServerArgs(enable_lora=True, **kwargs)
         assert what in str(e.value) and "\n" not in str(e.value)
-    assert ServerArgs(enable_lora=True, disable_radix_cache=True).overlap_schedule_enabled("cuda") is False
+    # tp > 1 and the overlap loop run with LoRA: test_lora_tp_overlap.py
+    assert ServerArgs(enable_lora=True, tp_size=2).overlap_schedule_enabled("cuda")
+    assert not ServerArgs(enable_lora=True).disable_radix_cache  # prefixes are keyed by adapter
 
 
 # ---- admission (seed 001 §14: can_run_lora_batch) -------------------------------------------

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import pytest
 import torch
@@ -26,6 +26,7 @@ class FakeReq:
     req_pool_idx: int = -1
     prefix_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     last_node: Optional[TreeNode] = None
+    lora_path: Optional[str] = None  # the adapter: the namespace its prefixes are cached under
 
 
 def make(page_size=1, num_pages=64, policy="lru", rows=8, ctx=256, disable=False, cls=RadixCache):
@@ -60,7 +61,9 @@ def check_counters(cache):
         k, node = stack.pop()
         assert len(node.key) == len(node.value) > 0
         assert len(node.key) % cache.page_size == 0
-        assert k == cache._child_key(node.key)
+        assert k == cache._child_key(node.key, node.extra_key)
+        # a namespace (adapter) is one subtree: a node's children share its extra_key
+        assert node.parent is cache.root_node or node.extra_key == node.parent.extra_key
         assert node.lock_ref >= 0
         if node.lock_ref > 0:
             protected += len(node.key)
@@ -340,11 +343,113 @@ def test_reset():
     check_counters(cache)
 
 
+# ---- namespaces: extra_key (the LoRA adapter; None = the base model) ----------------------
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_same_tokens_under_two_extra_keys_do_not_match(page_size):
+    cache, alloc, _ = make(page_size=page_size)
+    key = list(range(1, 9))
+    base, a = alloc.alloc(8), alloc.alloc(8)
+    assert cache.insert(key, base) == 0
+    assert cache.insert(key, a, extra_key="A") == 0  # nothing of it is cached under "A" yet
+    for extra_key, slots in [(None, base), ("A", a)]:  # each key matches its own slots
+        assert cache.match_prefix(key, extra_key).device_indices.tolist() == slots.tolist()
+        assert cache.match_prefix(key[:6], extra_key).device_indices.tolist() == slots[: 6 // page_size * page_size].tolist()
+    m = cache.match_prefix(key, "B")  # another adapter: no hit, not even a partial one
+    assert m.device_indices.numel() == 0 and m.last_device_node is cache.root_node
+    assert cache.total_size() == 16 and alloc.available_size() == alloc.size - 16
+    check_counters(cache)  # the splits above stayed inside their namespace
+    # A second insert under "A" dedupes against "A" only.
+    assert cache.insert(key + [50] * page_size, torch.cat([a, alloc.alloc(page_size)]), extra_key="A") == 8
+    assert cache.match_prefix(key + [50] * page_size).device_indices.tolist() == base.tolist()
+    check_counters(cache)
+
+
+def test_eviction_and_locks_across_extra_keys():
+    cache, alloc, _ = make(num_pages=32)
+    base = _insert_allocated(cache, alloc, [1, 2, 3, 4])
+    a = alloc.alloc(4)
+    assert cache.insert([1, 2, 3, 4], a, extra_key="A") == 0
+    node_a = cache.match_prefix([1, 2, 3, 4], "A").last_device_node
+    assert node_a.extra_key == "A" and node_a.parent is cache.root_node
+    assert cache.inc_lock_ref(node_a) == -4  # locks "A"'s prefix only
+    assert (cache.evictable_size(), cache.protected_size()) == (4, 4)
+    check_counters(cache)
+
+    assert cache.evict(100) == 4  # only the base prefix can go
+    assert cache.match_prefix([1, 2, 3, 4]).device_indices.numel() == 0
+    assert cache.match_prefix([1, 2, 3, 4], "A").device_indices.tolist() == a.tolist()
+    assert set(base.tolist()) <= set(alloc.free_pages.tolist())
+    check_counters(cache)
+
+    assert cache.dec_lock_ref(node_a) == 4
+    assert cache.evict(100) == 4
+    assert cache.total_size() == 0 and not cache.root_node.children
+    assert alloc.available_size() == alloc.size
+    check_counters(cache)
+
+
+def test_evict_extra_key_frees_that_namespace_only():
+    """An unloaded adapter's prefixes are freed (its name may come back with other weights);
+    the base model's and other adapters' stay, and so does anything still locked."""
+    cache, alloc, _ = make(num_pages=64)
+    base = _insert_allocated(cache, alloc, [1, 2, 3, 4])
+    a = alloc.alloc(4)
+    cache.insert([1, 2, 3, 4], a, extra_key="A")
+    cache.insert([1, 2, 7, 8], torch.cat([a[:2], alloc.alloc(2)]), extra_key="A")  # a branch: 3 nodes
+    b = alloc.alloc(4)
+    cache.insert([1, 2, 3, 4], b, extra_key="B")
+    assert cache.evict_extra_key("A") == 6
+    assert cache.match_prefix([1, 2, 3, 4], "A").device_indices.numel() == 0
+    assert cache.match_prefix([1, 2, 3, 4]).device_indices.tolist() == base.tolist()
+    assert cache.match_prefix([1, 2, 3, 4], "B").device_indices.tolist() == b.tolist()
+    assert alloc.available_size() + cache.total_size() == alloc.size and cache.total_size() == 8
+    check_counters(cache)
+
+    node_b = cache.match_prefix([1, 2, 3, 4], "B").last_device_node
+    cache.insert([1, 2, 3, 4, 5, 6], torch.cat([b, alloc.alloc(2)]), extra_key="B")
+    cache.inc_lock_ref(node_b)
+    assert cache.evict_extra_key("B") == 2  # the unlocked tail only; the locked prefix stays
+    assert cache.match_prefix([1, 2, 3, 4, 5, 6], "B").device_indices.tolist() == b.tolist()
+    check_counters(cache)
+    cache.dec_lock_ref(node_b)
+    assert cache.evict_extra_key("B") == 4 and cache.evict_extra_key("nope") == 0
+    assert cache.total_size() == 4 and alloc.available_size() == alloc.size - 4
+    check_counters(cache)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_finished_requests_of_two_adapters_share_nothing(page_size):
+    """The scheduler's path: a prompt finished under adapter "A" is no prefix hit for the same
+    prompt under "B" or the base model; the same adapter again hits it."""
+    cache, alloc, r2t = make(page_size=page_size, num_pages=128 // page_size)
+    prompt = list(range(100, 117))
+    aligned = (len(prompt) - 1) // page_size * page_size  # the last token is always computed
+    a = _admit(cache, alloc, r2t, prompt, lora_path="A")
+    a.output_ids = [1]
+    cache.cache_finished_req(a)
+    held = cache.total_size()
+    for other in ["B", None]:
+        req = _admit(cache, alloc, r2t, prompt, lora_path=other)
+        assert req.prefix_indices.numel() == 0
+        req.output_ids = [1]
+        cache.cache_finished_req(req)  # cached under its own key: nothing is a duplicate
+        assert cache.total_size() == held + len(prompt) // page_size * page_size
+        held = cache.total_size()
+    again = _admit(cache, alloc, r2t, prompt, lora_path="A")
+    assert again.prefix_indices.tolist() == cache.match_prefix(prompt[:-1], "A").device_indices.tolist()
+    assert len(again.prefix_indices) == aligned
+    again.output_ids = [1]
+    cache.cache_finished_req(again)
+    assert cache.total_size() == held and cache.protected_size() == 0
+    assert alloc.available_size() + cache.total_size() == alloc.size
+    check_counters(cache)
+
+
 # ---- cache_finished_req / cache_unfinished_req -----------------------------------------
-def _admit(cache, alloc, r2t, prompt, chunk=None):
+def _admit(cache, alloc, r2t, prompt, chunk=None, lora_path=None):
     """What the scheduler does: match, lock, take a row, allocate the rest of the chunk."""
-    req = FakeReq(origin_input_ids=list(prompt))
-    m = cache.match_prefix(prompt[:-1])
+    req = FakeReq(origin_input_ids=list(prompt), lora_path=lora_path)
+    m = cache.match_prefix(prompt[:-1], lora_path)
     req.prefix_indices, req.last_node = m.device_indices, m.last_device_node
     cache.inc_lock_ref(req.last_node)
     req.req_pool_idx = r2t.alloc(1)[0]
@@ -565,24 +670,30 @@ class Simulation:
         )
         self.running: List[FakeReq] = []
         self.bases = [[self.rng.randrange(6) for _ in range(self.rng.randint(3, 30))] for _ in range(4)]
-        self.history: List[List[int]] = []
-        self.stats = dict(admitted=0, rejected=0, finished=0, chunks=0, decodes=0, evicted=0, hit=0)
+        self.history: List[Tuple[List[int], Optional[str]]] = []  # (tokens, adapter)
+        self.stats = dict(admitted=0, rejected=0, finished=0, chunks=0, decodes=0, evicted=0, hit=0, adapter_hit=0)
+        # A new request runs under the base model or one of two adapters (a separate stream of
+        # random numbers, so the other choices stay those of the seed); a repeat or a follow-up
+        # keeps its original's adapter.
+        self.adapter_rng = random.Random(seed + 1000)
 
     # scheduler actions --------------------------------------------------------------
-    def new_prompt(self):
+    def new_prompt(self) -> Tuple[List[int], Optional[str]]:
         rng = self.rng
         r = rng.random()
         if r < 0.1 and self.running:
-            return list(rng.choice(self.running).origin_input_ids)  # the same prompt again (n > 1)
+            same = rng.choice(self.running)  # the same prompt again (n > 1)
+            return list(same.origin_input_ids), same.lora_path
+        lora_path = self.adapter_rng.choice([None, None, "A", "B"])
         if r < 0.25 and self.history:
-            prompt = list(rng.choice(self.history))  # a follow-up of an earlier request
-            prompt += [rng.randrange(6) for _ in range(rng.randint(1, 6))]
+            prompt, lora_path = rng.choice(self.history)  # a follow-up of an earlier request
+            prompt = list(prompt) + [rng.randrange(6) for _ in range(rng.randint(1, 6))]
         elif r < 0.8:
             base = rng.choice(self.bases)
             prompt = base[: rng.randint(1, len(base))] + [rng.randrange(6) for _ in range(rng.randint(1, 20))]
         else:
             prompt = [rng.randrange(6) for _ in range(rng.randint(1, 40))]
-        return prompt[:90]
+        return prompt[:90], lora_path
 
     def ensure_free(self, pages_needed):
         short = pages_needed * self.ps - self.alloc.available_size()
@@ -593,12 +704,13 @@ class Simulation:
     def admit(self):
         if self.r2t.available_size() == 0:
             return
-        prompt = self.new_prompt()
-        req = FakeReq(origin_input_ids=prompt)
-        m = self.cache.match_prefix(prompt[:-1])
+        prompt, lora_path = self.new_prompt()
+        req = FakeReq(origin_input_ids=prompt, lora_path=lora_path)
+        m = self.cache.match_prefix(prompt[:-1], lora_path)
         req.prefix_indices, req.last_node = m.device_indices, m.last_device_node
         self.cache.inc_lock_ref(req.last_node)
         self.stats["hit"] += len(req.prefix_indices)
+        self.stats["adapter_hit"] += len(req.prefix_indices) if lora_path is not None else 0
         chunk = self.rng.choice([4, 7, 16, 1000])
         p = len(req.prefix_indices)
         s = min(len(prompt), p + chunk)
@@ -645,7 +757,7 @@ class Simulation:
     def finish(self, req):
         self.running.remove(req)
         self.cache.cache_finished_req(req, is_insert=self.rng.random() < 0.9)
-        self.history.append(req.origin_input_ids + req.output_ids)
+        self.history.append((req.origin_input_ids + req.output_ids, req.lora_path))
         self.stats["finished"] += 1
 
     def run_step(self):
@@ -658,11 +770,11 @@ class Simulation:
             self.stats["evicted"] += self.cache.evict(self.rng.randint(1, 40))
 
     # invariants ---------------------------------------------------------------------
-    def walk(self, tokens):
-        """Slots and nodes along `tokens` in the tree, without splitting anything."""
+    def walk(self, tokens, extra_key):
+        """Slots and nodes along `tokens` under `extra_key` in the tree, splitting nothing."""
         node, slots, nodes, i = self.cache.root_node, [], [], 0
         while i < len(tokens):
-            child = node.children.get(self.cache._child_key(tokens[i:]))
+            child = node.children.get(self.cache._child_key(tokens[i:], extra_key))
             assert child is not None, "a locked prefix is missing from the tree"
             n = min(len(child.key), len(tokens) - i)
             assert child.key[:n] == tokens[i : i + n]
@@ -708,9 +820,9 @@ class Simulation:
             prot = len(req.prefix_indices) // ps * ps
             # The locked prefix: the tree's slots for exactly these tokens.
             tokens = (req.origin_input_ids + req.output_ids)[:prot]
-            slots, nodes = self.walk(tokens)
+            slots, nodes = self.walk(tokens, req.lora_path)
             assert row[:prot].tolist() == slots
-            assert all(n.lock_ref > 0 for n in nodes)
+            assert all(n.lock_ref > 0 and n.extra_key == req.lora_path for n in nodes)
             assert req.prefix_indices.tolist() == row[: len(req.prefix_indices)].tolist()
             private = row[prot:kv].tolist()
             assert len(set(private)) == len(private)
@@ -752,4 +864,5 @@ def test_random_operations_keep_invariants(page_size, policy):
     # The run exercised what it is meant to: sharing, chunking, pressure and eviction.
     assert s["finished"] > 100 and s["chunks"] > 100 and s["decodes"] > 300
     assert s["hit"] > 500 and s["evicted"] > 100 and s["rejected"] > 0, s
+    assert s["adapter_hit"] > 100, s  # prefixes were shared within adapters too
     sim.drain()
