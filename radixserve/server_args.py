@@ -8,15 +8,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
+import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
+
+logger = logging.getLogger(__name__)
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 GRAMMAR_BACKENDS = ("xgrammar", "none")
-SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE")  # SGLang's names; only NGRAM is built
+SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE")  # SGLang's names
 # The names of entrypoints/parsers/ (kept here so the flags need no import from entrypoints)
 TOOL_CALL_PARSERS = ("hermes", "qwen25", "llama3", "mistral")
 REASONING_PARSERS = ("deepseek-r1", "qwen3")
@@ -25,6 +29,11 @@ REASONING_PARSERS = ("deepseek-r1", "qwen3")
 # NGRAM's verify forward: the last token and up to 3 drafts (a 4-token EXTEND costs about one
 # decode step on the CPU; benchmarks/cpu/spec_ngram.py).
 NGRAM_DEFAULT_NUM_DRAFT_TOKENS = 4
+# STANDALONE: draft model forwards per step (a chain: num_draft_tokens = num_steps + 1). SGLang's
+# default (5 steps, topk 4) builds a token tree; a chain of 3 drafts verifies in a 4-token EXTEND.
+STANDALONE_DEFAULT_NUM_STEPS = 3
+# EAGLE: SGLang's defaults when none of (num_steps, eagle_topk, num_draft_tokens) is given.
+EAGLE_DEFAULTS = (5, 4, 8)
 
 
 @dataclass
@@ -82,6 +91,11 @@ class ServerArgs:
     speculative_algorithm: Optional[str] = None
     # Tokens per request in a verify forward, the verified (last sampled) one included, as SGLang.
     speculative_num_draft_tokens: Optional[int] = None  # None: NGRAM_DEFAULT_NUM_DRAFT_TOKENS
+    # STANDALONE: a smaller model with the target's tokenizer drafts num_steps tokens (a chain:
+    # topk 1), its KV in buffers of its own indexed by the target's slots.
+    speculative_draft_model_path: Optional[str] = None
+    speculative_num_steps: Optional[int] = None  # None: STANDALONE_DEFAULT_NUM_STEPS
+    speculative_eagle_topk: Optional[int] = None  # branches per draft step (EAGLE's token tree; STANDALONE: 1)
     speculative_ngram_min_match_window_size: int = 1
     speculative_ngram_max_match_window_size: int = 12
     speculative_ngram_max_bfs_breadth: int = 1  # 1: a chain (SGLang's default 10 builds a token tree)
@@ -239,10 +253,7 @@ class ServerArgs:
         if isinstance(self.lora_target_modules, str):
             self.lora_target_modules = [self.lora_target_modules]
         refused = [  # (on, what, how to run instead)
-            (not self.disable_radix_cache, "the radix cache (prefixes are not keyed by adapter yet)", "add --disable-radix-cache"),
-            (self.disable_overlap_schedule is False, "the overlap loop", "drop --enable-overlap-schedule"),
             (self.device == "cuda" and not self.disable_cuda_graph, "CUDA graphs", "add --disable-cuda-graph"),
-            (self.tp_size > 1, "--tp-size > 1", "use --tp-size 1"),
             (self.disaggregation_mode != "null", "--disaggregation-mode", "drop it"),
             (self.speculative_algorithm is not None, "--speculative-algorithm", "drop it"),
             (self.is_embedding, "--is-embedding", "drop it"),
@@ -255,8 +266,76 @@ class ServerArgs:
         """What speculative decoding runs with so far (one line each for what it does not)."""
         self.speculative_algorithm = str(self.speculative_algorithm).upper()
         _choice("--speculative-algorithm", self.speculative_algorithm, SPECULATIVE_ALGORITHMS)
-        if self.speculative_algorithm != "NGRAM":
-            raise ValueError(f"--speculative-algorithm {self.speculative_algorithm} is not built yet (NGRAM is)")
+        if self.speculative_algorithm == "EAGLE":
+            self._check_eagle()
+        elif self.speculative_algorithm == "STANDALONE":
+            self._check_standalone()
+        else:
+            self._check_ngram()
+        refused = [
+            (self.disable_overlap_schedule is False, "the overlap loop (--enable-overlap-schedule): speculation runs in the normal loop"),
+            (self.disaggregation_mode != "null", "--disaggregation-mode"),
+            (self.is_embedding, "--is-embedding (nothing to decode)"),
+            (self.tp_size > 1, "--tp-size > 1"),
+        ]
+        for bad, what in refused:
+            if bad:
+                raise ValueError(f"--speculative-algorithm with {what} is not built yet")
+
+    def _check_draft_path(self, what: str) -> None:
+        path = self.speculative_draft_model_path
+        if not path:
+            raise ValueError(f"--speculative-algorithm {self.speculative_algorithm} needs --speculative-draft-model-path ({what})")
+        if not os.path.exists(path):
+            raise ValueError(f"--speculative-draft-model-path {path}: no such file or directory")
+
+    def _check_eagle(self) -> None:
+        """An EAGLE head (its config names LlamaForCausalLMEagle; the worker checks it) drafting a
+        tree: SGLang's defaults (5 steps, topk 4, 8 tokens) when none is given; topk 1 is a chain."""
+        self._check_draft_path("an EAGLE head: a directory with config.json and its weights")
+        given = (self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens)
+        if given == (None, None, None):
+            given = EAGLE_DEFAULTS
+        steps, topk, tokens = given
+        self.speculative_num_steps = EAGLE_DEFAULTS[0] if steps is None else steps
+        self.speculative_eagle_topk = 1 if topk is None else topk
+        if self.speculative_num_steps < 1:
+            raise ValueError("--speculative-num-steps must be >= 1 (draft head forwards per step)")
+        if self.speculative_eagle_topk < 1:
+            raise ValueError("--speculative-eagle-topk must be >= 1 (branches per draft step)")
+        tree_nodes = self.speculative_eagle_topk * (1 + (self.speculative_num_steps - 1) * self.speculative_eagle_topk)
+        if self.speculative_eagle_topk == 1:
+            if tokens not in (None, self.speculative_num_steps + 1):
+                logger.warning("--speculative-num-draft-tokens is adjusted to --speculative-num-steps + 1 = %d (a chain)",
+                               self.speculative_num_steps + 1)
+            tokens = self.speculative_num_steps + 1
+        elif tokens is None:
+            tokens = EAGLE_DEFAULTS[2]
+        if not 2 <= tokens <= tree_nodes + 1:
+            raise ValueError(f"--speculative-num-draft-tokens must be in [2, {tree_nodes + 1}]: the drafts verified "
+                             f"(plus the last token) come from a tree of {tree_nodes} nodes")
+        self.speculative_num_draft_tokens = tokens
+
+    def _check_standalone(self) -> None:
+        """A draft model of the target's vocabulary (the factory compares the two configs when it
+        loads them) drafting a chain: SGLang's flags with topk 1, num_draft_tokens = num_steps + 1."""
+        self._check_draft_path("a smaller model with the target's tokenizer: a Hugging Face directory or a .gguf")
+        if self.speculative_eagle_topk is None:
+            self.speculative_eagle_topk = 1
+        if self.speculative_eagle_topk != 1:
+            raise ValueError("--speculative-eagle-topk > 1 (a token tree) is not built yet for STANDALONE: it drafts a chain (1)")
+        if self.speculative_num_steps is None:
+            given = self.speculative_num_draft_tokens
+            self.speculative_num_steps = given - 1 if given is not None else STANDALONE_DEFAULT_NUM_STEPS
+        if self.speculative_num_steps < 1:
+            raise ValueError("--speculative-num-steps must be >= 1 (draft model forwards per step)")
+        if self.speculative_num_draft_tokens not in (None, self.speculative_num_steps + 1):
+            # SGLang adjusts it the same way for topk 1: a chain verifies its steps and the last token.
+            logger.warning("--speculative-num-draft-tokens is adjusted to --speculative-num-steps + 1 = %d (a chain)",
+                           self.speculative_num_steps + 1)
+        self.speculative_num_draft_tokens = self.speculative_num_steps + 1
+
+    def _check_ngram(self) -> None:
         if self.speculative_num_draft_tokens is None:
             self.speculative_num_draft_tokens = NGRAM_DEFAULT_NUM_DRAFT_TOKENS
         if self.speculative_num_draft_tokens < 2:
@@ -268,15 +347,6 @@ class ServerArgs:
             raise ValueError("--speculative-ngram-max-bfs-breadth > 1 (a token tree) is not built yet: NGRAM drafts a chain (1)")
         if self.speculative_ngram_capacity < 1:
             raise ValueError("--speculative-ngram-capacity must be >= 1")
-        refused = [
-            (self.disable_overlap_schedule is False, "the overlap loop (--enable-overlap-schedule): speculation runs in the normal loop"),
-            (self.disaggregation_mode != "null", "--disaggregation-mode"),
-            (self.is_embedding, "--is-embedding (nothing to decode)"),
-            (self.tp_size > 1, "--tp-size > 1"),
-        ]
-        for bad, what in refused:
-            if bad:
-                raise ValueError(f"--speculative-algorithm with {what} is not built yet")
 
     # ---- argparse -------------------------------------------------------------------------
     @staticmethod
@@ -313,8 +383,6 @@ class ServerArgs:
             return False  # a verify step's tokens are needed to draft the next one
         if self.is_embedding:
             return False  # prefill only: a result must be processed before the next schedule
-        if self.enable_lora:
-            return False  # the LoRA slots of a batch are prepared in the normal loop only
         if self.disable_overlap_schedule is None:
             return device != "cpu"
         return not self.disable_overlap_schedule
@@ -367,8 +435,11 @@ FLAG_HELP = {
     "disable_consecutive_prefill_overlap": "overlap loop: process a prefill's result before launching the next prefill (lower TTFT)",
     "test_retract_interval": "testing: force a retraction every this many decode steps",
     "test_check_memory": "testing: after every scheduler step, check that every KV page is free, cached, or held by a live request",
-    "speculative_algorithm": f"speculative decoding: {', '.join(SPECULATIVE_ALGORITHMS)} (only NGRAM is built: drafts from an n-gram cache of prompts and outputs, no extra weights)",
-    "speculative_num_draft_tokens": "tokens per request in one verify forward, the last sampled token included (drafts + 1); default: 4 for NGRAM",
+    "speculative_algorithm": f"speculative decoding: {', '.join(SPECULATIVE_ALGORITHMS)} (NGRAM: drafts from an n-gram cache of prompts and outputs, no extra weights; STANDALONE: a smaller draft model; EAGLE: a draft head on the target's hidden states, a token tree)",
+    "speculative_num_draft_tokens": "tokens per request in one verify forward, the last sampled token included (drafts + 1); default: 4 for NGRAM, 8 for EAGLE; a chain (STANDALONE, topk 1): --speculative-num-steps + 1",
+    "speculative_draft_model_path": "STANDALONE: the draft model (a Hugging Face directory or a .gguf) with the target's tokenizer and vocabulary; EAGLE: the head's directory",
+    "speculative_num_steps": f"draft forwards (the tree's depth) per step; default: {STANDALONE_DEFAULT_NUM_STEPS} for STANDALONE, {EAGLE_DEFAULTS[0]} for EAGLE",
+    "speculative_eagle_topk": f"EAGLE: branches per node of the draft tree (1: a chain); default: {EAGLE_DEFAULTS[1]}; STANDALONE: 1",
     "speculative_ngram_min_match_window_size": "NGRAM: shortest suffix of a request's tokens looked up in the n-gram cache",
     "speculative_ngram_max_match_window_size": "NGRAM: longest suffix looked up (the longest that matches drafts)",
     "speculative_ngram_max_bfs_breadth": "NGRAM: branches of the draft tree; only 1 (a chain) is built",

@@ -15,6 +15,8 @@ class LogitsProcessorOutput:
     next_token_logits: torch.Tensor  # [bs, vocab], float32
     all_logits: Optional[torch.Tensor] = None  # [num_tokens, vocab] when capture_all_logits
     input_token_logprobs: Optional[torch.Tensor] = None  # [n] for input_logprob_positions
+    # [num_tokens, hidden]: the final hidden states (EAGLE's features) when the batch asks for them
+    hidden_states: Optional[torch.Tensor] = None
 
 
 class LogitsProcessor(nn.Module):
@@ -24,6 +26,8 @@ class LogitsProcessor(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, lm_head, forward_batch) -> LogitsProcessorOutput:
         out = self._forward(hidden_states, lm_head, forward_batch)
+        if getattr(forward_batch, "capture_hidden_states", False):
+            out.hidden_states = hidden_states
         pos = forward_batch.input_logprob_positions
         if pos is not None and pos.numel():
             # logits only at the positions asked for, then the logprob of each next prompt token

@@ -63,7 +63,9 @@ class SchedulerMetricsLogger:
         self.decode_tokens_since_log = 0
         self.last_log_time = time.monotonic()
         self.gen_throughput = 0.0
-        self.spec_seen = (0, 0)  # speculative decoding: (verify steps, tokens committed) at the last log
+        self.spec_seen = (0, 0, 0, 0)  # speculative decoding: SchedulerStats' spec_* totals at the last log
+        self.spec_accept_length = 0.0  # over the last log's window (SGLang's gauges)
+        self.spec_accept_rate = 0.0
 
     def token_usage(self) -> float:
         s = self.sched
@@ -86,6 +88,9 @@ class SchedulerMetricsLogger:
                 spec = self._spec_since_log()  # speculative decoding: several tokens per request and step
                 if spec is not None:
                     self.decode_tokens_since_log = spec[1]
+                    if spec[0]:
+                        self.spec_accept_length = spec[1] / spec[0]
+                        self.spec_accept_rate = spec[2] / spec[3] if spec[3] else 0.0
                 self.gen_throughput = self.decode_tokens_since_log / max(now - self.last_log_time, 1e-6)
                 self.decode_tokens_since_log, self.last_log_time = 0, now
                 num_tokens = sum(r.seqlen() for r in batch.reqs)
@@ -93,7 +98,8 @@ class SchedulerMetricsLogger:
                     "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, "
                     "gen throughput (token/s): %.2f, #queue-req: %d%s",
                     batch.batch_size(), num_tokens, self.token_usage(), self.gen_throughput, len(s.waiting_queue),
-                    f", accept len: {spec[1] / spec[0]:.2f}" if spec is not None and spec[0] else "",
+                    f", accept len: {self.spec_accept_length:.2f}, accept rate: {self.spec_accept_rate:.2f}"
+                    if spec is not None and spec[0] else "",
                 )
             return
         decoding = set(id(r) for r in (batch.decoding_reqs or []))
@@ -107,12 +113,13 @@ class SchedulerMetricsLogger:
         )
 
     def _spec_since_log(self) -> Any:
-        """(verify steps, tokens they committed) since the last log line; None without speculation."""
+        """(verify steps, tokens committed, drafts accepted, drafts proposed) since the last log
+        line; None without speculation."""
         stats = self.sched.stats
         if getattr(self.sched, "spec_worker", None) is None:
             return None
-        now = (stats.spec_verify_ct, stats.spec_num_accept_tokens)
-        delta, self.spec_seen = (now[0] - self.spec_seen[0], now[1] - self.spec_seen[1]), now
+        now = (stats.spec_verify_ct, stats.spec_num_accept_tokens, stats.spec_num_correct_drafts, stats.spec_num_proposed_drafts)
+        delta, self.spec_seen = tuple(a - b for a, b in zip(now, self.spec_seen)), now
         return delta
 
     def decorate_state(self, out: Any) -> Any:
@@ -122,6 +129,8 @@ class SchedulerMetricsLogger:
                 cache_hit_rate=self.cache_hit_rate(),
                 gen_throughput=self.gen_throughput,
                 forward_ct=self.sched.forward_ct,
+                spec_accept_length=self.spec_accept_length,  # the last decode log's window, as SGLang's gauges
+                spec_accept_rate=self.spec_accept_rate,
             )
         return out
 

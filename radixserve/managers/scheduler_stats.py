@@ -3,8 +3,18 @@ the simulator and the benchmarks read them (through `Engine.stats()` offline).""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any, Dict, List
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Tuple
+
+
+class CountsByLength(tuple):
+    """Counts indexed by a length. A tuple, so a snapshot (Scheduler.get_stats) never changes
+    afterwards; `after - before` subtracts index by index (bench/offline.py's stats_delta)."""
+
+    def __sub__(self, other: Tuple[int, ...]) -> "CountsByLength":
+        n = max(len(self), len(other))
+        a, b = list(self) + [0] * (n - len(self)), list(other) + [0] * (n - len(other))
+        return CountsByLength(x - y for x, y in zip(a, b))
 
 
 @dataclass
@@ -36,6 +46,8 @@ class SchedulerStats:
     spec_num_accept_tokens: int = 0
     spec_num_correct_drafts: int = 0
     spec_num_proposed_drafts: int = 0
+    # the accept-length histogram: [i] = (request, verify step) pairs that committed i + 1 tokens
+    spec_accept_length_counts: "CountsByLength" = field(default_factory=lambda: CountsByLength())
 
     def count_batch(self, forward_mode: Any) -> None:
         if forward_mode.is_decode():
@@ -51,6 +63,14 @@ class SchedulerStats:
         self.prompt_tokens += sum(len(r.origin_input_ids) for r in reqs if r.pending_chunks <= 1 and r.already_computed == 0)
         self.cached_tokens += cached_tokens
 
+    def count_spec_accept_lens(self, accept_lens: List[int]) -> None:
+        """One verify step: each request's accepted drafts (its committed tokens minus one)."""
+        counts = list(self.spec_accept_length_counts)
+        for a in accept_lens:
+            counts.extend([0] * (a + 1 - len(counts)))
+            counts[a] += 1
+        self.spec_accept_length_counts = CountsByLength(counts)
+
     @property
     def num_batches(self) -> int:
         return self.num_prefill_batches + self.num_decode_batches + self.num_mixed_batches
@@ -61,6 +81,7 @@ class SchedulerStats:
 
     def to_dict(self) -> Dict[str, Any]:
         out = asdict(self)
+        out["spec_accept_length_counts"] = list(self.spec_accept_length_counts)
         if self.spec_verify_ct:  # SGLang's get_internal_state key: tokens per request per verify step
             out["avg_spec_accept_length"] = self.spec_num_accept_tokens / self.spec_verify_ct
         return out

@@ -23,6 +23,7 @@ from radixserve.managers.detokenizer import DETOKENIZE_ERROR
 from radixserve.managers.embedding_frontend import EmbeddingFrontend, EmbeddingReqState, check_request_kind
 from radixserve.managers.request_frontend import ReqState, RequestError, RequestFrontend, is_single
 from radixserve.managers.session import SessionError
+from radixserve.managers.spec_metrics import SpecMetricsCollector
 from radixserve.managers.tokenizer_update_weights import TokenizerUpdateWeights
 from radixserve.protocol import (
     AbortReq,
@@ -84,10 +85,14 @@ class _Communicator:
 class TokenizerMetrics:
     """Prometheus metrics in a registry of their own (SGLang's names, radixserve: prefix)."""
 
-    def __init__(self) -> None:
+    def __init__(self, spec_num_draft_tokens: Optional[int] = None) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = r = CollectorRegistry()
+        # --speculative-algorithm: the spec_* metrics, from the scheduler's totals
+        self.spec = SpecMetricsCollector(spec_num_draft_tokens) if spec_num_draft_tokens else None
+        if self.spec is not None:
+            r.register(self.spec)
         p = "radixserve:"
         self.num_running_reqs = Gauge(p + "num_running_reqs", "Requests in the running batch.", registry=r)
         self.num_queue_reqs = Gauge(p + "num_queue_reqs", "Requests in the waiting queue.", registry=r)
@@ -137,6 +142,8 @@ class TokenizerMetrics:
         self.token_usage.set(st.get("token_usage", 0.0))
         self.cache_hit_rate.set(st.get("cache_hit_rate", 0.0))
         self.gen_throughput.set(st.get("gen_throughput", 0.0))
+        if self.spec is not None:
+            self.spec.update(st)
 
     def render(self) -> bytes:
         from prometheus_client import generate_latest
@@ -164,7 +171,7 @@ class TokenizerManager:
         self.weight_updates = TokenizerUpdateWeights(self)  # update_weights_* and weight_version
         self.rid_to_state: Dict[str, ReqState] = self.frontend.rid_to_state
         self.sessions = self.frontend.sessions
-        self.metrics = TokenizerMetrics()
+        self.metrics = TokenizerMetrics(server_args.speculative_num_draft_tokens if server_args.speculative_algorithm else None)
         self.admin = TokenizerAdmin(self)  # memory release, pause, profiling (admin_requests.py)
         self.dead_reason: Optional[str] = None  # set when a child process died
         self.draining = False  # SIGTERM: finish what runs, refuse what comes (503)

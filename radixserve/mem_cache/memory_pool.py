@@ -206,6 +206,12 @@ class MHATokenToKVPool:
         self.k_buffer[layer_id][loc] = k.to(self.dtype)
         self.v_buffer[layer_id][loc] = v.to(self.dtype)
 
+    def move_kv_cache(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
+        """Copy the KV at src_loc to tgt_loc in every layer (speculative decoding: the accepted
+        branch of a token tree moves into the slots of its positions)."""
+        for buf in (*self.k_buffer, *self.v_buffer):
+            buf[tgt_loc] = buf[src_loc]
+
     @staticmethod
     def bytes_per_token(head_num: int, head_dim: int, layer_num: int, dtype: torch.dtype) -> int:
         return 2 * head_num * head_dim * layer_num * torch.tensor([], dtype=dtype).element_size()

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, List, Optional
 import torch
 
 if TYPE_CHECKING:
+    from radixserve.layers.attention.spec_tree import SpecTree
     from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
 
 
@@ -66,6 +67,11 @@ class ModelWorkerBatch:
     input_logprob_positions: Optional[torch.Tensor] = None  # flat token positions to score
     input_logprob_token_ids: Optional[torch.Tensor] = None  # the prompt token each one scores
     lora_paths: Optional[List[Optional[str]]] = None  # --enable-lora: each request's adapter (None: base)
+    # TARGET_VERIFY over token trees (layers/attention/spec_tree.py); None: chains (causal)
+    spec_tree: Optional["SpecTree"] = None
+    # EAGLE: the target returns its final hidden states; the draft head reads one feature per token
+    capture_hidden_states: bool = False
+    spec_hidden_states: Optional[torch.Tensor] = None
 
     @property
     def batch_size(self) -> int:
@@ -93,6 +99,9 @@ class ForwardBatch:
     attn_metadata: Any = field(default=None, repr=False)  # set by attn_backend.init_forward_metadata
     lora_paths: Optional[List[Optional[str]]] = None
     lora_info: Any = None  # radixserve.lora LoRABatchInfo, set by ModelRunner.forward (--enable-lora)
+    spec_tree: Optional["SpecTree"] = None
+    capture_hidden_states: bool = False
+    spec_hidden_states: Optional[torch.Tensor] = None
 
     @classmethod
     def init_new(cls, batch: ModelWorkerBatch, model_runner: Any) -> "ForwardBatch":
@@ -105,7 +114,8 @@ class ForwardBatch:
         else:
             extend_lens = list(batch.extend_seq_lens)
             prefix_lens = list(batch.extend_prefix_lens)
-            positions = _extend_positions(prefix_lens, extend_lens, device)
+            positions = _extend_positions(prefix_lens, extend_lens, device) if batch.spec_tree is None \
+                else batch.spec_tree.positions(prefix_lens).to(device)  # a tree token sits at L + its depth
         fb = cls(
             forward_mode=batch.forward_mode,
             batch_size=bs,
@@ -124,6 +134,9 @@ class ForwardBatch:
             input_logprob_positions=batch.input_logprob_positions,
             input_logprob_token_ids=batch.input_logprob_token_ids,
             lora_paths=batch.lora_paths,
+            spec_tree=batch.spec_tree,
+            capture_hidden_states=batch.capture_hidden_states,
+            spec_hidden_states=None if batch.spec_hidden_states is None else batch.spec_hidden_states.to(device),
         )
         # A batch a CUDA graph will replay needs none of the eager metadata.
         graph_runner = getattr(model_runner, "cuda_graph_runner", None)

@@ -52,7 +52,11 @@ def share_cpu_cores(ranks_on_this_machine: int) -> None:
 
 
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, server_args: ServerArgs, tp_rank: int = 0, tp_size: int = 1):
+    def __init__(self, model_config: ModelConfig, server_args: ServerArgs, tp_rank: int = 0, tp_size: int = 1,
+                 shared_slots: Optional[Tuple[ReqToTokenPool, TokenToKVPoolAllocator]] = None):
+        # shared_slots: another runner's req_to_token_pool and allocator (a STANDALONE draft model):
+        # this runner's KV buffers are indexed by the same slots (init_memory_pool).
+        self.shared_slots = shared_slots
         self.model_config = model_config
         self.server_args = server_args
         self.tp_rank, self.tp_size = tp_rank, tp_size
@@ -84,7 +88,9 @@ class ModelRunner:
     def init_lora_manager(self) -> Optional[LoRAManager]:
         if not self.server_args.enable_lora:
             return None
-        return LoRAManager.from_server_args(self.model, self.server_args, self.activation_dtype, self.device)
+        # Adapters in the weights' dtype, like the base weights (bf16 in the CPU's bf16 mode, where
+        # activations are float32): half the bytes the kernel reads per step (benchmarks/NOTES.md).
+        return LoRAManager.from_server_args(self.model, self.server_args, self.dtype, self.device)
 
     def init_attention_backend(self) -> AttentionBackend:
         if self.server_args.attention_backend == "triton":
@@ -122,7 +128,7 @@ class ModelRunner:
         cfg = self.model_config
         per_token = MHATokenToKVPool.bytes_per_token(
             self.kv_heads_per_rank(), cfg.head_dim, cfg.num_hidden_layers, self.kv_cache_dtype
-        )
+        ) + self.draft_kv_bytes_per_token()
         if self.device == "cuda":
             free, _ = torch.cuda.mem_get_info()
             total = torch.cuda.get_device_properties(0).total_memory
@@ -136,7 +142,29 @@ class ModelRunner:
             budget = self.server_args.cpu_kv_cache_bytes
         return max(int(budget // per_token), 0)
 
+    def draft_kv_bytes_per_token(self) -> int:
+        """--speculative-algorithm STANDALONE: the draft model's KV bytes per slot, counted in the
+        budget of the pool it shares (every slot holds the target's KV and the draft's)."""
+        args = self.server_args
+        if args.speculative_algorithm != "STANDALONE" or not args.speculative_draft_model_path:
+            return 0
+        cfg = ModelConfig.from_pretrained(args.speculative_draft_model_path)
+        heads = max(1, cfg.num_key_value_heads // self.tp_size)
+        return MHATokenToKVPool.bytes_per_token(heads, cfg.head_dim, cfg.num_hidden_layers, self.kv_cache_dtype)
+
+    def init_shared_memory_pool(self) -> None:
+        """KV buffers of this model for every slot of another runner's pool (shared_slots)."""
+        self.req_to_token_pool, self.token_to_kv_pool_allocator = self.shared_slots
+        self.max_total_num_tokens = self.token_to_kv_pool_allocator.size
+        self.max_running_requests = self.req_to_token_pool.size - 1
+        self.token_to_kv_pool = MHATokenToKVPool(
+            self.max_total_num_tokens, self.page_size, self.kv_cache_dtype, self.kv_heads_per_rank(),
+            self.model_config.head_dim, self.model_config.num_hidden_layers, self.device,
+        )
+
     def init_memory_pool(self) -> None:
+        if self.shared_slots is not None:
+            return self.init_shared_memory_pool()
         args = self.server_args
         max_tokens = args.max_total_tokens or self.profile_max_num_token()
         # Ranks must agree on the pool (they run the same schedule): take the smallest.

@@ -7,6 +7,7 @@ from typing import Dict, Type
 from torch import nn
 
 from radixserve.models.llama import LlamaForCausalLM, MistralForCausalLM
+from radixserve.models.llama_eagle import LlamaForCausalLMEagle
 from radixserve.models.model_config import LoadError
 from radixserve.models.qwen2 import Qwen2ForCausalLM
 from radixserve.models.qwen3 import Qwen3ForCausalLM
@@ -16,6 +17,7 @@ MODEL_REGISTRY: Dict[str, Type[nn.Module]] = {
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "LlamaForCausalLMEagle": LlamaForCausalLMEagle,  # a draft head (--speculative-algorithm EAGLE)
 }
 
 

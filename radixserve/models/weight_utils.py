@@ -17,10 +17,11 @@ NamedWeight = Tuple[str, torch.Tensor, str]  # (checkpoint name, tensor, file)
 
 
 def load_named_weights(model: nn.Module, weights: Iterable[NamedWeight], stacked_params_mapping,
-                       require_all: bool = True) -> None:
+                       require_all: bool = True, not_required: Tuple[str, ...] = ()) -> None:
     """Copy checkpoint tensors into the model, through each layer's TP-aware weight_loader.
     q/k/v and gate/up checkpoint tensors go into the fused parameters (stacked_params_mapping).
-    require_all=False: a weight update of some tensors (the others keep their values)."""
+    require_all=False: a weight update of some tensors (the others keep their values).
+    not_required: prefixes of parameters filled elsewhere (an EAGLE head's shared embedding)."""
     params: Dict[str, nn.Parameter] = dict(model.named_parameters())
     tied = getattr(model.config, "tie_word_embeddings", False)
     loaded = set()
@@ -37,7 +38,8 @@ def load_named_weights(model: nn.Module, weights: Iterable[NamedWeight], stacked
         except (WeightShapeError, ValueError, RuntimeError) as e:
             raise LoadError(f"{fn}: tensor {name!r}: {e}") from None
         loaded.add((target, shard_id))
-    missing = [key for key in _expected_loads(params, stacked_params_mapping) if key not in loaded]
+    missing = [key for key in _expected_loads(params, stacked_params_mapping)
+               if key not in loaded and not key[0].startswith(not_required)]
     if missing and require_all:
         where = model.config.model_path or "checkpoint"
         name, shard = missing[0]

@@ -14,15 +14,27 @@ import logging
 from typing import Any, Optional
 
 from radixserve.model_executor.tp_worker import TpModelWorker
+from radixserve.speculative.eagle_worker import EAGLEWorker
 from radixserve.speculative.ngram_worker import NGRAMWorker
+from radixserve.speculative.standalone_worker import STANDALONEWorker
 
 logger = logging.getLogger(__name__)
 
 
 def create_speculative_worker(server_args: Any, target_worker: TpModelWorker, stats: Any = None) -> Optional[Any]:
-    """The worker of --speculative-algorithm (None without it). ServerArgs refused the others."""
+    """The worker of --speculative-algorithm (None without it). ServerArgs refused the others;
+    STANDALONE refuses a draft model whose vocabulary differs from the target's (ValueError)."""
     if server_args.speculative_algorithm is None:
         return None
+    if server_args.speculative_algorithm == "EAGLE":
+        logger.info("Speculative decoding: EAGLE, head %s, %d steps, topk %d, %d tokens verified per step",
+                    server_args.speculative_draft_model_path, server_args.speculative_num_steps,
+                    server_args.speculative_eagle_topk, server_args.speculative_num_draft_tokens)
+        return EAGLEWorker(server_args, target_worker, stats)
+    if server_args.speculative_algorithm == "STANDALONE":
+        logger.info("Speculative decoding: STANDALONE, draft model %s, %d draft tokens per step",
+                    server_args.speculative_draft_model_path, server_args.speculative_num_steps)
+        return STANDALONEWorker(server_args, target_worker, stats)
     assert server_args.speculative_algorithm == "NGRAM", server_args.speculative_algorithm
     logger.info("Speculative decoding: NGRAM, %d draft tokens per step", server_args.speculative_num_draft_tokens - 1)
     return NGRAMWorker(server_args, target_worker, stats)

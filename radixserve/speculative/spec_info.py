@@ -35,10 +35,14 @@ class SpeculativeAlgorithm(Enum):
     def is_ngram(self) -> bool:
         return self == SpeculativeAlgorithm.NGRAM
 
+    def is_standalone(self) -> bool:
+        return self == SpeculativeAlgorithm.STANDALONE
+
 
 @dataclass
-class NgramVerifyInput:
-    """The drafts of one decode batch (a chain per request, no tree)."""
+class ChainVerifyInput:
+    """The drafts of one decode batch (a chain per request, no tree), from any drafter (NGRAM's
+    n-gram cache, STANDALONE's draft model)."""
 
     draft_token_ids: List[List[int]]  # per request, its k_i >= 0 drafts
 
@@ -65,7 +69,7 @@ class NgramVerifyInput:
 
 
 @dataclass
-class NgramVerifyOutput:
+class ChainVerifyOutput:
     """What the target made of the drafts: per request, a_i accepted drafts and the a_i + 1
     tokens to commit (the accepted drafts, then the target's own token)."""
 
@@ -78,3 +82,8 @@ class NgramVerifyOutput:
 
     def __post_init__(self) -> None:
         assert all(len(t) == a + 1 for t, a in zip(self.token_ids, self.accept_lens)), (self.token_ids, self.accept_lens)
+
+
+# NGRAM's names for the chain types (its worker and tests use them).
+NgramVerifyInput = ChainVerifyInput
+NgramVerifyOutput = ChainVerifyOutput

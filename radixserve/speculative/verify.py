@@ -24,7 +24,7 @@ import torch
 from radixserve.constrained.base_grammar_backend import TokenBitmask
 from radixserve.layers.sampler import filter_probs, seed_for_step
 from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
-from radixserve.speculative.spec_info import NgramVerifyInput, NgramVerifyOutput
+from radixserve.speculative.spec_info import ChainVerifyInput, ChainVerifyOutput
 
 # Seeded requests draw their acceptance uniforms from a stream apart from their sampling noise.
 _ACCEPT_STREAM = 0x5BEC
@@ -40,7 +40,7 @@ class PositionLayout:
     draft_of_pos: List[int]
 
     @classmethod
-    def of(cls, spec: NgramVerifyInput) -> "PositionLayout":
+    def of(cls, spec: ChainVerifyInput) -> "PositionLayout":
         req, off, draft = [], [], []
         for i, drafts in enumerate(spec.draft_token_ids):
             for j in range(len(drafts) + 1):
@@ -59,7 +59,7 @@ def expand_sampling_info(info: SamplingBatchInfo, layout: PositionLayout) -> Sam
     return out
 
 
-def expand_bitmask(token_bitmask: Optional[TokenBitmask], spec: NgramVerifyInput) -> Optional[TokenBitmask]:
+def expand_bitmask(token_bitmask: Optional[TokenBitmask], spec: ChainVerifyInput) -> Optional[TokenBitmask]:
     """The grammar mask at the verify positions: a grammar request has no drafts (its matcher
     cannot follow them), so its one position takes its row."""
     if token_bitmask is None or not token_bitmask.rows:
@@ -70,14 +70,15 @@ def expand_bitmask(token_bitmask: Optional[TokenBitmask], spec: NgramVerifyInput
     return TokenBitmask(bitmask, [starts[i] for i in token_bitmask.rows], token_bitmask.stats)
 
 
+@torch.inference_mode()  # as ModelRunner.sample: the penalties update the forward's logits in place
 def verify_chain(
     logits: torch.Tensor,
     info: SamplingBatchInfo,
-    spec: NgramVerifyInput,
+    spec: ChainVerifyInput,
     token_bitmask: Optional[TokenBitmask] = None,
     return_logprob: bool = False,
     top_logprobs_nums: Optional[List[int]] = None,
-) -> NgramVerifyOutput:
+) -> ChainVerifyOutput:
     """logits [sum(1 + k_i), V] at every verify position; info: the batch's [bs] rows."""
     layout = PositionLayout.of(spec)
     ex = expand_sampling_info(info, layout)
@@ -119,7 +120,7 @@ def verify_chain(
         final = torch.where(greedy_row[pos], final, _draw_residual(probs[pos], draft[pos], ex, pos))
     final_list = final.tolist()
     token_ids = [spec.draft_token_ids[i][:a] + [final_list[i]] for i, a in enumerate(accept_lens)]
-    out = NgramVerifyOutput(accept_lens, token_ids, num_drafts=spec.num_drafts)
+    out = ChainVerifyOutput(accept_lens, token_ids, num_drafts=spec.num_drafts)
     if return_logprob:
         _add_logprobs(out, logits, starts, top_logprobs_nums)
     return out
@@ -160,7 +161,7 @@ def _draw_residual(probs: torch.Tensor, rejected: torch.Tensor, ex: SamplingBatc
     return torch.where(empty & has, rejected, torch.where(empty, probs.argmax(dim=-1), drawn))
 
 
-def _add_logprobs(out: NgramVerifyOutput, logits: torch.Tensor, starts: List[int],
+def _add_logprobs(out: ChainVerifyOutput, logits: torch.Tensor, starts: List[int],
                   top_logprobs_nums: Optional[List[int]]) -> None:
     """Logprobs of the committed tokens, as the Sampler reports them (before temperature and
     the top-k/top-p filters)."""

@@ -20,6 +20,7 @@ from radixserve.engine import Engine
 from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
 from radixserve.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
+from radixserve.speculative.draft_budget import DraftBudget, allot, score_chain
 from radixserve.speculative.ngram_cache import MAX_CONTINUATIONS, NgramCache
 from radixserve.speculative.spec_info import NgramVerifyInput
 from radixserve.speculative.verify import verify_chain
@@ -130,6 +131,75 @@ def test_rejection_sampling_respects_top_k():
     assert out.accept_lens == [0] * n and set(t[0] for t in out.token_ids) == {0, 1}
 
 
+# ---- the draft budget --------------------------------------------------------------------------
+WRONG = 99999  # a draft token the text never has
+
+
+def run_budget(budget: DraftBudget, texts: List[List[int]], good: List[bool], steps: int, start: int = 8,
+               good_from: int = 0) -> List[List[int]]:
+    """Requests decode `texts` (greedy: the committed tokens are the text) with 3-token chains
+    that are right (good[i], from step good_from on) or always wrong; a verify step accepts the
+    matching prefix of the drafts given and adds one token. Returns the drafts given per step."""
+    pos, given = [start] * len(texts), []
+    for step in range(steps):
+        right = [g and step >= good_from for g in good]
+        chains = [t[p : p + 3] if ok else [WRONG] * 3 for t, p, ok in zip(texts, pos, right)]
+        drafts = budget.step([f"r{i}" for i in range(len(texts))], [t[:p] for t, p in zip(texts, pos)], chains)
+        given.append([len(d) for d in drafts])
+        for i, d in enumerate(drafts):
+            pos[i] += score_chain(d, texts[i][pos[i]:])[0] + 1
+    return given
+
+
+def test_score_chain_counts_matched_drafts_and_the_failed_trial():
+    assert score_chain([4, 5, 6], [4, 5, 9, 1]) == (2, 3)  # two matched, the third failed
+    assert score_chain([4, 5, 6], [4, 5, 6, 1]) == (3, 3)  # the whole chain matched
+    assert score_chain([4, 5, 6], [4]) == (1, 1)  # one token committed: one trial, matched
+    assert score_chain([4, 5, 6], [7]) == (0, 1)
+    assert score_chain([], [7]) == (0, 0)
+
+
+def test_draft_budget_drafts_on_text_that_repeats():
+    """Chains that keep matching: one request verifies its whole chain every step, and so do
+    16 requests in one batch (where a draft has to be likely to pay)."""
+    text = [7, 8, 9, 10, 11] * 40
+    one = run_budget(DraftBudget(), [text], [True], steps=10)
+    assert [k for (k,) in one] == [3] * 10
+    many = run_budget(DraftBudget(), [text] * 16, [True] * 16, steps=10)
+    assert all(k == 3 for step in many[3:] for k in step)
+
+
+def test_draft_budget_stops_drafting_for_a_request_whose_drafts_keep_failing():
+    """In one batch of 16, a request whose chains never match stops drafting while the others
+    keep drafting; its chains are still scored against what it commits, so when its text starts
+    to repeat it drafts again."""
+    rng = random.Random(0)
+    texts = [[rng.randrange(100, 1000) for _ in range(300)] for _ in range(16)]
+    good = [True] * 15 + [False]
+    given = run_budget(DraftBudget(), texts, good, steps=12)
+    assert all(step[15] == 0 for step in given[4:])
+    assert all(k == 3 for step in given[4:] for k in step[:15])
+    # The failing request alone (batch of 1), and its chains become right at step 10.
+    budget = DraftBudget()
+    given = [k for (k,) in run_budget(budget, [texts[0]], [True], steps=30, good_from=10)]
+    assert given[8:10] == [0, 0] and given[-1] == 3
+    assert budget.rate("r0") > 0.8
+
+
+def test_draft_budget_shrinks_with_batch_size():
+    """The same acceptance rate and chains at growing batch sizes: the drafts per request never
+    grow, a rate that pays at one request does not at 16, and a likely draft pays at both."""
+    sizes = [1, 2, 4, 8, 16, 32]
+    for rate in (0.3, 0.5, 0.7, 0.9):
+        per_req = [sum(allot([rate] * bs, [3] * bs)) / bs for bs in sizes]
+        assert per_req == sorted(per_req, reverse=True), (rate, per_req)
+    assert sum(allot([0.3], [3])) >= 1 and sum(allot([0.3] * 16, [3] * 16)) == 0
+    assert sum(allot([0.9], [3])) == 3 and sum(allot([0.9] * 16, [3] * 16)) >= 16
+    # Within a batch the likelier chains draft first.
+    counts = allot([0.9] * 8 + [0.2] * 8, [3] * 16)
+    assert min(counts[:8]) >= 1 and max(counts[8:]) == 0
+
+
 # ---- end to end on the tiny model --------------------------------------------------------------
 NUM_BASE = 16
 
@@ -165,6 +235,13 @@ def reference(workload):
     engine = Engine(max_total_tokens=16384)
     return [engine.generate(input_ids=[p], sampling_params=[sp], return_logprob=True, top_logprobs_num=2)[0]
             for p, sp in zip(prompts, params)]
+
+
+def every_draft(engine: Engine) -> Engine:
+    """Tests of the verify path: every request verifies its whole chain, whatever the batch
+    size (no DraftBudget cut; the budget's own tests are below)."""
+    engine.scheduler.spec_worker.budget = DraftBudget.every_draft()
+    return engine
 
 
 def assert_same_greedy(results: List[Dict], reference: List[Dict]) -> None:
@@ -203,7 +280,7 @@ def test_greedy_outputs_equal_speculation_off(name, workload, reference):
     prompts, params = workload
     kw = dict(max_total_tokens=16384, test_check_memory=True, **SPEC)
     kw.update(CONFIGS[name])
-    engine = Engine(**kw)
+    engine = every_draft(Engine(**kw))
     results = run_in_two_waves(engine, prompts, params)
     assert_same_greedy(results, reference)
     engine.scheduler.check_memory()  # every slot back: free or in the tree
@@ -232,7 +309,7 @@ def test_stop_conditions_apply_per_committed_token(workload, reference):
         stop_params.append(dict(params[i], stop_token_ids=[out[len(out) // 2]]))
     params = params[:NUM_BASE] + stop_params
     off = run_in_two_waves(Engine(max_total_tokens=16384), prompts, params)
-    engine = Engine(max_total_tokens=16384, test_check_memory=True, **SPEC)
+    engine = every_draft(Engine(max_total_tokens=16384, test_check_memory=True, **SPEC))
     on = run_in_two_waves(engine, prompts, params)
     for a, b in zip(on[NUM_BASE:], off[NUM_BASE:]):
         assert a["output_ids"] == b["output_ids"]
@@ -243,7 +320,7 @@ def test_stop_conditions_apply_per_committed_token(workload, reference):
 
 def test_logprobs_of_accepted_tokens_equal_speculation_off(workload, reference):
     prompts, params = workload
-    engine = Engine(max_total_tokens=16384, **SPEC)
+    engine = every_draft(Engine(max_total_tokens=16384, **SPEC))
     got = run_in_two_waves(engine, prompts, params, return_logprob=True, top_logprobs_num=2)
     compared = 0
     for r, ref in zip(got, reference):
@@ -276,7 +353,7 @@ def test_sampled_distribution_equals_speculation_off():
     for a, b, c in outs_off:
         follow.setdefault(a, {}).setdefault(b, 0)
         follow[a][b] += 1
-    engine = Engine(max_total_tokens=16384, test_check_memory=True, **SPEC)
+    engine = every_draft(Engine(max_total_tokens=16384, test_check_memory=True, **SPEC))
     worker = engine.scheduler.spec_worker
     for a, counts in follow.items():
         b = max(counts, key=counts.get)
@@ -310,7 +387,7 @@ def test_structured_output_requests_decode_without_drafts():
         return engine.generate(prompts, [sp_free, sp_regex])
 
     off = run(Engine(max_total_tokens=8192))
-    on = run(Engine(max_total_tokens=8192, test_check_memory=True, **SPEC))
+    on = run(every_draft(Engine(max_total_tokens=8192, test_check_memory=True, **SPEC)))
     assert [r["output_ids"] for r in on] == [r["output_ids"] for r in off]
     assert on[0]["meta_info"]["spec_num_correct_drafts"] > 0
     assert on[1]["meta_info"]["spec_num_proposed_drafts"] == 0 and on[1]["meta_info"]["spec_verify_ct"] > 0
@@ -318,8 +395,8 @@ def test_structured_output_requests_decode_without_drafts():
 
 # ---- flags -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kw, message", [
-    (dict(speculative_algorithm="EAGLE"), "not built yet"),
-    (dict(speculative_algorithm="STANDALONE"), "not built yet"),
+    (dict(speculative_algorithm="EAGLE"), "--speculative-draft-model-path"),
+    (dict(speculative_algorithm="STANDALONE"), "--speculative-draft-model-path"),
     (dict(speculative_algorithm="MEDUSA"), "--speculative-algorithm"),
     (dict(speculative_algorithm="NGRAM", speculative_ngram_max_bfs_breadth=4), "--speculative-ngram-max-bfs-breadth"),
     (dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=1), "--speculative-num-draft-tokens"),

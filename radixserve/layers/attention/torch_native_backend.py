@@ -76,8 +76,11 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     def init_forward_metadata(self, fb) -> None:
         md = TorchNativeMetadata()
-        if fb.forward_mode.is_target_verify() and self.cpu_ops is not None:
-            md.decode_rows = self._verify_rows(fb)
+        if fb.forward_mode.is_target_verify() and (fb.spec_tree is not None or self.cpu_ops is not None):
+            if fb.spec_tree is not None:
+                self._tree_metadata(fb, md)
+            else:
+                md.decode_rows = self._verify_rows(fb)
             fb.attn_metadata = md
             return
         ext_lens, prefix_lens = fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu
@@ -132,6 +135,21 @@ class TorchNativeAttnBackend(AttentionBackend):
         req_pool_indices = torch.repeat_interleave(fb.req_pool_indices.long().cpu(), lens).contiguous()
         seq_lens = [p + j + 1 for p, n in zip(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu) for j in range(n)]
         return DecodeRows(None, req_pool_indices, torch.tensor(seq_lens, dtype=torch.int64), fb.req_to_token_pool.req_to_token)
+
+    def _tree_metadata(self, fb, md: TorchNativeMetadata) -> None:
+        """A verify forward over token trees (spec_tree.py): every token a decode row over its
+        prefix + path slots; the C++ kernel reads them in place, the torch path gathers them
+        into one padded block."""
+        table, rows, lens = fb.spec_tree.kv_rows(fb.req_to_token_pool.req_to_token, fb.req_pool_indices.tolist(),
+                                                 fb.extend_prefix_lens_cpu, fb.out_cache_loc)
+        if self.cpu_ops is not None:
+            md.decode_rows = DecodeRows(None, rows, lens, table)
+            return
+        max_len = int(lens.max())
+        slots = table.to(self.device)[rows.to(self.device), :max_len]
+        mask = (torch.arange(max_len, device=self.device)[None, :] < lens.to(self.device)[:, None])[:, None, None, :]
+        token_idx = torch.arange(len(rows), device=self.device)
+        md.decode_groups = [DecodeGroup(token_idx, slots.reshape(-1).long(), (len(rows), max_len), mask)]
 
     def _decode_groups(self, fb, dec_rows: List[int], token_of_row) -> List[DecodeGroup]:
         req_to_token = fb.req_to_token_pool.req_to_token

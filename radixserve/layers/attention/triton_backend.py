@@ -4,6 +4,8 @@ Same contract as TorchNativeAttnBackend (the reference it is tested against):
 - store_kv_cache writes the new K/V rows at out_cache_loc (one kernel for K and V);
 - extend: extend_attention_fwd (cached prefix through req_to_token + the new k/v, causal, GQA);
   MIXED batches' decode rows are extend rows of length 1 there;
+- verify over token trees (speculative decoding): every token a decode row whose KV slots are
+  its prefix and its root-to-token path (layers/attention/spec_tree.py), decode_attention_fwd;
 - decode: decode_attention_fwd, split-KV (stage 1 per (request, head, split), stage 2 merges
   the splits by log-sum-exp).
 The per-forward index tensors are built once in init_forward_metadata, not once per layer.
@@ -31,6 +33,8 @@ class TritonMetadata:
     extend_lens: Optional[torch.Tensor] = None
     extend_start: Optional[torch.Tensor] = None
     max_extend_len: int = 0
+    # TARGET_VERIFY over token trees: every token a decode row of (table, row, length) (spec_tree.py)
+    tree_rows: Optional[tuple] = None
     # Decode split-KV scratch: preallocated under CUDA graphs, else allocated per layer call.
     mid_o: Optional[torch.Tensor] = None  # [bs, heads, splits, head_dim] float32
     mid_lse: Optional[torch.Tensor] = None  # [bs, heads, splits] float32
@@ -73,6 +77,10 @@ class TritonAttnBackend(AttentionBackend):
             md.extend_lens = torch.tensor(ext, dtype=torch.int64).to(dev)
             md.extend_start = torch.tensor(starts, dtype=torch.int64).to(dev)
             md.max_extend_len = max(ext) if ext else 0
+        if fb.forward_mode.is_target_verify() and fb.spec_tree is not None:
+            rows = fb.spec_tree.kv_rows(fb.req_to_token_pool.req_to_token, fb.req_pool_indices.tolist(),
+                                        fb.extend_prefix_lens_cpu, fb.out_cache_loc)
+            md.tree_rows = tuple(t.to(dev) for t in rows)
         fb.attn_metadata = md
 
     def _store(self, k, v, layer, fb):
@@ -85,6 +93,11 @@ class TritonAttnBackend(AttentionBackend):
         k_buf, v_buf = self._store(k, v, layer, fb)
         md: TritonMetadata = fb.attn_metadata
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if md.tree_rows is not None:  # the tree mask as each token's own KV row
+            table, rows, lens = md.tree_rows
+            self.ops.decode_attention_fwd(q, k_buf, v_buf, out, table, rows, lens, layer.scaling,
+                                          num_kv_splits=self.num_kv_splits)
+            return out
         self.ops.extend_attention_fwd(
             q, k, v, out, k_buf, v_buf,
             fb.req_to_token_pool.req_to_token, md.req_pool_indices,

@@ -1,0 +1,179 @@
+"""One verify step of a chain of drafts, shared by the workers that draft chains (NGRAM,
+STANDALONE): slots for the drafts, the target's TARGET_VERIFY forward, acceptance (verify.py),
+then the commit (rejected drafts' slots freed at once, seq_lens = the committed lengths) and the
+result the scheduler's output processor reads (accept_lens[i] + 1 tokens per request).
+
+    run_verify_step(target_worker, batch, worker_batch, spec, stats, draft_locs=None)
+
+A worker that needs the drafts' slots before the verify (a draft model writes its own KV there)
+takes them with alloc_draft_slots and passes them in; otherwise they are taken here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, List, Optional
+
+import torch
+
+from radixserve.model_executor.forward_batch import ForwardMode, ModelWorkerBatch
+from radixserve.model_executor.tp_worker import GenerationBatchResult, TpModelWorker
+from radixserve.speculative.spec_info import ChainVerifyInput, ChainVerifyOutput
+from radixserve.speculative.verify import verify_chain
+
+
+# ---- which requests may draft, and how far ---------------------------------------------------
+def draft_room(req: Any) -> int:
+    """Drafts beyond the request's last token are never committed: a step commits at most
+    drafts + 1 tokens, and max_new_tokens keeps them inside the context."""
+    max_new = req.sampling_params.max_new_tokens
+    return (max_new - len(req.output_ids) - 1) if max_new is not None else 0
+
+
+def can_draft(req: Any) -> bool:
+    """False where the next token depends on state the drafts would change (a grammar,
+    penalties, min_new_tokens not reached yet) or the request is finishing."""
+    sp = req.sampling_params
+    return (
+        req.grammar is None and req.to_finish is None
+        and sp.frequency_penalty == 0 and sp.presence_penalty == 0 and sp.repetition_penalty == 1
+        and len(req.output_ids) >= (sp.min_new_tokens or 0)
+    )
+
+
+# ---- slots ------------------------------------------------------------------------------------
+def alloc_draft_slots(batch: Any, num_drafts: List[int]) -> List[torch.Tensor]:
+    """Slots for each request's drafts at positions L+1 .. L+k_i (after the slot of its last
+    token, which prepare_for_decode took), written into its req_to_token row."""
+    rows = batch.req_to_token_pool.req_to_token
+    prefix_lens = [s - 1 for s in batch.seq_lens_cpu]  # L: tokens with KV before this step
+    flat = batch.alloc_slots_after([p + 1 for p in prefix_lens], [p + 1 + k for p, k in zip(prefix_lens, num_drafts)])
+    out, offset = [], 0
+    for req, p, k in zip(batch.reqs, prefix_lens, num_drafts):
+        locs = flat[offset : offset + k].to(torch.int64)
+        offset += k
+        rows[req.req_pool_idx, p + 1 : p + 1 + k] = locs.to(torch.int32)
+        out.append(locs)
+    return out
+
+
+# ---- the step ----------------------------------------------------------------------------------
+def run_verify_step(target_worker: TpModelWorker, batch: Any, worker_batch: ModelWorkerBatch,
+                    spec: ChainVerifyInput, stats: Any = None,
+                    draft_locs: Optional[List[torch.Tensor]] = None) -> GenerationBatchResult:
+    """Verify `spec` (the drafts of a prepared DECODE `batch`) in one target forward and commit.
+    Sets batch.output_ids to each request's last committed token. A batch without drafts runs
+    the plain decode forward (result.accept_lens is None then)."""
+    for req, k in zip(batch.reqs, spec.num_drafts):
+        req.spec_verify_ct += 1
+        req.spec_num_proposed_drafts += k
+    if not any(spec.num_drafts):  # no request has a draft: the plain decode step
+        if draft_locs is not None:  # nothing to free: every list is empty
+            assert not any(len(x) for x in draft_locs)
+        result = target_worker.forward_batch_generation(worker_batch)
+        batch.output_ids = result.next_token_ids
+        count(stats, len(batch.reqs), len(batch.reqs), 0, 0)
+        return result
+    if draft_locs is None:
+        draft_locs = alloc_draft_slots(batch, spec.num_drafts)
+    logits = verify_forward(target_worker, batch, worker_batch, spec, draft_locs)
+    out = verify_chain(logits, batch.sampling_info, spec, worker_batch.token_bitmask, batch.return_logprob,
+                       batch.top_logprobs_nums if batch.return_logprob else None)
+    commit(batch, spec, out)
+    count(stats, len(batch.reqs), sum(a + 1 for a in out.accept_lens), sum(out.accept_lens), sum(spec.num_drafts))
+    return result_of(out)
+
+
+def verify_forward(target_worker: TpModelWorker, batch: Any, worker_batch: ModelWorkerBatch,
+                   spec: ChainVerifyInput, draft_locs: List[torch.Tensor]) -> torch.Tensor:
+    """One EXTEND forward of every request's last token and drafts (spec_info.py's layout);
+    returns the logits at every position."""
+    prefix_lens = [s - 1 for s in batch.seq_lens_cpu]
+    input_ids, out_cache_loc = [], []
+    last_tokens, last_locs = batch.input_ids.tolist(), batch.out_cache_loc.tolist()
+    for i, drafts in enumerate(spec.draft_token_ids):
+        assert len(draft_locs[i]) == len(drafts), (len(draft_locs[i]), len(drafts))
+        input_ids += [last_tokens[i]] + drafts
+        out_cache_loc += [last_locs[i]] + draft_locs[i].tolist()
+    seq_lens_cpu = [p + n for p, n in zip(prefix_lens, spec.extend_lens)]
+    # The decode step's worker batch as an EXTEND (what else it carries, e.g. adapters, stays).
+    verify_batch = dataclasses.replace(
+        worker_batch,
+        forward_mode=ForwardMode.TARGET_VERIFY,
+        input_ids=torch.tensor(input_ids, dtype=torch.int64),
+        seq_lens=torch.tensor(seq_lens_cpu, dtype=torch.int64),
+        out_cache_loc=torch.tensor(out_cache_loc, dtype=torch.int64),
+        seq_lens_cpu=seq_lens_cpu,
+        extend_seq_lens=spec.extend_lens,
+        extend_prefix_lens=prefix_lens,
+        return_logprob=False,  # logprobs come from every position's logits (verify.py)
+        top_logprobs_nums=None,
+        capture_all_logits=True,
+        token_bitmask=None,  # applied per position by verify_chain
+    )
+    result = target_worker.forward_batch_generation(verify_batch, skip_sample=True)
+    return result.logits_output.all_logits
+
+
+def commit(batch: Any, spec: ChainVerifyInput, out: ChainVerifyOutput) -> None:
+    """KV of the accepted tokens stays, the rejected drafts' slots go back now; seq_lens and
+    the sampling state follow the committed tokens."""
+    rows = batch.req_to_token_pool.req_to_token
+    ps = batch.token_to_kv_pool_allocator.page_size
+    freed, new_lens = [], []
+    for i, (req, k, a) in enumerate(zip(batch.reqs, spec.num_drafts, out.accept_lens)):
+        kept = batch.seq_lens_cpu[i] + a  # L + 1 + a
+        end = batch.seq_lens_cpu[i] + k
+        # Paged: the rest of the page of the last kept token stays the request's (the next
+        # step's tokens fill it); only whole pages past it go back.
+        first_free = -(-kept // ps) * ps
+        if first_free < end:
+            freed.append(rows[req.req_pool_idx, first_free:end].to(torch.int64))
+        req.kv_committed_len = kept
+        req.spec_num_correct_drafts += a
+        new_lens.append(kept)
+    if freed:
+        batch.token_to_kv_pool_allocator.free(torch.cat(freed))
+    batch.seq_lens_cpu = new_lens
+    batch.seq_lens = torch.tensor(new_lens, dtype=torch.int64, device=batch.seq_lens.device)
+    batch.output_ids = torch.tensor([t[-1] for t in out.token_ids], dtype=torch.int64)
+    cumulate_tokens(batch.sampling_info, out.token_ids)
+
+
+def count(stats: Any, num_reqs: int, committed: int, correct: int, proposed: int) -> None:
+    """SchedulerStats' spec_* totals (None: not counted)."""
+    if stats is None:
+        return
+    stats.spec_verify_ct += num_reqs
+    stats.spec_num_accept_tokens += committed
+    stats.spec_num_correct_drafts += correct
+    stats.spec_num_proposed_drafts += proposed
+
+
+def result_of(out: ChainVerifyOutput) -> GenerationBatchResult:
+    """Every committed token back to back (next_token_ids), accept_lens[i] + 1 per request."""
+    flat = [t for toks in out.token_ids for t in toks]
+    result = GenerationBatchResult(None, torch.tensor(flat, dtype=torch.int64), accept_lens=list(out.accept_lens))
+    if out.logprobs is not None:
+        result.next_token_logprobs = torch.tensor([v for vals in out.logprobs for v in vals], dtype=torch.float32)
+        if out.top_logprobs_val is not None:
+            result.top_logprobs_val = [v for vals in out.top_logprobs_val for v in vals]
+            result.top_logprobs_idx = [v for vals in out.top_logprobs_idx for v in vals]
+        else:
+            n = len(flat)
+            result.top_logprobs_val, result.top_logprobs_idx = [[] for _ in range(n)], [[] for _ in range(n)]
+    return result
+
+
+def cumulate_tokens(info: Any, token_ids: List[List[int]]) -> None:
+    """SamplingBatchInfo.cumulate_output_tokens for several tokens per row."""
+    counts = torch.tensor([len(t) for t in token_ids], dtype=torch.int64, device=info.output_lens.device)
+    info.output_lens += counts
+    if info.output_token_counts is None and info.seen_token_mask is None:
+        return
+    rows = torch.repeat_interleave(torch.arange(len(token_ids), device=counts.device), counts)
+    ids = torch.tensor([t for toks in token_ids for t in toks], dtype=torch.int64, device=counts.device)
+    if info.output_token_counts is not None:
+        info.output_token_counts.index_put_((rows, ids), torch.ones_like(ids, dtype=torch.float32), accumulate=True)
+    if info.seen_token_mask is not None:
+        info.seen_token_mask[rows, ids] = True
