@@ -60,12 +60,16 @@ class ChainVerifyInput:
 
     @property
     def starts(self) -> List[int]:
-        """Index of each request's first position in the flat [sum(extend_lens)] layout."""
-        out, offset = [], 0
-        for n in self.extend_lens:
-            out.append(offset)
-            offset += n
-        return out
+        return layout_starts(self.extend_lens)
+
+
+def layout_starts(extend_lens: List[int]) -> List[int]:
+    """Index of each request's first position in the flat [sum(extend_lens)] verify layout."""
+    out, offset = [], 0
+    for n in extend_lens:
+        out.append(offset)
+        offset += n
+    return out
 
 
 @dataclass

@@ -30,8 +30,8 @@ from radixserve.constrained.base_grammar_backend import TokenBitmask
 from radixserve.layers.attention.spec_tree import SpecTree
 from radixserve.layers.sampler import filter_probs
 from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
-from radixserve.speculative.spec_info import NgramVerifyOutput
-from radixserve.speculative.verify import PositionLayout, _draw_residual, expand_sampling_info
+from radixserve.speculative.spec_info import ChainVerifyOutput, layout_starts
+from radixserve.speculative.verify import PositionLayout, draw_residual, expand_bitmask, expand_sampling_info
 
 
 @dataclass
@@ -58,11 +58,7 @@ class TreeDrafts:
 
     @property
     def starts(self) -> List[int]:
-        out, offset = [], 0
-        for n in self.extend_lens:
-            out.append(offset)
-            offset += n
-        return out
+        return layout_starts(self.extend_lens)
 
     def children(self, i: int) -> List[dict]:
         """Per token of request i: {draft token: child index}."""
@@ -73,6 +69,7 @@ class TreeDrafts:
         return kids
 
 
+@torch.inference_mode()  # as verify_chain: the penalties update the logits in place
 def verify_tree(
     logits: torch.Tensor,
     info: SamplingBatchInfo,
@@ -80,17 +77,16 @@ def verify_tree(
     token_bitmask: Optional[TokenBitmask] = None,
     return_logprob: bool = False,
     top_logprobs_nums: Optional[List[int]] = None,
-) -> Tuple[NgramVerifyOutput, List[List[int]]]:
+) -> Tuple[ChainVerifyOutput, List[List[int]]]:
     """logits [sum(n_i), V] at every tree token; info: the batch's [bs] rows. Returns the
     committed tokens and, per request, the layout indices of its accepted branch."""
     depth = [d for i in range(len(drafts.tokens)) for d in drafts.tree.depths(i)]
     req_of_pos = [i for i, n in enumerate(drafts.extend_lens) for _ in range(n)]
     ex = expand_sampling_info(info, PositionLayout(req_of_pos, depth, [-1] * len(depth)))
     logits = ex.apply_logits_bias(logits).float()
-    if token_bitmask is not None and token_bitmask.rows:  # grammar requests have no drafts
-        assert all(drafts.num_drafts[i] == 0 for i in token_bitmask.rows), "a grammar request got drafts"
-        bitmask = token_bitmask.bitmask.index_select(0, torch.tensor(req_of_pos, dtype=torch.int64))
-        TokenBitmask(bitmask, [drafts.starts[i] for i in token_bitmask.rows], token_bitmask.stats).apply_(logits, ex.vocab_size)
+    bitmask = expand_bitmask(token_bitmask, drafts)
+    if bitmask is not None:
+        bitmask.apply_(logits, ex.vocab_size)
     logits = logits.masked_fill(torch.isnan(logits), float("-inf"))
     target = _target_tokens(logits, ex).tolist()
 
@@ -104,7 +100,7 @@ def verify_tree(
         accept_lens.append(len(path))
         out_tokens.append([drafts.tokens[i][j - 1] for j in path] + [target[start + node]])
         judged_at.append([start] + [start + j for j in path])  # where each committed token was decided
-    out = NgramVerifyOutput(accept_lens, out_tokens, num_drafts=drafts.num_drafts)
+    out = ChainVerifyOutput(accept_lens, out_tokens, num_drafts=drafts.num_drafts)
     if return_logprob:
         _add_logprobs(out, logits, judged_at, top_logprobs_nums)
     return out, paths
@@ -119,11 +115,11 @@ def _target_tokens(logits: torch.Tensor, ex: SamplingBatchInfo) -> torch.Tensor:
     probs = filter_probs(torch.softmax(logits / ex.temperatures, dim=-1), ex)
     greedy_row = ~(probs.sum(dim=-1) > 0) | (ex.top_ks <= 1)
     pos = torch.arange(logits.shape[0], device=logits.device)
-    drawn = _draw_residual(probs, torch.full_like(argmax, -1), ex, pos)
+    drawn = draw_residual(probs, torch.full_like(argmax, -1), ex, pos)
     return torch.where(greedy_row, argmax, drawn)
 
 
-def _add_logprobs(out: NgramVerifyOutput, logits: torch.Tensor, judged_at: List[List[int]],
+def _add_logprobs(out: ChainVerifyOutput, logits: torch.Tensor, judged_at: List[List[int]],
                   top_logprobs_nums: Optional[List[int]]) -> None:
     """Logprobs of the committed tokens at the positions that decided them (before temperature
     and filters, as the Sampler reports them)."""

@@ -60,11 +60,12 @@ def expand_sampling_info(info: SamplingBatchInfo, layout: PositionLayout) -> Sam
 
 
 def expand_bitmask(token_bitmask: Optional[TokenBitmask], spec: ChainVerifyInput) -> Optional[TokenBitmask]:
-    """The grammar mask at the verify positions: a grammar request has no drafts (its matcher
-    cannot follow them), so its one position takes its row."""
+    """The grammar mask at the verify positions (of a chain or a tree.py TreeDrafts): a grammar
+    request has no drafts (its matcher cannot follow them), so its one position takes its row."""
     if token_bitmask is None or not token_bitmask.rows:
         return None
-    starts, req_of_pos = spec.starts, PositionLayout.of(spec).req_of_pos
+    starts = spec.starts
+    req_of_pos = [i for i, n in enumerate(spec.extend_lens) for _ in range(n)]
     assert all(spec.num_drafts[i] == 0 for i in token_bitmask.rows), "a grammar request got drafts"
     bitmask = token_bitmask.bitmask.index_select(0, torch.tensor(req_of_pos, dtype=torch.int64))
     return TokenBitmask(bitmask, [starts[i] for i in token_bitmask.rows], token_bitmask.stats)
@@ -117,7 +118,7 @@ def verify_chain(
     pos = torch.tensor(final_pos, dtype=torch.int64, device=logits.device)
     final = argmax[pos]
     if probs is not None:
-        final = torch.where(greedy_row[pos], final, _draw_residual(probs[pos], draft[pos], ex, pos))
+        final = torch.where(greedy_row[pos], final, draw_residual(probs[pos], draft[pos], ex, pos))
     final_list = final.tolist()
     token_ids = [spec.draft_token_ids[i][:a] + [final_list[i]] for i, a in enumerate(accept_lens)]
     out = ChainVerifyOutput(accept_lens, token_ids, num_drafts=spec.num_drafts)
@@ -138,7 +139,7 @@ def _uniforms(ex: SamplingBatchInfo, n: int, device: Any) -> torch.Tensor:
     return u
 
 
-def _draw_residual(probs: torch.Tensor, rejected: torch.Tensor, ex: SamplingBatchInfo, pos: torch.Tensor) -> torch.Tensor:
+def draw_residual(probs: torch.Tensor, rejected: torch.Tensor, ex: SamplingBatchInfo, pos: torch.Tensor) -> torch.Tensor:
     """One draw per row from probs with the rejected draft removed (-1: nothing removed),
     by the Sampler's exponential race (no renormalization needed)."""
     rows = torch.arange(probs.shape[0], device=probs.device)

@@ -12,7 +12,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-import peft  # the [test] extra
 import pytest
 import torch
 
@@ -35,6 +34,9 @@ def _model_dir(which: str, root: Path) -> str:
 
 def _peft_adapter(model_dir: str, out: Path, rank: int, alpha: float, seed: int) -> Path:
     """An adapter made and saved by peft, with random non-zero A and B."""
+    import peft  # the [test] extra; imported here: it imports triton, which must not happen at
+    # collection, before the Triton test modules turn on the interpreter (TRITON_INTERPRET=1)
+
     config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=TARGETS, lora_dropout=0.0, bias="none",
                              task_type="CAUSAL_LM")
     model = peft.get_peft_model(load_hf(model_dir), config)
@@ -69,6 +71,8 @@ def _expected(model_dir: str, adapters: Dict[str, Path], prompts: List[List[int]
     for name in [None, *adapters]:
         model = load_hf(model_dir)
         if name is not None:
+            import peft
+
             model = peft.PeftModel.from_pretrained(model, str(adapters[name])).merge_and_unload()
         for i, p in enumerate(prompts):
             expected[(i, name)] = _hf_greedy(model, p)

@@ -10,7 +10,6 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
-from types import SimpleNamespace  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -21,8 +20,6 @@ from radixserve.layers.attention.torch_native_backend import TorchNativeAttnBack
 from radixserve.model_executor.forward_batch import ForwardBatch, ForwardMode, ModelWorkerBatch  # noqa: E402
 from radixserve.model_executor.model_runner import ModelRunner  # noqa: E402
 from radixserve.models.model_config import ModelConfig  # noqa: E402
-from radixserve.sampling.sampling_batch_info import SamplingBatchInfo  # noqa: E402
-from radixserve.sampling_params import SamplingParams  # noqa: E402
 from radixserve.server_args import ServerArgs  # noqa: E402
 from radixserve.speculative.spec_info import NgramVerifyInput  # noqa: E402
 from radixserve.speculative.tree import TreeDrafts, accepted_kv_moves, verify_tree  # noqa: E402
@@ -31,6 +28,8 @@ from radixserve.tiny_model import get_tiny_model_path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "reference"))
 from hf_utils import KVDriver  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from spec_testing import sampling_info  # noqa: E402
 
 TOL = 1e-4
 
@@ -128,15 +127,6 @@ def test_tree_verify_forward_equals_each_path_alone(backend):
 
 
 # ---- acceptance ------------------------------------------------------------------------------------
-def _info(n: int, vocab: int, **sp) -> SamplingBatchInfo:
-    reqs = []
-    for _ in range(n):
-        params = SamplingParams(**sp)
-        params.normalize()
-        reqs.append(SimpleNamespace(sampling_params=params, output_ids=[], origin_input_ids=[1], eos_token_ids=set()))
-    return SamplingBatchInfo.from_reqs(reqs, vocab)
-
-
 def _peaked(argmax, vocab: int) -> torch.Tensor:
     logits = torch.zeros(len(argmax), vocab)
     logits[torch.arange(len(argmax)), torch.tensor(argmax)] = 5.0
@@ -150,7 +140,7 @@ def test_greedy_tree_acceptance_follows_the_branch_the_target_takes():
     # request 1: no drafts, argmax 4
     drafts = TreeDrafts([[3, 5, 6, 7], []], SpecTree([[-1, 0, 0, 2, 1], [-1]]))
     logits = _peaked([5, 0, 6, 8, 1, 4], vocab)
-    out, paths = verify_tree(logits, _info(2, vocab, temperature=0), drafts, return_logprob=True, top_logprobs_nums=[2, 1])
+    out, paths = verify_tree(logits, sampling_info(2, vocab, temperature=0), drafts, return_logprob=True, top_logprobs_nums=[2, 1])
     assert out.accept_lens == [2, 0] and out.token_ids == [[5, 6, 8], [4]]
     assert paths == [[2, 3], []]
     expected = torch.log_softmax(logits, -1)
@@ -163,8 +153,8 @@ def test_a_chain_tree_accepts_as_verify_chain():
     chains = [[3, 5, 6], [4], []]
     argmax = [3, 5, 2, 7, 1, 0, 6]
     logits = _peaked(argmax, vocab)
-    tree_out, _ = verify_tree(logits, _info(3, vocab, temperature=0), TreeDrafts.chains(chains))
-    chain_out = verify_chain(logits, _info(3, vocab, temperature=0), NgramVerifyInput(chains))
+    tree_out, _ = verify_tree(logits, sampling_info(3, vocab, temperature=0), TreeDrafts.chains(chains))
+    chain_out = verify_chain(logits, sampling_info(3, vocab, temperature=0), NgramVerifyInput(chains))
     assert tree_out.accept_lens == chain_out.accept_lens and tree_out.token_ids == chain_out.token_ids
 
 
@@ -179,7 +169,7 @@ def test_tree_sampling_keeps_the_target_distribution():
     p_four = torch.tensor([0.5, 0.1, 0.1, 0.1, 0.1, 0.1])
     per_row = torch.stack([p_root, p_one, p_two, p_four]).log()
     drafts = TreeDrafts([[1, 2, 4]] * n, SpecTree([[-1, 0, 0, 1]] * n))
-    out, _ = verify_tree(per_row.repeat(n, 1), _info(n, vocab, temperature=1.0), drafts)
+    out, _ = verify_tree(per_row.repeat(n, 1), sampling_info(n, vocab, temperature=1.0), drafts)
     first = torch.bincount(torch.tensor([t[0] for t in out.token_ids]), minlength=vocab).float()
     assert chisquare(first.numpy(), (p_root * n).numpy()).pvalue > 1e-3
     after_one = [t[1] for t in out.token_ids if t[0] == 1]

@@ -23,8 +23,8 @@ from radixserve.tiny_model import get_tiny_model_path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from eagle_head import make_copy_pair, make_random_eagle_head  # noqa: E402
 from real_model import chat_prompt_ids, smollm2_gguf  # noqa: E402
+from spec_testing import assert_same_greedy, run_in_two_waves  # noqa: E402
 
-NEAR_TIE = 1e-4
 TREE = dict(speculative_num_steps=3, speculative_eagle_topk=3, speculative_num_draft_tokens=6)
 CHAIN = dict(speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4)
 
@@ -80,24 +80,6 @@ def reference(workload):
     return reference_of(*workload)
 
 
-def assert_same_greedy(results: List[Dict], reference: List[Dict]) -> None:
-    """Equal to the reference, except after a position where its top two logits are a near-tie."""
-    for i, (got, ref) in enumerate(zip(results, reference)):
-        a, b = got["output_ids"], ref["output_ids"]
-        for k, (x, y) in enumerate(zip(a, b)):
-            if x != y:
-                top2 = ref["meta_info"]["output_top_logprobs"][k]
-                assert top2[0][0] - top2[1][0] < NEAR_TIE, f"request {i} diverged at token {k}"
-                break
-        else:
-            assert len(a) == len(b), f"request {i}: {len(a)} tokens vs {len(b)}"
-
-
-def run_in_two_waves(engine: Engine, prompts, params, **kw) -> List[Dict]:
-    out = engine.generate(input_ids=prompts[:NUM_BASE], sampling_params=params[:NUM_BASE], progress=False, **kw)
-    return out + engine.generate(input_ids=prompts[NUM_BASE:], sampling_params=params[NUM_BASE:], progress=False, **kw)
-
-
 CONFIGS = {
     "tree": (TREE, dict()),
     "chain": (CHAIN, dict()),
@@ -114,7 +96,7 @@ def test_greedy_outputs_equal_speculation_off(name, random_head, workload, refer
     shape, extra = CONFIGS[name]
     prompts, params = workload
     engine = Engine(max_total_tokens=16384, test_check_memory=True, **eagle_kw(random_head, shape, **extra))
-    results = run_in_two_waves(engine, prompts, params)
+    results = run_in_two_waves(engine, prompts, params, NUM_BASE)
     assert_same_greedy(results, reference)
     engine.scheduler.check_memory()  # every slot back: free or in the tree; the scratch slots too
     metas = [r["meta_info"] for r in results]
@@ -137,7 +119,7 @@ def test_a_head_that_knows_its_target_gets_its_drafts_accepted(shape, copy_pair)
     kw = dict(model_path=target, skip_tokenizer_init=True)
     reference = reference_of(prompts, params, **kw)
     engine = Engine(max_total_tokens=16384, test_check_memory=True, **kw, **eagle_kw(head, shape))
-    results = run_in_two_waves(engine, prompts, params)
+    results = run_in_two_waves(engine, prompts, params, NUM_BASE)
     assert_same_greedy(results, reference)
     metas = [r["meta_info"] for r in results if r["meta_info"]["completion_tokens"] > 4]
     assert sum(m["spec_accept_length"] for m in metas) / len(metas) > 2.0

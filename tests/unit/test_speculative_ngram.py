@@ -9,7 +9,6 @@ from __future__ import annotations
 import random
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Dict, List
 
 import pytest
@@ -17,8 +16,6 @@ import torch
 from scipy.stats import chi2_contingency, chisquare
 
 from radixserve.engine import Engine
-from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
-from radixserve.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
 from radixserve.speculative.draft_budget import DraftBudget, allot, score_chain
 from radixserve.speculative.ngram_cache import MAX_CONTINUATIONS, NgramCache
@@ -27,9 +24,9 @@ from radixserve.speculative.verify import verify_chain
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from real_model import smollm2_gguf  # noqa: E402
+from spec_testing import assert_same_greedy, run_in_two_waves, sampling_info  # noqa: E402
 
 VOCAB_LO = 3  # ids 0-2 are the tiny model's special tokens
-NEAR_TIE = 1e-4
 SPEC = dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=5)
 
 
@@ -73,15 +70,6 @@ def test_ngram_cache_is_bounded():
 
 
 # ---- the acceptance rule ---------------------------------------------------------------------
-def _info(n: int, vocab: int, **sp) -> SamplingBatchInfo:
-    reqs = []
-    for _ in range(n):
-        params = SamplingParams(**sp)
-        params.normalize()
-        reqs.append(SimpleNamespace(sampling_params=params, output_ids=[], origin_input_ids=[1], eos_token_ids=set()))
-    return SamplingBatchInfo.from_reqs(reqs, vocab)
-
-
 def test_greedy_acceptance_takes_the_longest_agreeing_prefix_and_the_target_token():
     vocab = 8
     # request 0: drafts [3, 5, 6], argmax per position 3, 5, 2, 7 -> accepts 2, then 2
@@ -91,7 +79,7 @@ def test_greedy_acceptance_takes_the_longest_agreeing_prefix_and_the_target_toke
     logits = torch.zeros(len(argmax), vocab)
     logits[torch.arange(len(argmax)), torch.tensor(argmax)] = 5.0
     spec = NgramVerifyInput([[3, 5, 6], [4], []])
-    out = verify_chain(logits, _info(3, vocab, temperature=0), spec, return_logprob=True, top_logprobs_nums=[1, 0, 2])
+    out = verify_chain(logits, sampling_info(3, vocab, temperature=0), spec, return_logprob=True, top_logprobs_nums=[1, 0, 2])
     assert out.accept_lens == [2, 0, 0]
     assert out.token_ids == [[3, 5, 2], [1], [6]]
     expected = torch.log_softmax(logits[0], -1)[3].item()
@@ -108,7 +96,7 @@ def test_rejection_sampling_keeps_the_target_distribution():
     p1 = torch.tensor([0.05, 0.05, 0.40, 0.10, 0.30, 0.10])
     logits = torch.stack([p0.log(), p1.log()]).repeat(n, 1)
     draft = 1
-    out = verify_chain(logits, _info(n, vocab, temperature=1.0), NgramVerifyInput([[draft] for _ in range(n)]))
+    out = verify_chain(logits, sampling_info(n, vocab, temperature=1.0), NgramVerifyInput([[draft] for _ in range(n)]))
     first = torch.tensor([t[0] for t in out.token_ids])
     observed = torch.bincount(first, minlength=vocab).float()
     assert chisquare(observed.numpy(), (p0 * n).numpy()).pvalue > 1e-3
@@ -124,10 +112,10 @@ def test_rejection_sampling_respects_top_k():
     vocab, n = 6, 4000
     p0 = torch.tensor([0.30, 0.25, 0.20, 0.15, 0.07, 0.03])
     logits = p0.log().view(1, -1).repeat(n, 1)
-    out = verify_chain(logits, _info(n, vocab, temperature=1.0, top_k=2), NgramVerifyInput([[] for _ in range(n)]))
+    out = verify_chain(logits, sampling_info(n, vocab, temperature=1.0, top_k=2), NgramVerifyInput([[] for _ in range(n)]))
     assert set(t[0] for t in out.token_ids) == {0, 1}
     logits = torch.stack([p0.log(), p0.log()]).repeat(n, 1)
-    out = verify_chain(logits, _info(n, vocab, temperature=1.0, top_k=2), NgramVerifyInput([[4] for _ in range(n)]))
+    out = verify_chain(logits, sampling_info(n, vocab, temperature=1.0, top_k=2), NgramVerifyInput([[4] for _ in range(n)]))
     assert out.accept_lens == [0] * n and set(t[0] for t in out.token_ids) == {0, 1}
 
 
@@ -244,26 +232,6 @@ def every_draft(engine: Engine) -> Engine:
     return engine
 
 
-def assert_same_greedy(results: List[Dict], reference: List[Dict]) -> None:
-    """Equal to the reference, except after a position where its top two logits are a near-tie."""
-    for i, (got, ref) in enumerate(zip(results, reference)):
-        a, b = got["output_ids"], ref["output_ids"]
-        for k, (x, y) in enumerate(zip(a, b)):
-            if x != y:
-                top2 = ref["meta_info"]["output_top_logprobs"][k]
-                gap = top2[0][0] - top2[1][0]
-                assert gap < NEAR_TIE, f"request {i} diverged at token {k} with logit gap {gap}"
-                break
-        else:
-            assert len(a) == len(b), f"request {i}: {len(a)} tokens vs {len(b)}"
-
-
-def run_in_two_waves(engine: Engine, prompts, params, **kw) -> List[Dict]:
-    """The base prompts, then the repeats (which find the base outputs in the cache)."""
-    out = engine.generate(input_ids=prompts[:NUM_BASE], sampling_params=params[:NUM_BASE], progress=False, **kw)
-    return out + engine.generate(input_ids=prompts[NUM_BASE:], sampling_params=params[NUM_BASE:], progress=False, **kw)
-
-
 CONFIGS = {
     "default": dict(),
     "chunked_prefill_32": dict(chunked_prefill_size=32),
@@ -281,7 +249,7 @@ def test_greedy_outputs_equal_speculation_off(name, workload, reference):
     kw = dict(max_total_tokens=16384, test_check_memory=True, **SPEC)
     kw.update(CONFIGS[name])
     engine = every_draft(Engine(**kw))
-    results = run_in_two_waves(engine, prompts, params)
+    results = run_in_two_waves(engine, prompts, params, NUM_BASE)
     assert_same_greedy(results, reference)
     engine.scheduler.check_memory()  # every slot back: free or in the tree
     metas = [r["meta_info"] for r in results]
@@ -308,9 +276,9 @@ def test_stop_conditions_apply_per_committed_token(workload, reference):
         out = reference[i]["output_ids"]
         stop_params.append(dict(params[i], stop_token_ids=[out[len(out) // 2]]))
     params = params[:NUM_BASE] + stop_params
-    off = run_in_two_waves(Engine(max_total_tokens=16384), prompts, params)
+    off = run_in_two_waves(Engine(max_total_tokens=16384), prompts, params, NUM_BASE)
     engine = every_draft(Engine(max_total_tokens=16384, test_check_memory=True, **SPEC))
-    on = run_in_two_waves(engine, prompts, params)
+    on = run_in_two_waves(engine, prompts, params, NUM_BASE)
     for a, b in zip(on[NUM_BASE:], off[NUM_BASE:]):
         assert a["output_ids"] == b["output_ids"]
         assert a["meta_info"]["finish_reason"] == b["meta_info"]["finish_reason"]
@@ -321,7 +289,7 @@ def test_stop_conditions_apply_per_committed_token(workload, reference):
 def test_logprobs_of_accepted_tokens_equal_speculation_off(workload, reference):
     prompts, params = workload
     engine = every_draft(Engine(max_total_tokens=16384, **SPEC))
-    got = run_in_two_waves(engine, prompts, params, return_logprob=True, top_logprobs_num=2)
+    got = run_in_two_waves(engine, prompts, params, NUM_BASE, return_logprob=True, top_logprobs_num=2)
     compared = 0
     for r, ref in zip(got, reference):
         if r["output_ids"] != ref["output_ids"]:

@@ -13,7 +13,7 @@ import random
 import shutil
 import sys
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict
 
 import pytest
 import torch
@@ -27,9 +27,9 @@ from radixserve.tiny_model import get_tiny_model_path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from real_model import smollm2_gguf  # noqa: E402
 from reference.hf_utils import make_hf_model_dir  # noqa: E402
+from spec_testing import assert_same_greedy, run_in_two_waves  # noqa: E402
 
 VOCAB_LO = 3  # ids 0-2 are the tiny model's special tokens
-NEAR_TIE = 1e-4
 NUM_STEPS = 3
 
 
@@ -104,26 +104,6 @@ def reference(workload):
     return out
 
 
-def assert_same_greedy(results: List[Dict], reference: List[Dict]) -> None:
-    """Equal to the reference, except after a position where its top two logits are a near-tie."""
-    for i, (got, ref) in enumerate(zip(results, reference)):
-        a, b = got["output_ids"], ref["output_ids"]
-        for k, (x, y) in enumerate(zip(a, b)):
-            if x != y:
-                top2 = ref["meta_info"]["output_top_logprobs"][k]
-                gap = top2[0][0] - top2[1][0]
-                assert gap < NEAR_TIE, f"request {i} diverged at token {k} with logit gap {gap}"
-                break
-        else:
-            assert len(a) == len(b), f"request {i}: {len(a)} tokens vs {len(b)}"
-
-
-def run_in_two_waves(engine: Engine, prompts, params, **kw) -> List[Dict]:
-    """The base prompts together, then the repeats (which find the base requests in the tree)."""
-    out = engine.generate(input_ids=prompts[:NUM_BASE], sampling_params=params[:NUM_BASE], progress=False, **kw)
-    return out + engine.generate(input_ids=prompts[NUM_BASE:], sampling_params=params[NUM_BASE:], progress=False, **kw)
-
-
 def assert_draft_kv_mirrors_target(engine: Engine) -> None:
     """Draft = the same model: at every slot not free (the radix tree's tokens), the draft's KV
     equals the target's. A slot the target wrote and the draft did not (e.g. the last draft of a
@@ -171,7 +151,7 @@ def test_greedy_outputs_equal_speculation_off(name, workload, reference, tiny_pa
     kw.update(extra)
     engine = Engine(**kw)
     prompts, params = workload
-    results = run_in_two_waves(engine, prompts, params)
+    results = run_in_two_waves(engine, prompts, params, NUM_BASE)
     assert_same_greedy(results, reference)
     engine.scheduler.check_memory()  # every slot back: free or in the tree
     metas = [r["meta_info"] for r in results]
@@ -217,7 +197,7 @@ def test_parallel_sampling_n_greater_than_one(truncated_path):
 def test_logprobs_of_accepted_tokens_equal_speculation_off(workload, reference, truncated_path):
     prompts, params = workload
     engine = Engine(max_total_tokens=16384, **spec_kw(truncated_path))
-    got = run_in_two_waves(engine, prompts, params, return_logprob=True, top_logprobs_num=2)
+    got = run_in_two_waves(engine, prompts, params, NUM_BASE, return_logprob=True, top_logprobs_num=2)
     compared = 0
     for r, ref in zip(got, reference):
         if r["output_ids"] != ref["output_ids"]:
