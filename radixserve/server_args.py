@@ -98,7 +98,7 @@ class ServerArgs:
     speculative_eagle_topk: Optional[int] = None  # branches per draft step (EAGLE's token tree; STANDALONE: 1)
     speculative_ngram_min_match_window_size: int = 1
     speculative_ngram_max_match_window_size: int = 12
-    speculative_ngram_max_bfs_breadth: int = 1  # 1: a chain (SGLang's default 10 builds a token tree)
+    speculative_ngram_max_bfs_breadth: int = 1  # 1: a chain (SGLang's default 10 builds a token tree; the draft budget's cost model is a chain's)
     speculative_ngram_capacity: int = 200_000  # n-grams kept (SGLang counts 10M trie nodes)
 
     # Multi-LoRA serving (issue 28, SGLang's flags; radixserve/lora/): PEFT adapters, many per batch
@@ -343,8 +343,8 @@ class ServerArgs:
         if not 1 <= self.speculative_ngram_min_match_window_size <= self.speculative_ngram_max_match_window_size:
             raise ValueError("the n-gram match window sizes must be 1 <= --speculative-ngram-min-match-window-size "
                              "<= --speculative-ngram-max-match-window-size")
-        if self.speculative_ngram_max_bfs_breadth != 1:
-            raise ValueError("--speculative-ngram-max-bfs-breadth > 1 (a token tree) is not built yet: NGRAM drafts a chain (1)")
+        if self.speculative_ngram_max_bfs_breadth < 1:
+            raise ValueError("--speculative-ngram-max-bfs-breadth must be >= 1 (1: a chain; more: a token tree)")
         if self.speculative_ngram_capacity < 1:
             raise ValueError("--speculative-ngram-capacity must be >= 1")
 
@@ -442,7 +442,7 @@ FLAG_HELP = {
     "speculative_eagle_topk": f"EAGLE: branches per node of the draft tree (1: a chain); default: {EAGLE_DEFAULTS[1]}; STANDALONE: 1",
     "speculative_ngram_min_match_window_size": "NGRAM: shortest suffix of a request's tokens looked up in the n-gram cache",
     "speculative_ngram_max_match_window_size": "NGRAM: longest suffix looked up (the longest that matches drafts)",
-    "speculative_ngram_max_bfs_breadth": "NGRAM: branches of the draft tree; only 1 (a chain) is built",
+    "speculative_ngram_max_bfs_breadth": "NGRAM: continuations per node of the draft tree, breadth first (1: a chain)",
     "speculative_ngram_capacity": "NGRAM: most n-grams the cache keeps (the least recently seen go first)",
     "enable_lora": "serve LoRA adapters (PEFT directories) of the base model, many in one batch",
     "lora_paths": "LoRA adapters to load at start: name=path ... (a PEFT directory: adapter_config.json + adapter_model.safetensors)",

@@ -94,12 +94,13 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--num-draft-tokens", type=int, default=None, help="--speculative-num-draft-tokens (default: the flag's)")
+    parser.add_argument("--bfs-breadth", type=int, default=1, help="--speculative-ngram-max-bfs-breadth (1: a chain)")
     parser.add_argument("--concurrency", default="1,16")
     args = parser.parse_args()
 
     path = smollm2_gguf()
     base = dict(model_path=str(path), dtype=args.dtype, max_total_tokens=32768)
-    spec = dict(speculative_algorithm="NGRAM")
+    spec = dict(speculative_algorithm="NGRAM", speculative_ngram_max_bfs_breadth=args.bfs_breadth)
     if args.num_draft_tokens is not None:
         spec["speculative_num_draft_tokens"] = args.num_draft_tokens
     engines = {"off": Engine(**base), "ngram": Engine(**base, **spec)}
@@ -130,6 +131,7 @@ def main() -> None:
     result = {
         "model": path.name, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
         "speculative_num_draft_tokens": engines["ngram"].server_args.speculative_num_draft_tokens,
+        "speculative_ngram_max_bfs_breadth": args.bfs_breadth,
         "command": " ".join(sys.argv), "rows": rows,
     }
     if args.out:

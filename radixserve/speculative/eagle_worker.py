@@ -39,8 +39,8 @@ from radixserve.model_executor.forward_batch import ForwardBatch, ForwardMode, M
 from radixserve.model_executor.model_runner import ModelRunner
 from radixserve.model_executor.tp_worker import GenerationBatchResult, TpModelWorker
 from radixserve.speculative.standalone_worker import load_draft_runner
-from radixserve.speculative.tree import TreeDrafts, accepted_kv_moves, verify_tree
-from radixserve.speculative.verify_step import alloc_draft_slots, can_draft, commit, count, draft_room, result_of
+from radixserve.speculative.tree import TreeDrafts
+from radixserve.speculative.verify_step import can_draft, draft_room, result_of, run_tree_verify_step
 
 logger = logging.getLogger(__name__)
 
@@ -95,23 +95,12 @@ class EAGLEWorker:
         budgets = [min(self.num_verify, draft_room(r)) if can_draft(r) and r.rid in self.states else 0
                    for r in batch.reqs]
         drafts, scratch = self._draft_tree(batch, budgets)
-        for req, k in zip(batch.reqs, drafts.num_drafts):
-            req.spec_verify_ct += 1
-            req.spec_num_proposed_drafts += k
         prefix_lens = [s - 1 for s in batch.seq_lens_cpu]  # L
-        locs = alloc_draft_slots(batch, drafts.num_drafts) if any(drafts.num_drafts) else [torch.empty(0, dtype=torch.int64)] * len(batch.reqs)
-        logits, hidden, verify_loc = self._verify_forward(batch, worker_batch, drafts, locs)
+        out, paths, hidden = run_tree_verify_step(self.target_worker, batch, worker_batch, drafts, self.stats,
+                                                  capture_hidden=True)
         if scratch is not None:
             batch.token_to_kv_pool_allocator.free(scratch)
-        out, paths = verify_tree(logits, batch.sampling_info, drafts, worker_batch.token_bitmask, batch.return_logprob,
-                                 batch.top_logprobs_nums if batch.return_logprob else None)
-        tgt, src = accepted_kv_moves(drafts, paths, verify_loc)
-        if len(tgt):
-            self.target_worker.model_runner.token_to_kv_pool.move_kv_cache(tgt, src)
-        commit(batch, drafts, out)
-        count(self.stats, len(batch.reqs), sum(a + 1 for a in out.accept_lens), sum(out.accept_lens), sum(drafts.num_drafts))
-        starts = drafts.starts
-        features = [[s] + [s + j for j in path] for s, path in zip(starts, paths)]
+        features = [[s] + [s + j for j in path] for s, path in zip(drafts.starts, paths)]
         self._extend_after_verify(batch, prefix_lens, out.token_ids, hidden, features)
         return result_of(out)
 
@@ -232,28 +221,6 @@ class EAGLEWorker:
                 new.setdefault(i, []).append(len(nodes[i]))
                 nodes[i].append(_Node(t, n, node.score + v, node.depth + 1))
         return {i: sorted(kids, key=lambda n: -nodes[i][n].score)[: self.topk] for i, kids in new.items()}
-
-    # ---- the target's verify ----------------------------------------------------------------------
-    def _verify_forward(self, batch: Any, worker_batch: ModelWorkerBatch, drafts: TreeDrafts,
-                        draft_locs: List[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(logits, hidden states, slots) of every tree token, in layout order."""
-        prefix_lens = [s - 1 for s in batch.seq_lens_cpu]
-        last_tokens, last_locs = batch.input_ids.tolist(), batch.out_cache_loc.tolist()
-        input_ids, out_cache_loc = [], []
-        for i, toks in enumerate(drafts.tokens):
-            input_ids += [last_tokens[i]] + toks
-            out_cache_loc += [last_locs[i]] + draft_locs[i].tolist()
-        seq_lens = [p + n for p, n in zip(prefix_lens, drafts.extend_lens)]
-        loc = torch.tensor(out_cache_loc, dtype=torch.int64)
-        verify_batch = dataclasses.replace(
-            worker_batch, forward_mode=ForwardMode.TARGET_VERIFY, input_ids=torch.tensor(input_ids, dtype=torch.int64),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64), out_cache_loc=loc, seq_lens_cpu=seq_lens,
-            extend_seq_lens=drafts.extend_lens, extend_prefix_lens=prefix_lens, return_logprob=False,
-            top_logprobs_nums=None, capture_all_logits=True, token_bitmask=None, spec_tree=drafts.tree,
-            capture_hidden_states=True,
-        )
-        out = self.target_worker.forward_batch_generation(verify_batch, skip_sample=True).logits_output
-        return out.all_logits, out.hidden_states, loc
 
     def _forget_finished(self, reqs: List[Any]) -> None:
         """States of requests that are no longer decoding (finished, aborted, retracted)."""

@@ -1,7 +1,7 @@
 """NgramCache: the n-grams seen in prompts and outputs of all requests, and what followed them.
 
-SGLang's NGRAM cache is a trie of token sequences walked breadth first into a token tree. This one
-drafts a chain, so a plain table is enough:
+SGLang's NGRAM cache is a trie of token sequences walked breadth first into a token tree. A plain
+table serves both a chain (`draft`) and SGLang's tree (`draft_tree`, --speculative-ngram-max-bfs-breadth > 1):
 
     (t_1, ..., t_w)  ->  {next token: count}      for every window w in [min_window, max_window]
 
@@ -70,6 +70,27 @@ class NgramCache:
             out.append(nxt)
             ctx = ctx[1:] + [nxt] if len(ctx) >= self.max_window else ctx + [nxt]
         return out
+
+
+    def draft_tree(self, context: Sequence[int], num_tokens: int, breadth: int) -> Tuple[List[int], List[int]]:
+        """Up to `num_tokens` drafts as a tree (SGLang's BFS over the n-grams): from the context,
+        each node's `breadth` most frequent continuations become its children, level by level.
+        Returns (tokens, parents) in the layout of speculative/tree.py (parent 0: the context's
+        last token; parents[0] = -1 stands for it)."""
+        tokens: List[int] = []
+        parents = [-1]
+        queue = [(list(context[-self.max_window :]), 0)]
+        while queue and len(tokens) < num_tokens:
+            ctx, node = queue.pop(0)
+            counts = self.lookup(ctx)
+            # most frequent first; on a tie the latest (dict order is recency)
+            ranked = sorted(reversed(list(counts)), key=lambda t: -counts[t])[:breadth]
+            for tok in ranked[: num_tokens - len(tokens)]:
+                tokens.append(tok)
+                parents.append(node)
+                child = ctx[1:] + [tok] if len(ctx) >= self.max_window else ctx + [tok]
+                queue.append((child, len(tokens)))
+        return tokens, parents
 
 
 def _count(counts: Dict[int, int], token: int) -> None:

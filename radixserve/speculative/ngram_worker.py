@@ -21,12 +21,14 @@ from __future__ import annotations
 import logging
 from typing import Any, Dict, List
 
+from radixserve.layers.attention.spec_tree import SpecTree
 from radixserve.model_executor.forward_batch import ModelWorkerBatch
 from radixserve.model_executor.tp_worker import GenerationBatchResult, TpModelWorker
 from radixserve.speculative.draft_budget import DraftBudget
 from radixserve.speculative.ngram_cache import NgramCache
 from radixserve.speculative.spec_info import NgramVerifyInput
-from radixserve.speculative.verify_step import run_verify_step
+from radixserve.speculative.tree import TreeDrafts
+from radixserve.speculative.verify_step import result_of, run_tree_verify_step, run_verify_step
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +46,7 @@ class NGRAMWorker:
         self.stats = stats  # SchedulerStats: the spec_* totals
         self._inserted: Dict[str, int] = {}  # rid -> how many of its tokens the cache has seen
         self.budget = DraftBudget()  # which drafts are worth verifying, per request and step
+        self.breadth = server_args.speculative_ngram_max_bfs_breadth  # 1: a chain; more: a token tree
 
     def clear_cache_pool(self) -> None:
         self.ngram_cache.reset()
@@ -64,8 +67,12 @@ class NGRAMWorker:
         """Run one decode step of `batch` (a prepared DECODE ScheduleBatch; `worker_batch` is its
         ModelWorkerBatch, grammar mask included) with drafts. Sets batch.output_ids to each
         request's last committed token."""
-        spec = NgramVerifyInput(self._draft(batch))
-        result = run_verify_step(self.target_worker, batch, worker_batch, spec, self.stats)
+        chains = self._draft(batch)
+        if self.breadth > 1 and any(chains):  # SGLang's token tree: as many nodes as the chain's drafts
+            out, _, _ = run_tree_verify_step(self.target_worker, batch, worker_batch, self._trees(batch, chains), self.stats)
+            result = result_of(out)
+        else:
+            result = run_verify_step(self.target_worker, batch, worker_batch, NgramVerifyInput(chains), self.stats)
         if self.stats is not None:  # the accept-length histogram (a plain decode step accepts none)
             self.stats.count_spec_accept_lens(result.accept_lens or [0] * len(batch.reqs))
         return result
@@ -84,6 +91,17 @@ class NGRAMWorker:
             chains.append(self.ngram_cache.draft(tokens, room) if room > 0 and self._can_draft(req) else [])
         self._inserted = seen  # requests no longer decoding are forgotten
         return self.budget.step([req.rid for req in batch.reqs], all_tokens, chains)
+
+    def _trees(self, batch: Any, chains: List[List[int]]) -> TreeDrafts:
+        """--speculative-ngram-max-bfs-breadth > 1: each request's tree of len(chain) nodes (the
+        DraftBudget's count), breadth first from its tokens."""
+        tokens, parents = [], []
+        for req, chain in zip(batch.reqs, chains):
+            toks, par = self.ngram_cache.draft_tree(req.origin_input_ids + req.output_ids, len(chain), self.breadth) \
+                if chain else ([], [-1])
+            tokens.append(toks)
+            parents.append(par)
+        return TreeDrafts(tokens, SpecTree(parents))
 
     @staticmethod
     def _room(req: Any) -> int:

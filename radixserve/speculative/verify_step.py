@@ -12,13 +12,14 @@ takes them with alloc_draft_slots and passes them in; otherwise they are taken h
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 import torch
 
 from radixserve.model_executor.forward_batch import ForwardMode, ModelWorkerBatch
 from radixserve.model_executor.tp_worker import GenerationBatchResult, TpModelWorker
 from radixserve.speculative.spec_info import ChainVerifyInput, ChainVerifyOutput
+from radixserve.speculative.tree import TreeDrafts, accepted_kv_moves, verify_tree
 from radixserve.speculative.verify import verify_chain
 
 
@@ -84,35 +85,64 @@ def run_verify_step(target_worker: TpModelWorker, batch: Any, worker_batch: Mode
     return result_of(out)
 
 
+def run_tree_verify_step(target_worker: TpModelWorker, batch: Any, worker_batch: ModelWorkerBatch, drafts: TreeDrafts,
+                         stats: Any = None, capture_hidden: bool = False) -> Tuple[ChainVerifyOutput, List[List[int]], Any]:
+    """Verify token trees (tree.py) in one target forward under the tree mask and commit: the
+    accepted branch's KV moved to its positions, then the chain's commit. Returns the committed
+    tokens, each request's accepted branch and (capture_hidden) the target's hidden states."""
+    for req, k in zip(batch.reqs, drafts.num_drafts):
+        req.spec_verify_ct += 1
+        req.spec_num_proposed_drafts += k
+    locs = alloc_draft_slots(batch, drafts.num_drafts) if any(drafts.num_drafts) else \
+        [torch.empty(0, dtype=torch.int64)] * len(batch.reqs)
+    verify_batch = verify_batch_of(batch, worker_batch, drafts.tokens, drafts.extend_lens, locs)
+    verify_batch = dataclasses.replace(verify_batch, spec_tree=drafts.tree, capture_hidden_states=capture_hidden)
+    out_logits = target_worker.forward_batch_generation(verify_batch, skip_sample=True).logits_output
+    out, paths = verify_tree(out_logits.all_logits, batch.sampling_info, drafts, worker_batch.token_bitmask,
+                             batch.return_logprob, batch.top_logprobs_nums if batch.return_logprob else None)
+    tgt, src = accepted_kv_moves(drafts, paths, verify_batch.out_cache_loc)
+    if len(tgt):
+        target_worker.model_runner.token_to_kv_pool.move_kv_cache(tgt, src)
+    commit(batch, drafts, out)
+    count(stats, len(batch.reqs), sum(a + 1 for a in out.accept_lens), sum(out.accept_lens), sum(drafts.num_drafts))
+    return out, paths, out_logits.hidden_states
+
+
 def verify_forward(target_worker: TpModelWorker, batch: Any, worker_batch: ModelWorkerBatch,
                    spec: ChainVerifyInput, draft_locs: List[torch.Tensor]) -> torch.Tensor:
     """One EXTEND forward of every request's last token and drafts (spec_info.py's layout);
     returns the logits at every position."""
+    verify_batch = verify_batch_of(batch, worker_batch, spec.draft_token_ids, spec.extend_lens, draft_locs)
+    result = target_worker.forward_batch_generation(verify_batch, skip_sample=True)
+    return result.logits_output.all_logits
+
+
+def verify_batch_of(batch: Any, worker_batch: ModelWorkerBatch, drafts: List[List[int]], extend_lens: List[int],
+                    draft_locs: List[torch.Tensor]) -> ModelWorkerBatch:
+    """The decode step's worker batch as a TARGET_VERIFY EXTEND of each request's last token and
+    drafts (what else it carries, e.g. adapters, stays); logits at every position."""
     prefix_lens = [s - 1 for s in batch.seq_lens_cpu]
     input_ids, out_cache_loc = [], []
     last_tokens, last_locs = batch.input_ids.tolist(), batch.out_cache_loc.tolist()
-    for i, drafts in enumerate(spec.draft_token_ids):
-        assert len(draft_locs[i]) == len(drafts), (len(draft_locs[i]), len(drafts))
-        input_ids += [last_tokens[i]] + drafts
+    for i, toks in enumerate(drafts):
+        assert len(draft_locs[i]) == len(toks), (len(draft_locs[i]), len(toks))
+        input_ids += [last_tokens[i]] + toks
         out_cache_loc += [last_locs[i]] + draft_locs[i].tolist()
-    seq_lens_cpu = [p + n for p, n in zip(prefix_lens, spec.extend_lens)]
-    # The decode step's worker batch as an EXTEND (what else it carries, e.g. adapters, stays).
-    verify_batch = dataclasses.replace(
+    seq_lens_cpu = [p + n for p, n in zip(prefix_lens, extend_lens)]
+    return dataclasses.replace(
         worker_batch,
         forward_mode=ForwardMode.TARGET_VERIFY,
         input_ids=torch.tensor(input_ids, dtype=torch.int64),
         seq_lens=torch.tensor(seq_lens_cpu, dtype=torch.int64),
         out_cache_loc=torch.tensor(out_cache_loc, dtype=torch.int64),
         seq_lens_cpu=seq_lens_cpu,
-        extend_seq_lens=spec.extend_lens,
+        extend_seq_lens=extend_lens,
         extend_prefix_lens=prefix_lens,
-        return_logprob=False,  # logprobs come from every position's logits (verify.py)
+        return_logprob=False,  # logprobs come from every position's logits (verify.py / tree.py)
         top_logprobs_nums=None,
         capture_all_logits=True,
-        token_bitmask=None,  # applied per position by verify_chain
+        token_bitmask=None,  # applied per position by the acceptance
     )
-    result = target_worker.forward_batch_generation(verify_batch, skip_sample=True)
-    return result.logits_output.all_logits
 
 
 def commit(batch: Any, spec: ChainVerifyInput, out: ChainVerifyOutput) -> None:

@@ -56,6 +56,18 @@ def test_ngram_cache_min_window_and_incremental_insert():
     assert cache.lookup([11, 12]) == {13: 1}  # not counted twice
 
 
+def test_ngram_cache_drafts_a_tree_breadth_first():
+    cache = NgramCache(1, 3, 1000)
+    # after (1, 2): 3 twice, 4 once; after (2, 3): 5; after (2, 4): 6
+    cache.insert([1, 2, 3, 5, 0, 1, 2, 3, 5, 0, 1, 2, 4, 6])
+    tokens, parents = cache.draft_tree([9, 1, 2], 4, breadth=2)
+    assert tokens == [3, 4, 5, 6] and parents == [-1, 0, 0, 1, 2]  # 3 before 4 (more frequent)
+    tokens, parents = cache.draft_tree([9, 1, 2], 2, breadth=2)
+    assert tokens == [3, 4] and parents == [-1, 0, 0]
+    chain = cache.draft([9, 1, 2], 3)
+    assert cache.draft_tree([9, 1, 2], 3, breadth=1) == (chain, [-1, 0, 1, 2][: len(chain) + 1])
+
+
 def test_ngram_cache_is_bounded():
     cache = NgramCache(min_window=3, max_window=3, capacity=50)
     rng = random.Random(0)
@@ -240,6 +252,8 @@ CONFIGS = {
     "radix_disabled": dict(disable_radix_cache=True),
     "page_size_4": dict(page_size=4, chunked_prefill_size=32),
     "page_size_16_tiny_pool": dict(page_size=16, max_total_tokens=1024, schedule_conservativeness=0.02, chunked_prefill_size=64),
+    "bfs_tree_3": dict(speculative_ngram_max_bfs_breadth=3),  # SGLang's token tree (verified under the tree mask)
+    "bfs_tree_3_page_size_4": dict(speculative_ngram_max_bfs_breadth=3, page_size=4, chunked_prefill_size=32),
 }
 
 
@@ -366,7 +380,7 @@ def test_structured_output_requests_decode_without_drafts():
     (dict(speculative_algorithm="EAGLE"), "--speculative-draft-model-path"),
     (dict(speculative_algorithm="STANDALONE"), "--speculative-draft-model-path"),
     (dict(speculative_algorithm="MEDUSA"), "--speculative-algorithm"),
-    (dict(speculative_algorithm="NGRAM", speculative_ngram_max_bfs_breadth=4), "--speculative-ngram-max-bfs-breadth"),
+    (dict(speculative_algorithm="NGRAM", speculative_ngram_max_bfs_breadth=0), "--speculative-ngram-max-bfs-breadth"),
     (dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=1), "--speculative-num-draft-tokens"),
     (dict(speculative_algorithm="NGRAM", speculative_ngram_min_match_window_size=5,
           speculative_ngram_max_match_window_size=3), "window"),
