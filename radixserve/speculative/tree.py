@@ -31,7 +31,7 @@ from radixserve.layers.attention.spec_tree import SpecTree
 from radixserve.layers.sampler import filter_probs
 from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
 from radixserve.speculative.spec_info import ChainVerifyOutput, layout_starts
-from radixserve.speculative.verify import PositionLayout, draw_residual, expand_bitmask, expand_sampling_info
+from radixserve.speculative.verify import PositionLayout, add_logprobs, draw_residual, processed_logits
 
 
 @dataclass
@@ -82,12 +82,7 @@ def verify_tree(
     committed tokens and, per request, the layout indices of its accepted branch."""
     depth = [d for i in range(len(drafts.tokens)) for d in drafts.tree.depths(i)]
     req_of_pos = [i for i, n in enumerate(drafts.extend_lens) for _ in range(n)]
-    ex = expand_sampling_info(info, PositionLayout(req_of_pos, depth, [-1] * len(depth)))
-    logits = ex.apply_logits_bias(logits).float()
-    bitmask = expand_bitmask(token_bitmask, drafts)
-    if bitmask is not None:
-        bitmask.apply_(logits, ex.vocab_size)
-    logits = logits.masked_fill(torch.isnan(logits), float("-inf"))
+    ex, logits = processed_logits(logits, info, PositionLayout(req_of_pos, depth, [-1] * len(depth)), token_bitmask, drafts)
     target = _target_tokens(logits, ex).tolist()
 
     out_tokens, accept_lens, paths, judged_at = [], [], [], []
@@ -102,7 +97,7 @@ def verify_tree(
         judged_at.append([start] + [start + j for j in path])  # where each committed token was decided
     out = ChainVerifyOutput(accept_lens, out_tokens, num_drafts=drafts.num_drafts)
     if return_logprob:
-        _add_logprobs(out, logits, judged_at, top_logprobs_nums)
+        add_logprobs(out, logits, judged_at, top_logprobs_nums)
     return out, paths
 
 
@@ -117,31 +112,6 @@ def _target_tokens(logits: torch.Tensor, ex: SamplingBatchInfo) -> torch.Tensor:
     pos = torch.arange(logits.shape[0], device=logits.device)
     drawn = draw_residual(probs, torch.full_like(argmax, -1), ex, pos)
     return torch.where(greedy_row, argmax, drawn)
-
-
-def _add_logprobs(out: ChainVerifyOutput, logits: torch.Tensor, judged_at: List[List[int]],
-                  top_logprobs_nums: Optional[List[int]]) -> None:
-    """Logprobs of the committed tokens at the positions that decided them (before temperature
-    and filters, as the Sampler reports them)."""
-    logprobs = torch.log_softmax(logits, dim=-1)
-    pos = torch.tensor([p for ps in judged_at for p in ps], dtype=torch.int64)
-    ids = torch.tensor([t for toks in out.token_ids for t in toks], dtype=torch.int64)
-    vals = logprobs[pos, ids].tolist()
-    counts = [len(ps) for ps in judged_at]
-    out.logprobs = _split(vals, counts)
-    if not top_logprobs_nums or not any(n > 0 for n in top_logprobs_nums):
-        return
-    top_v, top_i = torch.topk(logprobs[pos], min(max(top_logprobs_nums), logprobs.shape[-1]), dim=-1)
-    out.top_logprobs_val = [[v[:n] for v in rows] for rows, n in zip(_split(top_v.tolist(), counts), top_logprobs_nums)]
-    out.top_logprobs_idx = [[v[:n] for v in rows] for rows, n in zip(_split(top_i.tolist(), counts), top_logprobs_nums)]
-
-
-def _split(flat: list, counts: List[int]) -> List[list]:
-    out, k = [], 0
-    for n in counts:
-        out.append(flat[k : k + n])
-        k += n
-    return out
 
 
 def accepted_kv_moves(drafts: TreeDrafts, paths: List[List[int]], out_cache_loc: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 import torch
 
@@ -82,12 +82,7 @@ def verify_chain(
 ) -> ChainVerifyOutput:
     """logits [sum(1 + k_i), V] at every verify position; info: the batch's [bs] rows."""
     layout = PositionLayout.of(spec)
-    ex = expand_sampling_info(info, layout)
-    logits = ex.apply_logits_bias(logits).float()
-    bitmask = expand_bitmask(token_bitmask, spec)
-    if bitmask is not None:
-        bitmask.apply_(logits, ex.vocab_size)
-    logits = logits.masked_fill(torch.isnan(logits), float("-inf"))
+    ex, logits = processed_logits(logits, info, layout, token_bitmask, spec)
 
     draft = torch.tensor(layout.draft_of_pos, dtype=torch.int64, device=logits.device)
     has_draft = draft >= 0
@@ -123,8 +118,20 @@ def verify_chain(
     token_ids = [spec.draft_token_ids[i][:a] + [final_list[i]] for i, a in enumerate(accept_lens)]
     out = ChainVerifyOutput(accept_lens, token_ids, num_drafts=spec.num_drafts)
     if return_logprob:
-        _add_logprobs(out, logits, starts, top_logprobs_nums)
+        add_logprobs(out, logits, [[s + j for j in range(a + 1)] for s, a in zip(starts, accept_lens)], top_logprobs_nums)
     return out
+
+
+def processed_logits(logits: torch.Tensor, info: SamplingBatchInfo, layout: PositionLayout,
+                     token_bitmask: Optional[TokenBitmask], spec: Any) -> Tuple[SamplingBatchInfo, torch.Tensor]:
+    """(the sampling rows of every verify position, its float logits after penalties, bias and
+    the grammar mask, NaN as -inf): what acceptance reads, for a chain or a tree (spec)."""
+    ex = expand_sampling_info(info, layout)
+    logits = ex.apply_logits_bias(logits).float()
+    bitmask = expand_bitmask(token_bitmask, spec)
+    if bitmask is not None:
+        bitmask.apply_(logits, ex.vocab_size)
+    return ex, logits.masked_fill(torch.isnan(logits), float("-inf"))
 
 
 def _uniforms(ex: SamplingBatchInfo, n: int, device: Any) -> torch.Tensor:
@@ -162,27 +169,25 @@ def draw_residual(probs: torch.Tensor, rejected: torch.Tensor, ex: SamplingBatch
     return torch.where(empty & has, rejected, torch.where(empty, probs.argmax(dim=-1), drawn))
 
 
-def _add_logprobs(out: ChainVerifyOutput, logits: torch.Tensor, starts: List[int],
-                  top_logprobs_nums: Optional[List[int]]) -> None:
-    """Logprobs of the committed tokens, as the Sampler reports them (before temperature and
-    the top-k/top-p filters)."""
+def add_logprobs(out: ChainVerifyOutput, logits: torch.Tensor, judged_at: List[List[int]],
+                 top_logprobs_nums: Optional[List[int]]) -> None:
+    """Logprobs of the committed tokens at the positions that decided them (judged_at, per
+    request), as the Sampler reports them (before temperature and the top-k/top-p filters)."""
     logprobs = torch.log_softmax(logits, dim=-1)
-    pos = [starts[i] + j for i, toks in enumerate(out.token_ids) for j in range(len(toks))]
-    ids = [t for toks in out.token_ids for t in toks]
-    pos_t = torch.tensor(pos, dtype=torch.int64, device=logits.device)
-    vals = logprobs[pos_t, torch.tensor(ids, dtype=torch.int64, device=logits.device)].tolist()
-    out.logprobs, k = [], 0
-    for toks in out.token_ids:
-        out.logprobs.append(vals[k : k + len(toks)])
-        k += len(toks)
+    pos = torch.tensor([p for ps in judged_at for p in ps], dtype=torch.int64, device=logits.device)
+    ids = torch.tensor([t for toks in out.token_ids for t in toks], dtype=torch.int64, device=logits.device)
+    counts = [len(ps) for ps in judged_at]
+    out.logprobs = _split(logprobs[pos, ids].tolist(), counts)
     if not top_logprobs_nums or not any(n > 0 for n in top_logprobs_nums):
         return
-    k_max = min(max(top_logprobs_nums), logprobs.shape[-1])
-    top_v, top_i = torch.topk(logprobs[pos_t], k_max, dim=-1)
-    top_v, top_i = top_v.tolist(), top_i.tolist()
-    out.top_logprobs_val, out.top_logprobs_idx, k = [], [], 0
-    for i, toks in enumerate(out.token_ids):
-        n = top_logprobs_nums[i]
-        out.top_logprobs_val.append([v[:n] for v in top_v[k : k + len(toks)]])
-        out.top_logprobs_idx.append([v[:n] for v in top_i[k : k + len(toks)]])
-        k += len(toks)
+    top_v, top_i = torch.topk(logprobs[pos], min(max(top_logprobs_nums), logprobs.shape[-1]), dim=-1)
+    out.top_logprobs_val = [[v[:n] for v in rows] for rows, n in zip(_split(top_v.tolist(), counts), top_logprobs_nums)]
+    out.top_logprobs_idx = [[v[:n] for v in rows] for rows, n in zip(_split(top_i.tolist(), counts), top_logprobs_nums)]
+
+
+def _split(flat: list, counts: List[int]) -> List[list]:
+    out, k = [], 0
+    for n in counts:
+        out.append(flat[k : k + n])
+        k += n
+    return out

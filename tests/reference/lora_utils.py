@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -15,6 +15,16 @@ from safetensors.torch import load_file, save_file
 from radixserve.tiny_model import get_tiny_model_path
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+# The adapters of the tiny-model LoRA tests: name -> (rank, lora_alpha, target modules)
+ADAPTERS = {
+    "a4": (4, 8.0, ["q_proj", "v_proj"]),
+    "b8": (8, 8.0, ["k_proj", "o_proj", "gate_proj", "down_proj"]),
+    "c16": (16, 32.0, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+}
+PROMPTS = ["The quick brown fox", "Once upon a time there", "1 2 3 4 5", "Hello, my name is"]
+SAMPLING = {"max_new_tokens": 8, "temperature": 0.0}
+ENGINE_ARGS = dict(dtype="float32", max_total_tokens=2048, disable_radix_cache=True, test_check_memory=True)
 
 
 def _group(module: str) -> str:
@@ -67,3 +77,16 @@ def write_merged_model(out: Path, adapter_dir: Path) -> Path:
     shutil.copytree(get_tiny_model_path(), out)
     save_file(merged_weights(base_weights(), adapter_dir), str(out / "model.safetensors"))
     return out
+
+
+def hf_greedy(model, ids: List[int], n_new: int) -> Tuple[List[int], List[float]]:
+    """transformers' greedy tokens and their logprobs, a full forward per step (no KV cache to differ)."""
+    seq, out, lps = list(ids), [], []
+    with torch.no_grad():
+        for _ in range(n_new):
+            logprobs = torch.log_softmax(model(torch.tensor([seq])).logits[0, -1].float(), -1)
+            tok = int(logprobs.argmax())
+            out.append(tok)
+            lps.append(float(logprobs[tok]))
+            seq.append(tok)
+    return out, lps

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from hf_utils import load_hf, make_hf_model_dir
+from lora_utils import hf_greedy
 from radixserve.engine import Engine
 from radixserve.tiny_model import get_tiny_model_path
 
@@ -52,19 +53,6 @@ def _peft_adapter(model_dir: str, out: Path, rank: int, alpha: float, seed: int)
     return out
 
 
-def _hf_greedy(model, ids: List[int]) -> Tuple[List[int], List[float]]:
-    """Greedy tokens and their logprobs, a full forward per step (no KV cache to differ)."""
-    seq, out, lps = list(ids), [], []
-    with torch.no_grad():
-        for _ in range(N_NEW):
-            logprobs = torch.log_softmax(model(torch.tensor([seq])).logits[0, -1].float(), -1)
-            tok = int(logprobs.argmax())
-            out.append(tok)
-            lps.append(float(logprobs[tok]))
-            seq.append(tok)
-    return out, lps
-
-
 def _expected(model_dir: str, adapters: Dict[str, Path], prompts: List[List[int]]) -> Expected:
     """Per (prompt, adapter): transformers on the base model, or with the adapter merged by peft."""
     expected: Expected = {}
@@ -75,7 +63,7 @@ def _expected(model_dir: str, adapters: Dict[str, Path], prompts: List[List[int]
 
             model = peft.PeftModel.from_pretrained(model, str(adapters[name])).merge_and_unload()
         for i, p in enumerate(prompts):
-            expected[(i, name)] = _hf_greedy(model, p)
+            expected[(i, name)] = hf_greedy(model, p, N_NEW)
     return expected
 
 

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from hf_utils import load_hf, make_hf_model_dir
-from lora_utils import merged_weights, write_adapter
+from lora_utils import hf_greedy, merged_weights, write_adapter
 from radixserve.engine import Engine
 
 ADAPTERS = {  # name -> (rank, lora_alpha, target modules)
@@ -21,19 +21,6 @@ ADAPTERS = {  # name -> (rank, lora_alpha, target modules)
     "r16": (16, 16.0, ["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"]),
 }
 N_NEW = 6
-
-
-def hf_greedy(model, ids: List[int]) -> Tuple[List[int], List[float]]:
-    """Greedy tokens and their logprobs, a full forward per step (no KV cache to differ)."""
-    seq, out, lps = list(ids), [], []
-    with torch.no_grad():
-        for _ in range(N_NEW):
-            logprobs = torch.log_softmax(model(torch.tensor([seq])).logits[0, -1].float(), -1)
-            tok = int(logprobs.argmax())
-            out.append(tok)
-            lps.append(float(logprobs[tok]))
-            seq.append(tok)
-    return out, lps
 
 
 def test_mixed_adapters_match_transformers_on_merged_weights(tmp_path: Path):
@@ -60,7 +47,7 @@ def test_mixed_adapters_match_transformers_on_merged_weights(tmp_path: Path):
     for name in [None, *ADAPTERS]:
         hf.load_state_dict(base if name is None else merged_weights(base, adapters[name]), strict=False)
         for i, p in enumerate(prompts):
-            expected[(i, name)] = hf_greedy(hf, p)
+            expected[(i, name)] = hf_greedy(hf, p, N_NEW)
     assert len({tuple(expected[(0, n)][0]) for n in [None, *ADAPTERS]}) > 1  # the adapters matter
 
     for (p, name), out in zip(pairs, outs):

@@ -30,17 +30,8 @@ from radixserve.engine import Engine
 from radixserve.tiny_model import get_tiny_model_path
 
 sys.path.append(str(Path(__file__).resolve().parents[1] / "reference"))
-from lora_utils import base_weights, write_adapter  # noqa: E402
+from lora_utils import ADAPTERS, ENGINE_ARGS, PROMPTS, SAMPLING, base_weights, write_adapter  # noqa: E402
 
-# name -> (rank, lora_alpha, target modules)
-ADAPTERS = {
-    "a4": (4, 8.0, ["q_proj", "v_proj"]),
-    "b8": (8, 8.0, ["k_proj", "o_proj", "gate_proj", "down_proj"]),
-    "c16": (16, 32.0, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
-}
-PROMPTS = ["The quick brown fox", "Once upon a time there", "1 2 3 4 5", "Hello, my name is"]
-SAMPLING = {"max_new_tokens": 8, "temperature": 0.0}
-ENGINE_ARGS = dict(dtype="float32", max_total_tokens=2048, disable_radix_cache=True, test_check_memory=True)
 LOGPROB_ATOL = 1e-4
 
 

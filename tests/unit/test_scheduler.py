@@ -5,6 +5,8 @@ conserved; aborts leave nothing behind."""
 from __future__ import annotations
 
 import random
+import sys
+from pathlib import Path
 from typing import Dict, List
 
 import pytest
@@ -15,8 +17,10 @@ from radixserve.protocol import TokenizedGenerateReqInput
 from radixserve.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from greedy_testing import assert_same_greedy, reference_alone  # noqa: E402
+
 VOCAB_LO = 3  # ids 0-2 are special tokens of the tiny model
-NEAR_TIE = 1e-4
 
 
 def make_workload(n: int = 200, seed: int = 0):
@@ -39,29 +43,8 @@ def workload():
 
 @pytest.fixture(scope="module")
 def reference(workload):
-    """Each request run alone (no cache, no batching), with its top-2 logprobs to tell near-ties."""
-    prompts, params = workload
-    engine = Engine(disable_radix_cache=True, max_total_tokens=4096)
-    out = []
-    for p, sp in zip(prompts, params):
-        r = engine.generate(input_ids=[p], sampling_params=[sp], return_logprob=True, top_logprobs_num=2)[0]
-        out.append(r)
-    return out
-
-
-def assert_same_greedy(results: List[Dict], reference: List[Dict]) -> None:
-    """Outputs equal the reference, except after a position where the reference's top two
-    logits are within float tolerance of each other (a near-tie may flip)."""
-    for i, (got, ref) in enumerate(zip(results, reference)):
-        a, b = got["output_ids"], ref["output_ids"]
-        for k, (x, y) in enumerate(zip(a, b)):
-            if x != y:
-                top2 = ref["meta_info"]["output_top_logprobs"][k]
-                gap = top2[0][0] - top2[1][0]
-                assert gap < NEAR_TIE, f"request {i} diverged at token {k} with logit gap {gap}"
-                break
-        else:
-            assert len(a) == len(b), f"request {i}: {len(a)} tokens vs {len(b)} alone"
+    """Each request run alone (no cache, no batching)."""
+    return reference_alone(*workload, disable_radix_cache=True, max_total_tokens=4096)
 
 
 CONFIGS = {

@@ -29,7 +29,7 @@ from radixserve.tiny_model import get_tiny_model_path  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "reference"))
 from hf_utils import KVDriver  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from spec_testing import sampling_info  # noqa: E402
+from greedy_testing import sampling_info  # noqa: E402
 
 TOL = 1e-4
 

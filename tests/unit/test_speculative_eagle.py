@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 import sys
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict
 
 import pytest
 from scipy.stats import chi2_contingency
@@ -23,7 +23,7 @@ from radixserve.tiny_model import get_tiny_model_path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from eagle_head import make_copy_pair, make_random_eagle_head  # noqa: E402
 from real_model import chat_prompt_ids, smollm2_gguf  # noqa: E402
-from spec_testing import assert_same_greedy, run_in_two_waves  # noqa: E402
+from greedy_testing import assert_same_greedy, reference_alone, run_in_two_waves, with_repeats  # noqa: E402
 
 TREE = dict(speculative_num_steps=3, speculative_eagle_topk=3, speculative_num_draft_tokens=6)
 CHAIN = dict(speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4)
@@ -55,19 +55,7 @@ def make_prompts(vocab: int = 8192, seed: int = 0):
     for _ in range(NUM_BASE):
         prompts.append([rng.randrange(3, vocab) for _ in range(rng.randint(5, 60))])
         params.append({"max_new_tokens": rng.randint(6, 24), "temperature": 0})
-    for i in range(0, NUM_BASE, 2):
-        prompts.append(list(prompts[i]))
-        params.append(dict(params[i]))
-    return prompts, params
-
-
-def reference_of(prompts, params, **kw) -> List[Dict]:
-    """Speculation off, each request alone, with top-2 logprobs to tell near-ties."""
-    engine = Engine(max_total_tokens=16384, **kw)
-    out = [engine.generate(input_ids=[p], sampling_params=[sp], return_logprob=True, top_logprobs_num=2, progress=False)[0]
-           for p, sp in zip(prompts, params)]
-    engine.shutdown()
-    return out
+    return with_repeats(prompts, params)
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +65,7 @@ def workload():
 
 @pytest.fixture(scope="module")
 def reference(workload):
-    return reference_of(*workload)
+    return reference_alone(*workload)
 
 
 CONFIGS = {
@@ -117,7 +105,7 @@ def test_a_head_that_knows_its_target_gets_its_drafts_accepted(shape, copy_pair)
     target, head = copy_pair
     prompts, params = make_prompts(vocab=512, seed=1)
     kw = dict(model_path=target, skip_tokenizer_init=True)
-    reference = reference_of(prompts, params, **kw)
+    reference = reference_alone(prompts, params, **kw)
     engine = Engine(max_total_tokens=16384, test_check_memory=True, **kw, **eagle_kw(head, shape))
     results = run_in_two_waves(engine, prompts, params, NUM_BASE)
     assert_same_greedy(results, reference)
@@ -130,7 +118,7 @@ def test_logprobs_equal_speculation_off(copy_pair):
     target, head = copy_pair
     prompts, params = make_prompts(vocab=512, seed=2)
     kw = dict(model_path=target, skip_tokenizer_init=True)
-    reference = reference_of(prompts[:4], params[:4], **kw)
+    reference = reference_alone(prompts[:4], params[:4], **kw)
     engine = Engine(max_total_tokens=16384, **kw, **eagle_kw(head, TREE))
     got = engine.generate(input_ids=prompts[:4], sampling_params=params[:4], return_logprob=True, top_logprobs_num=2,
                           progress=False)

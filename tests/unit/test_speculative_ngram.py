@@ -24,7 +24,7 @@ from radixserve.speculative.verify import verify_chain
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from real_model import smollm2_gguf  # noqa: E402
-from spec_testing import assert_same_greedy, run_in_two_waves, sampling_info  # noqa: E402
+from greedy_testing import assert_same_greedy, reference_alone, run_in_two_waves, with_repeats, sampling_info  # noqa: E402
 
 VOCAB_LO = 3  # ids 0-2 are the tiny model's special tokens
 SPEC = dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=5)
@@ -217,10 +217,7 @@ def make_prompts(seed: int = 0):
             prompt = phrase * rng.randint(3, 8)
         prompts.append(prompt)
         params.append({"max_new_tokens": rng.randint(8, 48), "temperature": 0})
-    for i in range(0, NUM_BASE, 2):
-        prompts.append(list(prompts[i]))
-        params.append(dict(params[i]))
-    return prompts, params
+    return with_repeats(prompts, params)
 
 
 @pytest.fixture(scope="module")
@@ -230,11 +227,7 @@ def workload():
 
 @pytest.fixture(scope="module")
 def reference(workload):
-    """Speculation off, each request alone, with top-2 logprobs to tell near-ties."""
-    prompts, params = workload
-    engine = Engine(max_total_tokens=16384)
-    return [engine.generate(input_ids=[p], sampling_params=[sp], return_logprob=True, top_logprobs_num=2)[0]
-            for p, sp in zip(prompts, params)]
+    return reference_alone(*workload)
 
 
 def every_draft(engine: Engine) -> Engine:
@@ -255,6 +248,36 @@ CONFIGS = {
     "bfs_tree_3": dict(speculative_ngram_max_bfs_breadth=3),  # SGLang's token tree (verified under the tree mask)
     "bfs_tree_3_page_size_4": dict(speculative_ngram_max_bfs_breadth=3, page_size=4, chunked_prefill_size=32),
 }
+
+
+def test_bfs_breadth_verifies_branching_trees(monkeypatch):
+    """--speculative-ngram-max-bfs-breadth 3: where an n-gram has several continuations the draft
+    is a tree that branches (verified under the tree mask), and the output is speculation off's."""
+    from radixserve.speculative import ngram_worker
+
+    trees = []
+    real = ngram_worker.run_tree_verify_step
+
+    def spy(target_worker, batch, worker_batch, drafts, *args, **kw):
+        trees.extend(drafts.tree.parents)
+        return real(target_worker, batch, worker_batch, drafts, *args, **kw)
+
+    monkeypatch.setattr(ngram_worker, "run_tree_verify_step", spy)
+    rng = random.Random(5)
+    prompt = [rng.randrange(3, 8000) for _ in range(20)]
+    params = {"max_new_tokens": 12, "temperature": 0}
+    off = Engine(max_total_tokens=4096)
+    expected = off.generate(input_ids=[prompt], sampling_params=[params], progress=False)[0]["output_ids"]
+    off.shutdown()
+    engine = every_draft(Engine(max_total_tokens=4096, test_check_memory=True, speculative_ngram_max_bfs_breadth=3, **SPEC))
+    # the first output token seen followed by two other tokens, then by the true next two (the
+    # chain, so the tree gets 2+ nodes; the tree's size is what the budget gives the chain)
+    for seen in ([expected[0], 8100], [expected[0], 8101], expected[:3]):
+        engine.scheduler.spec_worker.ngram_cache.insert(seen)
+    got = engine.generate(input_ids=[prompt], sampling_params=[params], progress=False)[0]["output_ids"]
+    assert got == expected
+    assert any(par[1:].count(0) >= 2 for par in trees), trees  # a root with several children
+    engine.shutdown()
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

@@ -27,7 +27,7 @@ from radixserve.tiny_model import get_tiny_model_path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from real_model import smollm2_gguf  # noqa: E402
 from reference.hf_utils import make_hf_model_dir  # noqa: E402
-from spec_testing import assert_same_greedy, run_in_two_waves  # noqa: E402
+from greedy_testing import assert_same_greedy, reference_alone, run_in_two_waves, with_repeats  # noqa: E402
 
 VOCAB_LO = 3  # ids 0-2 are the tiny model's special tokens
 NUM_STEPS = 3
@@ -82,10 +82,7 @@ def make_prompts(seed: int = 0):
     for _ in range(NUM_BASE):
         prompts.append([rng.randrange(VOCAB_LO, 8192) for _ in range(rng.randint(5, 70))])
         params.append({"max_new_tokens": rng.randint(6, 28), "temperature": 0})
-    for i in range(0, NUM_BASE, 2):
-        prompts.append(list(prompts[i]))
-        params.append(dict(params[i]))
-    return prompts, params
+    return with_repeats(prompts, params)
 
 
 @pytest.fixture(scope="module")
@@ -95,13 +92,7 @@ def workload():
 
 @pytest.fixture(scope="module")
 def reference(workload):
-    """Speculation off, each request alone, with top-2 logprobs to tell near-ties."""
-    prompts, params = workload
-    engine = Engine(max_total_tokens=16384)
-    out = [engine.generate(input_ids=[p], sampling_params=[sp], return_logprob=True, top_logprobs_num=2)[0]
-           for p, sp in zip(prompts, params)]
-    engine.shutdown()
-    return out
+    return reference_alone(*workload)
 
 
 def assert_draft_kv_mirrors_target(engine: Engine) -> None:
