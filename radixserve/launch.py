@@ -88,17 +88,21 @@ def launch_subprocesses(server_args: ServerArgs, should_abort: Any = lambda: Fal
     ctx = mp.get_context("spawn")
     pipes = {}
     children = []  # (name, target, server_args, extra args)
-    ranks_per_node = server_args.tp_size // server_args.nnodes
+    # --pp-size: pp x tp ranks, global rank = pp_rank * tp_size + tp_rank (SGLang's order)
+    tp, pp = server_args.tp_size, server_args.pp_size
+    ranks_per_node = tp * pp // server_args.nnodes
     local_ranks = range(server_args.node_rank * ranks_per_node, (server_args.node_rank + 1) * ranks_per_node)
     for dp in range(server_args.dp_size):
         group_args = server_args
-        if server_args.tp_size > 1 and (not server_args.dist_init_addr or server_args.dp_size > 1):
+        if tp * pp > 1 and (not server_args.dist_init_addr or server_args.dp_size > 1):
             # one rendezvous address per TP group (each rank would otherwise pick its own)
             group_args = server_args.replace(dist_init_addr=f"127.0.0.1:{_free_port()}")
-        for r in local_ranks:
-            # "scheduler" is the first group's rank 0; the others are "scheduler_dp1_tp0"...
-            name = "scheduler" if dp == 0 and r == 0 else "scheduler" + (f"_dp{dp}" if server_args.dp_size > 1 else "") + f"_tp{r}"
-            extra = (r, dp) if server_args.dp_size > 1 else (r,)
+        for g in local_ranks:
+            r = g % tp
+            # "scheduler" is the first group's rank 0; the others are "scheduler_dp1_tp0", "scheduler_pp1_tp0"...
+            name = "scheduler" if dp == 0 and g == 0 else "scheduler" + (f"_dp{dp}" if server_args.dp_size > 1 else "") + (
+                f"_pp{g // tp}" if pp > 1 else "") + f"_tp{r}"
+            extra = (r, dp) if server_args.dp_size > 1 else (r, None, g // tp) if pp > 1 else (r,)
             children.append((name, run_scheduler_process, group_args, extra))
     if server_args.dp_size > 1:
         from radixserve.managers.dp_controller import run_data_parallel_controller_process

@@ -101,6 +101,19 @@ class FlushCacheReqOutput:
     query_id: str = ""
 
 
+# SGLang's POST /clear_hicache_storage_backend: remove every page of this server's storage tier
+@dataclass
+class ClearHiCacheReqInput:
+    query_id: str = ""
+
+
+@dataclass
+class ClearHiCacheReqOutput:
+    success: bool
+    message: str = ""
+    query_id: str = ""
+
+
 @dataclass
 class GetInternalStateReq:
     query_id: str = ""
@@ -117,6 +130,37 @@ class SchedulerHeartbeat:
     """Rank 0 of a scheduler sends one about every second while its loop turns (/health)."""
 
     dp_rank: int = 0
+
+
+# ---- between pipeline stages (--pp-size; managers/scheduler_pp.py) ---------------------------
+@dataclass
+class PPBatchMessage:
+    """A micro-batch going down the pipeline: what the next stage runs, and the hidden states
+    (models.llama.PPProxyTensors) of the stage before. req_to_token_rows: for an EXTEND or MIXED
+    batch, each request's KV slots [0, seq_len) back to back (the first stage's radix cache
+    filled them; a decode step's one new slot is out_cache_loc)."""
+
+    worker_batch: Any  # model_executor.forward_batch.ModelWorkerBatch
+    proxy: Any
+    req_to_token_rows: Any = None  # int32 tensor, or None for DECODE
+
+
+@dataclass
+class PPBatchResult:
+    """The last stage's sampled tokens (tp_worker.GenerationBatchResult, logits dropped), sent
+    back to the first stage, which owns the requests."""
+
+    result: Any
+
+
+@dataclass
+class PPKeepAlive:
+    """The first stage, idle: the other stages' receives would otherwise time out."""
+
+
+@dataclass
+class PPStop:
+    """The first stage shuts down: each stage passes it on, then leaves the process group."""
 
 
 @dataclass
@@ -144,6 +188,8 @@ class BatchTokenIDOutput:
     spec_verify_ct: List[int] = field(default_factory=list)  # SPEC_KEYS
     spec_num_correct_drafts: List[int] = field(default_factory=list)
     spec_num_proposed_drafts: List[int] = field(default_factory=list)
+    # HiCache: cached_tokens by tier ({"device", "host", "storage"}), None without HiCache
+    cached_tokens_details: List[Optional[Dict[str, int]]] = field(default_factory=list)
 
 
 # ---- served runtime ---------------------------------------------------------------
@@ -195,6 +241,8 @@ class BatchStrOutput:
     spec_verify_ct: List[int] = field(default_factory=list)  # SPEC_KEYS
     spec_num_correct_drafts: List[int] = field(default_factory=list)
     spec_num_proposed_drafts: List[int] = field(default_factory=list)
+    # HiCache: cached_tokens by tier ({"device", "host", "storage"}), None without HiCache
+    cached_tokens_details: List[Optional[Dict[str, int]]] = field(default_factory=list)
 
 
 @dataclass

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -15,12 +16,17 @@ from typing import Any, Dict, List, Optional
 
 logger = logging.getLogger(__name__)
 
+HICACHE_STORAGE_BACKENDS = ("file", "mooncake")
+HICACHE_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 GRAMMAR_BACKENDS = ("xgrammar", "none")
 SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE")  # SGLang's names
+HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+HICACHE_IO_BACKENDS = ("direct", "kernel", "kernel_ascend")  # SGLang's; all one torch copy here
+HICACHE_MEM_LAYOUTS = ("layer_first", "page_first", "page_first_direct")  # SGLang's; layer_first here
 # The names of entrypoints/parsers/ (kept here so the flags need no import from entrypoints)
 TOOL_CALL_PARSERS = ("hermes", "qwen25", "llama3", "mistral")
 REASONING_PARSERS = ("deepseek-r1", "qwen3")
@@ -86,6 +92,20 @@ class ServerArgs:
     # Test knob: after every step, check that each KV page is free, cached or held (conservation).
     test_check_memory: bool = False
 
+    # HiCache (issue 29, SGLang's flags; mem_cache/hiradix_cache.py): radix nodes evicted from the
+    # device KV pool keep their KV in a host pool, and a later hit loads it back.
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float = 2.0  # host pool size / device pool size
+    hicache_size: int = 0  # host pool in GB; 0: use --hicache-ratio
+    hicache_write_policy: str = "write_through"
+    hicache_io_backend: str = "kernel"
+    hicache_mem_layout: str = "layer_first"
+    # HiCache's storage tier (mem_cache/storage/): pages backed up below the host pool, shared
+    # across restarts (file) or servers (mooncake); prefetched beside the scheduler.
+    hicache_storage_backend: Optional[str] = None  # "file" or "mooncake"; None: no storage tier
+    hicache_storage_backend_extra_config: Optional[Any] = None  # a JSON object (string); parsed to a dict by check()
+    hicache_storage_prefetch_policy: str = "best_effort"  # or "wait_complete", "timeout"
+
     # Speculative decoding (issue 27, SGLang's flags; radixserve/speculative/). NGRAM: drafts from
     # an n-gram cache of every request's prompt and output, a chain verified in one forward.
     speculative_algorithm: Optional[str] = None
@@ -122,6 +142,12 @@ class ServerArgs:
     node_rank: int = 0  # this machine; only node 0 serves HTTP
     load_balance_method: str = "round_robin"  # or "shortest_queue" (--dp-size > 1)
     dist_init_addr: Optional[str] = None  # host:port of rank 0's rendezvous; a free local port when None
+    # Pipeline parallelism (issue 30, seed 001 §27; managers/scheduler_pp.py): the layers split
+    # over pp_size stages, pp_size + pp_async_batch_depth micro-batches in flight.
+    pp_size: int = 1
+    pp_partition: Optional[str] = None  # decoder layers per stage, "3,1"; None: an even split
+    pp_max_micro_batch_size: Optional[int] = None  # requests per micro-batch; None: --max-running-requests // pp_size
+    pp_async_batch_depth: int = 0
 
     # Serving
     host: str = "127.0.0.1"
@@ -183,8 +209,8 @@ class ServerArgs:
         if self.dp_size < 1:
             raise ValueError(f"--dp-size must be >= 1, got {self.dp_size}")
         if self.nnodes > 1:
-            if self.tp_size % self.nnodes or self.dp_size > 1:
-                raise ValueError("--nnodes must divide --tp-size (and --dp-size must be 1 across nodes)")
+            if (self.tp_size * self.pp_size) % self.nnodes or self.dp_size > 1:
+                raise ValueError("--nnodes must divide --tp-size x --pp-size (and --dp-size must be 1 across nodes)")
             if not self.dist_init_addr:
                 raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT of node 0, the same on every node")
         if not 0 <= self.node_rank < self.nnodes:
@@ -235,10 +261,79 @@ class ServerArgs:
         if self.disaggregation_mode != "null" and (self.tp_size > 1 or self.dp_size > 1):
             raise ValueError("--disaggregation-mode runs with --tp-size 1 and --dp-size 1 in radixserve; "
                              "scale out with several prefill and decode servers behind sglang-router")
+        if self.enable_hierarchical_cache:
+            self._check_hicache()
+        if self.hicache_storage_backend is not None:
+            self._check_hicache_storage()
+        if self.pp_size != 1 or self.pp_partition is not None:
+            self._check_pp()
         if self.speculative_algorithm is not None:
             self._check_speculative()
         if self.enable_lora or self.lora_paths:
             self._check_lora()
+
+    def _check_hicache(self) -> None:
+        if self.disable_radix_cache:
+            raise ValueError("--enable-hierarchical-cache needs the radix cache; drop --disable-radix-cache")
+        _choice("--hicache-write-policy", self.hicache_write_policy, HICACHE_WRITE_POLICIES)
+        _choice("--hicache-io-backend", self.hicache_io_backend, HICACHE_IO_BACKENDS)
+        _choice("--hicache-mem-layout", self.hicache_mem_layout, HICACHE_MEM_LAYOUTS)
+        if self.hicache_size < 0 or (self.hicache_size == 0 and self.hicache_ratio <= 0):
+            raise ValueError("--hicache-size must be >= 0 GB (0: use --hicache-ratio, which must be > 0)")
+
+    def _check_hicache_storage(self) -> None:
+        if not self.enable_hierarchical_cache:
+            raise ValueError("--hicache-storage-backend needs --enable-hierarchical-cache (the storage tier sits below the host pool)")
+        _choice("--hicache-storage-backend", self.hicache_storage_backend, HICACHE_STORAGE_BACKENDS)
+        _choice("--hicache-storage-prefetch-policy", self.hicache_storage_prefetch_policy, HICACHE_PREFETCH_POLICIES)
+        extra = self.hicache_storage_backend_extra_config
+        if isinstance(extra, str):
+            try:
+                extra = json.loads(extra) if extra.strip() else {}
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--hicache-storage-backend-extra-config is not JSON: {e}") from None
+        if not isinstance(extra, (dict, type(None))):
+            raise ValueError("--hicache-storage-backend-extra-config must be a JSON object")
+        self.hicache_storage_backend_extra_config = extra or {}
+        if self.tp_size > 1 or self.pp_size > 1:  # the ranks would have to agree on every prefetch
+            raise ValueError("--hicache-storage-backend runs with --tp-size 1 and --pp-size 1 in radixserve")
+
+    def _check_pp(self) -> None:
+        """--pp-size: its numbers, and one line for each feature it does not run with yet."""
+        if self.pp_size < 1:
+            raise ValueError(f"--pp-size must be >= 1, got {self.pp_size}")
+        parts = self.pp_partition_list()
+        if parts is not None and (len(parts) != self.pp_size or min(parts) < 1):
+            raise ValueError(f"--pp-partition {self.pp_partition} must give each of the {self.pp_size} stages >= 1 layer")
+        if self.pp_async_batch_depth < 0:
+            raise ValueError("--pp-async-batch-depth must be >= 0")
+        if self.pp_max_micro_batch_size is not None and self.pp_max_micro_batch_size < 1:
+            raise ValueError("--pp-max-micro-batch-size must be >= 1")
+        if self.pp_size == 1:
+            return
+        refused = [
+            (self.disable_overlap_schedule is False, "--enable-overlap-schedule", "the PP loop overlaps the stages itself"),
+            (self.speculative_algorithm is not None, "--speculative-algorithm", "a verify step's drafts would cross the stages"),
+            (self.enable_lora or bool(self.lora_paths), "--enable-lora", "the adapters' layers are not split by stage"),
+            (self.disaggregation_mode != "null", "--disaggregation-mode", "the KV transfer is not split by stage"),
+            (self.is_embedding, "--is-embedding", "the pooler runs on one stage only"),
+            (self.dp_size > 1, "--dp-size > 1", "one pipeline per server"),
+            (self.enable_hierarchical_cache, "--enable-hierarchical-cache",
+             "the host tier would back up the first stage's layers only"),
+            (self.test_check_memory, "--test-check-memory", "it checks one micro-batch slot's requests"),
+        ]
+        for on, what, why in refused:
+            if on:
+                raise ValueError(f"--pp-size > 1 does not run with {what} ({why})")
+
+    def pp_partition_list(self) -> Optional[List[int]]:
+        """--pp-partition "3,1" as [3, 1] (None: an even split)."""
+        if self.pp_partition is None or isinstance(self.pp_partition, (list, tuple)):
+            return None if self.pp_partition is None else [int(x) for x in self.pp_partition]
+        try:
+            return [int(x) for x in str(self.pp_partition).split(",")]
+        except ValueError:
+            raise ValueError(f"--pp-partition must be comma-separated layer counts like 3,1; got {self.pp_partition!r}") from None
 
     def _check_lora(self) -> None:
         """What multi-LoRA serving runs with so far (one line each for what it does not)."""
@@ -273,10 +368,13 @@ class ServerArgs:
         else:
             self._check_ngram()
         refused = [
-            (self.disable_overlap_schedule is False, "the overlap loop (--enable-overlap-schedule): speculation runs in the normal loop"),
+            (self.disable_overlap_schedule is False and self.enable_mixed_chunk,
+             "--enable-mixed-chunk in the overlap loop (--enable-overlap-schedule): a mixed batch's decode part "
+             "needs the lengths the step in flight commits"),
             (self.disaggregation_mode != "null", "--disaggregation-mode"),
             (self.is_embedding, "--is-embedding (nothing to decode)"),
-            (self.tp_size > 1, "--tp-size > 1"),
+            (self.tp_size > 1 and self.speculative_algorithm != "NGRAM",
+             "--tp-size > 1 (the draft model runs on one rank; NGRAM needs no draft model)"),
         ]
         for bad, what in refused:
             if bad:
@@ -379,10 +477,12 @@ class ServerArgs:
         a scheduler thread beside it slowed decode steps (benchmarks/NOTES.md)."""
         if self.disaggregation_mode != "null":
             return False  # the PD queues run between steps of the normal loop
-        if self.speculative_algorithm is not None:
-            return False  # a verify step's tokens are needed to draft the next one
+        if self.speculative_algorithm is not None and self.enable_mixed_chunk:
+            return False  # a mixed batch's decode part is laid out with the committed lengths
         if self.is_embedding:
             return False  # prefill only: a result must be processed before the next schedule
+        if self.pp_size > 1:
+            return False  # the PP loop (scheduler_pp.py) keeps micro-batches in flight instead
         if self.disable_overlap_schedule is None:
             return device != "cpu"
         return not self.disable_overlap_schedule
@@ -398,13 +498,17 @@ FLAG_HELP = {
     "dp_size": "data parallelism: number of model replicas (each with --tp-size ranks) behind one server",
     "load_balance_method": "how --dp-size routes requests: round_robin or shortest_queue",
     "tp_size": "tensor parallelism: number of ranks (processes) that split every layer",
+    "pp_size": "pipeline parallelism: number of stages (each with --tp-size ranks) the layers are split over",
+    "pp_partition": "decoder layers per pipeline stage, comma-separated (e.g. 3,1); default: an even split",
+    "pp_max_micro_batch_size": "requests per pipeline micro-batch (default: --max-running-requests // --pp-size)",
+    "pp_async_batch_depth": "extra micro-batches in flight beyond --pp-size (pp_size + depth in all)",
     "dist_init_addr": "host:port for torch.distributed rendezvous of the ranks (a free local port when unset)",
     "model_path": "Hugging Face model directory, or a .gguf file; none serves the embedded tiny model",
     "tokenizer_path": "tokenizer directory, when it differs from --model-path",
     "chat_template": "chat template: a Jinja file, or the template text itself; none = the model's own",
     "sampling_defaults": "defaults of unset sampling fields: openai (temperature 1, top_p 1, ...) or model (its generation_config.json)",
     "load_format": f"weights: {', '.join(LOAD_FORMATS)} (dummy = random weights)",
-    "dtype": f"model dtype: {', '.join(DTYPES)}; auto: float32 for a float32 checkpoint, else bf16 on a GPU and on a CPU with native bf16 (AVX512_BF16 / AMX), else float32. bf16 on a CPU with the C++ GEMM keeps the weights in bf16 and the activations in float32",
+    "dtype": f"model dtype: {', '.join(DTYPES)}; auto: bf16 where the device has native bf16 (a CPU with AVX512_BF16 / AMX, a GPU with bf16 tensor cores), float32 checkpoints included (logged; float32 keeps them exact; the embedded tiny model stays float32); else float32 (a GPU keeps a float16 checkpoint's dtype). bf16 on a CPU with the C++ GEMM keeps the weights in bf16 and the activations in float32",
     "kv_cache_dtype": f"KV cache dtype: {', '.join(KV_CACHE_DTYPES)}; auto: the activations' dtype, except fp16 in the CPU's bf16 mode (bf16 weights, float32 activations; as llama.cpp's default)",
     "device": "cpu, cuda, or auto (cuda when available)",
     "seed": "random seed for weights of dummy models and for sampling",
@@ -434,6 +538,15 @@ FLAG_HELP = {
     "disable_overlap_schedule": "run the scheduler's normal loop instead of the overlap loop (default: the overlap loop on GPU, the normal loop on CPU)",
     "disable_consecutive_prefill_overlap": "overlap loop: process a prefill's result before launching the next prefill (lower TTFT)",
     "test_retract_interval": "testing: force a retraction every this many decode steps",
+    "enable_hierarchical_cache": "HiCache: keep KV evicted from the device pool in a host memory pool and load it back on a prefix hit",
+    "hicache_ratio": "HiCache: host pool size as a multiple of the device KV pool",
+    "hicache_size": "HiCache: host pool size in GB; 0 = use --hicache-ratio",
+    "hicache_write_policy": "HiCache: when device KV is copied to the host: write_through (on insert), write_through_selective (on the second hit), write_back (on eviction)",
+    "hicache_storage_backend": "HiCache storage tier below the host pool: file (a directory; extra config {\"path\": ...}) or mooncake (Mooncake Store; extra config {\"master_server_address\": \"host:port\"}); none = no storage tier",
+    "hicache_storage_backend_extra_config": "HiCache storage tier: a JSON object of backend settings (path; master_server_address, global_segment_size, ...; prefetch_threshold, prefetch_timeout_base, prefetch_timeout_per_ki_token)",
+    "hicache_storage_prefetch_policy": "HiCache storage tier: best_effort (a request takes the pages prefetched by the time it is scheduled), wait_complete (it waits for the prefetch), timeout (it waits up to a bound)",
+    "hicache_mem_layout": "HiCache: host pool layout, SGLang's values (layer_first, page_first, page_first_direct); accepted for SGLang's command lines, the host pool here is always layer_first ([2, layers, tokens, heads, dim])",
+    "hicache_io_backend": "HiCache: host<->device copy backend, SGLang's values (direct, kernel, kernel_ascend); radixserve does every copy as a torch index copy, on the CPU a memory copy",
     "test_check_memory": "testing: after every scheduler step, check that every KV page is free, cached, or held by a live request",
     "speculative_algorithm": f"speculative decoding: {', '.join(SPECULATIVE_ALGORITHMS)} (NGRAM: drafts from an n-gram cache of prompts and outputs, no extra weights; STANDALONE: a smaller draft model; EAGLE: a draft head on the target's hidden states, a token tree)",
     "speculative_num_draft_tokens": "tokens per request in one verify forward, the last sampled token included (drafts + 1); default: 4 for NGRAM, 8 for EAGLE; a chain (STANDALONE, topk 1): --speculative-num-steps + 1",

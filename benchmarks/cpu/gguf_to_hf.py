@@ -1,5 +1,5 @@
 """A GGUF checkpoint as a Hugging Face model directory radixserve can load (used by
-benchmarks/cpu_vs_llamacpp.sh).
+benchmarks/cpu_vs_peers.sh).
 
     python benchmarks/cpu/gguf_to_hf.py SmolLM2-135M-Instruct.Q4_1.gguf OUT_DIR
     python benchmarks/cpu/gguf_to_hf.py --fix-config OUT_DIR     # only the config.json edits

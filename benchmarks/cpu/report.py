@@ -1,4 +1,4 @@
-"""The table of benchmarks/cpu_vs_llamacpp.sh: reads the JSON lines `radixserve bench serving`
+"""The table of benchmarks/cpu_vs_peers.sh: reads the JSON lines `radixserve bench serving`
 appended (tags "ENGINE/WORKLOAD", the last line of a tag wins), prints a markdown table and
 writes it to a file.
 

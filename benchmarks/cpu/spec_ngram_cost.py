@@ -1,19 +1,21 @@
 """What a verify forward costs against a decode step, on SmolLM2-135M-Instruct (the CPU's bf16
 mode), offline Engine: a static batch of B requests decodes with exactly k drafts per request
 per step (random tokens, so they are almost never accepted: every step commits one token), and
-k = 0 is the plain decode step. The ms per step, over the timed steps, give the cost model that
+k = 0 is the plain decode step. The median ms per step, over the timed steps, give the cost model that
 radixserve/speculative/draft_budget.py is built on: step(B, N) ~ fixed + per_token * N, where
 N = B * (1 + k) tokens go through the forward.
 
     python benchmarks/cpu/spec_ngram_cost.py --out benchmarks/cpu/spec_ngram_cost.json
 
-The configurations take turns round by round, so load from elsewhere falls on all alike.
+The draft counts take turns step by step within one batch (and the batch sizes round by round),
+so load from elsewhere falls on all alike; a row is the median step over all rounds.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -29,6 +31,7 @@ from real_model import smollm2_gguf  # noqa: E402
 
 from radixserve.engine import Engine  # noqa: E402
 from radixserve.managers import scheduler as sched_mod  # noqa: E402
+from radixserve.speculative.verify_step import draft_room  # noqa: E402
 
 DECODE_MS: List[float] = []
 
@@ -44,28 +47,41 @@ def _timed_step(run_step: Any) -> Any:
     return wrapper
 
 
-def force_drafts(worker: Any, k: int, vocab: int) -> None:
-    """Every request gets k random drafts per step (within its room)."""
-    rng = random.Random(k)
+def force_drafts(worker: Any, ks: List[int], vocab: int, used: List[int]) -> None:
+    """Every request gets k random drafts per step (within its room), k cycling through `ks`
+    step by step; each step's k is appended to `used`."""
+    rng = random.Random(len(ks))
+    turn = [0]
 
     def draft(batch: Any) -> List[List[int]]:
-        return [[rng.randrange(10, vocab - 10) for _ in range(min(k, worker._room(req)))] for req in batch.reqs]
+        k = ks[turn[0] % len(ks)]
+        turn[0] += 1
+        used.append(k)
+        return [[rng.randrange(10, vocab - 10) for _ in range(min(k, draft_room(req)))] for req in batch.reqs]
 
     worker._draft = draft
 
 
-def measure(engine: Engine, bs: int, k: int, input_len: int, steps: int) -> float:
+def measure(engine: Engine, bs: int, ks: List[int], input_len: int, steps: int) -> Dict[int, List[float]]:
+    """One static batch of `bs` random prompts; the draft counts `ks` take turns step by step
+    (so load from elsewhere falls on all alike), `steps` timed steps each. ms per step by k."""
     rng = random.Random(bs)
     vocab = engine.vocab_size
     prompts = [[rng.randrange(10, vocab - 10) for _ in range(input_len)] for _ in range(bs)]
-    force_drafts(engine.scheduler.spec_worker, k, vocab)
+    used: List[int] = []
+    force_drafts(engine.scheduler.spec_worker, ks, vocab, used)
     DECODE_MS.clear()
-    engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": steps + 1, "temperature": 0, "ignore_eos": True},
-                    progress=False)
+    skip = 2 * len(ks)  # the first steps pay for first-call allocations
+    timed = steps * len(ks)
+    # max(ks) steps more: near its end a request has no room for all its drafts (not timed)
+    engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": skip + timed + max(ks) + 2, "temperature": 0,
+                                                        "ignore_eos": True}, progress=False)
     engine.scheduler.run_step()  # the finished requests leave the running batch, so the flush can run
     assert engine.flush_cache()
-    timed = DECODE_MS[2:]  # the first steps pay for first-call allocations
-    return statistics.mean(timed)
+    by_k: Dict[int, List[float]] = {k: [] for k in ks}
+    for k, ms in list(zip(used, DECODE_MS))[skip : skip + timed]:
+        by_k[k].append(ms)
+    return by_k
 
 
 def main() -> None:
@@ -75,7 +91,7 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,2,4,8,16")
     parser.add_argument("--drafts", default="0,1,2,3")
     parser.add_argument("--input-len", type=int, default=200)
-    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--steps", type=int, default=12, help="timed steps per draft count and round")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
 
@@ -85,24 +101,30 @@ def main() -> None:
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     drafts = [int(k) for k in args.drafts.split(",")]
     ms: Dict[str, List[float]] = {}
+    loads = []
     for r in range(args.rounds):
+        loads.append(os.getloadavg()[0])
         for bs in sizes:
-            for k in drafts:
-                ms.setdefault(f"{bs},{k}", []).append(measure(engine, bs, k, args.input_len, args.steps))
-                print(f"  batch {bs} drafts {k}: {ms[f'{bs},{k}'][-1]:.2f} ms/step", flush=True)
+            for k, vals in measure(engine, bs, drafts, args.input_len, args.steps).items():
+                ms.setdefault(f"{bs},{k}", []).extend(vals)
+            print(f"  batch {bs}: " + ", ".join(f"k={k} {statistics.median(ms[f'{bs},{k}']):.2f}" for k in drafts)
+                  + f" ms/step (median so far), load {os.getloadavg()[0]:.2f}", flush=True)
         print(f"round {r + 1} done", flush=True)
+    loads.append(os.getloadavg()[0])
     rows = []
-    print("| batch | drafts/req | tokens in forward | ms/step (median of rounds) | x decode step |")
+    print("| batch | drafts/req | tokens in forward | ms/step (median) | 20th percentile | x decode step |")
     for bs in sizes:
         base = statistics.median(ms[f"{bs},0"])
         for k in drafts:
-            med = statistics.median(ms[f"{bs},{k}"])
+            vals = sorted(ms[f"{bs},{k}"])
+            med, low = statistics.median(vals), vals[len(vals) // 5]
             rows.append({"batch_size": bs, "drafts_per_req": k, "tokens": bs * (1 + k), "ms_per_step": med,
-                         "rounds_ms": ms[f"{bs},{k}"], "vs_decode": med / base})
-            print(f"| {bs} | {k} | {bs * (1 + k)} | {med:.2f} | {med / base:.2f} |", flush=True)
+                         "ms_p20": low, "steps": len(vals), "vs_decode": med / base})
+            print(f"| {bs} | {k} | {bs * (1 + k)} | {med:.2f} | {low:.2f} | {med / base:.2f} |", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"model": smollm2_gguf().name, "dtype": args.dtype, "input_len": args.input_len,
-                                              "command": " ".join(sys.argv), "rows": rows}, indent=1) + "\n")
+                                              "command": " ".join(sys.argv), "load_avg_1min": loads, "rows": rows},
+                                             indent=1) + "\n")
     engine.shutdown()
 
 

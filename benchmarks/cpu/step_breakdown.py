@@ -10,7 +10,7 @@ head: the C++ GEMM or F.linear), attention (the backend: KV store + attention), 
 the model's forward: embedding, Python glue), scheduling (the scheduler's step outside the worker:
 batch selection and result processing). The timers cost ~1 us a call (~0.3 ms a step at 30
 layers). IPC/detokenization is not in the offline Engine: it is the served 1-user ITL minus this
-step time (benchmarks/cpu_vs_llamacpp.sh measures the former).
+step time (benchmarks/cpu_vs_peers.sh measures the former).
 Prints a table; --output appends one JSON line per batch size.
 """
 

@@ -1,6 +1,6 @@
-"""SGLang's routes for memory release, pause and profiling, with its request fields and replies
-(the work: managers/admin_requests.py, and the scheduler's scheduler_memory_saver.py,
-scheduler_pause.py and scheduler_profiler.py).
+"""SGLang's routes for memory release, pause, profiling and clearing HiCache's storage tier, with
+its request fields and replies (the work: managers/admin_requests.py, and the scheduler's
+scheduler_memory_saver.py, scheduler_pause.py, scheduler_profiler.py and scheduler_hicache.py).
 
     GET|POST /release_memory_occupation  {"tags": [...]}     -> 200 null
     GET|POST /resume_memory_occupation   {"tags": [...]}     -> 200 null
@@ -8,10 +8,11 @@ scheduler_pause.py and scheduler_profiler.py).
     POST     /continue_generation                            -> {"message": "Generation continued successfully.", "status": "ok"}
     GET|POST /start_profile              {"num_steps": 5, "activities": ["CPU"], "output_dir": ...} -> "Start profiling.\\n"
     GET|POST /stop_profile                                   -> "Stop profiling. This will take some time.\\n"
+    GET|POST /clear_hicache_storage_backend                  -> "Hierarchical cache storage backend cleared.\\n"
 
 Every body is optional (its fields have defaults). A refusal is a 400 whose message says why:
 an unknown tag or mode or activity, a release while requests run, a resume of what was not
-released, a stop without a start.
+released, a stop without a start, a clear on a server without --hicache-storage-backend.
 """
 
 from __future__ import annotations
@@ -90,3 +91,9 @@ def add_admin_routes(app: FastAPI, tm: TokenizerManager) -> None:
     async def stop_profile() -> PlainTextResponse:
         await admin.stop_profile()
         return PlainTextResponse("Stop profiling. This will take some time.\n")
+
+    @app.api_route("/clear_hicache_storage_backend", methods=["GET", "POST"])
+    async def clear_hicache_storage_backend() -> PlainTextResponse:
+        """Remove every page of HiCache's storage tier (--hicache-storage-backend); 400 without one."""
+        await admin.clear_hicache_storage()
+        return PlainTextResponse("Hierarchical cache storage backend cleared.\n")

@@ -9,7 +9,8 @@ Weights (http_weights.py): POST /update_weights_from_disk, /update_weights_from_
          /init_weights_update_group, /update_weights_from_distributed, /destroy_weights_update_group,
          /update_weight_version, GET|POST /get_weights_by_name, GET /get_weight_version
 Memory, pause, profiling (http_admin.py): /release_memory_occupation, /resume_memory_occupation,
-         /pause_generation, /continue_generation, /start_profile, /stop_profile
+         /pause_generation, /continue_generation, /start_profile, /stop_profile,
+         /clear_hicache_storage_backend (HiCache's storage tier)
 Docs:    GET /docs (Swagger UI), GET /openapi.json
 
 Request bodies are typed models (native_protocol.py, openai_protocol.py) that FastAPI parses and

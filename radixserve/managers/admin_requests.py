@@ -25,7 +25,7 @@ from radixserve.managers.scheduler_memory_saver import parse_memory_tags
 from radixserve.managers.scheduler_profiler import activities_problem
 from radixserve.model_executor.memory_saver import GPU_MEMORY_ALL_TYPES
 from radixserve.protocol import (
-    ContinueGenerationReqInput, PauseGenerationReqInput, ProfileReq, ProfileReqType, ReleaseMemoryOccupationReqInput,
+    ClearHiCacheReqInput, ContinueGenerationReqInput, PauseGenerationReqInput, ProfileReq, ProfileReqType, ReleaseMemoryOccupationReqInput,
     ResumeMemoryOccupationReqInput,
 )
 
@@ -106,3 +106,6 @@ class TokenizerAdmin:
 
     async def stop_profile(self) -> str:
         return await self._call(ProfileReq(ProfileReqType.STOP_PROFILE))
+
+    async def clear_hicache_storage(self) -> str:
+        return await self._call(ClearHiCacheReqInput())

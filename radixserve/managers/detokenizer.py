@@ -128,6 +128,7 @@ class DetokenizerManager:
             res.prompt_tokens.append(out.prompt_tokens[i])
             res.completion_tokens.append(out.completion_tokens[i])
             res.cached_tokens.append(out.cached_tokens[i])
+            res.cached_tokens_details.append(out.cached_tokens_details[i] if i < len(out.cached_tokens_details) else None)
             for key in LOGPROB_KEYS:
                 src = getattr(out, key)
                 getattr(res, key).append(src[i] if i < len(src) else [])

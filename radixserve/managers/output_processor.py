@@ -10,7 +10,9 @@ from typing import Any, Callable, List, Optional
 import torch
 
 from radixserve.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch
+from radixserve.managers.scheduler_stats import SchedulerStats
 from radixserve.mem_cache.base_prefix_cache import BasePrefixCache
+from radixserve.mem_cache.hiradix_cache import HiRadixCache
 from radixserve.mem_cache.memory_pool import TokenToKVPoolAllocator
 from radixserve.model_executor.tp_worker import GenerationBatchResult
 from radixserve.protocol import LOGPROB_KEYS, SPEC_KEYS, BatchTokenIDOutput
@@ -28,11 +30,14 @@ class SchedulerOutputProcessor:
         token_to_kv_pool_allocator: TokenToKVPoolAllocator,
         send_fn: Callable[[Any], None],
         stream_interval: int,
+        stats: Optional[SchedulerStats] = None,
     ):
         self.tree_cache = tree_cache
+        self._hicache = isinstance(tree_cache, HiRadixCache)  # report cached_tokens_details
         self.allocator = token_to_kv_pool_allocator
         self.send_fn = send_fn
         self.stream_interval = stream_interval
+        self.stats = stats if stats is not None else SchedulerStats()  # the spec_* totals
         # PD prefill server: takes over a request whose prefill is done (PrefillDisaggregation).
         self.on_disagg_prefilled: Optional[Callable[[Req, int, GenerationBatchResult, int], None]] = None
 
@@ -69,9 +74,10 @@ class SchedulerOutputProcessor:
     def process_batch_result_decode(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
         next_ids = result.next_token_ids.tolist()
         self.allocator.free_group_begin()
-        if result.accept_lens is not None:  # a speculative verify step: several tokens per request
+        if result.num_drafts is not None:  # a speculative step: accepted drafts + 1 tokens per request
+            self._count_spec_step(batch, result)
             start = 0
-            for req, accepted in zip(batch.reqs, result.accept_lens):
+            for req, accepted in zip(batch.reqs, result.accept_lens or [0] * len(batch.reqs)):
                 if not self._is_stale(req):
                     self.append_tokens(req, next_ids[start : start + accepted + 1], result, start)
                 start += accepted + 1
@@ -81,6 +87,25 @@ class SchedulerOutputProcessor:
                     self.append_token(req, next_ids[i], result, i)
         self.allocator.free_group_end()
         self.stream_output(batch.reqs)
+
+    def _count_spec_step(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
+        """A speculative decode step: each request's verify, drafts and accepted drafts into its
+        meta_info and the scheduler's spec_* totals (here, on the scheduler thread, in both
+        loops; the overlap loop's extra step of a finished request is not counted)."""
+        accept_lens = result.accept_lens or [0] * len(batch.reqs)
+        counted = []
+        for req, k, a in zip(batch.reqs, result.num_drafts, accept_lens):
+            if not self._is_stale(req):
+                req.spec_verify_ct += 1
+                req.spec_num_proposed_drafts += k
+                req.spec_num_correct_drafts += a
+                counted.append((k, a))
+        st = self.stats
+        st.spec_verify_ct += len(counted)
+        st.spec_num_accept_tokens += sum(a + 1 for _, a in counted)
+        st.spec_num_correct_drafts += sum(a for _, a in counted)
+        st.spec_num_proposed_drafts += sum(k for k, _ in counted)
+        st.count_spec_accept_lens([a for _, a in counted])
 
     @staticmethod
     def _is_stale(req: Req) -> bool:
@@ -94,6 +119,8 @@ class SchedulerOutputProcessor:
         self._add_token(req, token, result, i)
         if not req.finished():
             return False
+        if req.kv_allocated_len:  # a prefill's end, its first decode step prepared (spec_overlap.py)
+            self._release_past(req, req.kv_committed_len)
         req.grammar = None  # release the matcher
         self.tree_cache.cache_finished_req(req)
         return True
@@ -106,19 +133,26 @@ class SchedulerOutputProcessor:
             self._add_token(req, token, result, i + j)
             if req.finished():
                 break
-        if not req.finished():
-            return False
         kept = req.seqlen() - 1  # every token but the last has KV, as after a plain decode step
-        if req.kv_committed_len > kept:
-            # Whole pages past the last kept token go now; the rest of its page goes with it.
-            first_free = -(-kept // self.allocator.page_size) * self.allocator.page_size
-            if first_free < req.kv_committed_len:
-                row = self.tree_cache.req_to_token_pool.req_to_token[req.req_pool_idx]
-                self.allocator.free(row[first_free : req.kv_committed_len].to(torch.int64))
-            req.kv_committed_len = kept
+        if not req.finished():
+            req.kv_committed_len = kept  # (the overlap loop's forward thread left the Req alone)
+            return False
+        self._release_past(req, kept)
         req.grammar = None
         self.tree_cache.cache_finished_req(req)
         return True
+
+    def _release_past(self, req: Req, kept: int) -> None:
+        """A finishing request keeps the KV of its first `kept` tokens (for the tree); the slots
+        past them go back now: rejected or dropped drafts', and in the overlap loop those
+        reserved ahead (kv_allocated_len). Whole pages past the last kept token go; the rest of
+        its page goes with it."""
+        held = max(req.kv_committed_len, req.kv_allocated_len)
+        first_free = -(-kept // self.allocator.page_size) * self.allocator.page_size
+        if first_free < held:
+            row = self.tree_cache.req_to_token_pool.req_to_token[req.req_pool_idx]
+            self.allocator.free(row[first_free:held].to(torch.int64))
+        req.kv_committed_len, req.kv_allocated_len = kept, 0
 
     def _add_token(self, req: Req, token: int, result: GenerationBatchResult, i: int) -> None:
         req.output_ids.append(token)
@@ -199,6 +233,7 @@ class SchedulerOutputProcessor:
             out.prompt_tokens.append(len(req.origin_input_ids))
             out.completion_tokens.append(n)
             out.cached_tokens.append(req.cached_tokens)
+            out.cached_tokens_details.append(dict(req.cached_tokens_details) if self._hicache else None)
             out.skip_special_tokens.append(sp.skip_special_tokens)
             out.spaces_between_special_tokens.append(sp.spaces_between_special_tokens)
             out.no_stop_trim.append(sp.no_stop_trim)

@@ -7,18 +7,25 @@ ForwardThread that runs forwards in order while the scheduler thread prepares th
 Batch N+1 is scheduled before N's tokens are known: its decode inputs are -future_index,
 and resolve_future replaces them on the forward thread, right before N+1's forward, by the
 tokens N stored in the map. The thread runs its work in order, so N has stored them by then.
+
+With speculative decoding a step commits up to k + 1 tokens per request: the map also keeps
+them (the draft state the next step drafts from; managers/spec_overlap.py has the picture).
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
+import itertools
 import queue
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Deque, Optional, Tuple
+from typing import Any, Callable, Deque, List, Optional, Tuple
 
 import torch
+
+from radixserve.speculative.overlap_view import DecodeView, ExtendView, decode_view, decode_worker_batch
 
 
 class FutureMap:
@@ -33,6 +40,9 @@ class FutureMap:
         self.future_buffer_len = self.future_limit + 2 * max_running_requests
         self.future_ct = 0
         self.token_ids_buf = torch.zeros(self.future_buffer_len, dtype=torch.int64, device=device)
+        # Speculation: the tokens a step committed per future index and the request's length
+        # after them (on the host, where drafting is).
+        self.committed: List[Tuple[List[int], int]] = [([], 0)] * self.future_buffer_len
 
     def alloc_future_indices(self, bs: int) -> torch.Tensor:
         """bs consecutive indices >= 1 (0 cannot be negated into a placeholder)."""
@@ -46,6 +56,24 @@ class FutureMap:
 
     def store_to_map(self, future_indices: torch.Tensor, next_token_ids: torch.Tensor) -> None:
         self.token_ids_buf[future_indices.to(self.token_ids_buf.device)] = next_token_ids
+
+    def store_committed(self, future_indices: torch.Tensor, committed: List[List[int]], lens_after: List[int]) -> None:
+        """A speculative step's (or a prefill's) committed tokens per request and its length after
+        them; the last token is the next step's input."""
+        for idx, toks, n in zip(future_indices.tolist(), committed, lens_after):
+            self.committed[idx] = (toks, n)
+        last = torch.tensor([t[-1] for t in committed], dtype=torch.int64, device=self.token_ids_buf.device)
+        self.store_to_map(future_indices, last)
+
+    def resolve_committed(self, input_ids: torch.Tensor, known_lens: List[int]) -> List[List[int]]:
+        """Per request, the tokens of its placeholder's step that the scheduler had not processed
+        when it took its snapshot of known_lens tokens (the placeholder of a step processed since
+        stands for tokens the snapshot has)."""
+        out = []
+        for i, known in zip(input_ids.tolist(), known_lens):
+            toks, n = self.committed[-i] if i < 0 else ([], 0)
+            out.append(toks[len(toks) - (n - known):] if n > known else [])
+        return out
 
 
 class ForwardThread:
@@ -150,6 +178,51 @@ class TpModelWorkerClient:
         self.forward_thread.submit(self._forward, worker_batch, future_indices, pending)
         self.result_queue.append((batch.copy(), pending))
         return -future_indices
+
+    def launch_spec(self, spec_worker: Any, batch: Any, worker_batch: Any) -> torch.Tensor:
+        """launch() for --speculative-algorithm: the worker's step runs on the forward thread, on
+        a view of `batch` (speculative/overlap_view.py) made when the step before is done."""
+        future_indices = self.future_map.alloc_future_indices(batch.batch_size())
+        pending = PendingResult()
+        if batch.forward_mode.is_decode():
+            make_view = functools.partial(self._decode_view, batch.spec_overlap_input, batch.return_logprob,
+                                          list(batch.top_logprobs_nums), spec_worker.verify_width)
+            lens_before = None  # known on the forward thread
+        else:
+            make_view = functools.partial(ExtendView, list(batch.reqs), batch.forward_mode)
+            lens_before = [len(r.origin_input_ids) + len(r.output_ids) for r in batch.reqs]
+        self.forward_thread.submit(self._forward_spec, spec_worker, make_view, worker_batch, lens_before,
+                                   future_indices, pending)
+        self.result_queue.append((batch.copy(), pending))
+        return -future_indices
+
+    def _decode_view(self, inp: Any, return_logprob: bool, top_logprobs_nums: List[int], verify_width: int,
+                     worker_batch: Any) -> Tuple[DecodeView, Any]:
+        view = decode_view(inp, self.future_map.resolve_committed(inp.input_ids, inp.known_lens), worker_batch,
+                           self.worker.model_runner.req_to_token_pool, return_logprob, top_logprobs_nums, verify_width)
+        return view, decode_worker_batch(view, worker_batch)
+
+    def _forward_spec(self, spec_worker: Any, make_view: Callable, worker_batch: Any, lens_before: Optional[List[int]],
+                      future_indices: torch.Tensor, pending: PendingResult) -> None:
+        """On the ForwardThread: the view, the worker's step, the committed tokens into the map."""
+        try:
+            if worker_batch.forward_mode.is_decode():
+                view, worker_batch = make_view(worker_batch)
+                lens_before = view.seq_lens_cpu
+            else:
+                view = make_view()
+                worker_batch.input_ids = self.future_map.resolve_future(worker_batch.input_ids)
+            result = spec_worker.forward_batch(view, worker_batch)
+            flat = result.next_token_ids.tolist()
+            counts = [a + 1 for a in result.accept_lens] if result.accept_lens is not None else [1] * len(flat)
+            starts = itertools.accumulate([0] + counts)
+            self.future_map.store_committed(future_indices, [flat[s : s + n] for s, n in zip(starts, counts)],
+                                            [b + n for b, n in zip(lens_before, counts)])
+            result.next_token_ids, result.copy_done = self.worker.to_host(result.next_token_ids)
+            pending.set(result)
+        except BaseException as e:
+            pending.fail(e)
+            raise
 
     def pop_result(self, stats: Any) -> Optional[Tuple[Any, Any]]:
         """The oldest launched batch and its result, waiting for it if needed; counts into

@@ -64,6 +64,7 @@ class ReqState:
     finished_reason: Optional[Dict[str, Any]] = None
     finished: bool = False
     cached_tokens: int = 0
+    cached_tokens_details: Optional[Dict[str, int]] = None  # HiCache: cached_tokens by tier
     completion_tokens: int = 0
     retraction_count: int = 0
     spec_verify_ct: int = 0  # speculative decoding (SPEC_KEYS)
@@ -325,6 +326,8 @@ class RequestFrontend:
             state.output_ids.extend(new_ids)
             state.completion_tokens = out.completion_tokens[i]
             state.cached_tokens = out.cached_tokens[i]
+            if i < len(out.cached_tokens_details) and out.cached_tokens_details[i] is not None:
+                state.cached_tokens_details = out.cached_tokens_details[i]
             if i < len(out.retraction_counts):
                 state.retraction_count = out.retraction_counts[i]
             for key in SPEC_KEYS:
@@ -362,6 +365,7 @@ class RequestFrontend:
             "prompt_tokens": len(state.input_ids),
             "completion_tokens": state.completion_tokens,
             "cached_tokens": state.cached_tokens,
+            **({"cached_tokens_details": dict(state.cached_tokens_details)} if state.cached_tokens_details else {}),
             "e2e_latency": time.monotonic() - state.created,
             "weight_version": self.weight_version,
         }

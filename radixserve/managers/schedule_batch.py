@@ -19,6 +19,7 @@ from typing import Any, Dict, Iterable, List, Optional, Set, Union
 import regex
 import torch
 
+from radixserve.managers import spec_overlap
 from radixserve.mem_cache.base_prefix_cache import BasePrefixCache
 from radixserve.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from radixserve.model_executor.forward_batch import ForwardMode, ModelWorkerBatch
@@ -145,6 +146,9 @@ class Req:
         self.req_pool_idx: Optional[int] = None
         # Tokens whose KV is in the pool (or being written by the batch in flight).
         self.kv_committed_len = 0
+        # Speculation in the overlap loop: row positions holding slots reserved ahead (0: none;
+        # managers/spec_overlap.py). Everything a request holds is [0, max(this, kv_committed_len)).
+        self.kv_allocated_len = 0
         # Chunks of this request's prefill whose results are still to process (SGLang's
         # `is_chunked`, a counter): the token sampled after a middle chunk means nothing.
         self.pending_chunks = 0
@@ -155,6 +159,13 @@ class Req:
         self.to_finish: Optional[BaseFinishReason] = None
         self.retraction_count = 0
         self.cached_tokens = 0  # prompt tokens served from the prefix cache (first prefill)
+        # HiCache: the host-only continuation of the last match (loaded back at admission), the
+        # tokens loaded back this round (of them, from the storage tier), and cached_tokens by tier.
+        self.last_host_node: Any = None
+        self.host_hit_length = 0
+        self.loaded_host_tokens = 0
+        self.loaded_storage_tokens = 0
+        self.cached_tokens_details: Dict[str, int] = {"device": 0, "host": 0, "storage": 0}
         self.already_computed = 0
         self.send_token_offset = 0  # output tokens already streamed out
         self.finished_sent = False  # the final message went out (never send it twice)
@@ -240,6 +251,8 @@ class Req:
         """fill_ids = everything so far; match the longest cached prefix (at least one token
         is always left to compute, since its logits give the next token)."""
         self.fill_ids = self.origin_input_ids + self.output_ids
+        self.last_host_node, self.host_hit_length = None, 0
+        self.loaded_host_tokens = self.loaded_storage_tokens = 0
         if tree_cache is not None:
             max_prefix_len = len(self.fill_ids) - 1
             if self.wants_input_logprobs():
@@ -248,7 +261,21 @@ class Req:
             # only prefixes computed under this request's adapter (lora_path; None = base)
             match = tree_cache.match_prefix(self.fill_ids[: max(max_prefix_len, 0)], self.lora_path)
             self.prefix_indices, self.last_node = match.device_indices, match.last_device_node
+            self.last_host_node, self.host_hit_length = match.last_host_node, match.host_hit_length
         self.extend_input_len = len(self.fill_ids) - len(self.prefix_indices)
+
+    def count_cached_tokens(self, num_tokens: int) -> None:
+        """`num_tokens` more cached prompt tokens: those loaded back this round are the tail of
+        the prefix (tier host, or storage where the storage tier supplied them), the rest was
+        on the device."""
+        host = min(num_tokens, self.loaded_host_tokens)
+        storage = min(host, self.loaded_storage_tokens)
+        self.cached_tokens += num_tokens
+        details = self.cached_tokens_details
+        details["device"] += num_tokens - host
+        details["host"] += host - storage
+        details["storage"] += storage
+        self.loaded_host_tokens = self.loaded_storage_tokens = 0
 
     def reset_for_retract(self) -> None:
         """Back to the waiting queue: its KV is gone, the outputs so far are kept."""
@@ -256,7 +283,7 @@ class Req:
         self.last_node = None
         self.extend_input_len = 0
         self.req_pool_idx = None
-        self.kv_committed_len = 0
+        self.kv_committed_len = self.kv_allocated_len = 0
         self.pending_chunks = 0
         self.retraction_count += 1
 
@@ -361,11 +388,14 @@ class ScheduleBatch:
     forward_thread: Any = None
     # Speculative decoding: drafts a decode step may add per request (the memory check counts their slots).
     spec_max_drafts: int = 0
+    # ... in the overlap loop: slots reserved ahead, the step's input for the forward thread (spec_overlap.py)
+    spec_overlap: bool = False
+    spec_overlap_input: Any = None
 
     @classmethod
     def init_new(cls, reqs: List[Req], req_to_token_pool, token_to_kv_pool_allocator, tree_cache,
                  vocab_size: int, device: str = "cpu", chunked_req: Optional[Req] = None,
-                 forward_thread: Any = None, spec_max_drafts: int = 0) -> "ScheduleBatch":
+                 forward_thread: Any = None, spec_max_drafts: int = 0, spec_overlap: bool = False) -> "ScheduleBatch":
         return cls(
             reqs=reqs,
             req_to_token_pool=req_to_token_pool,
@@ -377,6 +407,7 @@ class ScheduleBatch:
             chunked_req=chunked_req,
             forward_thread=forward_thread,
             spec_max_drafts=spec_max_drafts,
+            spec_overlap=spec_overlap,
         )
 
     def copy(self) -> "ScheduleBatch":
@@ -472,7 +503,7 @@ class ScheduleBatch:
             offset += n
         for r in reqs:
             # Only prefix hits beyond what this request computed itself count as cached.
-            r.cached_tokens += max(len(r.prefix_indices) - r.already_computed, 0)
+            r.count_cached_tokens(max(len(r.prefix_indices) - r.already_computed, 0))
             r.already_computed = len(r.fill_ids)
             r.kv_committed_len = len(r.fill_ids)
             r.check_invariants()
@@ -525,6 +556,9 @@ class ScheduleBatch:
         """Slots the next decode step needs (whole new pages when page_size > 1; with
         speculative decoding, room for each request's drafts too)."""
         ps = self.token_to_kv_pool_allocator.page_size
+        if self.spec_overlap:
+            reqs = self.reqs if indices is None else [self.reqs[i] for i in indices]
+            return spec_overlap.new_slots_needed(reqs, self.spec_max_drafts, self.req_to_token_pool.req_to_token.shape[1], ps)
         lens = self.seq_lens_cpu if indices is None else [self.seq_lens_cpu[i] for i in indices]
         if ps == 1:
             return len(lens) * (1 + self.spec_max_drafts)
@@ -540,6 +574,8 @@ class ScheduleBatch:
 
     def prepare_for_decode(self) -> None:
         """One new slot per request, written at req_to_token[row, seq_len]; seq_lens += 1."""
+        if self.spec_overlap:
+            return spec_overlap.prepare_decode(self)
         self.forward_mode = ForwardMode.DECODE
         self.input_ids = self.output_ids
         self.output_ids = None
@@ -566,7 +602,7 @@ class ScheduleBatch:
         """Free everything a running request holds that the tree does not (retract / preempt).
         Its prefix stays in the tree, unlocked (evictable)."""
         row = req.req_pool_idx
-        seq_len = req.kv_committed_len
+        seq_len = spec_overlap.held_len(req)
         page_size = self.token_to_kv_pool_allocator.page_size
         # Slots of the locked tree prefix stay in the tree; everything after is private.
         protected = 0 if self.tree_cache.disable else len(req.prefix_indices) // page_size * page_size

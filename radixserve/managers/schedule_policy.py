@@ -268,7 +268,9 @@ class PrefillAdder:
 
     def add_one_req(self, req: Req, has_chunked_req: bool = False) -> AddReqResult:
         total_tokens = req.extend_input_len + self._max_new(req)
-        input_tokens = self.ceil_paged_tokens(req.extend_input_len)
+        # HiCache (as SGLang): host hits take device slots (total_tokens) but are loaded back,
+        # not computed, so they do not count as input.
+        input_tokens = self.ceil_paged_tokens(req.extend_input_len - req.host_hit_length)
         prefix_len = len(req.prefix_indices)
         if total_tokens >= self.rem_total_tokens:
             return AddReqResult.NO_TOKEN
@@ -277,6 +279,10 @@ class PrefillAdder:
         with self._lock_node(req.last_node):
             if total_tokens >= self.rem_total_tokens:
                 return AddReqResult.NO_TOKEN
+            if req.host_hit_length > 0:
+                if not self._load_back(req):
+                    return AddReqResult.NO_TOKEN
+                prefix_len, input_tokens = len(req.prefix_indices), self.ceil_paged_tokens(req.extend_input_len)
             if self.rem_chunk_tokens is None or input_tokens <= self.rem_chunk_tokens:
                 self.can_run_list.append(req)
                 self.tree_cache.inc_lock_ref(req.last_node)
@@ -292,6 +298,18 @@ class PrefillAdder:
                 self.tree_cache.inc_lock_ref(req.last_node)
                 self._update_prefill_budget(prefix_len, trunc_len, 0)
         return self.budget_state()
+
+    def _load_back(self, req: Req) -> bool:
+        """HiCache: load the request's host hit into fresh device slots; they extend its cached
+        prefix (counted as tier host in prepare_for_extend). False: the device has no room."""
+        new_indices, last_node = self.tree_cache.init_load_back(req.last_host_node, req.host_hit_length)
+        if len(new_indices) < req.host_hit_length:
+            return False
+        req.prefix_indices = torch.cat([req.prefix_indices, new_indices])
+        req.last_node, req.extend_input_len = last_node, len(req.fill_ids) - len(req.prefix_indices)
+        req.loaded_host_tokens, req.loaded_storage_tokens = len(new_indices), self.tree_cache.loaded_storage_tokens
+        req.host_hit_length = 0  # loaded: a retry of add_one_req must not load it again
+        return True
 
     # ---- priority preemption (seed 001 §13) -------------------------------------------------
     def add_waiting_reqs(self, waiting_queue: List[Req], num_allocatable: Callable[[int], int],

@@ -25,15 +25,18 @@ from radixserve.managers.overlap import TpModelWorkerClient
 from radixserve.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch
 from radixserve.managers.scheduler_disagg import init_disaggregation
 from radixserve.managers.scheduler_embedding import EmbeddingOutputProcessor, SchedulerEmbedding
+from radixserve.managers.scheduler_hicache import SchedulerHiCache
 from radixserve.managers.scheduler_lora import SchedulerLoRA
 from radixserve.managers.scheduler_memory_saver import SchedulerMemorySaver
 from radixserve.managers.scheduler_pause import GenerationPause
+from radixserve.managers.scheduler_pp import SchedulerPP
 from radixserve.managers.scheduler_profiler import SchedulerProfiler
 from radixserve.managers.schedule_policy import NewTokenRatio, PrefillAdder, SchedulePolicy
 from radixserve.managers.scheduler_stats import SchedulerStats
 from radixserve.managers.scheduler_update_weights import SchedulerUpdateWeights
 from radixserve.mem_cache.base_prefix_cache import BasePrefixCache, check_pages_conserved, check_pools_idle
 from radixserve.mem_cache.chunk_cache import ChunkCache
+from radixserve.mem_cache.hiradix_cache import HiRadixCache
 from radixserve.mem_cache.radix_cache import RadixCache
 from radixserve.model_executor.tp_worker import GenerationBatchResult, TpModelWorker
 from radixserve.models.model_config import ModelConfig
@@ -96,10 +99,11 @@ class Scheduler:
         ) if self.enable_overlap else None
         # Overlap: sampling-state changes are queued on the forward thread, behind the forwards in flight.
         self.forward_thread = self.overlap_worker.forward_thread if self.overlap_worker else None
+        self.tree_cache.io_thread = self.forward_thread  # HiCache's copies run in order with the forwards
         self.stats = SchedulerStats()
-        self.spec_worker = create_speculative_worker(args, tp_worker, self.stats)  # --speculative-algorithm; None: off
+        self.spec_worker = create_speculative_worker(args, tp_worker)  # --speculative-algorithm; None: off
 
-        self.output_processor = (EmbeddingOutputProcessor if args.is_embedding else SchedulerOutputProcessor)(self.tree_cache, self.token_to_kv_pool_allocator, self.send_fn, args.stream_interval)
+        self.output_processor = (EmbeddingOutputProcessor if args.is_embedding else SchedulerOutputProcessor)(self.tree_cache, self.token_to_kv_pool_allocator, self.send_fn, args.stream_interval, self.stats)
         self.grammar_backend = create_grammar_backend(args, self.tokenizer, self.vocab_size, self.model_config.eos_token_ids)
         # Structured output: requests wait here while their grammar compiles (seed 000).
         self.grammar_queue = GrammarQueue(args, self.grammar_backend, self._reject_bad_grammar, tp_rank, tp_size)
@@ -112,18 +116,19 @@ class Scheduler:
         self.new_token_ratio = NewTokenRatio(args.schedule_conservativeness)
         # PD disaggregation (seed 001 §8): the prefill or decode server's queues over one KVManager.
         self.disaggregation_mode, self.disagg_prefill, self.disagg_decode, self.kv_manager = init_disaggregation(self)
+        self.pp = SchedulerPP(self) if args.pp_size > 1 else None  # --pp-size: micro-batches in flight (seed 001 §27)
 
         self.weight_updater = SchedulerUpdateWeights(self)  # weight updates without a restart
         self.generation_pause, self.memory_saver, self.profiler = GenerationPause(self), SchedulerMemorySaver(self), SchedulerProfiler(self)
         self._dispatcher = TypeBasedDispatcher([
             (TokenizedGenerateReqInput, self.handle_generate_request),
             (BatchTokenizedGenerateReqInput, self.handle_batch_generate_request),
-            (AbortReq, self.abort_request),
+            (AbortReq, self.pp.abort_request if self.pp is not None else self.abort_request),
             (FlushCacheReqInput, self.flush_cache_wrapped),
             (GetInternalStateReq, self.get_internal_state),
             *self.weight_updater.dispatch_entries(),
             *self.generation_pause.dispatch_entries(), *self.memory_saver.dispatch_entries(), *self.profiler.dispatch_entries(),
-            *self.embedding.dispatch_entries(), *SchedulerLoRA(self).dispatch_entries(),
+            *self.embedding.dispatch_entries(), *SchedulerLoRA(self).dispatch_entries(), *SchedulerHiCache(self).dispatch_entries(),
         ])
         logger.info("Scheduler ready: max_total_num_tokens=%d, max_running_requests=%d, context_len=%d, page_size=%d",
                     self.max_total_num_tokens, self.max_running_requests, self.context_len, self.page_size)
@@ -132,6 +137,8 @@ class Scheduler:
         args = self.server_args
         if args.disable_radix_cache:
             return ChunkCache(self.req_to_token_pool, self.token_to_kv_pool_allocator)
+        if args.enable_hierarchical_cache:  # HiCache: a host tier under the device pool
+            return HiRadixCache.from_server_args(*self.tp_worker.get_memory_pool(), self.tp_worker.model_runner.token_to_kv_pool, args)
         return RadixCache(self.req_to_token_pool, self.token_to_kv_pool_allocator, page_size=self.page_size,
                           eviction_policy=args.radix_eviction_policy)
 
@@ -141,12 +148,13 @@ class Scheduler:
     def _new_batch(self, reqs: List[Req], chunked_req: Optional[Req] = None) -> ScheduleBatch:
         return ScheduleBatch.init_new(reqs, self.req_to_token_pool, self.token_to_kv_pool_allocator, self.tree_cache,
                                       self.vocab_size, self.device, chunked_req, self.forward_thread,
-                                      self.spec_worker.max_drafts if self.spec_worker is not None else 0)
+                                      self.spec_worker.max_drafts if self.spec_worker is not None else 0,
+                                      spec_overlap=self.spec_worker is not None and self.enable_overlap)
 
     # ---- the loop (seed 001 §2): run_scheduler_process and the Engine call these ----------------
     def run_step(self) -> Optional[ScheduleBatch]:
         """One loop iteration after intake. Returns the batch launched."""
-        batch = self.run_step_overlap() if self.enable_overlap else self.run_step_normal()
+        batch = self.pp.run_step() if self.pp else self.run_step_overlap() if self.enable_overlap else self.run_step_normal()
         if self.server_args.test_check_memory:
             self.check_slot_conservation()
         return batch
@@ -209,7 +217,7 @@ class Scheduler:
             self.stats.process_s += time.perf_counter() - t0
 
     def _results_pending(self) -> bool:
-        return self.overlap_worker is not None and bool(self.overlap_worker.result_queue)
+        return (self.overlap_worker is not None and bool(self.overlap_worker.result_queue)) or (self.pp is not None and self.pp.has_work())
 
     def on_idle(self) -> None:
         self.self_check_during_idle()
@@ -241,7 +249,9 @@ class Scheduler:
         if self.kv_manager is not None:
             self.kv_manager.close()
         self.grammar_queue.shutdown()
-        if self.tp_size > 1:
+        if self.pp is not None:
+            self.pp.shutdown()
+        elif self.tp_size > 1:
             destroy_distributed_environment()
 
     # ---- intake (seed 000) -------------------------------------------------------------------
@@ -471,6 +481,9 @@ class Scheduler:
             # every earlier token: see is_disable_overlap_for_batch).
             worker_batch.token_bitmask = self.grammar_backend.fill_token_bitmask(batch.reqs, GrammarQueue.fail_request)
         if self.spec_worker is not None:  # decode: drafts + one verify forward (speculative/factory.py)
+            if self.overlap_worker is not None:  # ... on the forward thread (managers/spec_overlap.py)
+                batch.output_ids = self.overlap_worker.launch_spec(self.spec_worker, batch, worker_batch)
+                return None
             return self.spec_worker.forward_batch(batch, worker_batch)
         if self.overlap_worker is not None:
             batch.output_ids = self.overlap_worker.launch(batch, worker_batch)

@@ -114,6 +114,8 @@ class SchedulerMemorySaver:
             return "This scheduler's worker has no model memory to release."
         if s.disaggregation_mode.value != "null":
             return "release_memory_occupation is not supported with --disaggregation-mode (the KV transfer engine holds the pool)."
+        if s.server_args.pp_size > 1:
+            return "release_memory_occupation is not supported with --pp-size > 1 yet (only the first stage would release)."
         already = [t for t in tags if t in self.adapter.released]
         if already:
             return f"Already released: {already}."

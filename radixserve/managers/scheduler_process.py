@@ -171,13 +171,19 @@ class Watchdog:
 
 
 def run_scheduler_process(
-    server_args: ServerArgs, port_args: PortArgs, pipe: Any, tp_rank: int = 0, dp_rank: Optional[int] = None
+    server_args: ServerArgs, port_args: PortArgs, pipe: Any, tp_rank: int = 0, dp_rank: Optional[int] = None,
+    pp_rank: int = 0,
 ) -> None:
     """Process entry: build the Scheduler on ZeroMQ, report ready, loop until killed.
     With --tp-size N there are N of these; rank 0 owns the sockets and broadcasts what it
-    receives (Scheduler.recv_requests), the other ranks follow in lockstep."""
+    receives (Scheduler.recv_requests), the other ranks follow in lockstep. With --pp-size P,
+    the first stage's ranks run the Scheduler and the later stages' ranks a PPStage."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the launcher, which stops us
+    if pp_rank > 0:
+        return run_pp_stage_process(server_args, port_args, pipe, tp_rank, pp_rank)
     tag = "scheduler" if server_args.tp_size == 1 else f"scheduler TP{tp_rank}"
+    if server_args.pp_size > 1:
+        tag = f"scheduler PP0 TP{tp_rank}"
     if dp_rank is not None:  # a replica behind the DataParallelController
         tag = f"scheduler DP{dp_rank}" + (f" TP{tp_rank}" if server_args.tp_size > 1 else "")
         port_args = dp_port_args(port_args, dp_rank)
@@ -257,5 +263,30 @@ def run_scheduler_process(
                 poller.poll(PEER_POLL_MS if scheduler.waiting_on_peer() else IDLE_POLL_MS)
     except Exception:
         logger.error("Scheduler hit an exception:\n%s", traceback.format_exc())
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def run_pp_stage_process(server_args: ServerArgs, port_args: PortArgs, pipe: Any, tp_rank: int, pp_rank: int) -> None:
+    """A pipeline stage after the first (managers/scheduler_pp.py): no sockets, it only hears
+    from the stage before. A receive that fails (a dead neighbour) or times out exits non-zero."""
+    configure_process_logging(server_args, f"scheduler PP{pp_rank} TP{tp_rank}")
+    watch_parent(os.getppid(), port_args.ipc_dir)
+    try:
+        from radixserve.hf_transformers_utils import resolve_model_path
+        from radixserve.managers.scheduler_pp import PPStage
+        from radixserve.models.model_config import ModelConfig
+
+        stage = PPStage(server_args, ModelConfig.from_pretrained(resolve_model_path(server_args)), tp_rank, pp_rank)
+    except Exception as e:
+        pipe.send({"status": "error", "error": str(e) if type(e).__name__ == "LoadError" else traceback.format_exc()})
+        raise SystemExit(1)
+    pipe.send({"status": "ready", "pid": os.getpid(), "tp_rank": tp_rank, "pp_rank": pp_rank})
+    logger.info("Pipeline stage %d ready (pid %d): layers %s", pp_rank, os.getpid(), stage.layer_range)
+    try:
+        stage.run()
+        stage.shutdown()
+    except Exception:
+        logger.error("Pipeline stage %d hit an exception:\n%s", pp_rank, traceback.format_exc())
         sys.stderr.flush()
         os._exit(1)

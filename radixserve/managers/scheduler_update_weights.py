@@ -37,6 +37,10 @@ from radixserve.protocol import (
 logger = logging.getLogger(__name__)
 
 
+# The update reaches this (the first) stage's scheduler only: the later stages would keep the old weights.
+PP_REFUSAL = "Weight updates with --pp-size > 1 are not supported yet (only the first pipeline stage would be updated)."
+
+
 class SchedulerUpdateWeights:
     """`scheduler`: the Scheduler (its tp_worker, has_work, run_step, flush_cache)."""
 
@@ -55,16 +59,22 @@ class SchedulerUpdateWeights:
 
     # ---- handlers --------------------------------------------------------------------------------
     def update_weights_from_disk(self, recv: UpdateWeightFromDiskReqInput) -> UpdateWeightFromDiskReqOutput:
+        if self._pp_stages():
+            return UpdateWeightFromDiskReqOutput(False, PP_REFUSAL, 0, recv.query_id)
         self.settle()
         success, message = self.scheduler.tp_worker.update_weights_from_disk(recv)
         return UpdateWeightFromDiskReqOutput(success, self._after_update(success, message, True), 0, recv.query_id)
 
     def update_weights_from_tensor(self, recv: UpdateWeightsFromTensorReqInput) -> UpdateWeightsFromTensorReqOutput:
+        if self._pp_stages():
+            return UpdateWeightsFromTensorReqOutput(False, PP_REFUSAL, recv.query_id)
         self.settle()
         success, message = self.scheduler.tp_worker.update_weights_from_tensor(recv)
         return UpdateWeightsFromTensorReqOutput(success, self._after_update(success, message, recv.flush_cache), recv.query_id)
 
     def update_weights_from_distributed(self, recv: UpdateWeightsFromDistributedReqInput) -> UpdateWeightsFromDistributedReqOutput:
+        if self._pp_stages():
+            return UpdateWeightsFromDistributedReqOutput(False, PP_REFUSAL, recv.query_id)
         self.settle()
         success, message = self.scheduler.tp_worker.update_weights_from_distributed(recv)
         return UpdateWeightsFromDistributedReqOutput(success, self._after_update(success, message, recv.flush_cache), recv.query_id)
@@ -81,6 +91,9 @@ class SchedulerUpdateWeights:
         return GetWeightsByNameReqOutput(self.scheduler.tp_worker.get_weights_by_name(recv), recv.query_id)
 
     # ---- around an update ------------------------------------------------------------------------
+    def _pp_stages(self) -> bool:
+        return self.scheduler.server_args.pp_size > 1
+
     def settle(self) -> None:
         """Run the loop until nothing is in flight: no forward on the forward thread, no request
         admitted before the update still running. A step that launches nothing and leaves no
@@ -96,6 +109,10 @@ class SchedulerUpdateWeights:
         if not success:
             logger.error("Weight update refused: %s", message)
             return message
+        storage = getattr(self.scheduler.tree_cache, "storage", None)  # HiCache's storage tier
+        if storage is not None:  # its pages hold KV of the old weights: never load them again
+            storage.clear()
+            storage.controller.clear()
         if flush_cache and not self.scheduler.flush_cache():
             return message + " The cache was not flushed: requests still hold KV of the old weights."
         return message

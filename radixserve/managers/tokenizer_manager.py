@@ -102,6 +102,9 @@ class TokenizerMetrics:
         self.prompt_tokens_total = Counter(p + "prompt_tokens", "Prompt tokens of finished requests.", registry=r)
         self.generation_tokens_total = Counter(p + "generation_tokens", "Generated tokens of finished requests.", registry=r)
         self.cached_tokens_total = Counter(p + "cached_tokens", "Prompt tokens served from the prefix cache.", registry=r)
+        self.cached_tokens_by_tier_total = Counter(  # HiCache: where the cached tokens came from
+            p + "cached_tokens_by_tier", "Prompt tokens served from the prefix cache, by tier (device, host, storage).",
+            ["tier"], registry=r)
         self.num_requests_total = Counter(p + "num_requests", "Finished requests.", registry=r)
         self.num_aborted_requests_total = Counter(p + "num_aborted_requests", "Requests that ended aborted.", registry=r)
         self.time_to_first_token = Histogram(
@@ -132,6 +135,8 @@ class TokenizerMetrics:
             self.prompt_tokens_total.inc(len(state.input_ids))
             self.generation_tokens_total.inc(state.completion_tokens)
             self.cached_tokens_total.inc(state.cached_tokens)
+            for tier, n in (state.cached_tokens_details or {}).items():
+                self.cached_tokens_by_tier_total.labels(tier=tier).inc(n)
             self.e2e_request_latency.observe(now - state.created)
             if (state.finished_reason or {}).get("type") == "abort":
                 self.num_aborted_requests_total.inc()

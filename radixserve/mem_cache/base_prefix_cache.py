@@ -60,6 +60,10 @@ def extra_key_of(req: CacheReq) -> Optional[str]:
 class MatchResult:
     device_indices: torch.Tensor  # int64 KV slots of the matched prefix
     last_device_node: Any  # the node the match ends at (lock it to keep the prefix)
+    # HiCache (hiradix_cache.py): the match goes on past the device prefix through nodes whose
+    # KV is only in the host pool: the deepest such node and how many tokens they hold.
+    last_host_node: Any = None
+    host_hit_length: int = 0
 
 
 class BasePrefixCache(ABC):
@@ -70,6 +74,9 @@ class BasePrefixCache(ABC):
     token_to_kv_pool_allocator: Optional["TokenToKVPoolAllocator"]
     root_node: Any  # the tree's root; a lock on it is a no-op
     disable: bool = False  # True: nothing is shared between requests
+    # Where device KV copies are queued (HiCache; the Scheduler sets the overlap loop's forward
+    # thread, so copies run in order with the forwards); None: run them at once.
+    io_thread: Any = None
 
     @abstractmethod
     def reset(self) -> None:
@@ -133,6 +140,10 @@ class BasePrefixCache(ABC):
     def pretty_print(self) -> str:
         """Print the cache's contents and return the text."""
 
+    def check_other_tiers(self, thorough: bool = True) -> None:
+        """Raise MemoryLeakError if a slot of a tier beyond the device pool (HiCache's host
+        pool) is lost (thorough: or held twice, page by page); nothing to check here."""
+
 
 class MemoryLeakError(RuntimeError):
     """A KV slot or a request row is lost: a broken invariant takes the process down."""
@@ -150,19 +161,23 @@ def check_pools_idle(tree_cache: BasePrefixCache, token_to_kv_pool_allocator: An
                               f"protected={protected}, total={max_total_num_tokens}")
     if free_rows != rows:
         raise MemoryLeakError(f"req_to_token_pool leak detected! free rows={free_rows}, size={rows}")
+    tree_cache.check_other_tiers(thorough=False)  # the page-by-page check is --test-check-memory's
 
 
 def check_pages_conserved(tree_cache: BasePrefixCache, token_to_kv_pool_allocator: Any, req_to_token_pool: Any,
                           live_reqs: List[CacheReq]) -> None:
     """While requests run: every KV page is free, in the tree, or held by a live request's
-    row (its first kv_committed_len slots), and no page is both free and held."""
+    row (its first kv_committed_len slots, or kv_allocated_len where speculation in the overlap
+    loop reserved slots ahead), and no page is both free and held."""
     allocator = token_to_kv_pool_allocator
     rows = req_to_token_pool.req_to_token
     held = [tree_cache.all_values_flatten().to(torch.int64)]
-    held += [rows[r.req_pool_idx, : kv_committed_len(r)].to(torch.int64) for r in live_reqs]
+    held += [rows[r.req_pool_idx, : max(kv_committed_len(r), getattr(r, "kv_allocated_len", 0))].to(torch.int64)
+             for r in live_reqs]
     used = torch.zeros(allocator.num_pages + 1, dtype=torch.bool)
     used[torch.cat(held) // allocator.page_size] = True
     both = (used & allocator.is_free).nonzero().flatten()[:4].tolist()
     lost = ((~used & ~allocator.is_free)[1:].nonzero().flatten()[:4] + 1).tolist()  # page 0 is padding
     if both or lost:
         raise MemoryLeakError(f"KV pages both free and in use: {both}; pages neither free nor held: {lost}")
+    tree_cache.check_other_tiers()

@@ -72,6 +72,7 @@ class ModelWorkerBatch:
     # EAGLE: the target returns its final hidden states; the draft head reads one feature per token
     capture_hidden_states: bool = False
     spec_hidden_states: Optional[torch.Tensor] = None
+    pp_proxy_tensors: Any = None  # --pp-size, a stage after the first: the previous stage's hidden states
 
     @property
     def batch_size(self) -> int:
@@ -102,6 +103,7 @@ class ForwardBatch:
     spec_tree: Optional["SpecTree"] = None
     capture_hidden_states: bool = False
     spec_hidden_states: Optional[torch.Tensor] = None
+    pp_proxy_tensors: Any = None  # --pp-size, a stage after the first: models.llama.PPProxyTensors
 
     @classmethod
     def init_new(cls, batch: ModelWorkerBatch, model_runner: Any) -> "ForwardBatch":
@@ -137,6 +139,7 @@ class ForwardBatch:
             spec_tree=batch.spec_tree,
             capture_hidden_states=batch.capture_hidden_states,
             spec_hidden_states=None if batch.spec_hidden_states is None else batch.spec_hidden_states.to(device),
+            pp_proxy_tensors=batch.pp_proxy_tensors,
         )
         # A batch a CUDA graph will replay needs none of the eager metadata.
         graph_runner = getattr(model_runner, "cuda_graph_runner", None)

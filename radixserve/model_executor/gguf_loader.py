@@ -11,7 +11,7 @@ that for llama (and mistral). qwen2/qwen3 are written unpermuted (neox rope, as 
 from __future__ import annotations
 
 import re
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -60,10 +60,11 @@ def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def gguf_weights(config: ModelConfig, dtype: torch.dtype) -> Iterator[NamedWeight]:
+def gguf_weights(config: ModelConfig, dtype: torch.dtype, keep: Optional[Callable[[str], bool]] = None) -> Iterator[NamedWeight]:
     """(HF name, tensor in dtype, file) for every tensor of config.gguf_file. The file is opened
     and every quant type is checked here, before the model is built; the returned iterator then
-    dequantizes lazily, one tensor at a time (never a full float32 copy of the model)."""
+    dequantizes lazily, one tensor at a time (never a full float32 copy of the model).
+    keep: which HF-named tensors to dequantize (a pipeline stage's); None: all."""
     path = config.gguf_file
     reader = open_gguf(path)
     import gguf
@@ -84,16 +85,17 @@ def gguf_weights(config: ModelConfig, dtype: torch.dtype) -> Iterator[NamedWeigh
                 name = getattr(qtype, "name", str(qtype))
                 raise LoadError(f"{path}: tensor {t.name!r} has quant type {name}, which the gguf package cannot dequantize") from None
             checked.add(qtype)
-    return _iterate(reader, config, dtype, path)
+    return _iterate(reader, config, dtype, path, keep)
 
 
-def _iterate(reader: Any, config: ModelConfig, dtype: torch.dtype, path: str) -> Iterator[NamedWeight]:
+def _iterate(reader: Any, config: ModelConfig, dtype: torch.dtype, path: str,
+             keep: Optional[Callable[[str], bool]] = None) -> Iterator[NamedWeight]:
     import gguf
 
     permute = config.hf_config.get("gguf_architecture") in _PERMUTED_ARCHS
     for t in reader.tensors:
         name = hf_name(t.name)
-        if name is None:
+        if name is None or (keep is not None and not keep(name)):
             continue
         # Dequantized to float32 (numpy), shaped [rows, cols] as in the HF checkpoint.
         arr = gguf.quants.dequantize(t.data, t.tensor_type)

@@ -7,13 +7,16 @@ from __future__ import annotations
 import glob
 import json
 import os
-from typing import Dict, Iterator, List, Tuple
+from functools import partial
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
+from radixserve.distributed.parallel_state import get_pp_group
 from radixserve.model_executor.gguf_loader import gguf_weights
+from radixserve.models.llama import is_stage_weight
 from radixserve.models.model_config import LoadError, ModelConfig
 from radixserve.models.registry import get_model_class
 from radixserve.models.weight_utils import NamedWeight
@@ -22,14 +25,17 @@ from radixserve.models.weight_utils import NamedWeight
 def get_model(config: ModelConfig, load_format: str, dtype: torch.dtype, device: str, seed: int = 0) -> nn.Module:
     where = config.gguf_file or _path(config.model_path, "config.json")
     model_cls = get_model_class(config.architecture, where)
+    # --pp-size: only this stage's tensors are read (or dequantized)
+    keep = partial(is_stage_weight, num_layers=config.num_hidden_layers, tied=config.tie_word_embeddings) \
+        if get_pp_group().size > 1 else None
     if load_format == "dummy":
-        weights = dummy_weights(config, seed)
+        weights = dummy_weights(config, seed, keep)
     elif config.gguf_file:
         if load_format not in ("auto", "gguf"):
             raise LoadError(f"{config.gguf_file}: a GGUF file, but --load-format {load_format}; use --load-format auto")
-        weights = gguf_weights(config, dtype)  # opens the file and checks its quant types now
+        weights = gguf_weights(config, dtype, keep)  # opens the file and checks its quant types now
     else:
-        weights = iterate_safetensors(config.model_path)
+        weights = iterate_safetensors(config.model_path, keep)
     with torch.device(device):
         model = model_cls(config)
     # Cast before loading: the (still untouched) float32 parameters are never filled, so a
@@ -55,11 +61,13 @@ def safetensors_files(model_path: str) -> List[str]:
     return files
 
 
-def iterate_safetensors(model_path: str) -> Iterator[NamedWeight]:
+def iterate_safetensors(model_path: str, keep: Optional[Callable[[str], bool]] = None) -> Iterator[NamedWeight]:
+    """keep: which tensors to read (a pipeline stage's); None: all."""
     for fn in safetensors_files(model_path):
         with safe_open(fn, framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name), fn
+                if keep is None or keep(name):
+                    yield name, f.get_tensor(name), fn
 
 
 def checkpoint_shapes(config: ModelConfig) -> Dict[str, Tuple[int, ...]]:
@@ -96,9 +104,10 @@ def checkpoint_shapes(config: ModelConfig) -> Dict[str, Tuple[int, ...]]:
     return shapes
 
 
-def dummy_weights(config: ModelConfig, seed: int) -> Iterator[NamedWeight]:
+def dummy_weights(config: ModelConfig, seed: int, keep: Optional[Callable[[str], bool]] = None) -> Iterator[NamedWeight]:
     """Seeded random weights named and shaped like a Hugging Face checkpoint, so they go
-    through the same loaders (and the same TP slicing) as real ones."""
+    through the same loaders (and the same TP slicing) as real ones. keep: which to yield; every
+    tensor is still drawn, so a pipeline stage gets the very weights of the whole model."""
     gen = torch.Generator().manual_seed(seed)
     for name, shape in checkpoint_shapes(config).items():
         if name == "model.embed_tokens.weight":
@@ -109,7 +118,8 @@ def dummy_weights(config: ModelConfig, seed: int) -> Iterator[NamedWeight]:
             tensor = 1.0 + 0.1 * torch.randn(*shape, generator=gen)
         else:
             tensor = torch.randn(*shape, generator=gen) * (shape[-1] ** -0.5 if len(shape) > 1 else 0.02)
-        yield name, tensor, "dummy"
+        if keep is None or keep(name):
+            yield name, tensor, "dummy"
 
 
 def _path(model_path, name: str) -> str:

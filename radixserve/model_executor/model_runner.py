@@ -12,6 +12,7 @@ from radixserve.distributed.parallel_state import (
     all_reduce_min,
     broadcast_from_first_rank,
     init_distributed_environment,
+    stage_layers,
 )
 from radixserve.layers.attention.base_attn_backend import AttentionBackend
 from radixserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
@@ -53,7 +54,7 @@ def share_cpu_cores(ranks_on_this_machine: int) -> None:
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, server_args: ServerArgs, tp_rank: int = 0, tp_size: int = 1,
-                 shared_slots: Optional[Tuple[ReqToTokenPool, TokenToKVPoolAllocator]] = None):
+                 shared_slots: Optional[Tuple[ReqToTokenPool, TokenToKVPoolAllocator]] = None, pp_rank: int = 0):
         # shared_slots: another runner's req_to_token_pool and allocator (a STANDALONE draft model):
         # this runner's KV buffers are indexed by the same slots (init_memory_pool).
         self.shared_slots = shared_slots
@@ -64,9 +65,10 @@ class ModelRunner:
         self.dtype = model_config.resolve_dtype(server_args.dtype, self.device)  # the weights'
         self.page_size = server_args.page_size
         if self.device == "cpu":
-            share_cpu_cores(server_args.dp_size * tp_size // server_args.nnodes)
-        if tp_size > 1:
-            init_distributed_environment(tp_rank, tp_size, server_args.dist_init_addr, self.device)
+            share_cpu_cores(server_args.dp_size * tp_size * server_args.pp_size // server_args.nnodes)
+        if tp_size > 1 or server_args.pp_size > 1:  # --pp-size: this stage's TP group and the stages' group
+            init_distributed_environment(tp_rank, tp_size, server_args.dist_init_addr, self.device, pp_rank,
+                                         server_args.pp_size, server_args.pp_partition_list(), server_args.watchdog_timeout)
         torch.manual_seed(server_args.seed)
         self.model = get_model(model_config, server_args.load_format, self.dtype, self.device, server_args.seed)
         # bf16 on a CPU with the C++ GEMM: bf16 weights, float32 activations (cpu_weight_only.py)
@@ -106,6 +108,7 @@ class ModelRunner:
             and not self.server_args.disable_cuda_graph
             and not self.server_args.is_embedding  # the graphs are of decode steps
             and self.attn_backend.cuda_graph_unsupported_reason is None
+            and self.server_args.pp_size == 1  # a stage's graphs would need its proxy tensors as inputs
         )
 
     def init_cuda_graphs(self) -> Optional[CudaGraphRunner]:
@@ -120,6 +123,11 @@ class ModelRunner:
             raise RuntimeError(f"capturing the decode CUDA graphs failed ({e}); retry with --disable-cuda-graph") from e
 
     # ---- memory -------------------------------------------------------------------------
+    def num_stage_layers(self) -> int:
+        """Decoder layers this process holds: its pipeline stage's (all without --pp-size)."""
+        start, end = stage_layers(self.model_config.num_hidden_layers)
+        return end - start
+
     def kv_heads_per_rank(self) -> int:
         return max(1, self.model_config.num_key_value_heads // self.tp_size)
 
@@ -127,7 +135,7 @@ class ModelRunner:
         """KV pool size in tokens from the memory budget (seed 004)."""
         cfg = self.model_config
         per_token = MHATokenToKVPool.bytes_per_token(
-            self.kv_heads_per_rank(), cfg.head_dim, cfg.num_hidden_layers, self.kv_cache_dtype
+            self.kv_heads_per_rank(), cfg.head_dim, self.num_stage_layers(), self.kv_cache_dtype
         ) + self.draft_kv_bytes_per_token()
         if self.device == "cuda":
             free, _ = torch.cuda.mem_get_info()
@@ -177,7 +185,7 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(max_reqs + 1, self.context_len + 4, self.device)
         self.token_to_kv_pool = MHATokenToKVPool(
             max_tokens, self.page_size, self.kv_cache_dtype, self.kv_heads_per_rank(), self.model_config.head_dim,
-            self.model_config.num_hidden_layers, self.device,
+            self.num_stage_layers(), self.device,
         )
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(max_tokens, self.page_size, self.device)
         logger.info("KV pool: %d tokens of %s, max running requests: %d, context: %d", max_tokens,

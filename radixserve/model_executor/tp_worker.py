@@ -29,13 +29,15 @@ class GenerationBatchResult:
     # Speculative decoding (SGLang's name): drafts accepted per request; next_token_ids then holds
     # accept_lens[i] + 1 tokens of each request back to back (logprobs likewise).
     accept_lens: Optional[List[int]] = None
+    num_drafts: Optional[List[int]] = None  # drafts each request verified (set on every speculative decode step)
 
 
 class TpModelWorker:
-    def __init__(self, server_args: ServerArgs, model_config: ModelConfig, tp_rank: int = 0, tp_size: int = 1):
+    def __init__(self, server_args: ServerArgs, model_config: ModelConfig, tp_rank: int = 0, tp_size: int = 1,
+                 pp_rank: int = 0):
         self.server_args = server_args
         self.model_config = model_config
-        self.model_runner = ModelRunner(model_config, server_args, tp_rank, tp_size)
+        self.model_runner = ModelRunner(model_config, server_args, tp_rank, tp_size, pp_rank=pp_rank)
         self.device = self.model_runner.device
         self.dtype = self.model_runner.dtype
         self.max_total_num_tokens = self.model_runner.max_total_num_tokens

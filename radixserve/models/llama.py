@@ -3,16 +3,23 @@ models/qwen2.py and models/qwen3.py only set the flags that differ.
 
 Inside a layer the submodules are called through `.forward(...)`: nn.Module.__call__ costs ~2.5 us
 a call (hook bookkeeping, unused here), and a decode step makes ~360 of them, ~1 ms of a ~10 ms
-step of a small model on the CPU."""
+step of a small model on the CPU.
+
+Pipeline parallelism (--pp-size): a stage builds only its decoder layers [start, end) (the
+others are PPMissingLayer placeholders, so layer numbers and checkpoint names stay), the
+embedding on the first stage, the final norm and the LM head on the last. A stage other than
+the first takes the previous stage's hidden states and residual from forward_batch.pp_proxy_tensors;
+a stage other than the last returns them (a PPProxyTensors) instead of logits."""
 
 from __future__ import annotations
 
-from typing import Iterable, Optional, Tuple, Union
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Optional, Tuple, Union
 
 import torch
 from torch import nn
 
-from radixserve.distributed.parallel_state import get_tp_group
+from radixserve.distributed.parallel_state import get_pp_group, get_tp_group, stage_layers
 from radixserve.layers.activation import SiluAndMul
 from radixserve.layers.layernorm import RMSNorm
 from radixserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -21,7 +28,23 @@ from radixserve.layers.radix_attention import RadixAttention
 from radixserve.layers.rotary_embedding import RotaryEmbedding
 from radixserve.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from radixserve.models.model_config import ModelConfig
-from radixserve.models.weight_utils import NamedWeight, load_named_weights
+from radixserve.models.weight_utils import NamedWeight, call_weight_loader, load_named_weights
+
+
+@dataclass
+class PPProxyTensors:
+    """What one pipeline stage hands the next (SGLang's name): the residual stream, split as
+    the decoder layers carry it (the last layer's output and the running residual)."""
+
+    hidden_states: torch.Tensor
+    residual: Optional[torch.Tensor]
+
+
+class PPMissingLayer(nn.Module):
+    """A placeholder for what another pipeline stage holds (SGLang's name): no parameters."""
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("PPMissingLayer called: this part of the model lives on another pipeline stage")
 
 
 class LlamaMLP(nn.Module):
@@ -102,17 +125,30 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, qkv_bias: bool, qk_norm: bool):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        pp = get_pp_group()
+        self.is_first_stage, self.is_last_stage = pp.is_first_rank, pp.is_last_rank
+        self.start_layer, self.end_layer = stage_layers(config.num_hidden_layers)
+        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+                             if self.is_first_stage else PPMissingLayer())
+        # A stage's KV pool holds its layers only: attention layer i reads the pool's layer i - start.
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, qkv_bias, qk_norm) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i - self.start_layer, qkv_bias, qk_norm)
+            if self.start_layer <= i < self.end_layer else PPMissingLayer()
+            for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.is_last_stage else PPMissingLayer()
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            hidden_states, residual = layer.forward(positions, hidden_states, residual, forward_batch)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                forward_batch) -> Union[torch.Tensor, PPProxyTensors]:
+        proxy = getattr(forward_batch, "pp_proxy_tensors", None)
+        if self.is_first_stage:
+            hidden_states, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden_states, residual = proxy.hidden_states, proxy.residual
+        for i in range(self.start_layer, self.end_layer):
+            hidden_states, residual = self.layers[i].forward(positions, hidden_states, residual, forward_batch)
+        if not self.is_last_stage:
+            return PPProxyTensors(hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -133,10 +169,12 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, self.qkv_bias or config.attention_bias, self.qk_norm)
-        if config.tie_word_embeddings:
+        if not self.model.is_last_stage:
+            self.lm_head = PPMissingLayer()
+        elif config.tie_word_embeddings and self.model.is_first_stage:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
             self.lm_head.weight = self.model.embed_tokens.weight
-        else:
+        else:  # untied, or tied with the embedding on another stage: a copy of it loaded here
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.logits_processor = LogitsProcessor(config.vocab_size)
 
@@ -145,6 +183,8 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch, get_embedding: bool = False
     ) -> Union[LogitsProcessorOutput, torch.Tensor]:
         hidden_states = self.model(input_ids, positions, forward_batch)
+        if isinstance(hidden_states, PPProxyTensors):  # not the last pipeline stage
+            return hidden_states
         if get_embedding:  # --is-embedding: the final hidden states, for the ModelRunner's Pooler
             return hidden_states
         return self.logits_processor(hidden_states, self.lm_head, forward_batch)
@@ -152,11 +192,42 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[NamedWeight], require_all: bool = True) -> None:
         """weights: (checkpoint tensor name, tensor, file it came from). Raises LoadError.
         require_all=False: a weight update of some of the tensors."""
-        load_named_weights(self, (_with_model_prefix(w) for w in weights), self.stacked_params_mapping, require_all)
+        num_layers, tied = self.config.num_hidden_layers, self.config.tie_word_embeddings
+        weights = (w for w in map(_with_model_prefix, weights) if is_stage_weight(w[0], num_layers, tied))
+        if self.model.is_first_stage or not self.config.tie_word_embeddings:
+            return load_named_weights(self, weights, self.stacked_params_mapping, require_all)
+        # PP, tied embeddings, a later stage: the embedding's tensor is this stage's LM head.
+        load_named_weights(self, self._tied_head_into_lm_head(weights), self.stacked_params_mapping,
+                           require_all, not_required=("lm_head.",))
+
+    def _tied_head_into_lm_head(self, weights: Iterator[NamedWeight]) -> Iterator[NamedWeight]:
+        for name, tensor, fn in weights:
+            if name == "model.embed_tokens.weight":
+                call_weight_loader(self.lm_head, self.lm_head.weight, tensor)
+            else:
+                yield name, tensor, fn
 
 
 class MistralForCausalLM(LlamaForCausalLM):
     pass
+
+
+def is_stage_weight(name: str, num_layers: int, tied: bool = False) -> bool:
+    """Whether checkpoint tensor `name` belongs to this process's pipeline stage (all do
+    without PP); the loaders skip the others before reading or dequantizing them."""
+    pp = get_pp_group()
+    if pp.size == 1:
+        return True
+    if not name.startswith(("model.", "lm_head.")):
+        name = f"model.{name}"  # a bare-model checkpoint (see _with_model_prefix)
+    if name.startswith("model.layers."):
+        start, end = stage_layers(num_layers)
+        return start <= int(name.split(".")[2]) < end
+    if name.startswith("model.embed_tokens."):
+        return pp.is_first_rank or (tied and pp.is_last_rank)  # the last stage's tied LM head reads it too
+    if name.startswith(("model.norm.", "lm_head.")):
+        return pp.is_last_rank
+    return True
 
 
 def _with_model_prefix(weight: NamedWeight) -> NamedWeight:

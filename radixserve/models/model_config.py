@@ -7,18 +7,22 @@ Accepts both the older top-level `rope_theta` / `rope_scaling` and transformers 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import mmap
 import os
 import struct
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from radixserve.hf_transformers_utils import LoadError, gguf_file
 
-__all__ = ["GGUF_ARCHITECTURES", "GGUFIndex", "LoadError", "ModelConfig", "cpu_has_native_bf16", "gguf_to_hf_config", "open_gguf"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["GGUF_ARCHITECTURES", "GGUFIndex", "LoadError", "ModelConfig", "cpu_has_native_bf16", "gguf_to_hf_config", "has_native_bf16", "open_gguf"]
 
 # GGUF general.architecture -> our model class (config.json "architectures"). llama.cpp writes
 # Mistral (and SmolLM, ...) checkpoints as "llama"; "mistral" is accepted as the same thing.
@@ -132,16 +136,47 @@ class ModelConfig:
         return config
 
     def resolve_dtype(self, dtype: str, device: str) -> torch.dtype:
-        """--dtype auto: a float32 checkpoint runs in float32; any other runs in its own dtype on a
-        GPU (bf16 when unsaid) and in bf16 on a CPU with native bf16 math (AVX512_BF16 or AMX:
-        2-4x faster matmuls than float32), else in float32 (emulated bf16 is slower)."""
-        if dtype == "auto":
-            dtype = self.torch_dtype or "bfloat16"
-            if dtype == "float32":
+        """--dtype auto: bf16 where the device has native bf16 math (AVX512_BF16 or AMX on a CPU:
+        2-4x faster matmuls than float32; bf16 tensor cores on a GPU), float32 checkpoints included,
+        as SGLang and vLLM downcast those (one log line says so; --dtype float32 keeps them exact).
+        Without native bf16 a float32 checkpoint stays float32, and a CPU runs any other in float32
+        too (emulated bf16 is slower). A GPU runs a bf16 or float16 checkpoint in its own dtype.
+        The embedded tiny model stays float32: it is there for the same bits on every machine."""
+        if dtype != "auto":
+            return _DTYPES[dtype]
+        checkpoint = self.torch_dtype or "bfloat16"
+        native = has_native_bf16(device)
+        if checkpoint == "float32":
+            if not native or _is_embedded_tiny_model(self.model_path):
                 return torch.float32
-            if device == "cpu":
-                return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+            logger.info("--dtype auto: running the float32 checkpoint in bfloat16 (this %s has native bf16); "
+                        "--dtype float32 keeps float32", device)
+            return torch.bfloat16
+        if device == "cpu":
+            return torch.bfloat16 if native else torch.float32
+        return _DTYPES.get(checkpoint, torch.bfloat16)
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _is_embedded_tiny_model(model_path: Optional[str]) -> bool:
+    """The tiny model served when no --model-path is given (radixserve/tiny_model.py's cache)."""
+    from radixserve.tiny_model import tiny_model_cache_root
+
+    if not model_path:
+        return False
+    path = Path(model_path).resolve()
+    return path.name.startswith("tiny_qwen3-") and path.parent == tiny_model_cache_root().resolve()
+
+
+def has_native_bf16(device: str) -> bool:
+    """Whether bf16 matmuls run in hardware on this device (not emulated through float32)."""
+    if device == "cpu":
+        return cpu_has_native_bf16()
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return bool(torch.cuda.is_bf16_supported(including_emulation=False))
+    return False
 
 
 def cpu_has_native_bf16() -> bool:

@@ -5,6 +5,7 @@
         --request-rate 16 --schedule-policy lpm
     radixserve simulate ... --sweep --output benchmarks/simulate_x.json --plot benchmarks/simulate_x.png
     radixserve simulate --fit-cpu benchmarks/one_batch.json      # re-calibrate the cpu preset
+    radixserve simulate --model-config llama-3-8b --hardware h100 --pp-size 4   # the PP bubble per stage
 
 Every `radixserve serve` flag applies (--schedule-policy, --chunked-prefill-size,
 --enable-mixed-chunk, --max-total-tokens, --page-size, --mem-fraction-static, ...), with the
@@ -239,6 +240,9 @@ def run(args: argparse.Namespace) -> int:
         m = res.metrics
         print(format_report(m, "Simulated Serving Result", header + [("KV pool tokens", res.pool["max_total_num_tokens"])]))
         print(f"simulated {m['duration']:.1f} s in {res.wall_seconds:.1f} s wall ({m['num_forwards']} forwards)")
+        for st in m.get("pp_stages", []):  # --pp-size: the PP schedule's bubble, stage by stage
+            print(f"PP stage {st['stage']}: {st['layers_share']:.0%} of the layers, busy {st['busy_share']:.1%}, "
+                  f"bubble {st['bubble']:.1%}")
         record = dict(command_meta, config=_config_of(base, res), metrics=m, scheduler_stats=res.scheduler_stats,
                       wall_seconds=res.wall_seconds)
         _write(args, [record])

@@ -76,6 +76,8 @@ class Simulator:
         self.max_concurrency = max_concurrency
         self.record_steps = record_steps
         self.progress = progress
+        # --pp-size: a slot without a micro-batch is a step without a forward, not a stuck scheduler
+        self.pp_loop_size = server_args.pp_size + server_args.pp_async_batch_depth if server_args.pp_size > 1 else 0
 
     def _drain(self) -> List[Any]:
         items, self._inbox = self._inbox, []
@@ -116,12 +118,14 @@ class Simulator:
                 continue
 
             sched.process_input_requests(self._drain())
+            if self.worker.pp_transport is not None:  # --pp-size: the stages' clock starts from here
+                self.worker.pp_transport.now = now
             batch = sched.run_step()
             dt = self.worker.take_elapsed()
             now += dt
             if batch is None:
                 idle_steps += 1
-                if idle_steps > MAX_IDLE_STEPS and not self._outbox:
+                if idle_steps > MAX_IDLE_STEPS + self.pp_loop_size and not self._outbox:
                     if next_i < n and not sched.has_work():
                         continue
                     raise RuntimeError(
@@ -176,6 +180,8 @@ class Simulator:
         stats = sched.get_stats()
         metrics["num_retracted_reqs"] = stats.num_retracted_reqs
         metrics["num_forwards"] = self.worker.num_forwards
+        if self.worker.pp_transport is not None:  # each stage's busy share and bubble over the run
+            metrics["pp_stages"] = self.worker.pp_transport.stage_report(now - t_first)
         sched.check_memory()  # everything finished: every slot is free or in the tree
         pool = dict(max_total_num_tokens=sched.max_total_num_tokens, max_running_requests=sched.max_running_requests,
                     context_len=sched.context_len)

@@ -14,12 +14,14 @@ from typing import List, Tuple
 
 import torch
 
+from radixserve.distributed.parallel_state import get_pp_indices
 from radixserve.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from radixserve.model_executor.forward_batch import ModelWorkerBatch
 from radixserve.model_executor.tp_worker import GenerationBatchResult
 from radixserve.models.model_config import ModelConfig
 from radixserve.server_args import ServerArgs
 from radixserve.sim.cost_model import CostModel, DeviceSpec
+from radixserve.sim.pipeline import SimPipeline
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +50,14 @@ class SimModelWorker:
             max_tokens = server_args.cpu_kv_cache_bytes // self.cost_model.shape.kv_bytes_per_token
         else:
             max_tokens = self.cost_model.kv_pool_tokens(server_args.mem_fraction_static)
+        pp_share = max(b - a for a, b in (get_pp_indices(model_config.num_hidden_layers, r, server_args.pp_size,
+                                                         server_args.pp_partition_list()) for r in range(server_args.pp_size)))
+        pp_share /= model_config.num_hidden_layers
+        if server_args.pp_size > 1 and not server_args.max_total_tokens and device.name != "cpu":
+            # --pp-size: the largest stage's weights and KV decide (the stages share the slots)
+            shape = self.cost_model.shape
+            budget = device.memory_bytes * server_args.mem_fraction_static - shape.weight_bytes * pp_share
+            max_tokens = max(int(budget // (shape.kv_bytes_per_token * pp_share)), 0)
         max_tokens = max_tokens // self.page_size * self.page_size
         if max_tokens < self.page_size:
             raise ValueError(
@@ -62,6 +72,9 @@ class SimModelWorker:
         self.req_to_token_pool = ReqToTokenPool(self.max_running_requests + 1, self.context_len + 4, self.device)
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(max_tokens, self.page_size, self.device)
         self.token_id = pick_sim_token(model_config)
+        # --pp-size: SchedulerPP sends its micro-batches here (the stages on the virtual clock)
+        self.pp_transport = SimPipeline(self.cost_model, server_args.pp_size, server_args.pp_partition_list(),
+                                        model_config.num_hidden_layers, self.token_id) if server_args.pp_size > 1 else None
         # The simulator reads and resets this after every scheduler step.
         self.elapsed = 0.0
         self.num_forwards = 0
@@ -79,14 +92,16 @@ class SimModelWorker:
             pre: List[int] = [s - 1 for s in batch.seq_lens_cpu]
         else:
             ext, pre = list(batch.extend_seq_lens), list(batch.extend_prefix_lens)
-        self.elapsed += self.cost_model.step(ext, pre).seconds
         self.num_forwards += 1
+        if self.pp_transport is not None:  # the first stage's part: SimPipeline times every stage
+            return GenerationBatchResult(None, torch.empty(0, dtype=torch.int64))
+        self.elapsed += self.cost_model.step(ext, pre).seconds
         n = 0 if skip_sample else batch.batch_size
         return GenerationBatchResult(None, torch.full((n,), self.token_id, dtype=torch.int64))
 
     def take_elapsed(self) -> float:
         t, self.elapsed = self.elapsed, 0.0
-        return t
+        return t + (self.pp_transport.take_elapsed() if self.pp_transport is not None else 0.0)
 
 
 def make_sim_scheduler(server_args: ServerArgs, model_config: ModelConfig, device: DeviceSpec,

@@ -38,6 +38,7 @@ from radixserve.layers.attention.spec_tree import SpecTree, TokenPaths
 from radixserve.model_executor.forward_batch import ForwardBatch, ForwardMode, ModelWorkerBatch
 from radixserve.model_executor.model_runner import ModelRunner
 from radixserve.model_executor.tp_worker import GenerationBatchResult, TpModelWorker
+from radixserve.speculative.overlap_view import slots_of
 from radixserve.speculative.standalone_worker import load_draft_runner
 from radixserve.speculative.tree import TreeDrafts
 from radixserve.speculative.verify_step import can_draft, draft_room, result_of, run_tree_verify_step
@@ -63,8 +64,7 @@ class _Node:
 
 
 class EAGLEWorker:
-    def __init__(self, server_args: Any, target_worker: TpModelWorker, stats: Any = None,
-                 draft_runner: Optional[ModelRunner] = None):
+    def __init__(self, server_args: Any, target_worker: TpModelWorker, draft_runner: Optional[ModelRunner] = None):
         self.target_worker = target_worker
         self.topk = server_args.speculative_eagle_topk
         self.num_steps = server_args.speculative_num_steps
@@ -75,7 +75,7 @@ class EAGLEWorker:
         self.draft_runner.model.set_embed_and_head(target.model.embed_tokens, target.lm_head)
         # Slots a step takes past the decode token: the verified drafts and the tree's scratch.
         self.max_drafts = self.num_verify + (self.num_steps - 1) * self.topk
-        self.stats = stats
+        self.verify_width = 1 + self.num_verify  # the rest of max_drafts is the tree's scratch
         self.states: Dict[str, DraftState] = {}
 
     def clear_cache_pool(self) -> None:
@@ -96,13 +96,12 @@ class EAGLEWorker:
                    for r in batch.reqs]
         drafts, scratch = self._draft_tree(batch, budgets)
         prefix_lens = [s - 1 for s in batch.seq_lens_cpu]  # L
-        out, paths, hidden = run_tree_verify_step(self.target_worker, batch, worker_batch, drafts, self.stats,
-                                                  capture_hidden=True)
+        out, paths, hidden = run_tree_verify_step(self.target_worker, batch, worker_batch, drafts, capture_hidden=True)
         if scratch is not None:
             batch.token_to_kv_pool_allocator.free(scratch)
         features = [[s] + [s + j for j in path] for s, path in zip(drafts.starts, paths)]
         self._extend_after_verify(batch, prefix_lens, out.token_ids, hidden, features)
-        return result_of(out)
+        return result_of(out, drafts.num_drafts)
 
     # ---- the head's forwards -------------------------------------------------------------------
     @torch.inference_mode()
@@ -142,9 +141,8 @@ class EAGLEWorker:
                              hidden: torch.Tensor, features: List[List[int]]) -> None:
         """The head over positions L .. L + a: the committed tokens with the target's hidden
         states of the tokens before them (the root and the accepted branch)."""
-        rows = batch.req_to_token_pool.req_to_token
         lens = [len(t) for t in token_ids]
-        locs = [rows[r.req_pool_idx, p : p + n].to(torch.int64) for r, p, n in zip(batch.reqs, prefix_lens, lens)]
+        locs = [slots_of(batch, i, p, p + n) for i, (p, n) in enumerate(zip(prefix_lens, lens))]
         seq_lens = [p + n for p, n in zip(prefix_lens, lens)]
         head_wb = ModelWorkerBatch(
             forward_mode=ForwardMode.EXTEND,

@@ -21,7 +21,7 @@ from radixserve.speculative.standalone_worker import STANDALONEWorker
 logger = logging.getLogger(__name__)
 
 
-def create_speculative_worker(server_args: Any, target_worker: TpModelWorker, stats: Any = None) -> Optional[Any]:
+def create_speculative_worker(server_args: Any, target_worker: TpModelWorker) -> Optional[Any]:
     """The worker of --speculative-algorithm (None without it). ServerArgs refused the others;
     STANDALONE refuses a draft model whose vocabulary differs from the target's (ValueError)."""
     if server_args.speculative_algorithm is None:
@@ -30,11 +30,11 @@ def create_speculative_worker(server_args: Any, target_worker: TpModelWorker, st
         logger.info("Speculative decoding: EAGLE, head %s, %d steps, topk %d, %d tokens verified per step",
                     server_args.speculative_draft_model_path, server_args.speculative_num_steps,
                     server_args.speculative_eagle_topk, server_args.speculative_num_draft_tokens)
-        return EAGLEWorker(server_args, target_worker, stats)
+        return EAGLEWorker(server_args, target_worker)
     if server_args.speculative_algorithm == "STANDALONE":
         logger.info("Speculative decoding: STANDALONE, draft model %s, %d draft tokens per step",
                     server_args.speculative_draft_model_path, server_args.speculative_num_steps)
-        return STANDALONEWorker(server_args, target_worker, stats)
+        return STANDALONEWorker(server_args, target_worker)
     assert server_args.speculative_algorithm == "NGRAM", server_args.speculative_algorithm
     logger.info("Speculative decoding: NGRAM, %d draft tokens per step", server_args.speculative_num_draft_tokens - 1)
-    return NGRAMWorker(server_args, target_worker, stats)
+    return NGRAMWorker(server_args, target_worker)

@@ -28,22 +28,22 @@ from radixserve.speculative.draft_budget import DraftBudget
 from radixserve.speculative.ngram_cache import NgramCache
 from radixserve.speculative.spec_info import NgramVerifyInput
 from radixserve.speculative.tree import TreeDrafts
-from radixserve.speculative.verify_step import result_of, run_tree_verify_step, run_verify_step
+from radixserve.speculative.verify_step import can_draft, draft_room, result_of, run_tree_verify_step, run_verify_step
 
 logger = logging.getLogger(__name__)
 
 
 class NGRAMWorker:
-    def __init__(self, server_args: Any, target_worker: TpModelWorker, stats: Any = None):
+    def __init__(self, server_args: Any, target_worker: TpModelWorker):
         self.target_worker = target_worker
         # SGLang's meaning: tokens per request in the verify forward, the verified token included.
         self.max_drafts = server_args.speculative_num_draft_tokens - 1
+        self.verify_width = 1 + self.max_drafts  # slots a verify writes per request (the overlap loop's view)
         self.ngram_cache = NgramCache(
             server_args.speculative_ngram_min_match_window_size,
             server_args.speculative_ngram_max_match_window_size,
             server_args.speculative_ngram_capacity,
         )
-        self.stats = stats  # SchedulerStats: the spec_* totals
         self._inserted: Dict[str, int] = {}  # rid -> how many of its tokens the cache has seen
         self.budget = DraftBudget()  # which drafts are worth verifying, per request and step
         self.breadth = server_args.speculative_ngram_max_bfs_breadth  # 1: a chain; more: a token tree
@@ -69,13 +69,10 @@ class NGRAMWorker:
         request's last committed token."""
         chains = self._draft(batch)
         if self.breadth > 1 and any(chains):  # SGLang's token tree: as many nodes as the chain's drafts
-            out, _, _ = run_tree_verify_step(self.target_worker, batch, worker_batch, self._trees(batch, chains), self.stats)
-            result = result_of(out)
-        else:
-            result = run_verify_step(self.target_worker, batch, worker_batch, NgramVerifyInput(chains), self.stats)
-        if self.stats is not None:  # the accept-length histogram (a plain decode step accepts none)
-            self.stats.count_spec_accept_lens(result.accept_lens or [0] * len(batch.reqs))
-        return result
+            trees = self._trees(batch, chains)
+            out, _, _ = run_tree_verify_step(self.target_worker, batch, worker_batch, trees)
+            return result_of(out, trees.num_drafts)
+        return run_verify_step(self.target_worker, batch, worker_batch, NgramVerifyInput(chains))
 
     # ---- drafting ----------------------------------------------------------------------------
     def _draft(self, batch: Any) -> List[List[int]]:
@@ -87,8 +84,8 @@ class NGRAMWorker:
             self.ngram_cache.insert(tokens, self._inserted.get(req.rid, 0))
             seen[req.rid] = len(tokens)
             all_tokens.append(tokens)
-            room = min(self.max_drafts, self._room(req))
-            chains.append(self.ngram_cache.draft(tokens, room) if room > 0 and self._can_draft(req) else [])
+            room = min(self.max_drafts, draft_room(req))
+            chains.append(self.ngram_cache.draft(tokens, room) if room > 0 and can_draft(req) else [])
         self._inserted = seen  # requests no longer decoding are forgotten
         return self.budget.step([req.rid for req in batch.reqs], all_tokens, chains)
 
@@ -102,19 +99,3 @@ class NGRAMWorker:
             tokens.append(toks)
             parents.append(par)
         return TreeDrafts(tokens, SpecTree(parents))
-
-    @staticmethod
-    def _room(req: Any) -> int:
-        """Drafts beyond the request's last token are never committed: this step commits at
-        most drafts + 1 tokens, and max_new_tokens keeps them inside the context."""
-        max_new = req.sampling_params.max_new_tokens
-        return (max_new - len(req.output_ids) - 1) if max_new is not None else 0
-
-    @staticmethod
-    def _can_draft(req: Any) -> bool:
-        sp = req.sampling_params
-        return (
-            req.grammar is None and req.to_finish is None
-            and sp.frequency_penalty == 0 and sp.presence_penalty == 0 and sp.repetition_penalty == 1
-            and len(req.output_ids) >= (sp.min_new_tokens or 0)
-        )

@@ -56,12 +56,11 @@ def load_draft_runner(server_args: Any, target_worker: TpModelWorker) -> ModelRu
 
 
 class STANDALONEWorker:
-    def __init__(self, server_args: Any, target_worker: TpModelWorker, stats: Any = None,
-                 draft_runner: Optional[ModelRunner] = None):
+    def __init__(self, server_args: Any, target_worker: TpModelWorker, draft_runner: Optional[ModelRunner] = None):
         self.target_worker = target_worker
         self.draft_runner = draft_runner or load_draft_runner(server_args, target_worker)
         self.max_drafts = server_args.speculative_num_steps
-        self.stats = stats  # SchedulerStats: the spec_* totals
+        self.verify_width = 1 + self.max_drafts  # slots a verify writes per request (the overlap loop's view)
 
     def clear_cache_pool(self) -> None:
         """Nothing to forget: the draft's KV lives in the target's slots (flushed with them)."""
@@ -85,11 +84,9 @@ class STANDALONEWorker:
         draft_locs = alloc_draft_slots(batch, budgets) if any(budgets) else None
         drafts = self._draft_chain(batch, budgets, draft_locs)
         spec = ChainVerifyInput(drafts)
-        result = run_verify_step(self.target_worker, batch, worker_batch, spec, self.stats, draft_locs)
+        result = run_verify_step(self.target_worker, batch, worker_batch, spec, draft_locs)
         if result.accept_lens is not None:
             self._catch_up(batch, spec, result.accept_lens, draft_locs)
-        if self.stats is not None:  # the accept-length histogram (a plain decode step accepts none)
-            self.stats.count_spec_accept_lens(result.accept_lens or [0] * len(batch.reqs))
         return result
 
     # ---- the draft model ----------------------------------------------------------------------

@@ -3,7 +3,7 @@ STANDALONE): slots for the drafts, the target's TARGET_VERIFY forward, acceptanc
 then the commit (rejected drafts' slots freed at once, seq_lens = the committed lengths) and the
 result the scheduler's output processor reads (accept_lens[i] + 1 tokens per request).
 
-    run_verify_step(target_worker, batch, worker_batch, spec, stats, draft_locs=None)
+    run_verify_step(target_worker, batch, worker_batch, spec, draft_locs=None)
 
 A worker that needs the drafts' slots before the verify (a draft model writes its own KV there)
 takes them with alloc_draft_slots and passes them in; otherwise they are taken here.
@@ -15,9 +15,12 @@ import dataclasses
 from typing import Any, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
+from radixserve.distributed.parallel_state import get_tp_group
 from radixserve.model_executor.forward_batch import ForwardMode, ModelWorkerBatch
 from radixserve.model_executor.tp_worker import GenerationBatchResult, TpModelWorker
+from radixserve.speculative.overlap_view import DecodeView
 from radixserve.speculative.spec_info import ChainVerifyInput, ChainVerifyOutput
 from radixserve.speculative.tree import TreeDrafts, accepted_kv_moves, verify_tree
 from radixserve.speculative.verify import verify_chain
@@ -26,9 +29,10 @@ from radixserve.speculative.verify import verify_chain
 # ---- which requests may draft, and how far ---------------------------------------------------
 def draft_room(req: Any) -> int:
     """Drafts beyond the request's last token are never committed: a step commits at most
-    drafts + 1 tokens, and max_new_tokens keeps them inside the context."""
+    drafts + 1 tokens, and max_new_tokens keeps them inside the context. (In the overlap loop a
+    request that has finished may take one more step: no drafts for it.)"""
     max_new = req.sampling_params.max_new_tokens
-    return (max_new - len(req.output_ids) - 1) if max_new is not None else 0
+    return max(max_new - len(req.output_ids) - 1, 0) if max_new is not None else 0
 
 
 def can_draft(req: Any) -> bool:
@@ -45,67 +49,72 @@ def can_draft(req: Any) -> bool:
 # ---- slots ------------------------------------------------------------------------------------
 def alloc_draft_slots(batch: Any, num_drafts: List[int]) -> List[torch.Tensor]:
     """Slots for each request's drafts at positions L+1 .. L+k_i (after the slot of its last
-    token, which prepare_for_decode took), written into its req_to_token row."""
-    rows = batch.req_to_token_pool.req_to_token
+    token, which prepare_for_decode took), written into its req_to_token row (in the overlap
+    loop they are reserved there already: overlap_view.py)."""
     prefix_lens = [s - 1 for s in batch.seq_lens_cpu]  # L: tokens with KV before this step
     flat = batch.alloc_slots_after([p + 1 for p in prefix_lens], [p + 1 + k for p, k in zip(prefix_lens, num_drafts)])
     out, offset = [], 0
     for req, p, k in zip(batch.reqs, prefix_lens, num_drafts):
         locs = flat[offset : offset + k].to(torch.int64)
         offset += k
-        rows[req.req_pool_idx, p + 1 : p + 1 + k] = locs.to(torch.int32)
+        if not isinstance(batch, DecodeView):
+            batch.req_to_token_pool.req_to_token[req.req_pool_idx, p + 1 : p + 1 + k] = locs.to(torch.int32)
         out.append(locs)
     return out
 
 
 # ---- the step ----------------------------------------------------------------------------------
 def run_verify_step(target_worker: TpModelWorker, batch: Any, worker_batch: ModelWorkerBatch,
-                    spec: ChainVerifyInput, stats: Any = None,
-                    draft_locs: Optional[List[torch.Tensor]] = None) -> GenerationBatchResult:
+                    spec: ChainVerifyInput, draft_locs: Optional[List[torch.Tensor]] = None) -> GenerationBatchResult:
     """Verify `spec` (the drafts of a prepared DECODE `batch`) in one target forward and commit.
     Sets batch.output_ids to each request's last committed token. A batch without drafts runs
     the plain decode forward (result.accept_lens is None then)."""
-    for req, k in zip(batch.reqs, spec.num_drafts):
-        req.spec_verify_ct += 1
-        req.spec_num_proposed_drafts += k
     if not any(spec.num_drafts):  # no request has a draft: the plain decode step
         if draft_locs is not None:  # nothing to free: every list is empty
             assert not any(len(x) for x in draft_locs)
         result = target_worker.forward_batch_generation(worker_batch)
         batch.output_ids = result.next_token_ids
-        count(stats, len(batch.reqs), len(batch.reqs), 0, 0)
+        result.num_drafts = spec.num_drafts
         return result
     if draft_locs is None:
         draft_locs = alloc_draft_slots(batch, spec.num_drafts)
     logits = verify_forward(target_worker, batch, worker_batch, spec, draft_locs)
     out = verify_chain(logits, batch.sampling_info, spec, worker_batch.token_bitmask, batch.return_logprob,
                        batch.top_logprobs_nums if batch.return_logprob else None)
+    out = rank0_outcome(out)
     commit(batch, spec, out)
-    count(stats, len(batch.reqs), sum(a + 1 for a in out.accept_lens), sum(out.accept_lens), sum(spec.num_drafts))
-    return result_of(out)
+    return result_of(out, spec.num_drafts)
 
 
 def run_tree_verify_step(target_worker: TpModelWorker, batch: Any, worker_batch: ModelWorkerBatch, drafts: TreeDrafts,
-                         stats: Any = None, capture_hidden: bool = False) -> Tuple[ChainVerifyOutput, List[List[int]], Any]:
+                         capture_hidden: bool = False) -> Tuple[ChainVerifyOutput, List[List[int]], Any]:
     """Verify token trees (tree.py) in one target forward under the tree mask and commit: the
     accepted branch's KV moved to its positions, then the chain's commit. Returns the committed
     tokens, each request's accepted branch and (capture_hidden) the target's hidden states."""
-    for req, k in zip(batch.reqs, drafts.num_drafts):
-        req.spec_verify_ct += 1
-        req.spec_num_proposed_drafts += k
     locs = alloc_draft_slots(batch, drafts.num_drafts) if any(drafts.num_drafts) else \
         [torch.empty(0, dtype=torch.int64)] * len(batch.reqs)
     verify_batch = verify_batch_of(batch, worker_batch, drafts.tokens, drafts.extend_lens, locs)
     verify_batch = dataclasses.replace(verify_batch, spec_tree=drafts.tree, capture_hidden_states=capture_hidden)
     out_logits = target_worker.forward_batch_generation(verify_batch, skip_sample=True).logits_output
-    out, paths = verify_tree(out_logits.all_logits, batch.sampling_info, drafts, worker_batch.token_bitmask,
-                             batch.return_logprob, batch.top_logprobs_nums if batch.return_logprob else None)
+    out, paths = rank0_outcome(verify_tree(out_logits.all_logits, batch.sampling_info, drafts, worker_batch.token_bitmask,
+                                           batch.return_logprob, batch.top_logprobs_nums if batch.return_logprob else None))
     tgt, src = accepted_kv_moves(drafts, paths, verify_batch.out_cache_loc)
     if len(tgt):
         target_worker.model_runner.token_to_kv_pool.move_kv_cache(tgt, src)
     commit(batch, drafts, out)
-    count(stats, len(batch.reqs), sum(a + 1 for a in out.accept_lens), sum(out.accept_lens), sum(drafts.num_drafts))
     return out, paths, out_logits.hidden_states
+
+
+def rank0_outcome(outcome: Any) -> Any:
+    """Tensor parallelism: every rank commits TP rank 0's acceptance (sampled acceptance draws
+    differ between ranks; greedy agrees anyway). Sent over the forward thread's group, in step
+    with the forward's all-reduces."""
+    tp = get_tp_group()
+    if tp.size == 1:
+        return outcome
+    box = [outcome]
+    dist.broadcast_object_list(box, src=tp.first_rank, group=tp.group)
+    return box[0]
 
 
 def verify_forward(target_worker: TpModelWorker, batch: Any, worker_batch: ModelWorkerBatch,
@@ -160,7 +169,6 @@ def commit(batch: Any, spec: ChainVerifyInput, out: ChainVerifyOutput) -> None:
         if first_free < end:
             freed.append(rows[req.req_pool_idx, first_free:end].to(torch.int64))
         req.kv_committed_len = kept
-        req.spec_num_correct_drafts += a
         new_lens.append(kept)
     if freed:
         batch.token_to_kv_pool_allocator.free(torch.cat(freed))
@@ -170,20 +178,12 @@ def commit(batch: Any, spec: ChainVerifyInput, out: ChainVerifyOutput) -> None:
     cumulate_tokens(batch.sampling_info, out.token_ids)
 
 
-def count(stats: Any, num_reqs: int, committed: int, correct: int, proposed: int) -> None:
-    """SchedulerStats' spec_* totals (None: not counted)."""
-    if stats is None:
-        return
-    stats.spec_verify_ct += num_reqs
-    stats.spec_num_accept_tokens += committed
-    stats.spec_num_correct_drafts += correct
-    stats.spec_num_proposed_drafts += proposed
-
-
-def result_of(out: ChainVerifyOutput) -> GenerationBatchResult:
-    """Every committed token back to back (next_token_ids), accept_lens[i] + 1 per request."""
+def result_of(out: ChainVerifyOutput, num_drafts: List[int]) -> GenerationBatchResult:
+    """Every committed token back to back (next_token_ids), accept_lens[i] + 1 per request, and
+    the drafts each request verified (the output processor counts them into its meta_info)."""
     flat = [t for toks in out.token_ids for t in toks]
-    result = GenerationBatchResult(None, torch.tensor(flat, dtype=torch.int64), accept_lens=list(out.accept_lens))
+    result = GenerationBatchResult(None, torch.tensor(flat, dtype=torch.int64), accept_lens=list(out.accept_lens),
+                                   num_drafts=list(num_drafts))
     if out.logprobs is not None:
         result.next_token_logprobs = torch.tensor([v for vals in out.logprobs for v in vals], dtype=torch.float32)
         if out.top_logprobs_val is not None:

@@ -78,6 +78,7 @@ def test_auto_dtype_picks_bf16_on_a_cpu_with_native_bf16(monkeypatch):
     assert cfg.resolve_dtype("float32", "cpu") == torch.float32
     monkeypatch.setattr(mc, "cpu_has_native_bf16", lambda: False)
     assert cfg.resolve_dtype("auto", "cpu") == torch.float32
-    cfg.torch_dtype = "float32"  # a float32 checkpoint (the embedded tiny model) stays float32
-    monkeypatch.setattr(mc, "cpu_has_native_bf16", lambda: True)
+    cfg.torch_dtype = "float32"  # a float32 checkpoint stays float32 only without native bf16
     assert cfg.resolve_dtype("auto", "cpu") == torch.float32
+    monkeypatch.setattr(mc, "cpu_has_native_bf16", lambda: True)
+    assert cfg.resolve_dtype("auto", "cpu") == torch.bfloat16

@@ -76,6 +76,10 @@ CONFIGS = {
     "tree_page_size_4": (TREE, dict(page_size=4, chunked_prefill_size=32)),
     "tree_radix_disabled": (TREE, dict(disable_radix_cache=True)),
     "tree_mixed_chunk": (TREE, dict(enable_mixed_chunk=True, chunked_prefill_size=32)),
+    # The overlap loop: the tree's scratch slots come from those reserved ahead (overlap_view.py).
+    "tree_overlap": (TREE, dict(disable_overlap_schedule=False)),
+    "tree_overlap_forced_retract_page_size_4": (TREE, dict(disable_overlap_schedule=False, test_retract_interval=3,
+                                                           page_size=4, chunked_prefill_size=32)),
 }
 
 
@@ -92,7 +96,7 @@ def test_greedy_outputs_equal_speculation_off(name, random_head, workload, refer
         assert all(m["spec_verify_ct"] >= 1 for m in metas if m["completion_tokens"] > 1)
     proposed = engine.scheduler.internal_state()["spec_num_proposed_drafts"]
     assert proposed >= sum(m.get("spec_verify_ct", 0) for m in metas)  # every step verified drafts
-    if name == "tree_forced_retract":
+    if "retract" in name:
         assert engine.scheduler.internal_state()["num_retractions"] > 0
     engine.shutdown()
 
@@ -169,7 +173,7 @@ def test_eagle_flags_and_defaults(random_head):
     (dict(speculative_draft_model_path=None), "needs --speculative-draft-model-path"),
     (dict(speculative_draft_model_path="/nonexistent/eagle"), "no such file"),
     (dict(speculative_eagle_topk=0), "--speculative-eagle-topk must be >= 1"),
-    (dict(disable_overlap_schedule=False), "overlap"),
+    (dict(disable_overlap_schedule=False, enable_mixed_chunk=True), "--enable-mixed-chunk"),
     (dict(tp_size=2), "--tp-size"),
 ])
 def test_combinations_not_built_are_refused_at_start(kw, message, random_head):

@@ -247,6 +247,12 @@ CONFIGS = {
     "page_size_16_tiny_pool": dict(page_size=16, max_total_tokens=1024, schedule_conservativeness=0.02, chunked_prefill_size=64),
     "bfs_tree_3": dict(speculative_ngram_max_bfs_breadth=3),  # SGLang's token tree (verified under the tree mask)
     "bfs_tree_3_page_size_4": dict(speculative_ngram_max_bfs_breadth=3, page_size=4, chunked_prefill_size=32),
+    # The overlap loop (managers/spec_overlap.py): steps scheduled before the one in flight commits.
+    "overlap": dict(disable_overlap_schedule=False),
+    "overlap_chunked_forced_retract": dict(disable_overlap_schedule=False, chunked_prefill_size=32, test_retract_interval=3),
+    "overlap_bfs_tree_page_size_16_tiny_pool": dict(disable_overlap_schedule=False, speculative_ngram_max_bfs_breadth=3,
+                                                    page_size=16, max_total_tokens=1024, schedule_conservativeness=0.02,
+                                                    chunked_prefill_size=64),
 }
 
 
@@ -297,10 +303,12 @@ def test_greedy_outputs_equal_speculation_off(name, workload, reference):
     state = engine.scheduler.internal_state()
     assert state["spec_num_correct_drafts"] == sum(m["spec_num_correct_drafts"] for m in metas) > 0
     assert state["avg_spec_accept_length"] > 1.0
-    if name in ("forced_retract", "tiny_pool_retracts"):
+    if "retract" in name:
         assert state["num_retractions"] > 0
-    if name.startswith("chunked"):
+    if "chunked" in name:
         assert state["num_chunked_prefills"] > 0
+    if "overlap" in name:  # results were processed while the next step ran
+        assert engine.scheduler.enable_overlap and engine.scheduler.stats.results_processed_while_busy > 0
 
 
 def test_stop_conditions_apply_per_committed_token(workload, reference):
@@ -407,10 +415,9 @@ def test_structured_output_requests_decode_without_drafts():
     (dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=1), "--speculative-num-draft-tokens"),
     (dict(speculative_algorithm="NGRAM", speculative_ngram_min_match_window_size=5,
           speculative_ngram_max_match_window_size=3), "window"),
-    (dict(speculative_algorithm="NGRAM", disable_overlap_schedule=False), "overlap"),
+    (dict(speculative_algorithm="NGRAM", disable_overlap_schedule=False, enable_mixed_chunk=True), "--enable-mixed-chunk"),
     (dict(speculative_algorithm="NGRAM", disaggregation_mode="prefill"), "--disaggregation-mode"),
     (dict(speculative_algorithm="NGRAM", is_embedding=True), "--is-embedding"),
-    (dict(speculative_algorithm="NGRAM", tp_size=2), "--tp-size"),
 ])
 def test_combinations_not_built_are_refused_at_start(kw, message):
     with pytest.raises(ValueError, match=message):
@@ -449,8 +456,10 @@ def test_smollm2_greedy_outputs_equal_speculation_off(dtype):
     for a, b in zip(on, off):
         lp_on, lp_off = a["meta_info"]["output_token_logprobs"], b["meta_info"]["output_token_logprobs"]
         assert max(abs(x[0] - y[0]) for x, y in zip(lp_on, lp_off)) < 1e-5
+    # (the commented-code answer interleaves new lines: at a batch of 4 the draft budget verifies
+    # only its likelier drafts, accept length ~1.25; the plain copy ~2.2)
     copying = [r["meta_info"] for r in on[:2]]
-    assert min(m["spec_accept_length"] for m in copying) > 1.3, copying
+    assert min(m["spec_accept_length"] for m in copying) > 1.2 and max(m["spec_accept_length"] for m in copying) > 1.8, copying
 
 
 def test_flush_cache_clears_the_ngram_store():

@@ -132,6 +132,10 @@ CONFIGS = {
     # Decoding requests ride in prefill chunks: the draft's extend writes their KV too.
     "same_model_mixed_chunk": ("same", dict(enable_mixed_chunk=True, chunked_prefill_size=16)),
     "truncated_radix_disabled": ("truncated", dict(disable_radix_cache=True)),
+    # The overlap loop: the draft model runs on the forward thread too (managers/spec_overlap.py).
+    "same_model_overlap": ("same", dict(disable_overlap_schedule=False)),
+    "truncated_overlap_tiny_pool_retracts": ("truncated", dict(disable_overlap_schedule=False, max_total_tokens=300,
+                                                               schedule_conservativeness=0.02, chunked_prefill_size=32)),
 }
 
 
@@ -268,7 +272,7 @@ def test_chain_flags_follow_sglang(tiny_path):
     (dict(speculative_draft_model_path="/nonexistent/draft"), "no such file"),
     (dict(speculative_draft_model_path="TINY", speculative_eagle_topk=4), "--speculative-eagle-topk"),
     (dict(speculative_draft_model_path="TINY", speculative_num_steps=0), "--speculative-num-steps"),
-    (dict(speculative_draft_model_path="TINY", disable_overlap_schedule=False), "overlap"),
+    (dict(speculative_draft_model_path="TINY", disable_overlap_schedule=False, enable_mixed_chunk=True), "--enable-mixed-chunk"),
     (dict(speculative_draft_model_path="TINY", tp_size=2), "--tp-size"),
     (dict(speculative_draft_model_path="TINY", is_embedding=True), "--is-embedding"),
     (dict(speculative_draft_model_path="TINY", disaggregation_mode="decode"), "--disaggregation-mode"),

@@ -362,3 +362,22 @@ def test_tp2_updates_from_disk_tensor_and_distributed(dirs, hf, tmp_path):
     params = dict(hf["a"].named_parameters())
     for name, rows in res["rows"].items():
         assert torch.equal(torch.tensor(rows), params[name][:7].detach()), name
+
+
+def test_weight_updates_are_refused_with_pipeline_stages():
+    """--pp-size > 1: the update would reach the first stage only (the later stages keep their
+    old weights): refused with a reason, nothing updated."""
+    from types import SimpleNamespace
+
+    from radixserve.managers.scheduler_update_weights import SchedulerUpdateWeights
+    from radixserve.protocol import UpdateWeightFromDiskReqInput, UpdateWeightsFromTensorReqInput
+
+    updated = []
+    sched = SimpleNamespace(server_args=SimpleNamespace(pp_size=2),
+                            tp_worker=SimpleNamespace(update_weights_from_disk=updated.append,
+                                                      update_weights_from_tensor=updated.append))
+    handler = SchedulerUpdateWeights(sched)
+    for out in (handler.update_weights_from_disk(UpdateWeightFromDiskReqInput("/some/model")),
+                handler.update_weights_from_tensor(UpdateWeightsFromTensorReqInput([]))):
+        assert not out.success and "--pp-size" in out.message
+    assert updated == []

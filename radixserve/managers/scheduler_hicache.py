@@ -1,0 +1,82 @@
+"""The Scheduler's side of HiCache's storage tier (--hicache-storage-backend): it builds the
+backend, the controller's threads and the tier the HiRadixCache calls (mem_cache/storage/), and
+answers SGLang's POST /clear_hicache_storage_backend. The Scheduler only adds its dispatch entry.
+
+    --hicache-storage-backend file|mooncake
+    --hicache-storage-backend-extra-config '{"path": ..., "prefetch_threshold": 256, ...}'
+    --hicache-storage-prefetch-policy best_effort|wait_complete|timeout
+
+The pages' namespace names the model (its resolved path; with dummy weights, their seed too),
+the KV dtype and the TP rank, so servers of other models sharing a directory or a Mooncake
+master never read each other's pages.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from radixserve.hf_transformers_utils import resolve_model_path
+from radixserve.mem_cache.storage import (
+    HiCacheStorageController, PrefetchTimeout, create_storage_backend, storage_namespace,
+)
+from radixserve.mem_cache.storage.tier import DEFAULT_PREFETCH_THRESHOLD, HiCacheStorageTier
+from radixserve.protocol import ClearHiCacheReqInput, ClearHiCacheReqOutput
+
+logger = logging.getLogger(__name__)
+
+NOT_ENABLED = ("HiCache storage is not enabled: start the server with --enable-hierarchical-cache "
+               "--hicache-storage-backend file|mooncake")
+# extra_config keys for the controller and the tier (SGLang's); the rest go to the backend
+TIER_KEYS = ("prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token", "prefetch_timeout_max")
+
+
+class SchedulerHiCache:
+    def __init__(self, scheduler: Any):
+        self.scheduler = scheduler
+        self.controller: Optional[HiCacheStorageController] = None
+        self.tier: Optional[HiCacheStorageTier] = None
+        args = scheduler.server_args
+        tree_cache = scheduler.tree_cache
+        if args.hicache_storage_backend is not None and hasattr(tree_cache, "set_storage"):
+            self.controller, self.tier = build_storage_tier(args, tree_cache, scheduler.tp_rank, scheduler.tp_size)
+            tree_cache.set_storage(self.tier)
+
+    def dispatch_entries(self) -> List[Tuple[type, Callable[[Any], Any]]]:
+        return [(ClearHiCacheReqInput, self.clear_hicache_storage)]
+
+    def clear_hicache_storage(self, recv: ClearHiCacheReqInput) -> ClearHiCacheReqOutput:
+        if self.controller is None or self.tier is None:
+            return ClearHiCacheReqOutput(False, NOT_ENABLED, recv.query_id)
+        self.tier.clear()
+        if not self.controller.clear():
+            return ClearHiCacheReqOutput(False, "Clearing the HiCache storage backend failed (see the server log)", recv.query_id)
+        logger.info("HiCache storage backend cleared")
+        return ClearHiCacheReqOutput(True, "Hierarchical cache storage backend cleared.", recv.query_id)
+
+
+def model_id(args: Any) -> str:
+    path = resolve_model_path(args)
+    ident = os.path.realpath(path) if os.path.exists(path) else path
+    return f"{ident}-dummy{args.seed}" if args.load_format == "dummy" else ident
+
+
+def build_storage_tier(args: Any, tree_cache: Any, tp_rank: int, tp_size: int) -> Tuple[HiCacheStorageController, HiCacheStorageTier]:
+    extra: Dict[str, Any] = dict(args.hicache_storage_backend_extra_config or {})
+    tier_conf = {k: extra.pop(k) for k in TIER_KEYS if k in extra}
+    pool = tree_cache.host_pool
+    page_shape = (2, pool.layer_num, pool.page_size, pool.device_pool.head_num, pool.device_pool.head_dim)
+    namespace = storage_namespace(model_id(args), pool.dtype, tp_rank, tp_size)
+    backend = create_storage_backend(args.hicache_storage_backend, extra, page_shape, pool.dtype, namespace)
+    defaults = PrefetchTimeout()
+    timeout = PrefetchTimeout(
+        float(tier_conf.get("prefetch_timeout_base", defaults.base)),
+        float(tier_conf.get("prefetch_timeout_per_ki_token", defaults.per_ki_token)),
+        float(tier_conf.get("prefetch_timeout_max", defaults.max)),
+    )
+    controller = HiCacheStorageController(backend, args.hicache_storage_prefetch_policy, pool.page_size, timeout)
+    tier = HiCacheStorageTier(controller, pool.page_size, int(tier_conf.get("prefetch_threshold", DEFAULT_PREFETCH_THRESHOLD)))
+    logger.info("HiCache storage tier: %s, namespace %s, prefetch policy %s", args.hicache_storage_backend, namespace,
+                args.hicache_storage_prefetch_policy)
+    return controller, tier
