@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
@@ -278,8 +279,10 @@ class ServerArgs:
         _choice("--hicache-write-policy", self.hicache_write_policy, HICACHE_WRITE_POLICIES)
         _choice("--hicache-io-backend", self.hicache_io_backend, HICACHE_IO_BACKENDS)
         _choice("--hicache-mem-layout", self.hicache_mem_layout, HICACHE_MEM_LAYOUTS)
-        if self.hicache_size < 0 or (self.hicache_size == 0 and self.hicache_ratio <= 0):
-            raise ValueError("--hicache-size must be >= 0 GB (0: use --hicache-ratio, which must be > 0)")
+        if not math.isfinite(self.hicache_size) or self.hicache_size < 0:
+            raise ValueError(f"--hicache-size must be a finite number of GB >= 0 (0: use --hicache-ratio), got {self.hicache_size}")
+        if self.hicache_size == 0 and not (math.isfinite(self.hicache_ratio) and self.hicache_ratio > 0):
+            raise ValueError(f"--hicache-ratio must be a finite number > 0, got {self.hicache_ratio}")
 
     def _check_hicache_storage(self) -> None:
         if not self.enable_hierarchical_cache:

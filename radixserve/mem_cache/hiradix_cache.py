@@ -397,43 +397,22 @@ class HiRadixCache(RadixCache):
         new_node.parent.children[self._child_key(new_node.key, new_node.extra_key)] = new_node
         return new_node
 
-    def _insert_helper(self, key: List[int], value: torch.Tensor, chunked: bool, extra_key: Optional[str]) -> int:
-        """RadixCache's insert, where an evicted node on the path takes the caller's slots back
-        (they are not duplicates: the return value counts only the device-cached tokens)."""
-        now = self._now()
-        node = self.root_node
-        node.last_access_time = now
-        total_prefix_len = 0
-        while len(key) > 0:
-            child = node.children.get(self._child_key(key, extra_key))
-            if child is None:
-                break
-            child.last_access_time = now
-            prefix_len = self._key_match(child.key, key)
-            if prefix_len < len(child.key):
-                child = self._split_node(child, prefix_len)
-            if child.evicted:
-                child.value = value[:prefix_len].clone()
-                self.evictable_size_ += prefix_len  # an evicted node is never locked
-            else:
-                total_prefix_len += prefix_len
-            key, value = key[prefix_len:], value[prefix_len:]
-            if not chunked:  # a chunked request re-inserting its own chunks is no new hit
-                self._inc_hit_count(child)
-            node = child
+    # Hooks of RadixCache's insert.
+    node_class = HiTreeNode
 
-        if len(key) > 0:
-            new_node = HiTreeNode()
-            new_node.parent, new_node.key, new_node.extra_key = node, key, extra_key
-            new_node.value = value.clone()
-            new_node.last_access_time = now
-            node.children[self._child_key(key, extra_key)] = new_node
-            self.evictable_size_ += len(key)
-            if not chunked:
-                self._inc_hit_count(new_node)
-        return total_prefix_len
+    def _matched_on_insert(self, child: HiTreeNode, value: torch.Tensor) -> int:
+        """An evicted node on the path takes the caller's slots back (they are not duplicates:
+        only device-cached tokens count)."""
+        if not child.evicted:
+            return len(value)
+        child.value = value.clone()
+        self.evictable_size_ += len(value)  # an evicted node is never locked
+        return 0
 
-    def _inc_hit_count(self, node: HiTreeNode) -> None:
+    def _on_new_leaf(self, parent: HiTreeNode, leaf: HiTreeNode) -> None:
+        """Nothing to track: HiRadixCache.evict walks the tree."""
+
+    def _count_hit(self, node: HiTreeNode) -> None:
         node.hit_count += 1
         if self.write_through_threshold and node.hit_count >= self.write_through_threshold:
             self.write_backup(node)

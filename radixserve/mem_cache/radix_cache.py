@@ -413,29 +413,43 @@ class RadixCache(BasePrefixCache):
                 break
             child.last_access_time = now
             prefix_len = self._key_match(child.key, key)
-            total_prefix_len += prefix_len
-            key = key[prefix_len:]
-            value = value[prefix_len:]
             if prefix_len < len(child.key):
                 child = self._split_node(child, prefix_len)
+            total_prefix_len += self._matched_on_insert(child, value[:prefix_len])
+            key = key[prefix_len:]
+            value = value[prefix_len:]
             if not chunked:  # a chunked request re-inserting its own chunks is no new hit
-                child.hit_count += 1
+                self._count_hit(child)
             node = child
 
         if len(key) > 0:
-            new_node = TreeNode()
+            new_node = self.node_class()
             new_node.parent = node
             new_node.key = key
             new_node.extra_key = extra_key
             new_node.value = value.clone()
             new_node.last_access_time = now
             if not chunked:
-                new_node.hit_count += 1
+                self._count_hit(new_node)
             node.children[self._child_key(key, extra_key)] = new_node
             self.evictable_size_ += len(key)
-            self.evictable_leaves.discard(node)
-            self.evictable_leaves.add(new_node)
+            self._on_new_leaf(node, new_node)
         return total_prefix_len
+
+    # Hooks of the insert (HiRadixCache changes what a matched node and a hit mean).
+    node_class = TreeNode
+
+    def _matched_on_insert(self, child: TreeNode, value: torch.Tensor) -> int:
+        """An insert's path runs through `child` for len(value) tokens: how many of them count as
+        already cached (the caller's slots for those are duplicates)."""
+        return len(value)
+
+    def _count_hit(self, node: TreeNode) -> None:
+        node.hit_count += 1
+
+    def _on_new_leaf(self, parent: TreeNode, leaf: TreeNode) -> None:
+        self.evictable_leaves.discard(parent)
+        self.evictable_leaves.add(leaf)
 
     def _delete_leaf(self, node: TreeNode) -> None:
         parent = node.parent

@@ -323,3 +323,18 @@ def test_a_host_pool_larger_than_host_memory_is_refused_with_a_clear_message():
     kv = MHATokenToKVPool(16, 1, torch.float32, 8, 128, 32)  # 256 KiB per token
     with pytest.raises(ValueError, match="lower --hicache-ratio or --hicache-size"):
         MHATokenToKVPoolHost(kv, 10**9, 1)  # 256 TB
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(hicache_ratio=float("nan")), "--hicache-ratio"),
+    (dict(hicache_ratio=0), "--hicache-ratio"),
+    (dict(hicache_size=-1), "--hicache-size"),
+    (dict(hicache_size=float("inf")), "--hicache-size"),
+    (dict(hicache_write_policy="sometimes"), "--hicache-write-policy"),
+    (dict(disable_radix_cache=True), "--disable-radix-cache"),
+])
+def test_bad_hicache_flags_are_refused_naming_the_flag(kw, field):
+    from radixserve.server_args import ServerArgs
+
+    with pytest.raises(ValueError, match=field):
+        ServerArgs(enable_hierarchical_cache=True, **kw)

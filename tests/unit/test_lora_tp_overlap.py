@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import shutil
-import socket
 import sys
 import time
 from pathlib import Path
@@ -30,6 +29,8 @@ from radixserve.engine import Engine
 from radixserve.tiny_model import get_tiny_model_path
 
 sys.path.append(str(Path(__file__).resolve().parents[1] / "reference"))
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+from processes import free_port, run_processes  # noqa: E402
 from lora_utils import ADAPTERS, ENGINE_ARGS, PROMPTS, SAMPLING, base_weights, write_adapter  # noqa: E402
 
 LOGPROB_ATOL = 1e-4
@@ -55,12 +56,6 @@ def _one_kv_head_model(out: Path) -> Tuple[Path, Dict[str, torch.Tensor]]:
 
 
 # ---- tp=2 equals tp=1 -------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _requests() -> list:
     """Every prompt under the base model and each adapter, in one batch of requests."""
     from radixserve.protocol import TokenizedGenerateReqInput
@@ -126,19 +121,10 @@ def test_tp2_with_adapters_equals_tp1(tmp_path, model, max_loras_per_batch, over
     common = (str(model_dir), lora_paths)
     _run_scheduler(0, 1, "", *common, 8, False, str(tmp_path / "tp1.pt"))
     ctx = mp.get_context("spawn")
-    addr = f"127.0.0.1:{_free_port()}"
+    addr = f"127.0.0.1:{free_port()}"
     procs = [ctx.Process(target=_run_scheduler, args=(r, 2, addr, *common, max_loras_per_batch, overlap,
                                                        str(tmp_path / "tp2.pt"))) for r in range(2)]
-    try:
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=180)
-            assert p.exitcode == 0
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
+    run_processes(procs, timeout=180)
     (ref, _), (got, swaps) = torch.load(tmp_path / "tp1.pt"), torch.load(tmp_path / "tp2.pt")
     assert set(ref) == set(got) == {r.rid for r in _requests()}
     if max_loras_per_batch < len(ADAPTERS):

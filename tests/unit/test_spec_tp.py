@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import random
-import socket
+import sys
+from pathlib import Path
 from typing import Dict, List
 
 import pytest
@@ -14,13 +15,10 @@ import torch
 
 from radixserve.tiny_model import get_tiny_model_path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from processes import free_port, run_processes  # noqa: E402
+
 WAVES = 2  # the second wave repeats the first: its drafts come from the first's outputs
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _waves(temperature: float) -> List[list]:
@@ -78,18 +76,9 @@ def _run(tp_rank: int, tp_size: int, addr: str, overlap: bool, temperature: floa
 
 def _run_tp2(tmp_path, overlap: bool, temperature: float):
     ctx = mp.get_context("spawn")
-    addr = f"127.0.0.1:{_free_port()}"
-    procs = [ctx.Process(target=_run, args=(r, 2, addr, overlap, temperature, str(tmp_path / "tp2"))) for r in range(2)]
-    try:
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=240)
-            assert p.exitcode == 0
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
+    addr = f"127.0.0.1:{free_port()}"
+    run_processes([ctx.Process(target=_run, args=(r, 2, addr, overlap, temperature, str(tmp_path / "tp2")))
+                   for r in range(2)])
     return [torch.load(tmp_path / f"tp2.{r}") for r in range(2)]
 
 

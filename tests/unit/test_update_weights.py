@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import shutil
-import socket
 import sys
 from pathlib import Path
 from typing import Dict, List, Tuple
@@ -20,6 +19,9 @@ from safetensors.torch import load_file, save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "reference"))
 from hf_utils import hf_logits, load_hf, make_hf_model_dir  # noqa: E402
 from weight_trainer import GROUP, broadcast_checkpoint  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from processes import free_port, run_processes  # noqa: E402
 
 from radixserve import Engine  # noqa: E402
 
@@ -87,12 +89,6 @@ def assert_serves(e: Engine, model) -> None:
 
 def checkpoint(model_dir: str) -> List[Tuple[str, torch.Tensor]]:
     return list(load_file(str(Path(model_dir) / "model.safetensors")).items())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- from disk -------------------------------------------------------------------------------------
@@ -341,16 +337,7 @@ def test_tp2_updates_from_disk_tensor_and_distributed(dirs, hf, tmp_path):
     out = tmp_path / "tp2.pt"
     procs = [ctx.Process(target=_tp_rank, args=(r, addr, trainer_port, dirs, str(out))) for r in range(2)]
     procs.append(ctx.Process(target=broadcast_checkpoint, args=(trainer_port, 3, dirs["b"])))
-    for p in procs:
-        p.start()
-    try:
-        for p in procs:
-            p.join(timeout=240)
-            assert p.exitcode == 0
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
+    run_processes(procs)
     res = torch.load(out)
     ok, message = res["replies"].pop("refused")
     assert not ok and "has shape (248, 128)" in message
