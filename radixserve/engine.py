@@ -199,6 +199,13 @@ class Engine:
         self.scheduler.process_input_requests(self._drain_inbox())
 
     def flush_cache(self) -> bool:
+        """False while requests are queued or running. Finished requests stay in the running batch
+        until the next step filters them out; with nothing of the caller's left, take those steps
+        (a served scheduler's idle loop does the same between requests)."""
+        for _ in range(4):
+            if self._inbox or self.frontend.rid_to_state or not self.scheduler.has_work():
+                break
+            self.step()
         self._inbox.append(FlushCacheReqInput())
         self.scheduler.process_input_requests(self._drain_inbox())
         outs = [o for o in self._outbox if isinstance(o, FlushCacheReqOutput)]

@@ -11,7 +11,8 @@ the model's forward: embedding, Python glue), scheduling (the scheduler's step o
 batch selection and result processing). The timers cost ~1 us a call (~0.3 ms a step at 30
 layers). IPC/detokenization is not in the offline Engine: it is the served 1-user ITL minus this
 step time (benchmarks/cpu_vs_peers.sh measures the former).
-Prints a table; --output appends one JSON line per batch size.
+Prints a table; --output appends one JSON line per batch size (and phase, with --prefill: the ms
+of the whole bs x input_len prefill, however many extend steps it took).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 STEP: Dict[str, float] = collections.defaultdict(float)  # the step under way
 ACC: Dict[str, float] = collections.defaultdict(float)  # the decode steps so far
 DECODE_STEPS = [0]
+PREFILL: Dict[str, float] = collections.defaultdict(float)  # the prefill (extend) steps so far
 
 
 def _timed(fn: Callable[..., Any], key: str) -> Callable[..., Any]:
@@ -42,8 +44,8 @@ def _timed(fn: Callable[..., Any], key: str) -> Callable[..., Any]:
 
 
 def _timed_step(run_step: Callable[..., Any]) -> Callable[..., Any]:
-    """Scheduler.run_step: keep the step's timings if it ran a DECODE batch (prefills are not
-    what this measures), drop them otherwise."""
+    """Scheduler.run_step: add the step's timings to ACC if it ran a DECODE batch, to PREFILL if
+    it ran an EXTEND batch."""
 
     def wrapper(self: Any) -> Any:
         STEP.clear()
@@ -54,6 +56,9 @@ def _timed_step(run_step: Callable[..., Any]) -> Callable[..., Any]:
             for k, v in STEP.items():
                 ACC[k] += v
             DECODE_STEPS[0] += 1
+        elif batch is not None and batch.forward_mode.is_extend():
+            for k, v in STEP.items():
+                PREFILL[k] += v
         return batch
 
     return wrapper
@@ -80,8 +85,19 @@ def install_timers() -> None:
     sched_mod.Scheduler.run_batch = _timed(sched_mod.Scheduler.run_batch, "run_batch")
 
 
-def measure(engine: Any, bs: int, input_len: int, steps: int, seed: int) -> Dict[str, float]:
-    """A static batch of bs random prompts, steps + 1 tokens each: one prefill, then decode steps."""
+def _row(acc: Dict[str, float], n: int) -> Dict[str, float]:
+    per = {k: v / max(n, 1) * 1000 for k, v in acc.items()}
+    row = {k: per.get(k, 0.0) for k in ("linear", "attention", "norms/rope/act")}
+    row["other forward"] = per.get("forward", 0.0) - sum(row.values())
+    row["sampling"] = per.get("sampling", 0.0)
+    row["scheduling"] = per.get("step", 0.0) - per.get("run_batch", 0.0)
+    row["step"] = per.get("step", 0.0)
+    return row
+
+
+def measure(engine: Any, bs: int, input_len: int, steps: int, seed: int) -> Dict[str, Dict[str, float]]:
+    """A static batch of bs random prompts, steps + 1 tokens each: one prefill (ms for the whole
+    bs x input_len, however many extend steps it took), then decode steps (ms per step)."""
     g = torch.Generator().manual_seed(seed)
     vocab = engine.scheduler.vocab_size
     prompts = [torch.randint(10, vocab - 10, (input_len,), generator=g).tolist() for _ in range(bs)]
@@ -89,17 +105,12 @@ def measure(engine: Any, bs: int, input_len: int, steps: int, seed: int) -> Dict
     engine.generate(input_ids=prompts, sampling_params=params, progress=False)  # warm-up
     engine.flush_cache()
     ACC.clear()
+    PREFILL.clear()
     DECODE_STEPS[0] = 0
     params["max_new_tokens"] = steps + 1
     engine.generate(input_ids=prompts, sampling_params=params, progress=False)
     engine.flush_cache()
-    per = {k: v / max(DECODE_STEPS[0], 1) * 1000 for k, v in ACC.items()}
-    row = {k: per.get(k, 0.0) for k in ("linear", "attention", "norms/rope/act")}
-    row["other forward"] = per.get("forward", 0.0) - sum(row.values())
-    row["sampling"] = per.get("sampling", 0.0)
-    row["scheduling"] = per.get("step", 0.0) - per.get("run_batch", 0.0)
-    row["step"] = per.get("step", 0.0)
-    return row
+    return {"decode": _row(ACC, DECODE_STEPS[0]), "prefill": _row(PREFILL, 1)}
 
 
 def main() -> None:
@@ -111,6 +122,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--label", default=None, help="row label (default: kernels or torch path, and dtype)")
     p.add_argument("--output", default=None, help="append JSON lines here")
+    p.add_argument("--prefill", action="store_true", help="also print each batch's prefill (ms for all of it)")
     args = p.parse_args()
 
     install_timers()
@@ -121,15 +133,18 @@ def main() -> None:
     dtype = str(engine.scheduler.tp_worker.model_runner.dtype).replace("torch.", "")
     label = args.label or f"{'C++ kernels' if cpu_kernels.get() else 'torch path'}, {dtype}"
     cols = ("linear", "attention", "norms/rope/act", "other forward", "sampling", "scheduling", "step")
-    print(f"| {'config':<28} | bs | " + " | ".join(f"{c:>14}" for c in cols) + " |")
+    print(f"| {'config':<28} | {'phase':<7} | bs | " + " | ".join(f"{c:>14}" for c in cols) + " |")
     for bs in args.batch_sizes:
-        row = measure(engine, bs, args.input_len, args.steps, seed=bs)
-        print(f"| {label:<28} | {bs:>2} | " + " | ".join(f"{row[c]:>14.2f}" for c in cols) + " |", flush=True)
-        if args.output:
-            with open(args.output, "a") as f:
-                rec = {"label": label, "batch_size": bs, "input_len": args.input_len, "dtype": dtype,
-                       "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "ms_per_step": row}
-                f.write(json.dumps(rec) + "\n")
+        rows = measure(engine, bs, args.input_len, args.steps, seed=bs)
+        for phase in ("prefill", "decode") if args.prefill else ("decode",):
+            row = rows[phase]
+            print(f"| {label:<28} | {phase:<7} | {bs:>2} | " + " | ".join(f"{row[c]:>14.2f}" for c in cols) + " |", flush=True)
+            if args.output:
+                with open(args.output, "a") as f:
+                    rec = {"label": label, "phase": phase, "batch_size": bs, "input_len": args.input_len, "dtype": dtype,
+                           "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+                           "ms_per_step" if phase == "decode" else "ms_for_prefill": row}
+                    f.write(json.dumps(rec) + "\n")
     engine.shutdown()
 
 

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -157,6 +158,13 @@ inline void prefetch_row(const void* k, const void* v, int64_t bytes) {
   }
 }
 
+inline void prefetch_row_l2(const void* k, const void* v, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) {
+    _mm_prefetch(static_cast<const char*>(k) + o, _MM_HINT_T1);
+    _mm_prefetch(static_cast<const char*>(v) + o, _MM_HINT_T1);
+  }
+}
+
 inline void attend_block16(const float* qf, const float* kf, const float* vf, int64_t n, int64_t H, int64_t G,
                            int64_t D, int64_t row, float* acc, float* m, float* l) {
   const int64_t chunks = D / 16;
@@ -187,6 +195,89 @@ inline void attend_block16(const float* qf, const float* kf, const float* vf, in
       for (int64_t c = 0; c < chunks; ++c) o[c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vf + j * row + off + 16 * c), o[c]);
     }
     for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(acc + hq * D + 16 * c, o[c]);
+  }
+}
+#endif
+
+#if defined(__AVX512BF16__)
+// ---- the decode attention block over a bf16 KV pool, on vdpbf16ps -----------------------------
+//
+// The K/V rows are read where they lie in the pool (no conversion to fp32): QK and PV run on
+// vdpbf16ps, each with its float32 operand (the query, the softmax weights) split in two bf16
+// halves, x = hi + lo to ~2^-17, so both products keep float32-like precision (better than
+// llama.cpp, which rounds the query to bf16).
+constexpr int64_t kBf16MaxChunks = 4;  // head_dim <= 128: D / 32 zmm of bf16 per row
+constexpr int64_t kPrefetchKeys = 64;  // K/V rows prefetched this many keys ahead
+
+inline __m512 bf16_lo_to_ps(__m512i x) {  // the low 16 bf16 of x, widened to fp32
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(x)), 16));
+}
+inline __m512 bf16_hi_to_ps(__m512i x) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(x, 1)), 16));
+}
+
+// a (elements 0..15) and b (16..31) as hi + lo bf16 halves, element order kept.
+inline void split_bf16(__m512 a, __m512 b, __m512i& hi, __m512i& lo) {
+  hi = (__m512i)_mm512_cvtne2ps_pbh(b, a);
+  lo = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(b, bf16_hi_to_ps(hi)), _mm512_sub_ps(a, bf16_lo_to_ps(hi)));
+}
+
+// One kv head's block of n <= 16 keys: k[j] / v[j] point at key j's D bf16 (this kv head's part
+// of its slot row); qhl holds the group's G query heads as hi/lo chunks [G][D/32][2]; acc/m/l
+// the group's running output, max and sum. vi is scratch for the block's V, keys interleaved in
+// pairs ([8][D/16] zmm: lane i of pair p = (v[2p][d], v[2p+1][d]) for d = 16c + i).
+inline void attend_block16_bf16(const __m512i* qhl, const uint16_t* const* k, const uint16_t* const* v, int64_t n,
+                                int64_t G, int64_t D, float* acc, float* m, float* l, __m512i* vi) {
+  const int64_t kc = D / 32, vc = D / 16;
+  const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+  const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37,
+                                          5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+  for (int64_t p = 0; p < (n + 1) / 2; ++p) {  // an odd last key pairs with itself (its weight is 0)
+    const uint16_t* v0 = v[2 * p];
+    const uint16_t* v1 = v[std::min<int64_t>(2 * p + 1, n - 1)];
+    for (int64_t c = 0; c < kc; ++c) {
+      const __m512i a = _mm512_loadu_si512(v0 + 32 * c), b = _mm512_loadu_si512(v1 + 32 * c);
+      vi[p * vc + 2 * c] = _mm512_permutex2var_epi16(a, lo_idx, b);
+      vi[p * vc + 2 * c + 1] = _mm512_permutex2var_epi16(a, hi_idx, b);
+    }
+  }
+  alignas(64) uint32_t phi[8], plo[8];
+  for (int64_t h = 0; h < G; ++h) {
+    const __m512i* qh = qhl + h * kc * 2;
+    __m512 sc[16];
+    for (int64_t j = 0; j < 16; ++j) {
+      __m512 a = _mm512_setzero_ps();
+      if (j < n)
+        for (int64_t c = 0; c < kc; ++c) {
+          const __m512bh kv = (__m512bh)_mm512_loadu_si512(k[j] + 32 * c);
+          a = _mm512_dpbf16_ps(a, kv, (__m512bh)qh[2 * c]);
+          a = _mm512_dpbf16_ps(a, kv, (__m512bh)qh[2 * c + 1]);
+        }
+      sc[j] = a;
+    }
+    const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid, transpose_sum16(sc));
+    const float mb = std::max(m[h], _mm512_reduce_max_ps(s));
+    const float corr = exp_neg(m[h] - mb);
+    const __m512 pv = _mm512_maskz_mov_ps(valid, exp_neg_v(_mm512_sub_ps(s, _mm512_set1_ps(mb))));
+    l[h] = l[h] * corr + _mm512_reduce_add_ps(pv);
+    m[h] = mb;
+    __m512i ph, pl;
+    split_bf16(pv, _mm512_setzero_ps(), ph, pl);  // bf16 j of ph: weight of key j; dword p: keys 2p, 2p+1
+    _mm256_store_si256(reinterpret_cast<__m256i*>(phi), _mm512_castsi512_si256(ph));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(plo), _mm512_castsi512_si256(pl));
+    __m512 o[2 * kBf16MaxChunks];
+    const __m512 cv = _mm512_set1_ps(corr);
+    for (int64_t c = 0; c < vc; ++c) o[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + h * D + 16 * c), cv);
+    for (int64_t p = 0; p < (n + 1) / 2; ++p) {
+      const __m512bh wh = (__m512bh)_mm512_set1_epi32(static_cast<int>(phi[p]));
+      const __m512bh wl = (__m512bh)_mm512_set1_epi32(static_cast<int>(plo[p]));
+      for (int64_t c = 0; c < vc; ++c) {
+        o[c] = _mm512_dpbf16_ps(o[c], (__m512bh)vi[p * vc + c], wh);
+        o[c] = _mm512_dpbf16_ps(o[c], (__m512bh)vi[p * vc + c], wl);
+      }
+    }
+    for (int64_t c = 0; c < vc; ++c) _mm512_storeu_ps(acc + h * D + 16 * c, o[c]);
   }
 }
 #endif
@@ -233,10 +324,19 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
 #else
   const bool fast = false;
 #endif
+#if defined(__AVX512BF16__)
+  // a bf16 pool: vdpbf16ps on the rows in place (attend_block16_bf16)
+  const bool fast_bf16 = std::is_same<TKV, at::BFloat16>::value && D % 32 == 0 && D / 32 <= kBf16MaxChunks;
+#else
+  const bool fast_bf16 = false;
+#endif
 
   at::parallel_for(0, B * nsplit, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(H * D), acc(H * D), m(H), l(H), s(H * kBlockTokens), row(Hkv * D);
     std::vector<float> kf(fast ? 16 * Hkv * D : 0), vf(fast ? 16 * Hkv * D : 0);
+#if defined(__AVX512BF16__)
+    std::vector<__m512i> qhl(fast_bf16 ? H * (D / 32) * 2 : 0), vi(fast_bf16 ? 8 * (D / 16) : 0);
+#endif
     for (int64_t w = begin; w < end; ++w) {
       const int64_t b = w / nsplit, sp = w % nsplit;
       const int64_t len = lens[b], chunk = ceil_div(len, nsplit);
@@ -250,8 +350,49 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
       std::fill(m.begin(), m.end(), neg_inf);
       std::fill(l.begin(), l.end(), 0.f);
       int64_t t_done = t0;  // keys the AVX-512 path attended to (all of them when it runs)
+#if defined(__AVX512BF16__)
+      // the slot of key t0 + i of item w + 1 (in this thread's range), -1 past it
+      auto slot_of_next_item = [&](int64_t w_, int64_t i) -> int64_t {
+        if (w_ + 1 >= end) return -1;
+        const int64_t b2 = (w_ + 1) / nsplit, sp2 = (w_ + 1) % nsplit, len2 = lens[b2], ch2 = ceil_div(len2, nsplit);
+        const int64_t u0 = std::min(len2, sp2 * ch2), u = u0 + i;
+        return u < std::min(len2, u0 + ch2) ? static_cast<int64_t>(r2t[rows[b2] * r2t_s0 + u]) : -1;
+      };
+      if (fast_bf16) {
+        for (int64_t g = 0; g < Hkv; ++g)
+          for (int64_t h = 0; h < G; ++h)
+            for (int64_t c = 0; c < D / 32; ++c) {
+              const float* qr = qf.data() + (g * G + h) * D + 32 * c;
+              split_bf16(_mm512_loadu_ps(qr), _mm512_loadu_ps(qr + 16), qhl[((g * G + h) * (D / 32) + c) * 2],
+                         qhl[((g * G + h) * (D / 32) + c) * 2 + 1]);
+            }
+        const uint16_t* kb = reinterpret_cast<const uint16_t*>(kp);
+        const uint16_t* vb = reinterpret_cast<const uint16_t*>(vp);
+        const uint16_t* kr[16];
+        const uint16_t* vr[16];
+        for (int64_t tb = t0; tb < t1; tb += 16) {
+          const int64_t n = std::min<int64_t>(16, t1 - tb);
+          // Into L2, kPrefetchKeys keys ahead, on into the next work item's keys: measured
+          // 15.4 ms against 19.8 (L1, two blocks ahead, this item only) at 16 x 512 keys x 30 layers.
+          for (int64_t j = tb + kPrefetchKeys; j < tb + kPrefetchKeys + 16; ++j) {
+            const int64_t slot = j < t1 ? slots[j] : slot_of_next_item(w, j - t1);
+            if (slot < 0) break;
+            prefetch_row_l2(kp + slot * ks0, vp + slot * vs0, row_bytes);
+          }
+          for (int64_t g = 0; g < Hkv; ++g) {
+            for (int64_t j = 0; j < n; ++j) {
+              kr[j] = kb + static_cast<int64_t>(slots[tb + j]) * ks0 + g * D;
+              vr[j] = vb + static_cast<int64_t>(slots[tb + j]) * vs0 + g * D;
+            }
+            attend_block16_bf16(qhl.data() + g * G * (D / 32) * 2, kr, vr, n, G, D, acc.data() + g * G * D,
+                                m.data() + g * G, l.data() + g * G, vi.data());
+          }
+        }
+        t_done = t1;
+      }
+#endif
 #if defined(__AVX512F__)
-      if (fast) {
+      if (fast && t_done < t1) {
         for (int64_t tb = t0; tb < t1; tb += 16) {
           const int64_t n = std::min<int64_t>(16, t1 - tb);
           for (int64_t j = tb + 16; j < std::min(t1, tb + 32); ++j)  // the next block's rows

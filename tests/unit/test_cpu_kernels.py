@@ -128,6 +128,20 @@ def test_float32_queries_over_a_low_precision_kv_cache(ops, kv_dtype, mode):
     assert torch.equal(pool.k_buffer[0][fb.out_cache_loc], k.to(kv_dtype))  # stored rounded, once
 
 
+@pytest.mark.parametrize("head_dim", [32, 96, 128])
+def test_bf16_pool_on_vdpbf16ps_keeps_float32_precision(ops, head_dim):
+    """Over a bf16 pool the kernel multiplies on vdpbf16ps with the float32 query and softmax
+    weights split in two bf16 halves: it matches float32 math over the same rounded K/V to float32
+    precision (one bf16 rounding of q is off by ~1e-2 here), for every head_dim it takes (D / 32
+    chunks) and odd block tails (an odd last key pairs with itself in P.V)."""
+    seq_lens = [1, 17, 33, 129, 255]
+    fb, q, k, v, layer = make_attention_batch(ForwardMode.DECODE, [s - 1 for s in seq_lens], [1] * len(seq_lens), 8, 2,
+                                              head_dim, 1, seed=head_dim, dtype=torch.float32, kv_dtype=torch.bfloat16)
+    q = q * 4  # sharper softmax weights: a rounded query shows
+    out, ref = _run_both(fb, q, k, v, layer)
+    assert _max_err(out, ref) <= 1e-4
+
+
 def _torch_path(monkeypatch, fn):
     monkeypatch.setattr(cpu_kernels, "ENABLED", False)
     try:
