@@ -188,6 +188,19 @@ def test_flush_cache_refused_while_running(loop):
     engine.scheduler.check_memory()
 
 
+def test_flush_cache_right_after_generate(loop):
+    """generate() returns when its requests finish, before the step that filters them out of the
+    running batch: flush_cache settles them and succeeds, so the next generate misses the cache."""
+    engine = Engine(max_total_tokens=4096, **loop)
+    prompts = [list(range(10, 60)), list(range(70, 120))]
+    engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 4, "ignore_eos": True})
+    assert engine.flush_cache() is True
+    assert engine.scheduler.tree_cache.evictable_size() == 0
+    again = engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 4, "ignore_eos": True})
+    assert all(o["meta_info"]["cached_tokens"] == 0 for o in again)
+    engine.scheduler.check_memory()
+
+
 def test_stop_token_and_stop_string(loop):
     engine = Engine(max_total_tokens=4096, **loop)
     base = engine.generate("Once upon a time", {"max_new_tokens": 12, "temperature": 0})
