@@ -117,6 +117,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-path", default=None)
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--steps", type=int, default=20)
@@ -129,9 +130,10 @@ def main() -> None:
     from radixserve.engine import Engine
     from radixserve.layers import cpu_kernels
 
-    engine = Engine(model_path=args.model_path, dtype=args.dtype, log_level="warning")
+    engine = Engine(model_path=args.model_path, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, log_level="warning")
     dtype = str(engine.scheduler.tp_worker.model_runner.dtype).replace("torch.", "")
-    label = args.label or f"{'C++ kernels' if cpu_kernels.get() else 'torch path'}, {dtype}"
+    kv = str(engine.scheduler.tp_worker.model_runner.token_to_kv_pool.dtype).replace("torch.", "")
+    label = args.label or f"{'C++ kernels' if cpu_kernels.get() else 'torch path'}, {dtype}, KV {kv}"
     cols = ("linear", "attention", "norms/rope/act", "other forward", "sampling", "scheduling", "step")
     print(f"| {'config':<28} | {'phase':<7} | bs | " + " | ".join(f"{c:>14}" for c in cols) + " |")
     for bs in args.batch_sizes:
@@ -141,7 +143,7 @@ def main() -> None:
             print(f"| {label:<28} | {phase:<7} | {bs:>2} | " + " | ".join(f"{row[c]:>14.2f}" for c in cols) + " |", flush=True)
             if args.output:
                 with open(args.output, "a") as f:
-                    rec = {"label": label, "phase": phase, "batch_size": bs, "input_len": args.input_len, "dtype": dtype,
+                    rec = {"label": label, "phase": phase, "kv_cache_dtype": kv, "batch_size": bs, "input_len": args.input_len, "dtype": dtype,
                            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
                            "ms_per_step" if phase == "decode" else "ms_for_prefill": row}
                     f.write(json.dumps(rec) + "\n")

@@ -27,6 +27,7 @@ namespace {
 constexpr int64_t kBlockTokens = 64;     // keys scored per online-softmax block
 constexpr int64_t kMinSplitTokens = 128; // a split-KV chunk holds at least this many keys
 constexpr int64_t kPrefetch = 4;         // K/V rows fetched ahead (slots are scattered)
+constexpr int64_t kPrefetchKeys = 64;    // the AVX-512 paths: K/V rows prefetched into L2 this far ahead
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -149,15 +150,7 @@ inline __m512 transpose_sum16(__m512 v[16]) {
 #if defined(__AVX512F__)
 constexpr int64_t kFastMaxChunks = 8;  // head_dim <= 128 on the AVX-512 path
 
-// One block of n <= 16 keys of one work item: kf/vf hold the block's K/V rows in fp32
-// ([16][Hkv * D]); qf the scaled queries [H][D]; acc/m/l the running output, max and sum per head.
-inline void prefetch_row(const void* k, const void* v, int64_t bytes) {
-  for (int64_t o = 0; o < bytes; o += 64) {
-    _mm_prefetch(static_cast<const char*>(k) + o, _MM_HINT_T0);
-    _mm_prefetch(static_cast<const char*>(v) + o, _MM_HINT_T0);
-  }
-}
-
+// A slot's K and V rows (all KV heads), fetched into L2.
 inline void prefetch_row_l2(const void* k, const void* v, int64_t bytes) {
   for (int64_t o = 0; o < bytes; o += 64) {
     _mm_prefetch(static_cast<const char*>(k) + o, _MM_HINT_T1);
@@ -165,6 +158,8 @@ inline void prefetch_row_l2(const void* k, const void* v, int64_t bytes) {
   }
 }
 
+// One block of n <= 16 keys of one work item: kf/vf hold the block's K/V rows in fp32
+// ([16][Hkv * D]); qf the scaled queries [H][D]; acc/m/l the running output, max and sum per head.
 inline void attend_block16(const float* qf, const float* kf, const float* vf, int64_t n, int64_t H, int64_t G,
                            int64_t D, int64_t row, float* acc, float* m, float* l) {
   const int64_t chunks = D / 16;
@@ -207,7 +202,6 @@ inline void attend_block16(const float* qf, const float* kf, const float* vf, in
 // halves, x = hi + lo to ~2^-17, so both products keep float32-like precision (better than
 // llama.cpp, which rounds the query to bf16).
 constexpr int64_t kBf16MaxChunks = 4;  // head_dim <= 128: D / 32 zmm of bf16 per row
-constexpr int64_t kPrefetchKeys = 64;  // K/V rows prefetched this many keys ahead
 
 inline __m512 bf16_lo_to_ps(__m512i x) {  // the low 16 bf16 of x, widened to fp32
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(x)), 16));
@@ -350,7 +344,6 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
       std::fill(m.begin(), m.end(), neg_inf);
       std::fill(l.begin(), l.end(), 0.f);
       int64_t t_done = t0;  // keys the AVX-512 path attended to (all of them when it runs)
-#if defined(__AVX512BF16__)
       // the slot of key t0 + i of item w + 1 (in this thread's range), -1 past it
       auto slot_of_next_item = [&](int64_t w_, int64_t i) -> int64_t {
         if (w_ + 1 >= end) return -1;
@@ -358,6 +351,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
         const int64_t u0 = std::min(len2, sp2 * ch2), u = u0 + i;
         return u < std::min(len2, u0 + ch2) ? static_cast<int64_t>(r2t[rows[b2] * r2t_s0 + u]) : -1;
       };
+#if defined(__AVX512BF16__)
       if (fast_bf16) {
         for (int64_t g = 0; g < Hkv; ++g)
           for (int64_t h = 0; h < G; ++h)
@@ -372,8 +366,9 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
         const uint16_t* vr[16];
         for (int64_t tb = t0; tb < t1; tb += 16) {
           const int64_t n = std::min<int64_t>(16, t1 - tb);
-          // Into L2, kPrefetchKeys keys ahead, on into the next work item's keys: measured
-          // 15.4 ms against 19.8 (L1, two blocks ahead, this item only) at 16 x 512 keys x 30 layers.
+          // Into L2, kPrefetchKeys keys ahead, on into the next work item's keys: measured 13.9 /
+          // 16.5 ms against 19.8 / 18.7 (into L1, the next block, this item only) at 16 x 512 keys x
+          // 30 layers, bf16 / fp16 pool.
           for (int64_t j = tb + kPrefetchKeys; j < tb + kPrefetchKeys + 16; ++j) {
             const int64_t slot = j < t1 ? slots[j] : slot_of_next_item(w, j - t1);
             if (slot < 0) break;
@@ -395,8 +390,11 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
       if (fast && t_done < t1) {
         for (int64_t tb = t0; tb < t1; tb += 16) {
           const int64_t n = std::min<int64_t>(16, t1 - tb);
-          for (int64_t j = tb + 16; j < std::min(t1, tb + 32); ++j)  // the next block's rows
-            prefetch_row(kp + static_cast<int64_t>(slots[j]) * ks0, vp + static_cast<int64_t>(slots[j]) * vs0, row_bytes);
+          for (int64_t j = tb + kPrefetchKeys; j < tb + kPrefetchKeys + 16; ++j) {  // as the bf16 path does
+            const int64_t slot = j < t1 ? slots[j] : slot_of_next_item(w, j - t1);
+            if (slot < 0) break;
+            prefetch_row_l2(kp + slot * ks0, vp + slot * vs0, row_bytes);
+          }
           for (int64_t j = 0; j < n; ++j) {
             const int64_t slot = slots[tb + j];
             load_row(kp + slot * ks0, kf.data() + j * Hkv * D, Hkv * D);
