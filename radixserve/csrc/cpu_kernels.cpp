@@ -15,6 +15,7 @@
 #endif
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -501,6 +502,196 @@ void decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_b
   });
 }
 
+// ---- extend (prefill) attention over the paged pool --------------------------------------------
+//
+// New token i of request r sits at position prefix_r + i and attends to the request's keys
+// 0 .. prefix_r + i, read in place through req_to_token (the batch's new K/V are stored first: a
+// new token sees its neighbours as the cache holds them, as decode will). float32 math, like the
+// decode kernel: the pool's rows are widened once per block.
+//
+// Work item: (request, block of kExtTokens new tokens, kv head). Per block of 16 keys the K rows
+// are transposed once into kt [D][16] (lanes = keys: one FMA per dimension gives 16 scores, no
+// horizontal sums) and V widened into vt [16][D]; both serve the item's tokens x G heads,
+// taken kExtRows (token, head) rows at a time so that each kt / vt load feeds kExtRows FMAs.
+// Items go round-robin to the threads: causal blocks differ in cost.
+#if defined(__AVX512F__)
+constexpr int kExtRows = 8;
+constexpr int64_t kExtTokens = 64;  // new tokens per work item: they share each K/V tile
+
+bool has_extend_attention() { return true; }
+
+// Rows r < NR: q[r] the scaled query, acc[r] / m[r] / l[r] its running output, max and sum,
+// vis[r] how many of the block's keys it sees (causal), p scratch [NR][16].
+template <int NR>
+inline void extend_rows(const float* kt, const float* vt, int64_t D, const float* const* q, float* const* acc, float* m,
+                        float* l, const int64_t* vis, float* p) {
+  __m512 s[NR];
+  _Pragma("GCC unroll 8") for (int r = 0; r < NR; ++r) s[r] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    const __m512 k = _mm512_loadu_ps(kt + d * 16);
+    _Pragma("GCC unroll 8") for (int r = 0; r < NR; ++r) s[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d]), k, s[r]);
+  }
+  float corr[NR];
+  int64_t nk = 0;
+  _Pragma("GCC unroll 8") for (int r = 0; r < NR; ++r) {
+    const __mmask16 valid = static_cast<__mmask16>((1u << vis[r]) - 1);
+    const __m512 sv = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid, s[r]);
+    const float mb = std::max(m[r], _mm512_reduce_max_ps(sv));
+    corr[r] = exp_neg(m[r] - mb);
+    const __m512 pv = _mm512_maskz_mov_ps(valid, exp_neg_v(_mm512_sub_ps(sv, _mm512_set1_ps(mb))));
+    l[r] = l[r] * corr[r] + _mm512_reduce_add_ps(pv);
+    m[r] = mb;
+    _mm512_storeu_ps(p + r * 16, pv);
+    nk = std::max(nk, vis[r]);
+  }
+  for (int64_t c = 0; c < D; c += 16) {
+    __m512 o[NR];
+    _Pragma("GCC unroll 8") for (int r = 0; r < NR; ++r) o[r] = _mm512_mul_ps(_mm512_loadu_ps(acc[r] + c), _mm512_set1_ps(corr[r]));
+    for (int64_t j = 0; j < nk; ++j) {
+      const __m512 v = _mm512_loadu_ps(vt + j * D + c);
+      _Pragma("GCC unroll 8") for (int r = 0; r < NR; ++r) o[r] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * 16 + j]), v, o[r]);
+    }
+    _Pragma("GCC unroll 8") for (int r = 0; r < NR; ++r) _mm512_storeu_ps(acc[r] + c, o[r]);
+  }
+}
+
+template <typename TQ, typename TKV>
+void extend_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
+                           const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
+                           const at::Tensor& prefix_lens, const at::Tensor& extend_lens, const at::Tensor& q_starts,
+                           double scale) {
+  const int64_t R = req_pool_indices.size(0), H = q.size(1), D = q.size(2), Hkv = k_buf.size(1), G = H / Hkv;
+  const TQ* qp = q.data_ptr<TQ>();
+  TQ* op = out.data_ptr<TQ>();
+  const TKV* kp = k_buf.data_ptr<TKV>();
+  const TKV* vp = v_buf.data_ptr<TKV>();
+  const int32_t* r2t = req_to_token.data_ptr<int32_t>();
+  const int64_t *rows = req_pool_indices.data_ptr<int64_t>(), *pre = prefix_lens.data_ptr<int64_t>();
+  const int64_t *ext = extend_lens.data_ptr<int64_t>(), *qs = q_starts.data_ptr<int64_t>();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
+  const int64_t ks0 = k_buf.stride(0), vs0 = v_buf.stride(0), r2t_s0 = req_to_token.stride(0);
+  std::vector<std::array<int64_t, 3>> items;  // (request, first new token, kv head)
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t i0 = 0; i0 < ext[r]; i0 += kExtTokens)
+      for (int64_t g = 0; g < Hkv; ++g) items.push_back({r, i0, g});
+  const int64_t nthreads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items.size()));
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+
+  at::parallel_for(0, nthreads, 1, [&](int64_t t_begin, int64_t t_end) {
+    const int64_t nrows = kExtTokens * G;  // (token, head) rows of an item: row = token * G + head
+    std::vector<float> qf(nrows * D), acc(nrows * D), m(nrows), l(nrows), kt(D * 16), vt(16 * D), krow(D);
+    std::vector<float> pbuf(kExtRows * 16);
+    for (int64_t tid = t_begin; tid < t_end; ++tid)
+      for (size_t it = tid; it < items.size(); it += nthreads) {
+        const int64_t r = items[it][0], i0 = items[it][1], g = items[it][2];
+        const int64_t nq = std::min<int64_t>(kExtTokens, ext[r] - i0), p0 = pre[r] + i0, nkeys = p0 + nq;
+        const int32_t* slots = r2t + rows[r] * r2t_s0;
+        for (int64_t i = 0; i < nq; ++i)
+          for (int64_t h = 0; h < G; ++h) {
+            float* dst = qf.data() + (i * G + h) * D;
+            load_row(qp + (qs[r] + i0 + i) * qs0 + (g * G + h) * qs1, dst, D);
+            scale_row(dst, static_cast<float>(scale), D);
+          }
+        std::fill(acc.begin(), acc.end(), 0.f);
+        std::fill(m.begin(), m.end(), neg_inf);
+        std::fill(l.begin(), l.end(), 0.f);
+        for (int64_t k0 = 0; k0 < nkeys; k0 += 16) {
+          const int64_t nk = std::min<int64_t>(16, nkeys - k0);
+          for (int64_t j = 0; j < 16; ++j) {
+            if (j < nk) {
+              const int64_t slot = slots[k0 + j];
+              load_row(kp + slot * ks0 + g * D, krow.data(), D);
+              load_row(vp + slot * vs0 + g * D, vt.data() + j * D, D);
+            } else {  // past the last key: zeros (masked scores, zero weights)
+              std::fill(krow.begin(), krow.end(), 0.f);
+              std::fill(vt.begin() + j * D, vt.begin() + (j + 1) * D, 0.f);
+            }
+            for (int64_t d = 0; d < D; ++d) kt[d * 16 + j] = krow[d];
+          }
+          // the item's rows that see any of these keys, kExtRows at a time
+          const float* qrow[kExtRows];
+          float* arow[kExtRows];
+          float mr[kExtRows], lr[kExtRows];
+          int64_t vis[kExtRows], idx[kExtRows];
+          int n = 0;
+          auto flush = [&]() {
+            switch (n) {
+              case 1: extend_rows<1>(kt.data(), vt.data(), D, qrow, arow, mr, lr, vis, pbuf.data()); break;
+              case 2: extend_rows<2>(kt.data(), vt.data(), D, qrow, arow, mr, lr, vis, pbuf.data()); break;
+              case 3: extend_rows<3>(kt.data(), vt.data(), D, qrow, arow, mr, lr, vis, pbuf.data()); break;
+              case 4: extend_rows<4>(kt.data(), vt.data(), D, qrow, arow, mr, lr, vis, pbuf.data()); break;
+              case 5: extend_rows<5>(kt.data(), vt.data(), D, qrow, arow, mr, lr, vis, pbuf.data()); break;
+              case 6: extend_rows<6>(kt.data(), vt.data(), D, qrow, arow, mr, lr, vis, pbuf.data()); break;
+              case 7: extend_rows<7>(kt.data(), vt.data(), D, qrow, arow, mr, lr, vis, pbuf.data()); break;
+              case 8: extend_rows<8>(kt.data(), vt.data(), D, qrow, arow, mr, lr, vis, pbuf.data()); break;
+              default: break;
+            }
+            for (int x = 0; x < n; ++x) {
+              m[idx[x]] = mr[x];
+              l[idx[x]] = lr[x];
+            }
+            n = 0;
+          };
+          for (int64_t i = 0; i < nq; ++i) {
+            const int64_t visible = std::min<int64_t>(nk, p0 + i - k0 + 1);  // causal: keys <= its position
+            if (visible <= 0) continue;
+            for (int64_t h = 0; h < G; ++h) {
+              const int64_t row = i * G + h;
+              qrow[n] = qf.data() + row * D;
+              arow[n] = acc.data() + row * D;
+              mr[n] = m[row];
+              lr[n] = l[row];
+              vis[n] = visible;
+              idx[n] = row;
+              if (++n == kExtRows) flush();
+            }
+          }
+          flush();
+        }
+        for (int64_t i = 0; i < nq; ++i)
+          for (int64_t h = 0; h < G; ++h) {
+            float* a = acc.data() + (i * G + h) * D;
+            scale_row(a, 1.f / l[i * G + h], D);
+            store_row(a, op + (qs[r] + i0 + i) * os0 + (g * G + h) * os1, D);
+          }
+      }
+  });
+}
+
+void extend_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
+                      const at::Tensor& req_to_token, const at::Tensor& req_pool_indices, const at::Tensor& prefix_lens,
+                      const at::Tensor& extend_lens, const at::Tensor& q_starts, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_buf.dim() == 3 && out.sizes() == q.sizes() && v_buf.sizes() == k_buf.sizes(),
+              "extend_attention: q/out [T, H, D], k_buf/v_buf [slots, Hkv, D]");
+  TORCH_CHECK(q.size(1) % k_buf.size(1) == 0 && q.size(2) == k_buf.size(2) && q.size(2) % 16 == 0,
+              "extend_attention: heads a multiple of KV heads, head_dim a multiple of 16");
+  TORCH_CHECK(q.scalar_type() == out.scalar_type() && v_buf.scalar_type() == k_buf.scalar_type(),
+              "extend_attention: q and out must share a dtype, and so must the K and V pools");
+  TORCH_CHECK(req_to_token.scalar_type() == at::kInt && req_to_token.stride(1) == 1, "req_to_token: int32, rows contiguous");
+  for (const at::Tensor* t : {&req_pool_indices, &prefix_lens, &extend_lens, &q_starts})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == req_pool_indices.numel(),
+                "extend_attention: req_pool_indices / prefix_lens / extend_lens / q_starts: contiguous int64 [R]");
+  check_last_dim_contiguous(q, "extend_attention q");
+  check_last_dim_contiguous(out, "extend_attention out");
+  TORCH_CHECK(k_buf.stride(1) == k_buf.size(2) && v_buf.stride(1) == v_buf.size(2) && k_buf.stride(2) == 1 &&
+                  v_buf.stride(2) == 1,
+              "extend_attention: a slot's K/V heads must be contiguous");
+  DISPATCH_FLOAT_TYPES(q.scalar_type(), "extend_attention", [&] {
+    using q_t = scalar_t;
+    DISPATCH_FLOAT_TYPES(k_buf.scalar_type(), "extend_attention", [&] {
+      extend_attention_impl<q_t, scalar_t>(out, q, k_buf, v_buf, req_to_token, req_pool_indices, prefix_lens,
+                                           extend_lens, q_starts, scale);
+    });
+  });
+}
+#else
+bool has_extend_attention() { return false; }
+void extend_attention(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                      const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double) {
+  TORCH_CHECK(false, "extend_attention: built without AVX-512");
+}
+#endif
+
 // ---- store K and V of new tokens at their slots: k_buf[loc[i]] = k[i], v_buf[loc[i]] = v[i] -----
 void store_kv(at::Tensor k_buf, at::Tensor v_buf, const at::Tensor& loc_in, const at::Tensor& k_in,
               const at::Tensor& v_in) {
@@ -858,6 +1049,8 @@ void register_lora_kernels(pybind11::module_& m);  // lora_kernels.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention (writes out)");
+  m.def("has_extend_attention", &has_extend_attention, "whether extend_attention is built (AVX-512)");
+  m.def("extend_attention", &extend_attention, "causal extend attention over the paged KV pool (writes out)");
   m.def("store_kv", &store_kv, "write new tokens' K/V rows at their KV-pool slots");
   m.def("fused_add_rmsnorm", &fused_add_rmsnorm, "RMSNorm with an optional fused residual add");
   m.def("rotary_embedding", &rotary_embedding, "neox-style rotary embedding of q and k");

@@ -142,6 +142,48 @@ def test_bf16_pool_on_vdpbf16ps_keeps_float32_precision(ops, head_dim):
     assert _max_err(out, ref) <= 1e-4
 
 
+def _extend_both(fb, q, k, v, layer):
+    """(extend kernel output, torch-native SDPA output) of one EXTEND/MIXED forward; both store the
+    new tokens' K/V the same way."""
+    pool = fb.token_to_kv_pool
+    ref_be = TorchNativeAttnBackend("cpu", use_cpu_kernels=False)
+    ref_be.init_forward_metadata(fb)
+    ref = ref_be.forward(q, k, v, layer, fb)
+    be = TorchNativeAttnBackend("cpu")
+    be.init_forward_metadata(fb)
+    assert fb.attn_metadata.extend_rows is not None and not fb.attn_metadata.extend_seqs  # the kernel's path
+    out = be.forward(q, k, v, layer, fb)
+    assert torch.equal(pool.k_buffer[0][fb.out_cache_loc], k.to(pool.dtype))
+    return out, ref
+
+
+@pytest.mark.parametrize("dtype,kv_dtype", [(torch.float32, torch.float32), (torch.float32, torch.float16),
+                                            (torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (32, 4, 4), (80, 8, 2), (128, 8, 1)])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_extend_attention_matches_sdpa(ops, dtype, kv_dtype, head_dim, heads, kv_heads, page_size):
+    """The C++ extend kernel against SDPA on the same (pool-rounded) K/V: no prefix and cached
+    prefixes, extends shorter and longer than a 16-token block with ragged tails, one-token
+    extends (decode rows) in the same MIXED batch, scattered pages, every pool dtype the CPU runs."""
+    prefix, new = [0, 5, 0, 40, 130, 3], [37, 16, 1, 9, 70, 1]
+    fb, q, k, v, layer = make_attention_batch(ForwardMode.MIXED, prefix, new, heads, kv_heads, head_dim, page_size,
+                                              seed=head_dim + page_size, dtype=dtype, kv_dtype=kv_dtype)
+    out, ref = _extend_both(fb, q, k, v, layer)
+    assert _max_err(out, ref) <= TOL[dtype]
+
+
+def test_extend_attention_refuses_bad_shapes(ops):
+    q = torch.randn(4, 2, 24)
+    kv = torch.randn(8, 2, 24)
+    r2t = torch.zeros(2, 8, dtype=torch.int32)
+    one = torch.tensor([0])
+    with pytest.raises(RuntimeError, match="head_dim a multiple of 16"):
+        ops.extend_attention(torch.empty_like(q), q, kv, kv, r2t, one, one, torch.tensor([4]), one, 0.2)
+    q, kv = torch.randn(4, 2, 32), torch.randn(8, 2, 32)
+    with pytest.raises(RuntimeError, match="contiguous int64"):
+        ops.extend_attention(torch.empty_like(q), q, kv, kv, r2t, one, one, torch.tensor([4], dtype=torch.int32), one, 0.2)
+
+
 def _torch_path(monkeypatch, fn):
     monkeypatch.setattr(cpu_kernels, "ENABLED", False)
     try:

@@ -12,7 +12,9 @@ The index tables are built once per forward in init_forward_metadata, not once p
 
 On the CPU, decode-like requests instead go to one C++ kernel (radixserve.layers.cpu_kernels)
 that reads K/V through req_to_token in place: no gather copy, no padding, an online softmax,
-GQA-aware. `use_cpu_kernels=False` keeps the torch path, the reference the kernel is tested on.
+GQA-aware; and the longer extend requests to another (one call per layer for all of them, their
+prefix read in place, no mask built). `use_cpu_kernels=False` keeps the torch path, the reference
+the kernels are tested on.
 """
 
 from __future__ import annotations
@@ -57,11 +59,23 @@ class DecodeRows:
 
 
 @dataclass
+class ExtendRows:
+    """Extend requests (more than one new token) for the C++ extend kernel."""
+
+    req_pool_indices: torch.Tensor  # [R] int64
+    prefix_lens: torch.Tensor  # [R] int64
+    extend_lens: torch.Tensor  # [R] int64
+    q_starts: torch.Tensor  # [R] int64: each request's first row in q
+    req_to_token: torch.Tensor
+
+
+@dataclass
 class TorchNativeMetadata:
     decode_groups: List[DecodeGroup] = field(default_factory=list)
     decode_rows: Optional[DecodeRows] = None  # instead of decode_groups, with the C++ kernel
     all_decode: bool = False
     extend_seqs: List[ExtendSeq] = field(default_factory=list)
+    extend_rows: Optional[ExtendRows] = None  # instead of extend_seqs, with the C++ kernel
 
 
 # A decode group's shortest request is at least this share of its longest, so at most ~30%
@@ -96,7 +110,9 @@ class TorchNativeAttnBackend(AttentionBackend):
             md.decode_rows = self._decode_rows(fb, dec_rows, token_of_row, md.all_decode)
         elif dec_rows:
             md.decode_groups = self._decode_groups(fb, dec_rows, token_of_row)
-        if not md.all_decode:
+        if not md.all_decode and self._extend_kernel_fits(fb.token_to_kv_pool):
+            md.extend_rows = self._extend_rows(fb, starts)
+        elif not md.all_decode:
             req_to_token = fb.req_to_token_pool.req_to_token
             for i, n in enumerate(ext_lens):
                 if n == 1:
@@ -109,6 +125,20 @@ class TorchNativeAttnBackend(AttentionBackend):
                     mask = torch.arange(p + n, device=self.device)[None, :] <= q_pos
                 md.extend_seqs.append(ExtendSeq(starts[i], n, p, slots, mask))
         fb.attn_metadata = md
+
+    def _extend_kernel_fits(self, pool) -> bool:
+        """The C++ extend kernel (AVX-512 builds) takes head_dim a multiple of 16."""
+        return self.cpu_ops is not None and self.cpu_ops.has_extend_attention() and getattr(pool, "head_dim", 1) % 16 == 0
+
+    @staticmethod
+    def _extend_rows(fb, starts: List[int]) -> Optional[ExtendRows]:
+        ext = [i for i, n in enumerate(fb.extend_seq_lens_cpu) if n > 1]
+        if not ext:
+            return None
+        pick = lambda xs: torch.tensor([xs[i] for i in ext], dtype=torch.int64)  # noqa: E731
+        rows = fb.req_pool_indices.cpu()[torch.tensor(ext, dtype=torch.int64)].long().contiguous()
+        return ExtendRows(rows, pick(fb.extend_prefix_lens_cpu), pick(fb.extend_seq_lens_cpu), pick(starts),
+                          fb.req_to_token_pool.req_to_token)
 
     def forward_decode(self, q, k, v, layer, fb) -> torch.Tensor:
         pool = fb.token_to_kv_pool
@@ -183,6 +213,10 @@ class TorchNativeAttnBackend(AttentionBackend):
         if md.decode_groups or md.decode_rows is not None:
             self._decode_into(out, q, layer, md, pool)
         k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
+        rows = md.extend_rows
+        if rows is not None:
+            self.cpu_ops.extend_attention(out, q, k_buf, v_buf, rows.req_to_token, rows.req_pool_indices,
+                                          rows.prefix_lens, rows.extend_lens, rows.q_starts, layer.scaling)
         if k_buf.dtype != k.dtype:  # attend to the new tokens as the cache holds them, as decode will
             k, v = k.to(k_buf.dtype), v.to(v_buf.dtype)
         for s in md.extend_seqs:
