@@ -1,10 +1,12 @@
-// CPU kernels for the decode hot path: paged decode attention, KV store, fused add+RMSNorm,
-// rotary embedding, SiLU-and-mul, and a bf16 GEMM for the linear layers (AVX512_BF16). Built
+// CPU kernels for the hot path: paged decode and extend (prefill) attention, KV store, fused
+// add+RMSNorm, rotary embedding, SiLU-and-mul, and a bf16 GEMM for the linear layers (AVX512_BF16). Built
 // with -march=native by torch.utils.cpp_extension (radixserve/layers/cpu_kernels.py; run by
 // scripts/install.sh); the torch code those layers fall back to is the reference the tests
 // compare against. AVX-512 paths sit beside portable loops, chosen at compile time.
 //
-// Every kernel computes in float32 and reads/writes float32, bfloat16 or float16 tensors.
+// Every kernel computes in float32 and reads/writes float32, bfloat16 or float16 tensors (the bf16
+// GEMM and the decode attention over a bf16 pool multiply bf16 operands on vdpbf16ps, summing in
+// float32; that attention splits its float32 operands in bf16 hi + lo halves).
 // Parallel loops use at::parallel_for, i.e. torch's own OpenMP thread pool.
 
 #include <torch/extension.h>
@@ -277,6 +279,148 @@ inline void attend_block16_bf16(const __m512i* qhl, const uint16_t* const* k, co
 }
 #endif
 
+#if defined(__AVX512F__)
+// ---- attention over shared K/V tiles (extend; decode over a prefix the batch shares) -----------
+//
+// A block of 16 keys of one kv head is widened to float32 once: K transposed into kt [D][16]
+// (lanes = keys: one FMA per dimension gives a query's 16 scores, no horizontal sums) and V into
+// vt [16][D]. Every query row that attends to those keys then reads the tile, kTileRows rows at a
+// time so that each kt / vt load feeds kTileRows FMAs. Per-request decode cannot do this (one
+// query per kv head and G heads), so it runs ~2.5x fewer FLOPs a second than these tiles.
+constexpr int kTileRows = 8;
+
+// kp / vp point at the kv head's part of slot 0's row; slots[j], j < nk: the block's keys.
+// Keys past nk are zeros (masked scores, zero weights).
+template <typename TKV>
+inline void load_kv_tile(const TKV* kp, const TKV* vp, int64_t ks0, int64_t vs0, const int32_t* slots, int64_t nk,
+                         int64_t D, float* krow, float* kt, float* vt) {
+  for (int64_t j = 0; j < 16; ++j) {
+    if (j < nk) {
+      const int64_t slot = slots[j];
+      load_row(kp + slot * ks0, krow, D);
+      load_row(vp + slot * vs0, vt + j * D, D);
+    } else {
+      std::fill(krow, krow + D, 0.f);
+      std::fill(vt + j * D, vt + (j + 1) * D, 0.f);
+    }
+    for (int64_t d = 0; d < D; ++d) kt[d * 16 + j] = krow[d];
+  }
+}
+
+// Rows r < NR: q[r] the scaled query, acc[r] / *m[r] / *l[r] its running output, max and sum,
+// vis[r] how many of the tile's keys it sees (causal), p scratch [NR][16].
+template <int NR>
+inline void tile_rows(const float* kt, const float* vt, int64_t D, const float* const* q, float* const* acc,
+                      float* const* m, float* const* l, const int64_t* vis, float* p) {
+  __m512 s[NR];
+  _Pragma("GCC unroll 8") for (int r = 0; r < NR; ++r) s[r] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    const __m512 k = _mm512_loadu_ps(kt + d * 16);
+    _Pragma("GCC unroll 8") for (int r = 0; r < NR; ++r) s[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d]), k, s[r]);
+  }
+  float corr[NR];
+  int64_t nk = 0;
+  _Pragma("GCC unroll 8") for (int r = 0; r < NR; ++r) {
+    const __mmask16 valid = static_cast<__mmask16>((1u << vis[r]) - 1);
+    const __m512 sv = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid, s[r]);
+    const float mb = std::max(*m[r], _mm512_reduce_max_ps(sv));
+    corr[r] = exp_neg(*m[r] - mb);
+    const __m512 pv = _mm512_maskz_mov_ps(valid, exp_neg_v(_mm512_sub_ps(sv, _mm512_set1_ps(mb))));
+    *l[r] = *l[r] * corr[r] + _mm512_reduce_add_ps(pv);
+    *m[r] = mb;
+    _mm512_storeu_ps(p + r * 16, pv);
+    nk = std::max(nk, vis[r]);
+  }
+  for (int64_t c = 0; c < D; c += 16) {
+    __m512 o[NR];
+    _Pragma("GCC unroll 8") for (int r = 0; r < NR; ++r) o[r] = _mm512_mul_ps(_mm512_loadu_ps(acc[r] + c), _mm512_set1_ps(corr[r]));
+    for (int64_t j = 0; j < nk; ++j) {
+      const __m512 v = _mm512_loadu_ps(vt + j * D + c);
+      _Pragma("GCC unroll 8") for (int r = 0; r < NR; ++r) o[r] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * 16 + j]), v, o[r]);
+    }
+    _Pragma("GCC unroll 8") for (int r = 0; r < NR; ++r) _mm512_storeu_ps(acc[r] + c, o[r]);
+  }
+}
+
+// Queues the rows that read one tile and runs them kTileRows at a time; flush() at the tile's end.
+struct TileRows {
+  const float* kt;
+  const float* vt;
+  int64_t D;
+  float* p;  // scratch [kTileRows][16]
+  const float* q[kTileRows];
+  float* acc[kTileRows];
+  float* m[kTileRows];
+  float* l[kTileRows];
+  int64_t vis[kTileRows];
+  int n = 0;
+
+  void add(const float* q_, float* acc_, float* m_, float* l_, int64_t vis_) {
+    q[n] = q_, acc[n] = acc_, m[n] = m_, l[n] = l_, vis[n] = vis_;
+    if (++n == kTileRows) flush();
+  }
+  void flush() {
+    switch (n) {
+      case 1: tile_rows<1>(kt, vt, D, q, acc, m, l, vis, p); break;
+      case 2: tile_rows<2>(kt, vt, D, q, acc, m, l, vis, p); break;
+      case 3: tile_rows<3>(kt, vt, D, q, acc, m, l, vis, p); break;
+      case 4: tile_rows<4>(kt, vt, D, q, acc, m, l, vis, p); break;
+      case 5: tile_rows<5>(kt, vt, D, q, acc, m, l, vis, p); break;
+      case 6: tile_rows<6>(kt, vt, D, q, acc, m, l, vis, p); break;
+      case 7: tile_rows<7>(kt, vt, D, q, acc, m, l, vis, p); break;
+      case 8: tile_rows<8>(kt, vt, D, q, acc, m, l, vis, p); break;
+      default: break;
+    }
+    n = 0;
+  }
+};
+
+// Decode over a prefix every request of the batch shares (the same slots: one radix-tree node,
+// a system prompt): keys [0, P) once for all B x G query rows of each kv head, as tiles, instead
+// of once per request. Work item: (kv head, chunk of kSharedChunk keys); each writes the
+// (unnormalized output, max, sum) partial of every (request, head) at slot `first` + chunk of
+// part_acc [B * H][ntot][D] / part_ml [B * H][ntot][2], which the decode kernel merges.
+constexpr int64_t kSharedChunk = 128;
+
+template <typename TQ, typename TKV>
+void shared_prefix_partials(const TQ* qp, int64_t qs0, int64_t qs1, int64_t B, int64_t H, int64_t Hkv, int64_t D,
+                            const TKV* kp, const TKV* vp, int64_t ks0, int64_t vs0, const int32_t* slots, int64_t P,
+                            float scale, float* part_acc, float* part_ml, int64_t ntot, int64_t first) {
+  const int64_t G = H / Hkv, chunks = ceil_div(P, kSharedChunk), nrows = B * G;
+  at::parallel_for(0, Hkv * chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(nrows * D), acc(nrows * D), m(nrows), l(nrows), kt(D * 16), vt(16 * D), krow(D);
+    std::vector<float> pbuf(kTileRows * 16);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t g = item / chunks, c = item % chunks, k_begin = c * kSharedChunk;
+      const int64_t k_end = std::min(P, k_begin + kSharedChunk);
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t h = 0; h < G; ++h) {
+          float* dst = qf.data() + (b * G + h) * D;
+          load_row(qp + b * qs0 + (g * G + h) * qs1, dst, D);
+          scale_row(dst, scale, D);
+        }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+      std::fill(l.begin(), l.end(), 0.f);
+      TileRows rows{kt.data(), vt.data(), D, pbuf.data()};
+      for (int64_t k0 = k_begin; k0 < k_end; k0 += 16) {
+        const int64_t nk = std::min<int64_t>(16, k_end - k0);
+        load_kv_tile(kp + g * D, vp + g * D, ks0, vs0, slots + k0, nk, D, krow.data(), kt.data(), vt.data());
+        for (int64_t r = 0; r < nrows; ++r) rows.add(qf.data() + r * D, acc.data() + r * D, &m[r], &l[r], nk);
+        rows.flush();
+      }
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t h = 0; h < G; ++h) {
+          const int64_t r = b * G + h, idx = (b * H + g * G + h) * ntot + first + c;
+          std::memcpy(part_acc + idx * D, acc.data() + r * D, D * sizeof(float));
+          part_ml[idx * 2] = m[r];
+          part_ml[idx * 2 + 1] = l[r];
+        }
+    }
+  });
+}
+#endif
+
 // ---- paged decode attention -------------------------------------------------------------------
 //
 // One query per request attends to its whole sequence, whose KV slots are
@@ -288,7 +432,7 @@ inline void attend_block16_bf16(const __m512i* qhl, const uint16_t* const* k, co
 template <typename TQ, typename TKV>
 void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
                            const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
-                           const at::Tensor& seq_lens, double scale) {
+                           const at::Tensor& seq_lens, double scale, int64_t shared_len) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t Hkv = k_buf.size(1), G = H / Hkv;
   const TQ* qp = q.data_ptr<TQ>();
@@ -302,16 +446,29 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
   const int64_t ks0 = k_buf.stride(0), vs0 = v_buf.stride(0);  // a slot's heads are contiguous
   const int64_t r2t_s0 = req_to_token.stride(0);
 
+  // Keys [0, shared_len) are shared by every request (shared_prefix_partials); this loop takes
+  // [shared_len, len).
   int64_t max_len = 0;
-  for (int64_t b = 0; b < B; ++b) max_len = std::max(max_len, lens[b]);
+  for (int64_t b = 0; b < B; ++b) max_len = std::max(max_len, lens[b] - shared_len);
   const int64_t items = B;
   const int64_t want = 4 * static_cast<int64_t>(at::get_num_threads());
   int64_t nsplit = 1;
   if (items < want) nsplit = std::max<int64_t>(1, std::min(ceil_div(want, items), ceil_div(max_len, kMinSplitTokens)));
+#if defined(__AVX512F__)
+  const int64_t shared_chunks = shared_len > 0 ? ceil_div(shared_len, kSharedChunk) : 0;
+#else
+  const int64_t shared_chunks = 0;
+#endif
+  const int64_t ntot = nsplit + shared_chunks;
 
-  // Split partials: acc [B, H, nsplit, D] and (max, sum) [B, H, nsplit, 2], float32.
-  std::vector<float> part_acc(nsplit > 1 ? B * H * nsplit * D : 0);
-  std::vector<float> part_ml(nsplit > 1 ? B * H * nsplit * 2 : 0);
+  // Partials (splits, then shared chunks): acc [B, H, ntot, D] and (max, sum) [B, H, ntot, 2], float32.
+  std::vector<float> part_acc(ntot > 1 ? B * H * ntot * D : 0);
+  std::vector<float> part_ml(ntot > 1 ? B * H * ntot * 2 : 0);
+#if defined(__AVX512F__)
+  if (shared_chunks > 0)
+    shared_prefix_partials(qp, qs0, qs1, B, H, Hkv, D, kp, vp, ks0, vs0, r2t + rows[0] * r2t_s0, shared_len,
+                           static_cast<float>(scale), part_acc.data(), part_ml.data(), ntot, nsplit);
+#endif
   const float neg_inf = -std::numeric_limits<float>::infinity();
 #if defined(__AVX512F__)
   const bool fast = D % 16 == 0 && D / 16 <= kFastMaxChunks;  // the AVX-512 block path
@@ -334,8 +491,8 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
 #endif
     for (int64_t w = begin; w < end; ++w) {
       const int64_t b = w / nsplit, sp = w % nsplit;
-      const int64_t len = lens[b], chunk = ceil_div(len, nsplit);
-      const int64_t t0 = std::min(len, sp * chunk), t1 = std::min(len, t0 + chunk);
+      const int64_t len = lens[b], chunk = ceil_div(len - shared_len, nsplit);
+      const int64_t t0 = std::min(len, shared_len + sp * chunk), t1 = std::min(len, t0 + chunk);
       const int32_t* slots = r2t + rows[b] * r2t_s0;
       for (int64_t hq = 0; hq < H; ++hq) {
         load_row(qp + b * qs0 + hq * qs1, qf.data() + hq * D, D);
@@ -348,8 +505,8 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
       // the slot of key t0 + i of item w + 1 (in this thread's range), -1 past it
       auto slot_of_next_item = [&](int64_t w_, int64_t i) -> int64_t {
         if (w_ + 1 >= end) return -1;
-        const int64_t b2 = (w_ + 1) / nsplit, sp2 = (w_ + 1) % nsplit, len2 = lens[b2], ch2 = ceil_div(len2, nsplit);
-        const int64_t u0 = std::min(len2, sp2 * ch2), u = u0 + i;
+        const int64_t b2 = (w_ + 1) / nsplit, sp2 = (w_ + 1) % nsplit, len2 = lens[b2];
+        const int64_t ch2 = ceil_div(len2 - shared_len, nsplit), u0 = std::min(len2, shared_len + sp2 * ch2), u = u0 + i;
         return u < std::min(len2, u0 + ch2) ? static_cast<int64_t>(r2t[rows[b2] * r2t_s0 + u]) : -1;
       };
 #if defined(__AVX512BF16__)
@@ -438,11 +595,11 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
         }
       }
       for (int64_t hq = 0; hq < H; ++hq) {
-        if (nsplit == 1) {
+        if (ntot == 1) {
           scale_row(acc.data() + hq * D, 1.f / l[hq], D);
           store_row(acc.data() + hq * D, op + b * os0 + hq * os1, D);
         } else {
-          const int64_t idx = (b * H + hq) * nsplit + sp;
+          const int64_t idx = (b * H + hq) * ntot + sp;
           std::memcpy(part_acc.data() + idx * D, acc.data() + hq * D, D * sizeof(float));
           part_ml[idx * 2] = m[hq];
           part_ml[idx * 2 + 1] = l[hq];
@@ -450,21 +607,21 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
       }
     }
   });
-  if (nsplit == 1) return;
+  if (ntot == 1) return;
 
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> res(D);
     for (int64_t bh = begin; bh < end; ++bh) {
-      const float* ml = part_ml.data() + bh * nsplit * 2;
+      const float* ml = part_ml.data() + bh * ntot * 2;
       float mx = neg_inf;
-      for (int64_t sp = 0; sp < nsplit; ++sp) mx = std::max(mx, ml[sp * 2]);
+      for (int64_t sp = 0; sp < ntot; ++sp) mx = std::max(mx, ml[sp * 2]);
       std::fill(res.begin(), res.end(), 0.f);
       float total = 0.f;
-      for (int64_t sp = 0; sp < nsplit; ++sp) {
+      for (int64_t sp = 0; sp < ntot; ++sp) {
         if (ml[sp * 2 + 1] == 0.f) continue;  // an empty split (its request is short)
         const float w = std::exp(ml[sp * 2] - mx);
         total += ml[sp * 2 + 1] * w;
-        axpy(res.data(), w, part_acc.data() + (bh * nsplit + sp) * D, D);
+        axpy(res.data(), w, part_acc.data() + (bh * ntot + sp) * D, D);
       }
       scale_row(res.data(), 1.f / total, D);
       const int64_t b = bh / H, head = bh % H;
@@ -475,7 +632,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
 
 void decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
                       const at::Tensor& req_to_token, const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
-                      double scale) {
+                      double scale, int64_t shared_prefix_len) {
   TORCH_CHECK(q.dim() == 3 && k_buf.dim() == 3 && v_buf.dim() == 3 && out.sizes() == q.sizes(),
               "decode_attention: q/out [B, H, D], k_buf/v_buf [slots, Hkv, D]");
   TORCH_CHECK(q.size(1) % k_buf.size(1) == 0, "decode_attention: heads must be a multiple of KV heads");
@@ -487,6 +644,15 @@ void decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_b
                   seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous() &&
                   seq_lens.numel() == q.size(0) && req_pool_indices.numel() == q.size(0),
               "decode_attention: req_pool_indices / seq_lens: contiguous int64 [B]");
+#if !defined(__AVX512F__)
+  TORCH_CHECK(shared_prefix_len == 0, "decode_attention: shared_prefix_len needs the AVX-512 build");
+#endif
+  // Every request's first shared_prefix_len slots are the same (the caller checked) and it has
+  // at least one key of its own past them.
+  TORCH_CHECK(shared_prefix_len >= 0 && (shared_prefix_len == 0 ||
+                  seq_lens.min().item<int64_t>() > shared_prefix_len),
+              "decode_attention: shared_prefix_len must be below every sequence length");
+  TORCH_CHECK(shared_prefix_len == 0 || q.size(2) % 16 == 0, "decode_attention: a shared prefix needs head_dim a multiple of 16");
   check_last_dim_contiguous(q, "decode_attention q");
   check_last_dim_contiguous(out, "decode_attention out");
   TORCH_CHECK(k_buf.stride(1) == k_buf.size(2) && v_buf.stride(1) == v_buf.size(2) && k_buf.stride(2) == 1 &&
@@ -497,7 +663,8 @@ void decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_b
   DISPATCH_FLOAT_TYPES(q.scalar_type(), "decode_attention", [&] {
     using q_t = scalar_t;
     DISPATCH_FLOAT_TYPES(k_buf.scalar_type(), "decode_attention", [&] {
-      decode_attention_impl<q_t, scalar_t>(out, q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, scale);
+      decode_attention_impl<q_t, scalar_t>(out, q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, scale,
+                                           shared_prefix_len);
     });
   });
 }
@@ -509,51 +676,13 @@ void decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_b
 // new token sees its neighbours as the cache holds them, as decode will). float32 math, like the
 // decode kernel: the pool's rows are widened once per block.
 //
-// Work item: (request, block of kExtTokens new tokens, kv head). Per block of 16 keys the K rows
-// are transposed once into kt [D][16] (lanes = keys: one FMA per dimension gives 16 scores, no
-// horizontal sums) and V widened into vt [16][D]; both serve the item's tokens x G heads,
-// taken kExtRows (token, head) rows at a time so that each kt / vt load feeds kExtRows FMAs.
-// Items go round-robin to the threads: causal blocks differ in cost.
+// Work item: (request, block of kExtTokens new tokens, kv head): each block of 16 keys becomes a
+// tile (load_kv_tile) that serves the item's tokens x G heads (TileRows). Items go round-robin
+// to the threads: causal blocks differ in cost.
 #if defined(__AVX512F__)
-constexpr int kExtRows = 8;
 constexpr int64_t kExtTokens = 64;  // new tokens per work item: they share each K/V tile
 
 bool has_extend_attention() { return true; }
-
-// Rows r < NR: q[r] the scaled query, acc[r] / m[r] / l[r] its running output, max and sum,
-// vis[r] how many of the block's keys it sees (causal), p scratch [NR][16].
-template <int NR>
-inline void extend_rows(const float* kt, const float* vt, int64_t D, const float* const* q, float* const* acc, float* m,
-                        float* l, const int64_t* vis, float* p) {
-  __m512 s[NR];
-  _Pragma("GCC unroll 8") for (int r = 0; r < NR; ++r) s[r] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < D; ++d) {
-    const __m512 k = _mm512_loadu_ps(kt + d * 16);
-    _Pragma("GCC unroll 8") for (int r = 0; r < NR; ++r) s[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d]), k, s[r]);
-  }
-  float corr[NR];
-  int64_t nk = 0;
-  _Pragma("GCC unroll 8") for (int r = 0; r < NR; ++r) {
-    const __mmask16 valid = static_cast<__mmask16>((1u << vis[r]) - 1);
-    const __m512 sv = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid, s[r]);
-    const float mb = std::max(m[r], _mm512_reduce_max_ps(sv));
-    corr[r] = exp_neg(m[r] - mb);
-    const __m512 pv = _mm512_maskz_mov_ps(valid, exp_neg_v(_mm512_sub_ps(sv, _mm512_set1_ps(mb))));
-    l[r] = l[r] * corr[r] + _mm512_reduce_add_ps(pv);
-    m[r] = mb;
-    _mm512_storeu_ps(p + r * 16, pv);
-    nk = std::max(nk, vis[r]);
-  }
-  for (int64_t c = 0; c < D; c += 16) {
-    __m512 o[NR];
-    _Pragma("GCC unroll 8") for (int r = 0; r < NR; ++r) o[r] = _mm512_mul_ps(_mm512_loadu_ps(acc[r] + c), _mm512_set1_ps(corr[r]));
-    for (int64_t j = 0; j < nk; ++j) {
-      const __m512 v = _mm512_loadu_ps(vt + j * D + c);
-      _Pragma("GCC unroll 8") for (int r = 0; r < NR; ++r) o[r] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * 16 + j]), v, o[r]);
-    }
-    _Pragma("GCC unroll 8") for (int r = 0; r < NR; ++r) _mm512_storeu_ps(acc[r] + c, o[r]);
-  }
-}
 
 template <typename TQ, typename TKV>
 void extend_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
@@ -566,7 +695,7 @@ void extend_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
   const TKV* kp = k_buf.data_ptr<TKV>();
   const TKV* vp = v_buf.data_ptr<TKV>();
   const int32_t* r2t = req_to_token.data_ptr<int32_t>();
-  const int64_t *rows = req_pool_indices.data_ptr<int64_t>(), *pre = prefix_lens.data_ptr<int64_t>();
+  const int64_t *pool_rows = req_pool_indices.data_ptr<int64_t>(), *pre = prefix_lens.data_ptr<int64_t>();
   const int64_t *ext = extend_lens.data_ptr<int64_t>(), *qs = q_starts.data_ptr<int64_t>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
   const int64_t ks0 = k_buf.stride(0), vs0 = v_buf.stride(0), r2t_s0 = req_to_token.stride(0);
@@ -580,12 +709,13 @@ void extend_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
   at::parallel_for(0, nthreads, 1, [&](int64_t t_begin, int64_t t_end) {
     const int64_t nrows = kExtTokens * G;  // (token, head) rows of an item: row = token * G + head
     std::vector<float> qf(nrows * D), acc(nrows * D), m(nrows), l(nrows), kt(D * 16), vt(16 * D), krow(D);
-    std::vector<float> pbuf(kExtRows * 16);
+    std::vector<float> pbuf(kTileRows * 16);
+    TileRows rows{kt.data(), vt.data(), D, pbuf.data()};
     for (int64_t tid = t_begin; tid < t_end; ++tid)
       for (size_t it = tid; it < items.size(); it += nthreads) {
         const int64_t r = items[it][0], i0 = items[it][1], g = items[it][2];
         const int64_t nq = std::min<int64_t>(kExtTokens, ext[r] - i0), p0 = pre[r] + i0, nkeys = p0 + nq;
-        const int32_t* slots = r2t + rows[r] * r2t_s0;
+        const int32_t* slots = r2t + pool_rows[r] * r2t_s0;
         for (int64_t i = 0; i < nq; ++i)
           for (int64_t h = 0; h < G; ++h) {
             float* dst = qf.data() + (i * G + h) * D;
@@ -597,56 +727,16 @@ void extend_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
         std::fill(l.begin(), l.end(), 0.f);
         for (int64_t k0 = 0; k0 < nkeys; k0 += 16) {
           const int64_t nk = std::min<int64_t>(16, nkeys - k0);
-          for (int64_t j = 0; j < 16; ++j) {
-            if (j < nk) {
-              const int64_t slot = slots[k0 + j];
-              load_row(kp + slot * ks0 + g * D, krow.data(), D);
-              load_row(vp + slot * vs0 + g * D, vt.data() + j * D, D);
-            } else {  // past the last key: zeros (masked scores, zero weights)
-              std::fill(krow.begin(), krow.end(), 0.f);
-              std::fill(vt.begin() + j * D, vt.begin() + (j + 1) * D, 0.f);
-            }
-            for (int64_t d = 0; d < D; ++d) kt[d * 16 + j] = krow[d];
-          }
-          // the item's rows that see any of these keys, kExtRows at a time
-          const float* qrow[kExtRows];
-          float* arow[kExtRows];
-          float mr[kExtRows], lr[kExtRows];
-          int64_t vis[kExtRows], idx[kExtRows];
-          int n = 0;
-          auto flush = [&]() {
-            switch (n) {
-              case 1: extend_rows<1>(kt.data(), vt.data(), D, qrow, arow, mr, lr, vis, pbuf.data()); break;
-              case 2: extend_rows<2>(kt.data(), vt.data(), D, qrow, arow, mr, lr, vis, pbuf.data()); break;
-              case 3: extend_rows<3>(kt.data(), vt.data(), D, qrow, arow, mr, lr, vis, pbuf.data()); break;
-              case 4: extend_rows<4>(kt.data(), vt.data(), D, qrow, arow, mr, lr, vis, pbuf.data()); break;
-              case 5: extend_rows<5>(kt.data(), vt.data(), D, qrow, arow, mr, lr, vis, pbuf.data()); break;
-              case 6: extend_rows<6>(kt.data(), vt.data(), D, qrow, arow, mr, lr, vis, pbuf.data()); break;
-              case 7: extend_rows<7>(kt.data(), vt.data(), D, qrow, arow, mr, lr, vis, pbuf.data()); break;
-              case 8: extend_rows<8>(kt.data(), vt.data(), D, qrow, arow, mr, lr, vis, pbuf.data()); break;
-              default: break;
-            }
-            for (int x = 0; x < n; ++x) {
-              m[idx[x]] = mr[x];
-              l[idx[x]] = lr[x];
-            }
-            n = 0;
-          };
+          load_kv_tile(kp + g * D, vp + g * D, ks0, vs0, slots + k0, nk, D, krow.data(), kt.data(), vt.data());
           for (int64_t i = 0; i < nq; ++i) {
             const int64_t visible = std::min<int64_t>(nk, p0 + i - k0 + 1);  // causal: keys <= its position
             if (visible <= 0) continue;
             for (int64_t h = 0; h < G; ++h) {
               const int64_t row = i * G + h;
-              qrow[n] = qf.data() + row * D;
-              arow[n] = acc.data() + row * D;
-              mr[n] = m[row];
-              lr[n] = l[row];
-              vis[n] = visible;
-              idx[n] = row;
-              if (++n == kExtRows) flush();
+              rows.add(qf.data() + row * D, acc.data() + row * D, &m[row], &l[row], visible);
             }
           }
-          flush();
+          rows.flush();
         }
         for (int64_t i = 0; i < nq; ++i)
           for (int64_t h = 0; h < G; ++h) {
@@ -1053,7 +1143,9 @@ at::Tensor bf16_linear(const at::Tensor&, const at::Tensor&, int64_t, const c10:
 void register_lora_kernels(pybind11::module_& m);  // lora_kernels.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "paged decode attention (writes out)");
+  m.def("decode_attention", &decode_attention, "paged decode attention (writes out)", py::arg("out"), py::arg("q"),
+        py::arg("k_buf"), py::arg("v_buf"), py::arg("req_to_token"), py::arg("req_pool_indices"), py::arg("seq_lens"),
+        py::arg("scale"), py::arg("shared_prefix_len") = 0);
   m.def("has_extend_attention", &has_extend_attention, "whether extend_attention is built (AVX-512)");
   m.def("extend_attention", &extend_attention, "causal extend attention over the paged KV pool (writes out)");
   m.def("store_kv", &store_kv, "write new tokens' K/V rows at their KV-pool slots");

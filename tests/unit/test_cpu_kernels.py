@@ -142,6 +142,43 @@ def test_bf16_pool_on_vdpbf16ps_keeps_float32_precision(ops, head_dim):
     assert _max_err(out, ref) <= 1e-4
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("shared", [64, 200, 300])
+def test_decode_over_a_shared_prefix(ops, kv_dtype, page_size, shared):
+    """A DECODE batch whose requests begin with the same slots (a system prompt in the radix
+    cache): the backend finds the shared length and the kernel attends to those keys once for
+    all requests (tiles), the rest per request, and merges: equal to the torch path. Lengths are
+    ragged, one request has a single key of its own, one takes split-KV; 300 is a chunk plus a
+    partial one."""
+    seq_lens = [shared + 1, shared + 40, shared + 300, shared + 17]
+    fb, q, k, v, layer = make_attention_batch(ForwardMode.DECODE, [s - 1 for s in seq_lens], [1] * len(seq_lens), 9, 3,
+                                              64, page_size, seed=shared + page_size, dtype=torch.float32,
+                                              kv_dtype=kv_dtype)
+    r2t = fb.req_to_token_pool.req_to_token
+    rows = fb.req_pool_indices
+    r2t[rows[1:], :shared] = r2t[rows[0], :shared]  # the others now share request 0's first slots
+    be = TorchNativeAttnBackend("cpu")
+    be.init_forward_metadata(fb)
+    assert fb.attn_metadata.decode_rows.shared_prefix_len == shared
+    out, ref = _run_both(fb, q, k, v, layer)
+    assert _max_err(out, ref) <= 2e-5
+
+
+def test_shared_prefix_len_finds_the_common_slots():
+    from radixserve.layers.attention.torch_native_backend import SHARED_PREFIX_MIN, shared_prefix_len
+
+    r2t = torch.arange(4 * 300, dtype=torch.int32).view(4, 300).clone()
+    rows = torch.tensor([2, 0, 3])
+    assert shared_prefix_len(r2t, rows, [250, 250, 250]) == 0  # nothing shared
+    r2t[[0, 3], :100] = r2t[2, :100]
+    assert shared_prefix_len(r2t, rows, [250, 250, 250]) == 100
+    assert shared_prefix_len(r2t, rows, [250, 80, 250]) == 79  # each keeps its last key
+    assert shared_prefix_len(r2t, rows, [250, 60, 250]) == 0  # below SHARED_PREFIX_MIN
+    assert shared_prefix_len(r2t, rows[:1], [250]) == 0  # one request shares nothing
+    assert SHARED_PREFIX_MIN <= 64
+
+
 def _extend_both(fb, q, k, v, layer):
     """(extend kernel output, torch-native SDPA output) of one EXTEND/MIXED forward; both store the
     new tokens' K/V the same way."""

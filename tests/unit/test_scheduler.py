@@ -201,6 +201,33 @@ def test_flush_cache_right_after_generate(loop):
     engine.scheduler.check_memory()
 
 
+def test_engine_decodes_a_cached_system_prompt_once(monkeypatch):
+    """End to end: requests behind a system prompt the radix cache holds decode with the shared
+    prefix taken once (shared_prefix_len > 0 seen), and answer as each does alone (greedy tokens,
+    and their logprobs to 1e-4)."""
+    from radixserve.layers.attention import torch_native_backend as tnb
+
+    seen = []
+    real = tnb.shared_prefix_len
+    monkeypatch.setattr(tnb, "shared_prefix_len", lambda *a: seen.append(real(*a)) or seen[-1])
+    system = list(range(10, 110))
+    prompts = [system + [200 + i, 300 + 7 * i] for i in range(4)]
+    params = [{"max_new_tokens": 8, "temperature": 0, "ignore_eos": True} for _ in prompts]
+    ref = reference_alone(prompts, params)
+    engine = Engine(max_total_tokens=16384)
+    engine.generate(input_ids=[system], sampling_params={"max_new_tokens": 1}, progress=False)  # now cached
+    out = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True, top_logprobs_num=2,
+                          progress=False)
+    engine.shutdown()
+    assert max(seen) >= len(system)
+    assert_same_greedy(out, ref)
+    for got, want in zip(out, ref):
+        for a, b in zip(got["meta_info"]["output_token_logprobs"], want["meta_info"]["output_token_logprobs"]):
+            if a[1] != b[1]:
+                break
+            assert abs(a[0] - b[0]) < 1e-4
+
+
 def test_stop_token_and_stop_string(loop):
     engine = Engine(max_total_tokens=4096, **loop)
     base = engine.generate("Once upon a time", {"max_new_tokens": 12, "temperature": 0})

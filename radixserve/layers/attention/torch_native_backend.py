@@ -12,8 +12,9 @@ The index tables are built once per forward in init_forward_metadata, not once p
 
 On the CPU, decode-like requests instead go to one C++ kernel (radixserve.layers.cpu_kernels)
 that reads K/V through req_to_token in place: no gather copy, no padding, an online softmax,
-GQA-aware; and the longer extend requests to another (one call per layer for all of them, their
-prefix read in place, no mask built). `use_cpu_kernels=False` keeps the torch path, the reference
+GQA-aware, a prefix every request of a DECODE batch shares read once for all of them; and the
+longer extend requests to another (one call per layer for all of them, their prefix read in
+place, no mask built). `use_cpu_kernels=False` keeps the torch path, the reference
 the kernels are tested on.
 """
 
@@ -56,6 +57,7 @@ class DecodeRows:
     req_pool_indices: torch.Tensor  # [n] int64
     seq_lens: torch.Tensor  # [n] int64
     req_to_token: torch.Tensor
+    shared_prefix_len: int = 0  # the first slots every request has in common (shared_prefix_len)
 
 
 @dataclass
@@ -82,11 +84,33 @@ class TorchNativeMetadata:
 # of the gathered KV is padding (one padded block over ragged lengths read 1.6x the KV).
 DECODE_GROUP_MIN_FILL = 0.7
 
+# A DECODE batch whose requests all begin with the same slots (a system prompt every request
+# shares: one radix-tree node) has the kernel attend to that prefix once for all of them, as
+# tiles, from this many shared keys on.
+SHARED_PREFIX_MIN = 64
+
+
+def shared_prefix_len(req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: List[int]) -> int:
+    """How many leading slots the requests in `rows` all share (0 below SHARED_PREFIX_MIN); each
+    keeps at least its last key to itself. Same slots = same K/V: the radix cache hands a prefix
+    it holds to every request that matches it."""
+    if len(rows) < 2 or min(seq_lens) - 1 < SHARED_PREFIX_MIN:
+        return 0
+    first = req_to_token[rows, 0]
+    if not bool((first == first[0]).all()):  # the usual answer, for 2 x B bytes
+        return 0
+    table = req_to_token[rows, : min(seq_lens) - 1]
+    same = (table == table[:1]).all(dim=0)
+    n = int(same.numel()) if bool(same.all()) else int(torch.argmin(same.to(torch.int8)))
+    return n if n >= SHARED_PREFIX_MIN else 0
+
 
 class TorchNativeAttnBackend(AttentionBackend):
     def __init__(self, device: str = "cpu", use_cpu_kernels: bool = True):
         self.device = device
         self.cpu_ops = cpu_kernels.get() if use_cpu_kernels and device == "cpu" else None
+        # the AVX-512 build's tile kernels: extend attention, decode over a shared prefix
+        self._tiles = self.cpu_ops is not None and bool(self.cpu_ops.has_extend_attention())
 
     def init_forward_metadata(self, fb) -> None:
         md = TorchNativeMetadata()
@@ -127,8 +151,9 @@ class TorchNativeAttnBackend(AttentionBackend):
         fb.attn_metadata = md
 
     def _extend_kernel_fits(self, pool) -> bool:
-        """The C++ extend kernel (AVX-512 builds) takes head_dim a multiple of 16."""
-        return self.cpu_ops is not None and self.cpu_ops.has_extend_attention() and getattr(pool, "head_dim", 1) % 16 == 0
+        """The C++ tile kernels (extend; decode's shared prefix; AVX-512 builds) take head_dim a
+        multiple of 16."""
+        return self._tiles and getattr(pool, "head_dim", 1) % 16 == 0
 
     @staticmethod
     def _extend_rows(fb, starts: List[int]) -> Optional[ExtendRows]:
@@ -150,7 +175,10 @@ class TorchNativeAttnBackend(AttentionBackend):
     def _decode_rows(self, fb, dec_rows: List[int], token_of_row, all_decode: bool) -> DecodeRows:
         req_to_token = fb.req_to_token_pool.req_to_token
         if all_decode:
-            return DecodeRows(None, fb.req_pool_indices.long().contiguous(), fb.seq_lens.long().contiguous(), req_to_token)
+            rows = fb.req_pool_indices.long().contiguous()
+            tiles = self._extend_kernel_fits(fb.token_to_kv_pool)  # the same tile kernels
+            shared = shared_prefix_len(req_to_token, rows, fb.seq_lens_cpu) if tiles else 0
+            return DecodeRows(None, rows, fb.seq_lens.long().contiguous(), req_to_token, shared)
         idx = torch.tensor(dec_rows, dtype=torch.int64)
         token_idx = torch.tensor([token_of_row[i] for i in dec_rows], dtype=torch.int64)
         seq_lens = torch.tensor([fb.seq_lens_cpu[i] for i in dec_rows], dtype=torch.int64)
@@ -243,7 +271,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         if rows is not None:
             args = (k_buf, v_buf, rows.req_to_token, rows.req_pool_indices, rows.seq_lens, layer.scaling)
             if rows.token_idx is None:
-                self.cpu_ops.decode_attention(out, q, *args)
+                self.cpu_ops.decode_attention(out, q, *args, rows.shared_prefix_len)
             else:
                 o = torch.empty((len(rows.token_idx), *q.shape[1:]), dtype=q.dtype)
                 self.cpu_ops.decode_attention(o, q[rows.token_idx], *args)
