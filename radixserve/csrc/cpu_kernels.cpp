@@ -952,15 +952,16 @@ at::Tensor silu_and_mul(const at::Tensor& x_in) {
 // weight is repacked once, at load, into blocks of 16 output rows whose K dimension is
 // interleaved in pairs ([N/16][K/2][16][2]): one 64-byte load then feeds one vdpbf16ps per
 // activation row (16 outputs x a pair of K), with a broadcast pair of x, and every output keeps
-// its own fp32 lane: no horizontal sums. Activations are tiled kMr rows at a time.
+// its own fp32 lane: no horizontal sums. Activations are tiled kMr (kMrPrefill) rows at a time.
 #if defined(__AVX512BF16__)
 constexpr int64_t kBlockN = 16;  // outputs per packed block (one zmm of fp32 accumulators)
 constexpr int64_t kTileBlocks = 2;
-// Activation rows per register tile: 2 x 12 accumulators. At 8 (the first choice) M = 16 took two
-// passes over the weights, the second re-reading from cache what the first had waited on memory
-// for: SmolLM2's matrices at M = 8 / 12 / 16 / 32 took 12.0 / 14.0 / 17.3 / 27.6 ms at 8 and
-// 11.6 / 11.9 / 14.3 / 24.9 at 12 (14: no better; one 16-row pass on one block: 15.8 at M = 16).
-constexpr int64_t kMr = 12;
+// Activation rows per register tile: 2 x kMr accumulators. Decode sizes take 12: at 8 (the
+// first choice) M = 16 took two passes over the weights, the second re-reading from cache what
+// the first had waited on memory for (SmolLM2's matrices at M = 8 / 12 / 16 / 32: 12.0 / 14.0 /
+// 17.3 / 27.6 ms at 8, 11.6 / 11.9 / 14.3 / 24.9 at 12; 14 no better). Prefill keeps the 8 it
+// had: a 16 x 512 prefill's GEMMs measured within this machine's noise of each other (4.6-5.2 s).
+constexpr int64_t kMr = 12, kMrPrefill = 8;
 constexpr int64_t kPrefetchPairs = 32;  // weight lines fetched ahead in each block's stream
 constexpr int64_t kMBlock = 64;  // up to this many rows, a work item takes them all
 
@@ -1060,15 +1061,16 @@ at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& wp, int64_t N, 
   // (prefill): a work item is one tile x one row tile, tiles fastest, so a thread keeps its rows
   // of x in cache while it walks the weight tiles.
   const int64_t tile_blocks = kTileBlocks, tiles = ceil_div(wp.size(0), tile_blocks);
-  const int64_t m_step = M <= kMBlock ? M : kMr, items = tiles * ceil_div(M, m_step);
+  const int64_t mr_max = M <= kMBlock ? kMr : kMrPrefill;
+  const int64_t m_step = M <= kMBlock ? M : kMrPrefill, items = tiles * ceil_div(M, m_step);
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t tile = item % tiles, m_begin = (item / tiles) * m_step, m_end = std::min(M, m_begin + m_step);
       const int64_t b0 = tile * tile_blocks, blocks = std::min(tile_blocks, wp.size(0) - b0), n0 = b0 * kBlockN;
       if (n0 >= N) continue;
       const uint16_t* w_tile = wpp + b0 * k2 * kBlockN * 2;
-      for (int64_t m0 = m_begin; m0 < m_end; m0 += kMr) {
-        const int64_t mr = std::min(kMr, m_end - m0);
+      for (int64_t m0 = m_begin; m0 < m_end; m0 += mr_max) {
+        const int64_t mr = std::min(mr_max, m_end - m0);
         kTiles[mr](xp + m0 * K, K, w_tile, k2, blocks, bp, yp + m0 * y_row_bytes, out_f32, N, n0, N);
       }
     }
