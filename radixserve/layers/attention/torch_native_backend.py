@@ -134,7 +134,7 @@ class TorchNativeAttnBackend(AttentionBackend):
             md.decode_rows = self._decode_rows(fb, dec_rows, token_of_row, md.all_decode)
         elif dec_rows:
             md.decode_groups = self._decode_groups(fb, dec_rows, token_of_row)
-        if not md.all_decode and self._extend_kernel_fits(fb.token_to_kv_pool):
+        if not md.all_decode and self._tiles_fit(fb.token_to_kv_pool):
             md.extend_rows = self._extend_rows(fb, starts)
         elif not md.all_decode:
             req_to_token = fb.req_to_token_pool.req_to_token
@@ -150,7 +150,7 @@ class TorchNativeAttnBackend(AttentionBackend):
                 md.extend_seqs.append(ExtendSeq(starts[i], n, p, slots, mask))
         fb.attn_metadata = md
 
-    def _extend_kernel_fits(self, pool) -> bool:
+    def _tiles_fit(self, pool) -> bool:
         """The C++ tile kernels (extend; decode's shared prefix; AVX-512 builds) take head_dim a
         multiple of 16."""
         return self._tiles and getattr(pool, "head_dim", 1) % 16 == 0
@@ -176,8 +176,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         req_to_token = fb.req_to_token_pool.req_to_token
         if all_decode:
             rows = fb.req_pool_indices.long().contiguous()
-            tiles = self._extend_kernel_fits(fb.token_to_kv_pool)  # the same tile kernels
-            shared = shared_prefix_len(req_to_token, rows, fb.seq_lens_cpu) if tiles else 0
+            fits = self._tiles_fit(fb.token_to_kv_pool)
+            shared = shared_prefix_len(req_to_token, rows, fb.seq_lens_cpu) if fits else 0
             return DecodeRows(None, rows, fb.seq_lens.long().contiguous(), req_to_token, shared)
         idx = torch.tensor(dec_rows, dtype=torch.int64)
         token_idx = torch.tensor([token_of_row[i] for i in dec_rows], dtype=torch.int64)
