@@ -133,6 +133,21 @@ inline __m512 exp_neg_v(__m512 x) {  // exp_neg on 16 lanes; _mm512_scalef_ps do
   return _mm512_scalef_ps(p, n);
 }
 
+// One block of the online softmax: scores s (lanes outside `valid` masked) update the running
+// max m and sum l; returns the block's weights exp(s - m) (0 where masked) and sets corr, the
+// factor for what was accumulated before (~0 on the first block, m = -inf). always_inline: the
+// bf16 decode block ran 15 -> 21 ms (16 x 512 keys x 30 layers) when GCC kept it a call.
+__attribute__((always_inline)) inline __m512 online_softmax_block(__m512 s, __mmask16 valid, float& m, float& l,
+                                                                 float& corr) {
+  const __m512 sv = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid, s);
+  const float mb = std::max(m, _mm512_reduce_max_ps(sv));
+  corr = exp_neg(m - mb);
+  const __m512 pv = _mm512_maskz_mov_ps(valid, exp_neg_v(_mm512_sub_ps(sv, _mm512_set1_ps(mb))));
+  l = l * corr + _mm512_reduce_add_ps(pv);
+  m = mb;
+  return pv;
+}
+
 // v[0..15] -> one vector whose lane j is the sum of v[j]'s lanes.
 inline __m512 transpose_sum16(__m512 v[16]) {
   __m512 a[8], b[4], c[2];
@@ -178,13 +193,8 @@ inline void attend_block16(const float* qf, const float* kf, const float* vf, in
         for (int64_t c = 0; c < chunks; ++c) a = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(kf + j * row + off + 16 * c), a);
       v[j] = a;
     }
-    const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid, transpose_sum16(v));
-    const float mb = std::max(m[hq], _mm512_reduce_max_ps(s));
-    const float corr = exp_neg(m[hq] - mb);
-    const __m512 pv = _mm512_maskz_mov_ps(valid, exp_neg_v(_mm512_sub_ps(s, _mm512_set1_ps(mb))));
-    l[hq] = l[hq] * corr + _mm512_reduce_add_ps(pv);
-    m[hq] = mb;
-    _mm512_store_ps(p, pv);
+    float corr;
+    _mm512_store_ps(p, online_softmax_block(transpose_sum16(v), valid, m[hq], l[hq], corr));
     __m512 o[kFastMaxChunks];
     const __m512 cv = _mm512_set1_ps(corr);
     for (int64_t c = 0; c < chunks; ++c) o[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + hq * D + 16 * c), cv);
@@ -253,12 +263,8 @@ inline void attend_block16_bf16(const __m512i* qhl, const uint16_t* const* k, co
         }
       sc[j] = a;
     }
-    const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid, transpose_sum16(sc));
-    const float mb = std::max(m[h], _mm512_reduce_max_ps(s));
-    const float corr = exp_neg(m[h] - mb);
-    const __m512 pv = _mm512_maskz_mov_ps(valid, exp_neg_v(_mm512_sub_ps(s, _mm512_set1_ps(mb))));
-    l[h] = l[h] * corr + _mm512_reduce_add_ps(pv);
-    m[h] = mb;
+    float corr;
+    const __m512 pv = online_softmax_block(transpose_sum16(sc), valid, m[h], l[h], corr);
     __m512i ph, pl;
     split_bf16(pv, _mm512_setzero_ps(), ph, pl);  // bf16 j of ph: weight of key j; dword p: keys 2p, 2p+1
     _mm256_store_si256(reinterpret_cast<__m256i*>(phi), _mm512_castsi512_si256(ph));
@@ -322,13 +328,7 @@ inline void tile_rows(const float* kt, const float* vt, int64_t D, const float* 
   int64_t nk = 0;
   _Pragma("GCC unroll 8") for (int r = 0; r < NR; ++r) {
     const __mmask16 valid = static_cast<__mmask16>((1u << vis[r]) - 1);
-    const __m512 sv = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid, s[r]);
-    const float mb = std::max(*m[r], _mm512_reduce_max_ps(sv));
-    corr[r] = exp_neg(*m[r] - mb);
-    const __m512 pv = _mm512_maskz_mov_ps(valid, exp_neg_v(_mm512_sub_ps(sv, _mm512_set1_ps(mb))));
-    *l[r] = *l[r] * corr[r] + _mm512_reduce_add_ps(pv);
-    *m[r] = mb;
-    _mm512_storeu_ps(p + r * 16, pv);
+    _mm512_storeu_ps(p + r * 16, online_softmax_block(s[r], valid, *m[r], *l[r], corr[r]));
     nk = std::max(nk, vis[r]);
   }
   for (int64_t c = 0; c < D; c += 16) {
