@@ -111,6 +111,15 @@ void check_last_dim_contiguous(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.stride(-1) == 1, name, " must be contiguous in its last dimension");
 }
 
+// The attention kernels' q/out rows and KV pool rows (a slot's heads contiguous).
+void check_attention_layout(const at::Tensor& q, const at::Tensor& out, const at::Tensor& k_buf,
+                            const at::Tensor& v_buf, const char* name) {
+  TORCH_CHECK(q.stride(-1) == 1 && out.stride(-1) == 1, name, ": q and out must be contiguous in their last dimension");
+  TORCH_CHECK(k_buf.stride(1) == k_buf.size(2) && v_buf.stride(1) == v_buf.size(2) && k_buf.stride(2) == 1 &&
+                  v_buf.stride(2) == 1,
+              name, ": a slot's K/V heads must be contiguous");
+}
+
 #if defined(__AVX512F__)
 // ---- the decode attention block on AVX-512 (head_dim a multiple of 16) --------------------------
 //
@@ -652,12 +661,9 @@ void decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_b
   TORCH_CHECK(shared_prefix_len >= 0 && (shared_prefix_len == 0 ||
                   seq_lens.min().item<int64_t>() > shared_prefix_len),
               "decode_attention: shared_prefix_len must be below every sequence length");
-  TORCH_CHECK(shared_prefix_len == 0 || q.size(2) % 16 == 0, "decode_attention: a shared prefix needs head_dim a multiple of 16");
-  check_last_dim_contiguous(q, "decode_attention q");
-  check_last_dim_contiguous(out, "decode_attention out");
-  TORCH_CHECK(k_buf.stride(1) == k_buf.size(2) && v_buf.stride(1) == v_buf.size(2) && k_buf.stride(2) == 1 &&
-                  v_buf.stride(2) == 1,
-              "decode_attention: a slot's K/V heads must be contiguous");
+  TORCH_CHECK(shared_prefix_len == 0 || q.size(2) % 16 == 0,
+              "decode_attention: a shared prefix needs head_dim a multiple of 16");
+  check_attention_layout(q, out, k_buf, v_buf, "decode_attention");
   // q in the activations' dtype, the KV pool in --kv-cache-dtype (float32 q over a bf16 pool on
   // the CPU's bf16 mode): each row is widened to float32 as it is read.
   DISPATCH_FLOAT_TYPES(q.scalar_type(), "decode_attention", [&] {
@@ -761,11 +767,7 @@ void extend_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_b
   for (const at::Tensor* t : {&req_pool_indices, &prefix_lens, &extend_lens, &q_starts})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == req_pool_indices.numel(),
                 "extend_attention: req_pool_indices / prefix_lens / extend_lens / q_starts: contiguous int64 [R]");
-  check_last_dim_contiguous(q, "extend_attention q");
-  check_last_dim_contiguous(out, "extend_attention out");
-  TORCH_CHECK(k_buf.stride(1) == k_buf.size(2) && v_buf.stride(1) == v_buf.size(2) && k_buf.stride(2) == 1 &&
-                  v_buf.stride(2) == 1,
-              "extend_attention: a slot's K/V heads must be contiguous");
+  check_attention_layout(q, out, k_buf, v_buf, "extend_attention");
   DISPATCH_FLOAT_TYPES(q.scalar_type(), "extend_attention", [&] {
     using q_t = scalar_t;
     DISPATCH_FLOAT_TYPES(k_buf.scalar_type(), "extend_attention", [&] {
