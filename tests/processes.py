@@ -4,14 +4,25 @@ none left behind."""
 
 from __future__ import annotations
 
+import random
 import socket
 from typing import Sequence
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A local port nothing listens on, below Linux's ephemeral range (32768-60999). A port the
+    kernel picks for a bind to 0 can be handed out again to another socket (a gloo connection of
+    the very server about to listen there) before the server binds it: CI saw "address already in
+    use" that way."""
+    for _ in range(1000):
+        port = random.randint(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32000")
 
 
 def run_processes(procs: Sequence, timeout: float = 240) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,15 +17,12 @@ from typing import Dict, List, Optional
 import httpx
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from processes import free_port  # noqa: E402,F401  (the tests here import it from conftest)
+
 REPO = Path(__file__).resolve().parents[2]
 MAX_TOTAL_TOKENS = 6000
 STARTUP_TIMEOUT = 180
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def child_pids(pid: int) -> List[int]:

@@ -10,7 +10,6 @@ import json
 import multiprocessing as mp
 import shutil
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -21,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import ServerProcess, assert_children_gone, stream_in_background
+from conftest import ServerProcess, assert_children_gone, free_port, stream_in_background
 
 sys.path.append(str(Path(__file__).resolve().parents[1] / "reference"))
 from hf_utils import hf_logits, load_hf, make_hf_model_dir  # noqa: E402
@@ -110,11 +109,6 @@ def load_and_check(http: httpx.Client, path: str) -> None:
     r = update_from_disk(http, path)
     assert r.status_code == 200 and r.json()["success"], r.text
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- one server ------------------------------------------------------------------------------------
