@@ -9,11 +9,7 @@ import subprocess
 import time
 from typing import Any, Dict
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from processes import free_port  # tests/ is on the path of whoever imports this module
 
 
 class MooncakeMaster:

@@ -110,7 +110,6 @@ def load_and_check(http: httpx.Client, path: str) -> None:
     assert r.status_code == 200 and r.json()["success"], r.text
 
 
-
 # ---- one server ------------------------------------------------------------------------------------
 def test_update_from_disk_serves_the_new_checkpoint(http, dirs, reference):
     load_and_check(http, dirs["a"])

@@ -165,6 +165,24 @@ def test_decode_over_a_shared_prefix(ops, kv_dtype, page_size, shared):
     assert _max_err(out, ref) <= 2e-5
 
 
+def test_shared_prefix_is_read_once_from_the_first_request(ops):
+    """The kernel takes the shared keys from request 0's row for every request (read once, not
+    per request): told rows share slots they do not, request 1 gets request 0's prefix."""
+    seq_lens, P = [100, 100], 80
+    fb, q, k, v, layer = make_attention_batch(ForwardMode.DECODE, [s - 1 for s in seq_lens], [1, 1], 4, 2, 64, 1,
+                                              seed=3, dtype=torch.float32)
+    pool, r2t, rows = fb.token_to_kv_pool, fb.req_to_token_pool.req_to_token, fb.req_pool_indices
+    pool.set_kv_buffer(0, fb.out_cache_loc, k, v)
+    args = (pool.k_buffer[0], pool.v_buffer[0], r2t, rows.long().contiguous(), torch.tensor(seq_lens), layer.scaling)
+    own, told = torch.empty_like(q), torch.empty_like(q)
+    ops.decode_attention(own, q, *args, 0)
+    ops.decode_attention(told, q, *args, P)
+    r2t[rows[1], :P] = r2t[rows[0], :P]  # now they really share those slots
+    want = torch.empty_like(q)
+    ops.decode_attention(want, q, *args, 0)
+    assert _max_err(told, want) <= 2e-5 and _max_err(told[1], own[1]) > 1e-3
+
+
 def test_shared_prefix_len_finds_the_common_slots():
     from radixserve.layers.attention.torch_native_backend import SHARED_PREFIX_MIN, shared_prefix_len
 

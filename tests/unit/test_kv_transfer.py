@@ -4,8 +4,9 @@ scheduler's slot conservation check (--test-check-memory) catching a lost or dou
 
 from __future__ import annotations
 
-import socket
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,11 +20,8 @@ from radixserve.disaggregation.utils import (
 from radixserve.mem_cache.base_prefix_cache import MemoryLeakError
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from processes import free_port  # noqa: E402
 
 
 def pool(fill: bool, head_dim: int = 4, dtype: torch.dtype = torch.bfloat16) -> MHATokenToKVPool:
