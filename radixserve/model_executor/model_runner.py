@@ -79,7 +79,7 @@ class ModelRunner:
         self.lora_manager = self.init_lora_manager()
         self.weight_updater = ModelWeightUpdater(self)  # weight updates without a restart
         self.kv_cache_dtype = resolve_kv_cache_dtype(server_args.kv_cache_dtype, self.activation_dtype, self.weight_only)
-        self.context_len = min(server_args.context_length or model_config.context_len, model_config.context_len)
+        self.context_len = model_config.serving_context_len(server_args.context_length)
         self.attn_backend = self.init_attention_backend()
         # --is-embedding: the pooling of the model directory's sentence-transformers config
         self.pooler = Pooler(PoolingConfig.from_model_path(model_config.model_path)) if server_args.is_embedding else None

@@ -57,11 +57,34 @@ class ModelConfig:
     eos_token_ids: List[int] = field(default_factory=list)
     model_path: Optional[str] = None
     gguf_file: Optional[str] = None  # set when the weights are one GGUF file (model_path names it too)
+    # The attention window of the config's windowed layers (Mistral's sliding_window, Qwen2's
+    # use_sliding_window, layer_types' "sliding_attention"); None when every layer attends to all.
+    sliding_window: Optional[int] = None
     hf_config: Dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def context_len(self) -> int:
+        """The longest sequence served. Windowed attention is not implemented yet (every layer
+        attends to every key), so a model with a window is served up to its window: there a
+        window of W keys (the token and the W - 1 before it) is all of them, and the answers
+        are the model's own."""
+        if self.sliding_window is not None:
+            return min(self.max_position_embeddings, self.sliding_window)
         return self.max_position_embeddings
+
+    def serving_context_len(self, requested: Optional[int]) -> int:
+        """--context-length (None: the model's) checked against what can be served exactly."""
+        if requested is None:
+            if self.sliding_window is not None and self.sliding_window < self.max_position_embeddings:
+                logger.warning("%s: sliding_window %d < max_position_embeddings %d; windowed attention is not "
+                               "implemented, so the context length is capped at the window (answers stay exact)",
+                               self.model_path or self.architecture, self.sliding_window, self.max_position_embeddings)
+            return self.context_len
+        if self.sliding_window is not None and requested > self.sliding_window:
+            raise LoadError(f"--context-length {requested}: this model attends through a sliding window of "
+                            f"{self.sliding_window} tokens, which radixserve does not implement yet; beyond the window it "
+                            f"would answer wrongly, so at most --context-length {self.sliding_window} is served")
+        return min(requested, self.context_len)
 
     @classmethod
     def from_dict(cls, cfg: Dict[str, Any], model_path: Optional[str] = None) -> "ModelConfig":
@@ -94,6 +117,7 @@ class ModelConfig:
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             eos_token_ids=_as_list(eos),
             model_path=model_path,
+            sliding_window=_sliding_window(cfg),
             hf_config=cfg,
         )
 
@@ -183,6 +207,24 @@ def cpu_has_native_bf16() -> bool:
     cpu = getattr(torch, "cpu", None)
     checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
     return any(bool(getattr(cpu, name, lambda: False)()) for name in checks)
+
+
+def _sliding_window(cfg: Dict[str, Any]) -> Optional[int]:
+    """The window of a config's windowed layers, None when it has none. transformers' rules:
+    `layer_types` names them where a config has it (Qwen2/Qwen3 build it from use_sliding_window
+    and max_window_layers, off by default); else a non-null `sliding_window` windows every layer
+    (Mistral, unless the config turns it off with use_sliding_window false)."""
+    window = cfg.get("sliding_window")
+    if not window:
+        return None
+    layer_types = cfg.get("layer_types")
+    if layer_types is not None:
+        return int(window) if "sliding_attention" in layer_types else None
+    if not cfg.get("use_sliding_window", True):
+        return None
+    if "max_window_layers" in cfg and cfg["max_window_layers"] >= cfg["num_hidden_layers"]:
+        return None  # Qwen2's rule: layers from max_window_layers on are windowed
+    return int(window)
 
 
 def _as_list(x: Any) -> List[int]:
@@ -395,6 +437,9 @@ def gguf_to_hf_config(reader: GGUFIndex, path: str) -> Dict[str, Any]:
         "torch_dtype": _gguf_checkpoint_dtype(meta("general.file_type", None)),
         "eos_token_id": eos,
     }
+    window = hp("attention.sliding_window", None)
+    if window:
+        cfg["sliding_window"] = int(window)
     bos = meta("tokenizer.ggml.bos_token_id", None)
     if bos is not None:
         cfg["bos_token_id"] = int(bos)

@@ -41,9 +41,10 @@ SMALL_CONFIGS: Dict[str, dict] = {
 }
 
 
-def make_hf_model_dir(name: str, out_dir: str, seed: int = 0) -> str:
-    """An HF checkpoint with random weights scaled so logits are well separated."""
-    cfg = transformers.AutoConfig.for_model(**SMALL_CONFIGS[name])
+def make_hf_model_dir(name: str, out_dir: str, seed: int = 0, **overrides) -> str:
+    """An HF checkpoint with random weights scaled so logits are well separated; `overrides`
+    change the config's entries."""
+    cfg = transformers.AutoConfig.for_model(**{**SMALL_CONFIGS[name], **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
