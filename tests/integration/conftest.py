@@ -23,6 +23,24 @@ from processes import free_port  # noqa: E402,F401  (the tests here import it fr
 REPO = Path(__file__).resolve().parents[2]
 MAX_TOTAL_TOKENS = 6000
 STARTUP_TIMEOUT = 180
+TRITON_INTERPRET_AT_START = os.environ.get("TRITON_INTERPRET")  # read before any test module is imported
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "after_all: runs after every other integration test (checks what they left)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked after_all go after the last other test of this directory, whatever the file
+    names or the order pytest was given them in."""
+    here = Path(__file__).parent
+    ours = [i for i in items if Path(str(i.fspath)).parent == here]
+    last = [i for i in ours if i.get_closest_marker("after_all")]
+    if not last:
+        return
+    rest = [i for i in items if i not in last]
+    at = max((n for n, i in enumerate(rest) if i in ours), default=len(rest) - 1) + 1
+    items[:] = rest[:at] + last + rest[at:]
 
 
 def child_pids(pid: int) -> List[int]:

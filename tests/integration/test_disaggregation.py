@@ -339,7 +339,8 @@ def test_a_transfer_that_never_comes_times_out(pd_fake):
 
 
 def test_every_slot_is_free_at_the_end(pd):
-    concurrently(lambda p: generate(pd.router.url, p, 8), PROMPTS)
+    for r in concurrently(lambda p: generate(pd.router.url, p, 8), PROMPTS):
+        assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 8, r.text
     for srv in pd.servers():
         assert_all_slots_free(srv)
 

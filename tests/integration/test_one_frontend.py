@@ -44,6 +44,10 @@ def test_engine_and_http_results_have_one_shape(http, engine, body):
     got_http = http.post("/generate", json=body).json()
     kw = dict(body)
     got_engine = engine.generate(prompt=kw.pop("text", None), **kw, progress=False)
+    assert isinstance(got_http, dict) == isinstance(got_engine, dict)
+    if isinstance(got_http, list):
+        prompts = len(body["text"]) if isinstance(body.get("text"), list) else 1
+        assert len(got_http) == len(got_engine) == prompts * body["sampling_params"].get("n", 1)
     for a, b in ([(got_http, got_engine)] if isinstance(got_http, dict) else zip(got_http, got_engine)):
         a["meta_info"].pop("id"), b["meta_info"].pop("id")
         assert shape(a) == shape(b)

@@ -1,10 +1,13 @@
-"""Runs after the other modules: nothing leaked, the server still healthy, the cache flushable."""
+"""Runs after the other modules (marked after_all; conftest.py orders it): nothing leaked, the
+server still healthy, the cache flushable."""
 
 from __future__ import annotations
 
+import pytest
 from conftest import MAX_TOTAL_TOKENS, server_state, wait_idle
 
 
+@pytest.mark.after_all
 def test_health_and_flush_after_everything(http):
     assert http.get("/health").status_code == 200
     wait_idle(http)

@@ -1,4 +1,32 @@
+import os
+
 import pytest
+
+# TRITON_INTERPRET as pytest was started with it. The Triton test modules set it to 1 when they
+# are imported (triton.jit picks the interpreter when a kernel is defined, at import); it is put
+# back once collection ends, so the servers and engines of every other test (integration tests
+# included: they run after this collection) get compiled kernels on a GPU. Those modules turn it
+# on again around their own tests (triton_interpreter: triton reads it at each launch too).
+_TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET")
+
+
+def _restore_triton_interpret() -> None:
+    if _TRITON_INTERPRET is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = _TRITON_INTERPRET
+
+
+def pytest_collection_finish(session):
+    _restore_triton_interpret()
+
+
+@pytest.fixture(scope="module")
+def triton_interpreter():
+    """Triton's CPU interpreter for one test module (pytestmark = usefixtures("triton_interpreter"))."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    yield
+    _restore_triton_interpret()
 
 
 @pytest.fixture(params=["overlap", "normal"])

@@ -29,6 +29,9 @@ from radixserve.models.model_config import ModelConfig  # noqa: E402
 from radixserve.server_args import ServerArgs  # noqa: E402
 from radixserve.tiny_model import get_tiny_model_path  # noqa: E402
 
+# The interpreter for this module's tests only (tests/unit/conftest.py; set above for the import).
+pytestmark = pytest.mark.usefixtures("triton_interpreter")
+
 TOL = 1e-4
 TOL_VS_TORCH_NATIVE = 1e-3  # as in test_triton_kernels.py
 MAX_BS = 16

@@ -8,8 +8,8 @@ float16 casts are exact in the interpreter (numpy), so float16 is checked tightl
 
 import os
 
-# Before the kernels are defined (fused.kernels imported), and left set: triton reads it again
-# at each launch. A GPU test module in the same process would be interpreted too; run those apart.
+# Before the kernels are defined (fused.kernels imported); tests/unit/conftest.py puts it back after collection and
+# turns it on again around this module's tests only (triton reads it at each launch too).
 os.environ["TRITON_INTERPRET"] = "1"
 
 import subprocess  # noqa: E402
@@ -22,6 +22,9 @@ from radixserve.layers import fused  # noqa: E402
 from radixserve.layers.fused import kernels  # noqa: E402
 from radixserve.layers.layernorm import RMSNorm  # noqa: E402
 from radixserve.layers.rotary_embedding import RotaryEmbedding  # noqa: E402
+
+# The interpreter for this module's tests only (tests/unit/conftest.py; set above for the import).
+pytestmark = pytest.mark.usefixtures("triton_interpreter")
 
 F32_TOL = 1e-5
 LLAMA3_SCALING = {

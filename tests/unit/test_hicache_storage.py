@@ -183,9 +183,15 @@ m.kill()
 start = time.monotonic()
 out["after"] = (reader.exists(keys), [p is None for p in reader.get(keys)], writer.set(more, [torch.ones(shape, dtype=torch.bfloat16)] * 2))
 out["seconds"] = time.monotonic() - start
-start = time.monotonic()
+class Counting:  # counts what is asked of the store from here on
+    def __init__(self, inner):
+        self.inner, self.calls = inner, 0
+    def __getattr__(self, name):
+        self.calls += 1
+        return getattr(self.inner, name)
+reader.store, writer.store = Counting(reader.store), Counting(writer.store)
 out["again"] = (reader.exists(keys), writer.set(more, [torch.ones(shape, dtype=torch.bfloat16)] * 2))
-out["again_seconds"] = time.monotonic() - start
+out["again_store_calls"] = reader.store.calls + writer.store.calls
 print("RESULT " + json.dumps(out), flush=True)
 os._exit(0)  # a client of a dead master takes a minute to close; the scenario is over
 """
@@ -204,7 +210,8 @@ def test_a_killed_mooncake_master_reads_as_misses_and_drops_writes():
     assert out["before"] == [True, 2]
     assert out["after"] == [0, [True, True], False]  # misses and a dropped write, no exception
     assert out["seconds"] < 60  # Mooncake's own timeouts bound each call: no hang
-    assert out["again"] == [0, False] and out["again_seconds"] < 1  # the failed store is not asked again at once
+    # the failed store is not asked again at once (an event, not a time: nothing reaches the client)
+    assert out["again"] == [0, False] and out["again_store_calls"] == 0, out
     logs = [line for line in proc.stdout.splitlines() if line.startswith("LOG ")]
     assert any("a miss" in line for line in logs) and any("put failed" in line for line in logs), logs
 

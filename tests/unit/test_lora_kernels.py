@@ -21,6 +21,9 @@ from radixserve.lora import layers as lora_layers  # noqa: E402
 from radixserve.lora.layers import LoRABatchInfo, LoRABatchState, LoRALinearDelta  # noqa: E402
 from radixserve.lora.mem_pool import LoRAMemoryPool  # noqa: E402
 
+# The interpreter for this module's tests only (tests/unit/conftest.py; set above for the import).
+pytestmark = pytest.mark.usefixtures("triton_interpreter")
+
 TOL = 1e-4  # float32: the kernels sum in another order than torch's matmuls
 K = 72  # input width (not a multiple of 16 or of the Triton K block)
 PARTS = [("q_proj", 0, 40), ("k_proj", 40, 24), ("v_proj", 64, 24)]  # (module, offset, size): y is [T, 88]

@@ -11,6 +11,7 @@ import pytest
 from radixserve.bench.datasets import DatasetRow, arrival_times, sample_generated_shared_prefix, sample_random
 from radixserve.bench.metrics import RequestOutput, calculate_metrics
 from radixserve.server_args import ServerArgs
+from radixserve.sim.command import SWEEP_COLUMNS
 from radixserve.sim.cost_model import CostModel, fit_cpu_device, get_device, load_one_batch_points, predict_point
 from radixserve.sim.models import load_model_config
 from radixserve.sim.simulator import simulate
@@ -234,7 +235,9 @@ def test_simulate_sweep_command(tmp_path, capsys):
     # base, lpm, chunk 128, mixed on, half the H100 pool (one factor at a time)
     assert len(labels) == 5 and len(set(labels)) == 5
     assert all(r["metrics"]["completed"] == 16 for r in rep["results"])
-    assert "| policy |" in rep["table"].replace("  ", " ") or "policy" in rep["table"]
+    lines = rep["table"].splitlines()  # a markdown table: header, separator, one row per configuration
+    assert [c.strip() for c in lines[0].strip("|").split("|")] == [name for name, _ in SWEEP_COLUMNS]
+    assert len(lines) == 2 + len(labels) and "policy" in lines[0]
     assert png.stat().st_size > 10_000
     assert "cache hit" in capsys.readouterr().out
 

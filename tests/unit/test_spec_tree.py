@@ -31,6 +31,9 @@ from hf_utils import KVDriver  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from greedy_testing import sampling_info  # noqa: E402
 
+# The interpreter for this module's tests only (tests/unit/conftest.py; set above for the import).
+pytestmark = pytest.mark.usefixtures("triton_interpreter")
+
 TOL = 1e-4
 
 

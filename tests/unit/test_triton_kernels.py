@@ -4,8 +4,8 @@ pages, float32, max abs diff <= 1e-3; the store-KV kernel; and a tiny model end 
 
 import os
 
-# Before the kernels are defined (triton_ops imported), and left set: triton reads it again at
-# each launch. A GPU test module in the same process would be interpreted too; run those apart.
+# Before the kernels are defined (triton_ops imported); tests/unit/conftest.py puts it back after collection and
+# turns it on again around this module's tests only (triton reads it at each launch too).
 os.environ["TRITON_INTERPRET"] = "1"
 
 import sys  # noqa: E402
@@ -19,6 +19,9 @@ from radixserve.layers.attention.triton_ops import store_kv_cache  # noqa: E402
 from radixserve.model_executor.forward_batch import ForwardMode  # noqa: E402
 
 from paged_kv import make_attention_batch  # noqa: E402
+
+# The interpreter for this module's tests only (tests/unit/conftest.py; set above for the import).
+pytestmark = pytest.mark.usefixtures("triton_interpreter")
 
 TOL = 1e-3
 
