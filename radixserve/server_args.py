@@ -23,6 +23,7 @@ SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+QUANTIZATION_METHODS = ("auto", "none", "gguf")  # layers/quantization/
 GRAMMAR_BACKENDS = ("xgrammar", "none")
 SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE")  # SGLang's names
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
@@ -51,6 +52,7 @@ class ServerArgs:
     chat_template: Optional[str] = None  # a Jinja file, or the template itself; None: the model's
     sampling_defaults: str = "openai"  # "model": unset sampling fields come from generation_config.json
     load_format: str = "auto"
+    quantization: str = "auto"
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"  # auto: the activations' dtype (fp16 in the CPU's bf16 mode)
     device: str = "auto"  # "cpu", "cuda" or "auto" (cuda when available)
@@ -188,6 +190,7 @@ class ServerArgs:
     def check(self) -> None:
         """Reject inconsistent settings with a message that names the flag."""
         _choice("--load-format", self.load_format, LOAD_FORMATS)
+        _choice("--quantization", self.quantization, QUANTIZATION_METHODS)
         _choice("--dtype", self.dtype, DTYPES)
         _choice("--kv-cache-dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _choice("--schedule-policy", self.schedule_policy, SCHEDULE_POLICIES)
@@ -511,6 +514,10 @@ FLAG_HELP = {
     "chat_template": "chat template: a Jinja file, or the template text itself; none = the model's own",
     "sampling_defaults": "defaults of unset sampling fields: openai (temperature 1, top_p 1, ...) or model (its generation_config.json)",
     "load_format": f"weights: {', '.join(LOAD_FORMATS)} (dummy = random weights)",
+    "quantization": "a GGUF file's quantized weights: gguf keeps the linear layers in the file's blocks (the C++ "
+                    "integer kernel: activations quantized to 8 bits per block, as llama.cpp); none dequantizes "
+                    "them at load to --dtype; auto: gguf in the CPU's bf16 mode where the kernel is built, else none "
+                    "(--dtype float32 is the exact reference)",
     "dtype": f"model dtype: {', '.join(DTYPES)}; auto: bf16 where the device has native bf16 (a CPU with AVX512_BF16 / AMX, a GPU with bf16 tensor cores), float32 checkpoints included (logged; float32 keeps them exact; the embedded tiny model stays float32); else float32 (a GPU keeps a float16 checkpoint's dtype). bf16 on a CPU with the C++ GEMM keeps the weights in bf16 and the activations in float32",
     "kv_cache_dtype": f"KV cache dtype: {', '.join(KV_CACHE_DTYPES)}; auto: the activations' dtype, except fp16 in the CPU's bf16 mode (bf16 weights, float32 activations; as llama.cpp's default)",
     "device": "cpu, cuda, or auto (cuda when available)",

@@ -7,6 +7,8 @@
 
 Each parameter carries a `weight_loader(param, loaded_weight, shard_id=None)` that copies the
 rank's slice of a full checkpoint tensor, so checkpoints load the same way for any tp size.
+How a layer holds and applies its weight is its `quant_method` (layers/quantization/):
+UnquantizedLinearMethod here, or GGUFLinearMethod once a GGUF tensor in its blocks is loaded.
 With tp_size 1 every layer is a plain F.linear, except on a CPU with AVX512_BF16 in bf16: there
 `pack_cpu_weights` repacks each weight once for the C++ GEMM (cpu_kernels.bf16_linear, 2-4x
 torch's at decode batch sizes) and frees the original layout, so the weights are held once.
@@ -23,6 +25,7 @@ from torch import nn
 
 from radixserve.distributed.parallel_state import get_tp_group, tensor_model_parallel_all_reduce
 from radixserve.layers import cpu_kernels
+from radixserve.layers.quantization import LinearMethodBase, QuantizedWeight
 
 
 class WeightShapeError(ValueError):
@@ -39,6 +42,23 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
     _copy(param, loaded)
 
 
+class UnquantizedLinearMethod(LinearMethodBase):
+    """The weight as a float parameter: F.linear, or the C++ bf16 GEMM on its packed copy."""
+
+    def load_rows(self, layer: "LinearBase", param: torch.Tensor, offset: int, loaded: torch.Tensor) -> None:
+        _copy(param.data.narrow(0, offset, loaded.shape[0]), loaded)
+
+    def apply(self, layer: "LinearBase", x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return linear(x, layer.weight, layer.weight_packed, bias)
+
+    def weight_bytes(self, layer: "LinearBase") -> int:
+        w = layer.weight_packed.data if layer.weight_packed is not None else layer.weight
+        return w.numel() * w.element_size()
+
+
+UNQUANTIZED = UnquantizedLinearMethod()  # it keeps no state of its own: one for every layer
+
+
 class LinearBase(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__()
@@ -53,6 +73,7 @@ class LinearBase(nn.Module):
         # --enable-lora: a radixserve.lora LoRALinearDelta that adds the batch's LoRA delta; a
         # plain attribute for the same reason (None, its only cost when LoRA is off: one check).
         self.lora: Optional[Any] = None
+        self.quant_method: LinearMethodBase = UNQUANTIZED
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.lora is not None:
@@ -60,11 +81,29 @@ class LinearBase(nn.Module):
         return self.matmul(x, self.bias)
 
     def matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return linear(x, self.weight, self.weight_packed, bias)
+        return self.quant_method.apply(self, x, bias)
+
+    def use_quant_method(self, method: LinearMethodBase) -> None:
+        """Before loading: hold the weight `method`'s way (the float weight built with the layer is
+        freed, never filled; [0, 0]: still a matrix to the loaders, which tell it from the bias by dim)."""
+        self.quant_method = method
+        self.weight = nn.Parameter(torch.empty(0, 0, dtype=self.weight.dtype), requires_grad=False)
+
+    def load_weight_rows(self, param: torch.Tensor, offset: int, loaded: Any) -> None:
+        """Rows [offset, offset + rows) of the weight (or the bias) from this rank's slice of a
+        checkpoint tensor; the bias stays a float parameter whatever the method."""
+        if param.dim() == 1:
+            _copy(param.data.narrow(0, offset, loaded.shape[0]), loaded)
+        elif isinstance(loaded, QuantizedWeight) and self.quant_method is UNQUANTIZED:
+            raise ValueError(f"a {type(loaded).__name__} for a layer that holds a float weight")
+        else:
+            self.quant_method.load_rows(self, param, offset, loaded)
 
     def pack_cpu_weight(self) -> bool:
         """Pack for the C++ GEMM and free the original layout (the packed one serves every
         batch size, so the weight is held once)."""
+        if self.quant_method is not UNQUANTIZED:  # kept in its own format (GGUF blocks)
+            return False
         self.weight_packed = pack_cpu_weight(self.weight)
         if self.weight_packed is None:
             return False
@@ -85,8 +124,8 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(in_features, out_features // tp_size, bias)
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
-        n = param.shape[0]
-        _copy(param, loaded.narrow(0, self.tp_rank * n, n))
+        n = self.out_features
+        self.load_weight_rows(param, 0, loaded.narrow(0, self.tp_rank * n, n))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -99,7 +138,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: int = 0) -> None:
         size = self.output_sizes[shard_id] // self.tp_size
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        _copy(param.data.narrow(0, offset, size), loaded.narrow(0, self.tp_rank * size, size))
+        self.load_weight_rows(param, offset, loaded.narrow(0, self.tp_rank * size, size))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -123,7 +162,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
         rank = self.tp_rank if shard_id == "q" else self.tp_rank // self.kv_replicas
-        _copy(param.data.narrow(0, offset, size), loaded.narrow(0, rank * size, size))
+        self.load_weight_rows(param, offset, loaded.narrow(0, rank * size, size))
 
 
 class RowParallelLinear(LinearBase):
@@ -137,8 +176,8 @@ class RowParallelLinear(LinearBase):
         if param.dim() == 1:  # the bias is not split; rank 0's copy is added after the reduce
             _copy(param, loaded)
             return
-        n = param.shape[1]
-        _copy(param, loaded.narrow(1, self.tp_rank * n, n))
+        n = self.in_features
+        self.load_weight_rows(param, 0, loaded.narrow(1, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x)

@@ -1,8 +1,10 @@
 """Weights from one GGUF file (llama.cpp's format), beside the safetensors loading of
-model_loader.py: each tensor is dequantized (F32, F16, BF16, Q8_0, Q4_0/1, Q5_0/1, the K
-quants, ...: whatever gguf.quants.dequantize knows) to the model's dtype one at a time, renamed
-to the Hugging Face checkpoint name, and handed to the same load_named_weights path, so tensor
-parallel slicing and the fused q/k/v and gate/up parameters work as for safetensors.
+model_loader.py: each tensor is renamed to the Hugging Face checkpoint name and handed to the
+same load_named_weights path, so tensor parallel slicing and the fused q/k/v and gate/up
+parameters work as for safetensors. A linear layer's tensor whose type is in `block_types`
+(--quantization, model_loader.gguf_block_types) goes as a QuantizedWeight, in the file's blocks;
+every other tensor is dequantized (F32, F16, BF16, Q8_0, Q4_0/1, Q5_0/1, the K quants, ...:
+whatever gguf.quants.dequantize knows) to the model's dtype, one at a time.
 
 llama.cpp's converter permutes the rows of the llama q/k projections (LlamaModel.permute in
 convert_hf_to_gguf.py: each head's rotary halves interleaved, for its GPT-J style rope); we undo
@@ -11,10 +13,12 @@ that for llama (and mistral). qwen2/qwen3 are written unpermuted (neox rope, as 
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Iterator, Optional
+import warnings
+from typing import Any, Callable, FrozenSet, Iterator, Optional
 
 import torch
 
+from radixserve.layers.quantization import QuantizedWeight
 from radixserve.models.model_config import LoadError, ModelConfig, open_gguf
 from radixserve.models.weight_utils import NamedWeight
 
@@ -38,6 +42,8 @@ _BLOCK = {
     "ffn_down": "mlp.down_proj",
 }
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+# The linear layers' weights: the tensors that may stay in their blocks.
+_LINEAR_RE = re.compile(r"^blk\.\d+\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)\.weight$")
 # Folded into the config instead (rope_freqs: the llama3 rope scaling, see ModelConfig.from_gguf).
 _SKIP = {"rope_freqs.weight"}
 _PERMUTED_ARCHS = ("llama", "mistral")
@@ -60,11 +66,23 @@ def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def gguf_weights(config: ModelConfig, dtype: torch.dtype, keep: Optional[Callable[[str], bool]] = None) -> Iterator[NamedWeight]:
-    """(HF name, tensor in dtype, file) for every tensor of config.gguf_file. The file is opened
-    and every quant type is checked here, before the model is built; the returned iterator then
-    dequantizes lazily, one tensor at a time (never a full float32 copy of the model).
-    keep: which HF-named tensors to dequantize (a pipeline stage's); None: all."""
+def gguf_block_tensors(config: ModelConfig, block_types: FrozenSet[int]) -> Iterator[str]:
+    """The HF names of the linear-layer tensors that stay in their blocks (their type is in
+    block_types): the layers to give GGUFLinearMethod before loading."""
+    if not block_types:
+        return
+    for t in open_gguf(config.gguf_file).tensors:
+        if int(t.tensor_type) in block_types and _LINEAR_RE.match(t.name):
+            yield hf_name(t.name)
+
+
+def gguf_weights(config: ModelConfig, dtype: torch.dtype, keep: Optional[Callable[[str], bool]] = None,
+                 block_types: FrozenSet[int] = frozenset()) -> Iterator[NamedWeight]:
+    """(HF name, tensor in dtype or QuantizedWeight, file) for every tensor of config.gguf_file.
+    The file is opened and every quant type is checked here, before the model is built; the
+    returned iterator then dequantizes lazily, one tensor at a time (never a full float32 copy of
+    the model). keep: which HF-named tensors to read (a pipeline stage's); None: all.
+    block_types: the ggml types a linear layer's weight keeps (as QuantizedWeight)."""
     path = config.gguf_file
     reader = open_gguf(path)
     import gguf
@@ -85,17 +103,27 @@ def gguf_weights(config: ModelConfig, dtype: torch.dtype, keep: Optional[Callabl
                 name = getattr(qtype, "name", str(qtype))
                 raise LoadError(f"{path}: tensor {t.name!r} has quant type {name}, which the gguf package cannot dequantize") from None
             checked.add(qtype)
-    return _iterate(reader, config, dtype, path, keep)
+    return _iterate(reader, config, dtype, path, keep, block_types)
 
 
 def _iterate(reader: Any, config: ModelConfig, dtype: torch.dtype, path: str,
-             keep: Optional[Callable[[str], bool]] = None) -> Iterator[NamedWeight]:
+             keep: Optional[Callable[[str], bool]], block_types: FrozenSet[int]) -> Iterator[NamedWeight]:
     import gguf
 
     permute = config.hf_config.get("gguf_architecture") in _PERMUTED_ARCHS
     for t in reader.tensors:
         name = hf_name(t.name)
         if name is None or (keep is not None and not keep(name)):
+            continue
+        if int(t.tensor_type) in block_types and _LINEAR_RE.match(t.name):
+            # The file's blocks, copied out of the memory map: [rows, row bytes], rows as the HF
+            # checkpoint's (ggml shapes are innermost first: (cols, rows)).
+            with warnings.catch_warnings():  # a read-only view of the memory map, read once here
+                warnings.simplefilter("ignore", UserWarning)
+                data = torch.from_numpy(t.data).clone()  # memory torch owns (release/resume frees it)
+            if permute and (".q_proj." in name or ".k_proj." in name):  # whole rows move: the blocks stay
+                data = unpermute_qk(data, config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads)
+            yield name, QuantizedWeight(int(t.tensor_type), data.contiguous(), int(t.shape[0])), path
             continue
         # Dequantized to float32 (numpy), shaped [rows, cols] as in the HF checkpoint.
         arr = gguf.quants.dequantize(t.data, t.tensor_type)

@@ -30,6 +30,7 @@ from typing import Any, Dict, Iterable, List, Optional
 import torch
 
 from radixserve.layers.linear import PackedWeight
+from radixserve.layers.quantization import GGUFLinearMethod
 
 GPU_MEMORY_TYPE_KV_CACHE = "kv_cache"
 GPU_MEMORY_TYPE_WEIGHTS = "weights"
@@ -159,6 +160,8 @@ class MemorySaverAdapter:
         model = self.runner.model
         out = list(model.parameters()) + list(model.buffers())
         out += [m.weight_packed.data for m in model.modules() if isinstance(getattr(m, "weight_packed", None), PackedWeight)]
+        out += [s.data for m in model.modules() if isinstance(getattr(m, "quant_method", None), GGUFLinearMethod)
+                for s in m.quant_method.ordered]  # GGUF weights kept in their blocks
         return out
 
     # ---- release / resume -------------------------------------------------------------------

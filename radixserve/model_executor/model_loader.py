@@ -8,21 +8,47 @@ import glob
 import json
 import os
 from functools import partial
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, FrozenSet, Iterator, List, Optional, Tuple
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
 from radixserve.distributed.parallel_state import get_pp_group
-from radixserve.model_executor.gguf_loader import gguf_weights
+from radixserve.layers.cpu_weight_only import weight_only_available
+from radixserve.layers.quantization import GGUFLinearMethod, kernel_types
+from radixserve.model_executor.gguf_loader import gguf_block_tensors, gguf_weights
 from radixserve.models.llama import is_stage_weight
 from radixserve.models.model_config import LoadError, ModelConfig
 from radixserve.models.registry import get_model_class
-from radixserve.models.weight_utils import NamedWeight
+from radixserve.models.weight_utils import NamedWeight, param_name_for
 
 
-def get_model(config: ModelConfig, load_format: str, dtype: torch.dtype, device: str, seed: int = 0) -> nn.Module:
+# Every quantized ggml type the gguf package dequantizes: what --quantization gguf keeps in blocks
+# where the C++ kernel is not built (its torch fallback dequantizes a tile of rows at a time).
+GGUF_QUANT_TYPES = frozenset({2, 3, 6, 7, 8, 10, 11, 12, 13, 14})  # Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K..Q6_K
+
+
+def gguf_block_types(quantization: str, config: ModelConfig, dtype: torch.dtype, device: str) -> FrozenSet[int]:
+    """--quantization: the ggml types whose linear-layer tensors stay in their blocks (empty: every
+    tensor is dequantized at load, as with --quantization none). auto keeps them in the CPU's bf16
+    mode (bf16 weights, float32 activations: llama.cpp's numerics) where the integer kernel is
+    built; --dtype float32 dequantizes, the exact reference for a quantized file."""
+    if quantization == "gguf" and not config.gguf_file:
+        raise LoadError(f"--quantization gguf: {config.model_path} is not a .gguf file")
+    if quantization == "none" or not config.gguf_file:
+        return frozenset()
+    if device != "cpu":
+        if quantization == "gguf":
+            raise LoadError("--quantization gguf runs on the CPU only so far; use --quantization none (dequantized at load)")
+        return frozenset()
+    if quantization == "gguf":
+        return kernel_types() or GGUF_QUANT_TYPES
+    return kernel_types() if weight_only_available(dtype, device) else frozenset()
+
+
+def get_model(config: ModelConfig, load_format: str, dtype: torch.dtype, device: str, seed: int = 0,
+              block_types: FrozenSet[int] = frozenset()) -> nn.Module:
     where = config.gguf_file or _path(config.model_path, "config.json")
     model_cls = get_model_class(config.architecture, where)
     # --pp-size: only this stage's tensors are read (or dequantized)
@@ -33,7 +59,7 @@ def get_model(config: ModelConfig, load_format: str, dtype: torch.dtype, device:
     elif config.gguf_file:
         if load_format not in ("auto", "gguf"):
             raise LoadError(f"{config.gguf_file}: a GGUF file, but --load-format {load_format}; use --load-format auto")
-        weights = gguf_weights(config, dtype, keep)  # opens the file and checks its quant types now
+        weights = gguf_weights(config, dtype, keep, block_types)  # opens the file and checks its quant types now
     else:
         weights = iterate_safetensors(config.model_path, keep)
     with torch.device(device):
@@ -41,6 +67,12 @@ def get_model(config: ModelConfig, load_format: str, dtype: torch.dtype, device:
     # Cast before loading: the (still untouched) float32 parameters are never filled, so a
     # bf16 model never holds a float32 copy of its weights; each tensor is cast as it is copied in.
     model = model.to(dtype=dtype)
+    for name in gguf_block_tensors(config, block_types) if load_format != "dummy" else ():
+        if keep is not None and not keep(name):  # another pipeline stage's layer
+            continue
+        layer = model.get_submodule(param_name_for(name, model.stacked_params_mapping)[0].rsplit(".", 1)[0])
+        if not isinstance(layer.quant_method, GGUFLinearMethod):  # a fused layer: once for its parts
+            layer.use_quant_method(GGUFLinearMethod())
     model.load_weights(weights)
     return model.to(dtype=dtype).eval()
 

