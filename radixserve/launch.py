@@ -249,6 +249,10 @@ def launch_server(server_args: ServerArgs) -> int:
             time.sleep(0.05)
         if tm.num_in_flight():
             logger.warning("Graceful shutdown timeout: %d request(s) still running are cut off.", tm.num_in_flight())
+            # each gets a 503 (an error event, then [DONE], when streamed), not a cut connection
+            tm.fail_all(f"The server shut down before this request finished "
+                        f"(--graceful-shutdown-timeout {server_args.graceful_shutdown_timeout:g}s).",
+                        status_code=503, err_type="ServiceUnavailable")
         server.should_exit = True
 
     old_handlers = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}

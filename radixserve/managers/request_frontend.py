@@ -344,11 +344,11 @@ class RequestFrontend:
             updated.append((state, len(new_ids)))
         return updated
 
-    def fail_all(self, message: str) -> List[ReqState]:
+    def fail_all(self, message: str, status_code: int = 500, err_type: str = "InternalServerError") -> List[ReqState]:
         """A child process died: end every unfinished request with an error."""
         failed = [s for s in self.rid_to_state.values() if not s.finished]
         for state in failed:
-            state.finished_reason = {"type": "abort", "message": message, "status_code": 500, "err_type": "InternalServerError"}
+            state.finished_reason = {"type": "abort", "message": message, "status_code": status_code, "err_type": err_type}
             state.finished = True
         return failed
 

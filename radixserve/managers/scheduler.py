@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -130,8 +131,8 @@ class Scheduler:
             *self.generation_pause.dispatch_entries(), *self.memory_saver.dispatch_entries(), *self.profiler.dispatch_entries(),
             *self.embedding.dispatch_entries(), *SchedulerLoRA(self).dispatch_entries(), *SchedulerHiCache(self).dispatch_entries(),
         ])
-        logger.info("Scheduler ready: max_total_num_tokens=%d, max_running_requests=%d, context_len=%d, page_size=%d",
-                    self.max_total_num_tokens, self.max_running_requests, self.context_len, self.page_size)
+        logger.info("Scheduler ready (pid %d): max_total_num_tokens=%d, max_running_requests=%d, context_len=%d, page_size=%d",
+                    os.getpid(), self.max_total_num_tokens, self.max_running_requests, self.context_len, self.page_size)
 
     def _make_tree_cache(self) -> BasePrefixCache:
         args = self.server_args

@@ -28,8 +28,9 @@ class Session:
 
 
 class SessionStore:
-    def __init__(self) -> None:
+    def __init__(self, ttl: Optional[float] = None) -> None:
         self.sessions: Dict[str, Session] = {}
+        self.ttl = ttl  # --session-timeout: a session unused this long is closed (None: never)
 
     def __len__(self) -> int:
         return len(self.sessions)
@@ -41,13 +42,17 @@ class SessionStore:
         self.sessions[sid] = Session(sid)
         return sid
 
-    def expire(self, ttl: float) -> None:
-        """Close the sessions unused for `ttl` seconds (--session-timeout)."""
+    def expire(self, ttl: Optional[float] = None) -> None:
+        """Close the sessions unused for `ttl` seconds (default: self.ttl, --session-timeout)."""
+        ttl = self.ttl if ttl is None else ttl
+        if ttl is None:
+            return
         now = time.monotonic()
         for sid in [sid for sid, s in self.sessions.items() if now - s.last_used > ttl]:
             del self.sessions[sid]
 
     def close(self, obj: CloseSessionReqInput) -> None:
+        self.expire()
         if self.sessions.pop(obj.session_id, None) is None:
             raise SessionError(f"Session {obj.session_id!r} does not exist.")
 
@@ -58,6 +63,7 @@ class SessionStore:
             sp = params if isinstance(params, SessionParams) else SessionParams(**dict(params))
         except (TypeError, ValueError) as e:
             raise SessionError(f"Bad session_params: {e}") from None
+        self.expire()  # an expired session is closed, even if nothing opened one since
         session = self.sessions.get(sp.id)
         if session is None:
             raise SessionError(f"Session {sp.id!r} does not exist (open it with /open_session).")

@@ -176,6 +176,7 @@ class TokenizerManager:
         self.weight_updates = TokenizerUpdateWeights(self)  # update_weights_* and weight_version
         self.rid_to_state: Dict[str, ReqState] = self.frontend.rid_to_state
         self.sessions = self.frontend.sessions
+        self.sessions.ttl = server_args.session_timeout
         self.metrics = TokenizerMetrics(server_args.speculative_num_draft_tokens if server_args.speculative_algorithm else None)
         self.admin = TokenizerAdmin(self)  # memory release, pause, profiling (admin_requests.py)
         self.dead_reason: Optional[str] = None  # set when a child process died
@@ -270,12 +271,13 @@ class TokenizerManager:
             except Exception:
                 logger.exception("Error while handling %s", type(obj).__name__)
 
-    def fail_all(self, message: str) -> None:
-        """A child process died: end every waiting request with an error (thread-safe)."""
+    def fail_all(self, message: str, status_code: int = 500, err_type: str = "InternalServerError") -> None:
+        """A child process died (or the drain ran out): end every waiting request with an
+        error (thread-safe)."""
         self.dead_reason = message
 
         def fail() -> None:
-            for state in self.frontend.fail_all(message):
+            for state in self.frontend.fail_all(message, status_code, err_type):
                 state.event.set()
 
         if self._loop is not None and not self._loop.is_closed():

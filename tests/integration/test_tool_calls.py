@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import json
 
+import jsonschema
 import pytest
-
-jsonschema = pytest.importorskip("jsonschema")
 
 WEATHER = {
     "type": "object",

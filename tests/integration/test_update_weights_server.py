@@ -101,6 +101,16 @@ def assert_serves(http: httpx.Client, ref: List[Tuple[List[int], List[float]]]) 
         assert max(abs(x - y) for x, y in zip(got, lps)) <= TOL
 
 
+def wait_decoding(thread, events: List[str], n: int = 3, timeout: float = 60) -> None:
+    """Until the streamed request has sent n events (it is decoding); a stream that ends or
+    stalls first fails the test instead of hanging it."""
+    deadline = time.monotonic() + timeout
+    while len(events) < n:
+        assert thread.is_alive(), f"the stream ended after {len(events)} event(s): {events[-2:]}"
+        assert time.monotonic() < deadline, f"{len(events)} event(s) after {timeout} s"
+        time.sleep(0.05)
+
+
 def update_from_disk(http: httpx.Client, path: str, **kw) -> httpx.Response:
     return http.post("/update_weights_from_disk", json={"model_path": path, **kw})
 
@@ -161,11 +171,11 @@ def test_abort_all_requests_aborts_the_request_in_flight(srv, http, dirs, refere
     load_and_check(http, dirs["a"])
     body = {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 900, "temperature": 0, "ignore_eos": True}}
     thread, events = stream_in_background(srv, body)
-    while len(events) < 3:  # it is decoding
-        time.sleep(0.05)
+    wait_decoding(thread, events)
     r = update_from_disk(http, dirs["b"], abort_all_requests=True)
     assert r.status_code == 200 and r.json()["success"], r.text
     thread.join(60)
+    assert not thread.is_alive()
     last = json.loads(events[-2])
     assert events[-1] == "[DONE]"
     assert last["meta_info"]["finish_reason"] == {"type": "abort", "message": ABORT_MESSAGE}
@@ -180,11 +190,11 @@ def test_requests_in_flight_finish_on_the_old_weights_first(srv, http, dirs, ref
     http.post("/flush_cache")
     body = {"input_ids": PROMPTS[1], "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
     thread, events = stream_in_background(srv, body)
-    while len(events) < 3:
-        time.sleep(0.05)
+    wait_decoding(thread, events)
     r = update_from_disk(http, dirs["b"], weight_version="after")
     assert r.status_code == 200 and r.json()["success"], r.text
     thread.join(60)
+    assert not thread.is_alive()
     last = json.loads(events[-2])
     # Every token came from the old weights: the update waited for the request to end.
     assert last["meta_info"]["finish_reason"] == {"type": "length", "length": n}
