@@ -43,11 +43,33 @@ def enabled_from_env(environ: Mapping[str, str] = os.environ) -> bool:
 ENABLED: bool = enabled_from_env()
 
 
+STALE_LOCK_SECONDS = 900  # a build takes ~30-60 s; a lock this old was left by a killed build
+
+
+def remove_stale_lock(build_dir: Path, now: Optional[float] = None) -> bool:
+    """torch waits without end on a build's lock file; a process killed mid-build (a server stopped
+    while it compiled) leaves one behind, and every later start would hang on it."""
+    import time
+
+    lock = build_dir / "lock"
+    try:
+        age = (time.time() if now is None else now) - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < STALE_LOCK_SECONDS:
+        return False
+    logger.warning("CPU kernels: removing %s, left %.0f s ago by a build that did not finish", lock, age)
+    lock.unlink(missing_ok=True)
+    return True
+
+
 @functools.lru_cache(maxsize=1)
 def build() -> Optional[ModuleType]:
     """Compile (or load the cached build of) the extension; None when that fails."""
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import _get_build_directory, load
+
+        remove_stale_lock(Path(_get_build_directory(extension_name(), verbose=False)))
 
         return load(
             name=extension_name(),
