@@ -13,7 +13,7 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
-from typing import List
+from typing import Any, Dict, List, Optional
 
 import pytest
 
@@ -120,6 +120,63 @@ def chat_prompt_ids(tok, question: str) -> List[int]:
     """The token ids the server's /v1/chat/completions gives the model for one user message."""
     text = tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
     return list(tok.encode(text, add_special_tokens=False))
+
+
+def agreement_figures(ref: List[List[int]], ref_logprobs: List[List[float]], answers: List[List[int]],
+                      forced: List[List[float]], eos, ref_gaps: Optional[List[List[float]]] = None,
+                      near_tie: float = NEAR_TIE) -> Dict[str, Any]:
+    """How an engine's greedy answers compare with float32's: the figures of
+    benchmarks/cpu/bf16_agreement.py (llama.cpp's 52 / 64 in benchmarks/NOTES.md) and the
+    assertions of tests/reference/test_bf16_agreement.py, computed here once for both.
+
+    ref, answers: each prompt's greedy answer (the reference's with its EOS, if it stopped);
+    ref_logprobs: the reference's logprob of each of its tokens; forced: the engine's, teacher-forced
+    along the reference's answer (NaN: not found, e.g. outside llama.cpp's top list).
+
+      agree            answers equal to the reference's as whole sequences, token for token
+                       (trailing EOS ignored on both sides; nothing else is ever counted)
+      near_tie         (with ref_gaps: the reference's top-1 minus top-2 logit at each of its
+                       tokens) answers that are not equal and first differ where that gap is
+                       under near_tie: shown beside agree, never added to it
+      first_diffs      per prompt, the first position that differs (None: equal) and the
+                       reference's gap there (None without ref_gaps)
+      mean_prefix      mean number of leading tokens equal to the reference's
+      tf_dlogprob_*    |forced - ref_logprobs| over every reference token: mean, p99 (nearest
+                       rank below), max"""
+
+    def strip(toks: List[int]) -> List[int]:
+        n = len(toks)
+        while n and toks[n - 1] in eos:
+            n -= 1
+        return list(toks[:n])
+
+    agree, ties, prefixes, first_diffs, errs = 0, 0, [], [], []
+    for i, (rt, rl, ct, fl) in enumerate(zip(ref, ref_logprobs, answers, forced)):
+        errs += [abs(a - b) for a, b in zip(rl, fl)]
+        rt, ct = strip(rt), strip(ct)
+        n = 0
+        while n < min(len(rt), len(ct)) and rt[n] == ct[n]:
+            n += 1
+        prefixes.append(n)
+        if rt == ct:
+            agree += 1
+            first_diffs.append((None, None))
+            continue
+        gap = ref_gaps[i][n] if ref_gaps is not None and n < len(ref_gaps[i]) else None
+        ties += gap is not None and gap < near_tie
+        first_diffs.append((n, gap))
+    missing = sum(e != e for e in errs)  # NaN
+    errs = [e for e in errs if e == e]
+    out: Dict[str, Any] = {
+        "agree": agree, "prompts": len(ref), "mean_prefix": sum(prefixes) / max(len(prefixes), 1),
+        "tf_dlogprob_mean": sum(errs) / max(len(errs), 1), "tf_dlogprob_max": max(errs, default=0.0),
+        "tf_dlogprob_p99": sorted(errs)[int(0.99 * (len(errs) - 1))] if errs else 0.0,
+        "tokens_compared": len(errs), "tokens_missing": missing,
+    }
+    if ref_gaps is not None:
+        out["near_tie"] = ties
+        out["first_diffs"] = first_diffs
+    return out
 
 
 if __name__ == "__main__":

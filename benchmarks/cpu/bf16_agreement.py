@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))
 
-from real_model import AGREEMENT_QUESTIONS, chat_prompt_ids, hf_from_gguf, smollm2_gguf  # noqa: E402
+from real_model import AGREEMENT_QUESTIONS, agreement_figures, chat_prompt_ids, hf_from_gguf, smollm2_gguf  # noqa: E402
 
 MAX_NEW = 32
 # name -> (Engine keyword arguments, C++ kernels on)
@@ -133,21 +133,9 @@ def llamacpp_answers(url: str, prompts: List[List[int]], ref: List[Answer],
 
 
 def compare(ref: List[Answer], cand: List[Answer], forced: List[List[float]], eos: set) -> Dict[str, float]:
-    agree, prefixes, errs = 0, [], []
-    for (rt, rl), (ct, _), fl in zip(ref, cand, forced):
-        errs += [abs(a - b) for a, b in zip(rl, fl)]
-        rt, ct = strip_eos(rt, rl, eos)[0], strip_eos(ct, [0.0] * len(ct), eos)[0]
-        agree += rt == ct
-        n = 0
-        while n < min(len(rt), len(ct)) and rt[n] == ct[n]:
-            n += 1
-        prefixes.append(n)
-    missing = sum(e != e for e in errs)  # NaN: the token was not in llama.cpp's top list
-    errs = [e for e in errs if e == e]
-    return {"agree": agree, "prompts": len(ref), "mean_prefix": sum(prefixes) / len(prefixes),
-            "tf_dlogprob_mean": sum(errs) / max(len(errs), 1), "tf_dlogprob_max": max(errs, default=0.0),
-            "tf_dlogprob_p99": sorted(errs)[int(0.99 * (len(errs) - 1))] if errs else 0.0,
-            "tokens_compared": len(errs), "tokens_missing": missing}
+    """The figures of one engine: tests/real_model.agreement_figures, which
+    tests/reference/test_bf16_agreement.py asserts on (whole-sequence equality, as measured here)."""
+    return agreement_figures([t for t, _ in ref], [l for _, l in ref], [t for t, _ in cand], forced, eos)
 
 
 def main() -> None:

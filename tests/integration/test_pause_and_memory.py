@@ -175,11 +175,24 @@ def test_bad_input_gets_a_4xx_and_changes_nothing(c, route, body, message):
     assert _generate(c, _prompt(5), 2).status_code == 200
 
 
-def test_get_load_reports_sglangs_fields(c):
-    wait_idle(c)
+def test_get_load_reports_sglangs_fields(srv, c):
+    """num_tokens is the KV the requests hold (what sglang-router balances on): the pool less its
+    free slots and the radix cache's evictable prefixes. Idle, it is 0 however full the cache is;
+    while a request runs, its prompt and the tokens generated so far."""
+    ids = _prompt(6)
+    assert _generate(c, ids).status_code == 200  # its prompt stays in the radix cache
+    idle = wait_idle(c)["internal_states"][0]
+    assert idle["evictable_tokens"] >= len(ids)  # a cache the load must not count
+    assert c.get("/get_load").json() == [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}]
+    busy_ids = _prompt(7)
+    job = _in_background(srv, busy_ids, 2 * LONG)
+    _until(lambda: server_state(c)["num_running_reqs"] == 1, "the request to run")
     load = c.get("/get_load").json()
-    assert load == [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": load[0]["num_tokens"]}]
-    assert load[0]["num_tokens"] >= 0
+    job["thread"].join(WAIT_S)
+    assert job["response"].status_code == 200
+    assert [(x["dp_rank"], x["num_reqs"], x["num_waiting_reqs"]) for x in load] == [(0, 1, 0)], load
+    assert len(busy_ids) <= load[0]["num_tokens"] <= len(busy_ids) + 2 * LONG, load
+    wait_idle(c)
 
 
 def test_tp2_dp2_server_runs_the_control_messages_on_every_rank(c, tmp_path):

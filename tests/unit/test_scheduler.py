@@ -236,11 +236,14 @@ def test_stop_token_and_stop_string(loop):
     assert stop_tok["output_ids"] == ids[: ids.index(ids[3]) + 1]
     assert stop_tok["meta_info"]["finish_reason"] == {"type": "stop", "matched": ids[3]}
     text = base["text"]
-    stop_str = text[len(text) // 2 : len(text) // 2 + 3]
-    if stop_str.strip():
-        r = engine.generate("Once upon a time", {"max_new_tokens": 12, "temperature": 0, "stop": stop_str})
-        assert r["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_str}
-        assert stop_str not in r["text"] and text.startswith(r["text"])
+    # Three characters from the second half, not all whitespace (a stop string of spaces alone
+    # would test less): the first such window there.
+    start = next((i for i in range(len(text) // 2, len(text) - 2) if text[i : i + 3].strip()), None)
+    assert start is not None, f"no stop string to take from {text!r}"
+    stop_str = text[start : start + 3]
+    r = engine.generate("Once upon a time", {"max_new_tokens": 12, "temperature": 0, "stop": stop_str})
+    assert r["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_str}
+    assert r["text"] == text[: text.index(stop_str)]  # cut where the stop string first appears, itself left out
 
 
 def check_slot_conservation(sched) -> None:

@@ -6,7 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
+import safetensors.torch as safetensors_torch
 import torch
+import transformers
 
 from radixserve import tiny_model
 from radixserve.tiny_model import (
@@ -17,9 +19,6 @@ from radixserve.tiny_model import (
     make_tiny_model,
     tiny_param_shapes,
 )
-
-transformers = pytest.importorskip("transformers")
-safetensors_torch = pytest.importorskip("safetensors.torch")
 
 SPECIALS = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
 
