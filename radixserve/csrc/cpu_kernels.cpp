@@ -1145,6 +1145,7 @@ at::Tensor bf16_linear(const at::Tensor&, const at::Tensor&, int64_t, const c10:
 }  // namespace
 
 void register_lora_kernels(pybind11::module_& m);  // lora_kernels.cpp
+void register_quant_kernels(pybind11::module_& m);  // quant_kernels.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention (writes out)", py::arg("out"), py::arg("q"),
@@ -1162,4 +1163,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
   m.def("refine_top_logits", &refine_top_logits, "recompute each row's k largest logits from float32 hidden states");
   register_lora_kernels(m);
+  register_quant_kernels(m);
 }

@@ -1,0 +1,185 @@
+"""The quantized GEMM of the CPU kernels (cpu_kernels.quant_linear, issue 38) against the float
+GEMMs it replaces, on the linear layers of Qwen2.5-1.5B (hidden 1536, intermediate 8960, 12 query
+heads and 2 KV heads of 128):
+
+    gate/up  K=1536 N=8960     down  K=8960 N=1536     q/o  K=1536 N=1536     k/v  K=1536 N=256
+
+in Q4_K and Q6_K, for M = 1 and 16 rows of x (decode) and 512 (prefill). Columns:
+
+  quant     quant_linear(x float32, the GGUF blocks): x quantized to 8 bits per block, integer dots
+  torch-bf16  torch.nn.functional.linear with x and the dequantized weight in bf16 (oneDNN)
+  rs-bf16   the engine's own bf16 GEMM today (cpu_kernels.bf16_linear: float32 x, packed bf16 weight)
+  fp32      torch.nn.functional.linear in float32
+
+Times are the best (and the median) of --reps rounds; in each round the methods take turns, and
+each call gets the next of several copies of its weight, together more than twice the L3 (96 MiB
+each method), so that the weights come from memory as they do in a model's forward pass, not from
+the cache. For M=1 the table gives the effective bandwidth: the method's weight bytes / time
+(the floor of a decode step is reading those bytes once: quantized Q4_K is 4.5 bits a weight,
+Q6_K 6.56, bf16 16). "err" is quant's relative L2 error against fp32 on the dequantized weight
+(the 8-bit activations' share). Random weight blocks with valid scales (gguf cannot quantize the
+K-quants); the values do not matter to the times.
+
+    OMP_NUM_THREADS=2 python benchmarks/cpu/quant_gemm.py --threads 2,1 --out benchmarks/cpu/quant_gemm.json
+
+(--threads 2,1: both thread counts in one run and one JSON; on a machine shared with other work,
+two OpenMP threads on two cores wait for each other's time slices, and the 1-thread rows show the
+kernels' own speed.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, List
+
+import gguf
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as Q
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from radixserve.layers import cpu_kernels  # noqa: E402
+
+SHAPES = [("gate/up", 1536, 8960), ("down", 8960, 1536), ("q/o", 1536, 1536), ("k/v", 1536, 256)]
+TYPES = [Q.Q4_K, Q.Q6_K]
+COLD_BYTES = 96 << 20  # per method: the weight copies cycled through
+
+
+def random_blocks(qtype: Q, n: int, k: int, seed: int) -> np.ndarray:
+    """GGUF bytes [n, row_bytes] of random K-quant blocks with valid fp16 scale fields."""
+    rng = np.random.default_rng(seed)
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    nb = n * k // block
+    b = rng.integers(0, 256, size=(nb, type_size), dtype=np.uint8)
+
+    def fp16(scale):
+        return (rng.uniform(0.5, 1.5, size=nb) * scale).astype(np.float16).view(np.uint8).reshape(nb, 2)
+
+    if qtype == Q.Q6_K:
+        b[:, 208:210] = fp16(2e-3)
+    else:
+        b[:, 0:2] = fp16(2e-3)
+        b[:, 2:4] = fp16(1e-2)
+    return b.reshape(n, k // block * type_size)
+
+
+def copies(t: torch.Tensor, budget: int = COLD_BYTES) -> List[torch.Tensor]:
+    n = max(1, -(-budget // (t.numel() * t.element_size())))
+    return [t] + [t.clone() for _ in range(n - 1)]
+
+
+def bench(fns: Dict[str, Callable[[int], object]], reps: int) -> Dict[str, Dict[str, float]]:
+    """{name: {best_ms, median_ms}}; fns[name](i) runs call i (i picks the weight copy)."""
+    times: Dict[str, List[float]] = {k: [] for k in fns}
+    for i in range(2):  # warm-up (and first-touch of every copy happens in the rounds below)
+        for f in fns.values():
+            f(i)
+    for i in range(reps):
+        for name, f in fns.items():
+            t0 = time.perf_counter()
+            f(i)
+            times[name].append(time.perf_counter() - t0)
+    return {k: {"best_ms": min(v) * 1e3, "median_ms": statistics.median(v) * 1e3} for k, v in times.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", default=os.environ.get("OMP_NUM_THREADS", ""),
+                    help="torch thread counts to run, e.g. 2,1 (default: OMP_NUM_THREADS, else torch's default)")
+    ap.add_argument("--ms", default="1,16,512")
+    ap.add_argument("--reps", type=int, default=0, help="rounds per case (default: 30 for M<=16, 6 for more)")
+    ap.add_argument("--shapes", default="", help="comma-separated subset of: " + ",".join(s[0] for s in SHAPES))
+    ap.add_argument("--out", default=str(REPO / "benchmarks/cpu/quant_gemm.json"))
+    args = ap.parse_args()
+    thread_counts = [int(v) for v in str(args.threads).split(",") if v.strip()] or [torch.get_num_threads()]
+    ops = cpu_kernels.get()
+    assert ops is not None and ops.has_quant_gemm(), "quant_linear is not built (cpu_kernels, AVX512-VNNI)"
+    rs_bf16 = bool(ops.has_bf16_gemm())
+    ms = [int(v) for v in args.ms.split(",")]
+    shapes = [s for s in SHAPES if not args.shapes or s[0] in args.shapes.split(",")]
+    load0 = os.getloadavg()
+
+    rows = []
+    header = (f"{'layer':8} {'type':5} {'M':>4} | {'quant ms':>9} {'torch-bf16':>10} {'rs-bf16':>8} {'fp32':>8} | "
+              f"{'x bf16':>6} | {'GB/s q':>6} {'bf16':>5} {'fp32':>5} | err")
+    for threads in thread_counts:
+        torch.set_num_threads(threads)
+        print(f"\nthreads {threads}, load average {os.getloadavg()[0]:.2f}; best of the rounds (ms)")
+        print(header)
+        print("-" * len(header))
+        rows += run_shapes(ops, shapes, ms, args.reps, rs_bf16, threads)
+    load1 = os.getloadavg()
+    out = {
+        "label": "issue 38",
+        "what": "quant_linear (GGUF blocks, 8-bit activations, AVX512-VNNI) vs torch bf16 / the engine's bf16 GEMM / "
+        "fp32 F.linear on the dequantized weight; Qwen2.5-1.5B linear shapes; weights cycled through > 2x L3",
+        "threads": thread_counts,
+        "cpu": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "load_average_start_end": [load0[0], load1[0]],
+        "note": "x bf16 = torch-bf16 time / quant time; GB/s = the method's weight bytes / best time",
+        "rows": rows,
+    }
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    print(f"load average {load1[0]:.2f} at the end; wrote {args.out}")
+
+
+def run_shapes(ops, shapes, ms, reps_arg, rs_bf16, threads) -> list:
+    rows = []
+    for label, k, n in shapes:
+        for qtype in TYPES:
+            data = torch.from_numpy(random_blocks(qtype, n, k, seed=int(qtype)))
+            w32 = torch.from_numpy(gguf.quants.dequantize(data.numpy(), qtype).reshape(n, k)).contiguous()
+            wq = copies(data)
+            wb = copies(w32.to(torch.bfloat16))
+            wf = copies(w32, budget=max(COLD_BYTES, 2 * w32.numel() * 4))
+            wp = [ops.pack_bf16_weight(w) for w in wb] if rs_bf16 else []
+            for m in ms:
+                x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+                xb = x.to(torch.bfloat16)
+                fns = {
+                    "quant": lambda i: ops.quant_linear(x, wq[i % len(wq)], int(qtype), k),
+                    "torch_bf16": lambda i: F.linear(xb, wb[i % len(wb)]),
+                    "fp32": lambda i: F.linear(x, wf[i % len(wf)]),
+                }
+                if rs_bf16:
+                    fns["rs_bf16"] = lambda i: ops.bf16_linear(x, wp[i % len(wp)], n)
+                reps = reps_arg or (30 if m <= 16 else 6)
+                t = bench(fns, reps)
+                y = ops.quant_linear(x, data, int(qtype), k).double()
+                ref = F.linear(x.double(), w32.double())
+                err = float((y - ref).norm() / ref.norm())
+                qbytes, bbytes, fbytes = data.numel(), n * k * 2, n * k * 4
+                row = {
+                    "threads": threads, "layer": label, "K": k, "N": n, "type": qtype.name, "M": m, "err_vs_fp32": err,
+                    "weight_bytes": {"quant": qbytes, "bf16": bbytes, "fp32": fbytes},
+                    "ms": {name: v for name, v in t.items()},
+                }
+                best = {name: v["best_ms"] for name, v in t.items()}
+                row["gbps_best"] = {"quant": qbytes / best["quant"] / 1e6, "torch_bf16": bbytes / best["torch_bf16"] / 1e6,
+                                    "fp32": fbytes / best["fp32"] / 1e6}
+                if rs_bf16:
+                    row["gbps_best"]["rs_bf16"] = bbytes / best["rs_bf16"] / 1e6
+                rows.append(row)
+                gb = row["gbps_best"]
+                print(f"{label:8} {qtype.name:5} {m:>4} | {best['quant']:9.3f} {best['torch_bf16']:10.3f} "
+                      f"{best.get('rs_bf16', float('nan')):8.3f} {best['fp32']:8.3f} | "
+                      f"{best['torch_bf16'] / best['quant']:5.2f}x | "
+                      + (f"{gb['quant']:6.1f} {gb['torch_bf16']:5.1f} {gb['fp32']:5.1f}" if m == 1 else f"{'':6} {'':5} {'':5}")
+                      + f" | {err:.1e}", flush=True)
+            del wq, wb, wf, wp
+    return rows
+
+
+if __name__ == "__main__":
+    main()

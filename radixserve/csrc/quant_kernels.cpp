@@ -1,0 +1,790 @@
+// GGUF-quantized linear layers on the CPU (issue 38): y = x @ dequantize(W)^T with W kept in its
+// GGUF blocks, computed the way llama.cpp does it: every row of x quantized to 8 bits per block
+// (once per call, into a scratch buffer), then integer dot products of the weight's unsigned
+// 4/5/6/8-bit values with the signed 8-bit activations (AVX512-VNNI vpdpbusd), scaled by the
+// blocks' float scales and summed in float32.
+//
+// Supported ggml types (ids): Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8 (blocks of 32) and Q4_K=12,
+// Q5_K=13, Q6_K=14 (super-blocks of 256). The bit layouts are those of the gguf package's
+// dequantize_blocks (= ggml's block_q4_0 ... block_q6_K); weight is uint8 [N, row_bytes], each row
+// the GGUF bytes of one output row (row_bytes = K / block * type_size; rows may be a strided view).
+//
+// Activations (the reference in tests/unit/test_quant_kernels.py repeats this exactly):
+//   - 32-block types: per 32 values amax, d = amax / 127, q = rint(x * (127 / amax)) (round half
+//     to even; q = 0 where amax = 0), and the block's sum of q (llama.cpp's Q8_0 / Q8_1 with a
+//     float32 d).
+//   - K-quants: the same per 256 values (llama.cpp's Q8_K), with the sums of q per 16 values.
+// Weights: the unsigned values (Q4: 0..15, Q5: 0..31, Q6_K: 0..63, Q8_0: w + 128 in 0..255) are
+// vpdpbusd's unsigned operand, the activations the signed one. The constant parts (offsets -8,
+// -16, -32, -128, and the mins of Q4_1 / Q5_1 / Q4_K / Q5_K) are not in the integer products:
+// they are  sum over blocks (or sub-blocks) of  wmin[slot] * (d_a * sum(q_a))[slot], a float dot
+// product of a per-weight-row vector (-off * d, or the min) with a per-activation-row vector,
+// added at the end. The K-quants' integer sub-block scales multiply the vpdpbusd lanes (each
+// lane is 4 products, |lane| < 2^15) with vpdpwssd, so a super-block is one int32 accumulator,
+// scaled once by d_w * d_a.
+//
+// Structure, parallel over output rows (at::parallel_for, torch's OpenMP pool):
+//   - decode (M <= 16 rows of x): each thread streams its weight rows once, in order (software
+//     prefetch 8 KiB ahead); each unit (a group of 4 blocks, or a super-block) is unpacked once
+//     into uint8 lanes in an L1 scratch and used for 8 rows of x at a time (a second group of 8
+//     re-unpacks the row from L1, not from memory). M = 16 thus reads the weights once, like M = 1.
+//   - prefill: tiles of 4 output rows; for a block of up to MC rows of x (their quantized bytes
+//     held in L2) the tile's rows are unpacked chunk by chunk of K (2048 values) into an L1 buffer,
+//     once, and used for every row of x in the block: register blocks of 2 weight rows x 4 rows
+//     of x, float32 x16 accumulators; at the tile's end each row of x gets its 4 outputs
+//     (horizontal sums + the offset / min terms) in one store. Each weight chunk is unpacked once
+//     per MC rows of x (MC: 32 .. 256 by K).
+// Registered into the cpu_kernels extension by register_quant_kernels (cpu_kernels.cpp).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define RADIXSERVE_QUANT_GEMM 1
+#include <immintrin.h>
+#endif
+
+namespace {
+
+enum : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+struct QInfo {
+  int64_t id;
+  int64_t block;  // values per block
+  int64_t bytes;  // bytes per block
+};
+
+constexpr QInfo kTypes[] = {{Q4_0, 32, 18}, {Q4_1, 32, 20}, {Q5_0, 32, 22}, {Q5_1, 32, 24},
+                            {Q8_0, 32, 34}, {Q4_K, 256, 144}, {Q5_K, 256, 176}, {Q6_K, 256, 210}};
+
+const QInfo* find_type(int64_t id) {
+  for (const auto& t : kTypes)
+    if (t.id == id) return &t;
+  return nullptr;
+}
+
+#if defined(RADIXSERVE_QUANT_GEMM)
+
+constexpr int64_t NT = 4;      // output rows per tile (unpacked together)
+constexpr int64_t kDecodeRows = 16;  // up to this many rows of x: the decode path
+constexpr int64_t UC32 = 16;   // 32-block types: groups of 4 blocks per K chunk (2048 values)
+constexpr int64_t UCK = 8;     // K-quants: super-blocks per K chunk (2048 values)
+
+inline uint16_t ld16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+inline uint32_t ld32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+inline float h2f(const uint8_t* p) { return _cvtsh_ss(ld16(p)); }
+
+// A loaded vector kept in a register: stops the compiler from folding the load into every
+// instruction that uses it (each use would load it again; the loads are the bottleneck).
+template <typename V>
+inline V in_reg(V v) {
+  __asm__("" : "+v"(v));
+  return v;
+}
+inline __m128i ld128(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+inline __m256i ld256(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// 64 bytes: four 16-byte pieces at p + k * stride (k = 0..3).
+inline __m512i gather4x16(const uint8_t* p, int64_t stride) {
+  const __m256i a = _mm256_inserti128_si256(_mm256_castsi128_si256(ld128(p)), ld128(p + stride), 1);
+  const __m256i b = _mm256_inserti128_si256(_mm256_castsi128_si256(ld128(p + 2 * stride)), ld128(p + 3 * stride), 1);
+  return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+}
+
+// ---------------------------------------------------------------------------------------------
+// 32-block types. A group is 4 blocks; its unpacked form is two 64-byte vectors
+//   lo = [b0 v0-15 | b1 v0-15 | b2 v0-15 | b3 v0-15],  hi = [b0 v16-31 | b1 v16-31 | ...]
+// so that int32 lanes 4j..4j+3 of vpdpbusd(lo) + vpdpbusd(hi) hold block j; dw = 16 floats
+// [d0 x4, d1 x4, d2 x4, d3 x4]; wmin = 4 floats (one per block). The activations use the same
+// arrangement (quantize_rows_32).
+
+// One full group of 4 blocks at p (stride TS bytes).
+template <int64_t T>
+__attribute__((always_inline)) inline void unpack_group32(const uint8_t* p, uint8_t* w, float* dw, float* wmin) {
+  constexpr int64_t TS = T == Q4_0 ? 18 : T == Q4_1 ? 20 : T == Q5_0 ? 22 : T == Q5_1 ? 24 : 34;
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  __m512i lo, hi;
+  if constexpr (T == Q8_0) {
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));  // int8 -> w + 128 (uint8)
+    lo = _mm512_xor_si512(gather4x16(p + 2, TS), flip);
+    hi = _mm512_xor_si512(gather4x16(p + 18, TS), flip);
+  } else {
+    constexpr int64_t QO = T == Q4_0 ? 2 : T == Q4_1 ? 4 : T == Q5_0 ? 6 : 8;  // qs offset
+    const __m512i qs = gather4x16(p + QO, TS);
+    lo = _mm512_and_si512(qs, m4);  // byte i: value i; high nibble: value i + 16
+    hi = _mm512_and_si512(_mm512_srli_epi16(qs, 4), m4);
+    if constexpr (T == Q5_0 || T == Q5_1) {
+      constexpr int64_t HO = T == Q5_0 ? 2 : 4;  // qh (uint32: bit i is value i's 5th bit)
+      uint64_t klo = 0, khi = 0;
+      for (int j = 0; j < 4; ++j) {
+        const uint32_t qh = ld32(p + j * TS + HO);
+        klo |= static_cast<uint64_t>(qh & 0xFFFFu) << (16 * j);
+        khi |= static_cast<uint64_t>(qh >> 16) << (16 * j);
+      }
+      const __m512i c16 = _mm512_set1_epi8(16);
+      lo = _mm512_mask_add_epi8(lo, klo, lo, c16);
+      hi = _mm512_mask_add_epi8(hi, khi, hi, c16);
+    }
+  }
+  _mm512_storeu_si512(w, lo);
+  _mm512_storeu_si512(w + 64, hi);
+  const uint64_t hd = static_cast<uint64_t>(ld16(p)) | static_cast<uint64_t>(ld16(p + TS)) << 16 |
+                      static_cast<uint64_t>(ld16(p + 2 * TS)) << 32 | static_cast<uint64_t>(ld16(p + 3 * TS)) << 48;
+  const __m128 d4 = _mm_cvtph_ps(_mm_cvtsi64_si128(static_cast<long long>(hd)));
+  const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  _mm512_storeu_ps(dw, _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(d4)));
+  if constexpr (T == Q4_1 || T == Q5_1) {  // + m per block: wmin = m
+    const uint64_t hm = static_cast<uint64_t>(ld16(p + 2)) | static_cast<uint64_t>(ld16(p + TS + 2)) << 16 |
+                        static_cast<uint64_t>(ld16(p + 2 * TS + 2)) << 32 |
+                        static_cast<uint64_t>(ld16(p + 3 * TS + 2)) << 48;
+    _mm_storeu_ps(wmin, _mm_cvtph_ps(_mm_cvtsi64_si128(static_cast<long long>(hm))));
+  } else {  // d * (q - off): wmin = -off * d
+    constexpr float off = T == Q4_0 ? 8.f : T == Q5_0 ? 16.f : 128.f;
+    _mm_storeu_ps(wmin, _mm_mul_ps(d4, _mm_set1_ps(-off)));
+  }
+}
+
+// Groups [g0, g0 + ng) of one row; a last partial group is padded with zero blocks (d = 0).
+template <int64_t T>
+void unpack_row32(const uint8_t* row, int64_t nblocks, int64_t g0, int64_t ng, uint8_t* w, float* dw, float* wmin) {
+  constexpr int64_t TS = T == Q4_0 ? 18 : T == Q4_1 ? 20 : T == Q5_0 ? 22 : T == Q5_1 ? 24 : 34;
+  for (int64_t g = 0; g < ng; ++g) {
+    const int64_t b0 = (g0 + g) * 4;
+    uint8_t* wg = w + g * 128;
+    float* dwg = dw + g * 16;
+    float* wm = wmin + b0;
+    if (b0 + 4 <= nblocks) {
+      unpack_group32<T>(row + b0 * TS, wg, dwg, wm);
+    } else {
+      alignas(64) uint8_t tmp[4 * TS];
+      std::memset(tmp, 0, sizeof(tmp));
+      std::memcpy(tmp, row + b0 * TS, static_cast<size_t>((nblocks - b0) * TS));
+      unpack_group32<T>(tmp, wg, dwg, wm);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// K-quants. A super-block unpacks into four 64-byte vectors of values w[0..3] and four vectors of
+// int32 lanes sc[0..3] (the sub-block scale of each lane, zero-extended 16-bit, for vpdpwssd), dw
+// (d), and its wmin slots. Activations are arranged per type to match (quantize_rows_k):
+//   Q4_K / Q5_K: w0 = [sub 0 | sub 2], w1 = [sub 1 | sub 3], w2 = [sub 4 | sub 6], w3 = [sub 5 | sub 7]
+//                (sub s = values 32s .. 32s+31: low nibbles of qs[0:32] are sub 0, high sub 1, ...)
+//   Q6_K:        natural order, w_v = values 64v .. 64v+63.
+
+inline void unpack_sb_q4k(const uint8_t* p, bool q5, uint8_t* w, uint8_t* sc, float* dw, float* wmin) {
+  const float d = h2f(p), dmin = h2f(p + 2);
+  uint32_t utmp[4];
+  std::memcpy(utmp, p + 4, 12);
+  constexpr uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
+  utmp[3] = ((utmp[2] >> 4) & kmask2) | (((utmp[1] >> 6) & kmask3) << 4);
+  const uint32_t uaux = utmp[1] & kmask1;
+  utmp[1] = (utmp[2] & kmask2) | (((utmp[0] >> 6) & kmask3) << 4);
+  utmp[2] = uaux;
+  utmp[0] &= kmask1;  // bytes 0..7: the 8 scales, 8..15: the 8 mins
+  const __m128i sm = _mm_loadu_si128(reinterpret_cast<const __m128i*>(utmp));
+  const __m512i s32 = _mm512_cvtepu8_epi32(sm);
+  const __m512i i0 = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i i1 = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1);
+  const __m512i i2 = _mm512_set_epi32(6, 6, 6, 6, 6, 6, 6, 6, 4, 4, 4, 4, 4, 4, 4, 4);
+  const __m512i i3 = _mm512_set_epi32(7, 7, 7, 7, 7, 7, 7, 7, 5, 5, 5, 5, 5, 5, 5, 5);
+  _mm512_storeu_si512(sc, _mm512_permutexvar_epi32(i0, s32));
+  _mm512_storeu_si512(sc + 64, _mm512_permutexvar_epi32(i1, s32));
+  _mm512_storeu_si512(sc + 128, _mm512_permutexvar_epi32(i2, s32));
+  _mm512_storeu_si512(sc + 192, _mm512_permutexvar_epi32(i3, s32));
+  const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8)));
+  _mm256_storeu_ps(wmin, _mm256_mul_ps(mins, _mm256_set1_ps(-dmin)));
+  *dw = d;
+
+  const uint8_t* qs = p + (q5 ? 48 : 16);
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  const __m512i a = _mm512_loadu_si512(qs), b = _mm512_loadu_si512(qs + 64);
+  __m512i w0 = _mm512_and_si512(a, m4), w1 = _mm512_and_si512(_mm512_srli_epi16(a, 4), m4);
+  __m512i w2 = _mm512_and_si512(b, m4), w3 = _mm512_and_si512(_mm512_srli_epi16(b, 4), m4);
+  if (q5) {  // qh[l] bit s: the 5th bit of value l of sub-block s
+    const __m512i qh = _mm512_broadcast_i64x4(ld256(p + 16));
+    const __m512i c16 = _mm512_set1_epi8(16);
+    auto bits = [](int lo, int hi) {
+      return _mm512_mask_blend_epi64(0xF0, _mm512_set1_epi8(static_cast<char>(1 << lo)),
+                                     _mm512_set1_epi8(static_cast<char>(1 << hi)));
+    };
+    w0 = _mm512_mask_add_epi8(w0, _mm512_test_epi8_mask(qh, bits(0, 2)), w0, c16);
+    w1 = _mm512_mask_add_epi8(w1, _mm512_test_epi8_mask(qh, bits(1, 3)), w1, c16);
+    w2 = _mm512_mask_add_epi8(w2, _mm512_test_epi8_mask(qh, bits(4, 6)), w2, c16);
+    w3 = _mm512_mask_add_epi8(w3, _mm512_test_epi8_mask(qh, bits(5, 7)), w3, c16);
+  }
+  _mm512_storeu_si512(w, w0);
+  _mm512_storeu_si512(w + 64, w1);
+  _mm512_storeu_si512(w + 128, w2);
+  _mm512_storeu_si512(w + 192, w3);
+}
+
+inline void unpack_sb_q6k(const uint8_t* p, uint8_t* w, uint8_t* sc, float* dw, float* wmin) {
+  const float d = h2f(p + 208);
+  const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+  // per 16-bit lane shift counts: the first 32 bytes / the last 32 bytes of a vector
+  const __m512i cnt_a = _mm512_mask_blend_epi64(0xF0, _mm512_set1_epi16(4), _mm512_set1_epi16(2));
+  const __m512i cnt_b = _mm512_mask_blend_epi64(0xF0, _mm512_setzero_si512(), _mm512_set1_epi16(2));
+  for (int h = 0; h < 2; ++h) {  // values 128h .. 128h+127
+    const __m512i l = _mm512_loadu_si512(p + 64 * h);               // ql: low nibbles 0..63, high 64..127
+    const __m512i q = _mm512_broadcast_i64x4(ld256(p + 128 + 32 * h));  // qh: bits 2k..2k+1 -> values 32k + i
+    const __m512i lo = _mm512_or_si512(_mm512_and_si512(l, m4), _mm512_and_si512(_mm512_sllv_epi16(q, cnt_a), m30));
+    const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4),
+                                       _mm512_and_si512(_mm512_srlv_epi16(q, cnt_b), m30));
+    _mm512_storeu_si512(w + 128 * h, lo);
+    _mm512_storeu_si512(w + 128 * h + 64, hi);
+  }
+  const __m512i s = _mm512_cvtepi8_epi32(ld128(p + 192));  // 16 signed scales, one per 16 values
+  const __m512i s16 = _mm512_and_si512(s, _mm512_set1_epi32(0xFFFF));
+  for (int v = 0; v < 4; ++v) {  // lanes 4k..4k+3 of vector v: sub-block 4v + k
+    const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(4 * v),
+                                         _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0));
+    _mm512_storeu_si512(sc + 64 * v, _mm512_permutexvar_epi32(idx, s16));
+  }
+  _mm512_storeu_ps(wmin, _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(-32.f * d)));
+  *dw = d;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Activation quantization (one row of x).
+
+// 32-block types: per group of 4 blocks 128 bytes (lo 64 | hi 64, see above), 16 floats of d;
+// amin[b] = d * sum(q) per block (the slots past nblocks zeroed by the caller).
+void quantize_row_32(const float* x, int64_t K, int8_t* q, float* ad, float* amin) {
+  const int64_t nb = K / 32, ng = (nb + 3) / 4;
+  for (int64_t g = 0; g < ng; ++g) {
+    for (int j = 0; j < 4; ++j) {
+      const int64_t b = 4 * g + j;
+      int8_t* lo = q + g * 128 + 16 * j;
+      int8_t* hi = lo + 64;
+      float* adj = ad + g * 16 + 4 * j;
+      if (b >= nb) {
+        std::memset(lo, 0, 16);
+        std::memset(hi, 0, 16);
+        for (int i = 0; i < 4; ++i) adj[i] = 0.f;
+        continue;
+      }
+      const __m512 v0 = _mm512_loadu_ps(x + 32 * b), v1 = _mm512_loadu_ps(x + 32 * b + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+      const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));
+      const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(lo), _mm512_cvtepi32_epi8(q0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(hi), _mm512_cvtepi32_epi8(q1));
+      amin[b] = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+      for (int i = 0; i < 4; ++i) adj[i] = d;
+    }
+  }
+}
+
+// K-quants: per super-block 256 bytes (arranged for the type), one float d; amin per 32 values
+// (Q4_K, Q5_K) or per 16 (Q6_K).
+void quantize_row_k(const float* x, int64_t K, bool q6, int8_t* q, float* ad, float* amin) {
+  const int64_t nsb = K / 256;
+  for (int64_t s = 0; s < nsb; ++s) {
+    const float* xs = x + 256 * s;
+    __m512 mx = _mm512_setzero_ps();
+    for (int i = 0; i < 16; ++i) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(xs + 16 * i)));
+    const float amax = _mm512_reduce_max_ps(mx);
+    const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+    int32_t bs[16];
+    for (int i = 0; i < 16; ++i) {
+      const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xs + 16 * i), _mm512_set1_ps(id)));
+      bs[i] = _mm512_reduce_add_epi32(qi);
+      const int sub = i / 2;  // 32-value sub-block
+      const int64_t pos = q6 ? 16 * i : 128 * (sub / 4) + 64 * (sub % 2) + 32 * ((sub / 2) % 2) + 16 * (i % 2);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 256 * s + pos), _mm512_cvtepi32_epi8(qi));
+    }
+    ad[s] = d;
+    if (q6) {
+      for (int i = 0; i < 16; ++i) amin[16 * s + i] = d * static_cast<float>(bs[i]);
+    } else {
+      for (int k = 0; k < 8; ++k) amin[8 * s + k] = d * static_cast<float>(bs[2 * k] + bs[2 * k + 1]);
+    }
+  }
+}
+
+struct AlignedFree {
+  void operator()(void* p) const { std::free(p); }
+};
+template <typename T>
+std::unique_ptr<T[], AlignedFree> aligned_buffer(int64_t n) {
+  const size_t bytes = (static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(T) + 63) / 64 * 64;
+  return std::unique_ptr<T[], AlignedFree>(static_cast<T*>(std::aligned_alloc(64, bytes)));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decode (M <= 4 rows of x): one weight row at a time, each unit unpacked into an L1 scratch and
+// used at once for the (up to 4) rows of x. The weight bytes are read in one sequential stream per
+// thread: the tiles' interleaved reading of 4 rows by chunks runs at a third of the memory
+// bandwidth (hardware prefetchers) where rows are long (K = 8960).
+
+template <int64_t T>
+inline void unpack_unit(const uint8_t* row, int64_t u, int64_t nblocks, uint8_t* w, uint8_t* sc, float* dw, float* wm) {
+  if constexpr (T == Q4_K || T == Q5_K)
+    unpack_sb_q4k(row + u * (T == Q4_K ? 144 : 176), T == Q5_K, w, sc, dw, wm + u * 8);
+  else if constexpr (T == Q6_K)
+    unpack_sb_q6k(row + u * 210, w, sc, dw, wm + u * 16);
+  else if (4 * u + 4 <= nblocks)
+    unpack_group32<T>(row + 4 * u * (T == Q4_0 ? 18 : T == Q4_1 ? 20 : T == Q5_0 ? 22 : T == Q5_1 ? 24 : 34), w, dw,
+                      wm + 4 * u);
+  else
+    unpack_row32<T>(row, nblocks, u, 1, w, dw, wm);
+}
+
+// One weight row against C (<= 8) rows of x: y[c * ldy] = x_c . row.
+template <int64_t T, int C>
+inline void decode_row(const uint8_t* row, int64_t nblocks, int64_t nunits, const int8_t* Aq, int64_t aq_rs,
+                       const float* Ad, int64_t ad_rs, const float* Am, int64_t spad, float* wm, float* y, int64_t ldy) {
+  constexpr bool KQ = T == Q4_K || T == Q5_K || T == Q6_K;
+  constexpr int64_t qunit = KQ ? 256 : 128, dunit = KQ ? 1 : 16;
+  constexpr int64_t UB = T == Q4_0 ? 72 : T == Q4_1 ? 80 : T == Q5_0 ? 88 : T == Q5_1 ? 96 : T == Q8_0 ? 136
+                       : T == Q4_K ? 144 : T == Q5_K ? 176 : 210;  // weight bytes per unit
+  alignas(64) uint8_t w[256];
+  alignas(64) uint8_t sc[256];
+  alignas(64) float dw[16];
+  const __m512i zero = _mm512_setzero_si512();
+  __m512 acc[C];
+#pragma GCC unroll 8
+  for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
+  for (int64_t u = 0; u < nunits; ++u) {
+    {  // the weight stream 8 KiB ahead (rows are contiguous, or the prefetch is just wasted): without
+       // it, at K = 8960 and a few rows of x the stream runs at half the bandwidth
+      const char* pf = reinterpret_cast<const char*>(row) + u * UB + 8192;
+      if (KQ) for (int64_t b = 0; b < UB; b += 64) _mm_prefetch(pf + b, _MM_HINT_T0);
+    }
+    unpack_unit<T>(row, u, nblocks, w, sc, dw, wm);
+    if constexpr (KQ) {
+      __m512i iacc[C];
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) iacc[c] = zero;
+#pragma GCC unroll 4
+      for (int v = 0; v < 4; ++v) {
+        const __m512i wv = _mm512_load_si512(w + 64 * v), sv = _mm512_load_si512(sc + 64 * v);
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) {
+          const __m512i a = _mm512_loadu_si512(Aq + c * aq_rs + u * qunit + 64 * v);
+          iacc[c] = _mm512_dpwssd_epi32(iacc[c], _mm512_dpbusd_epi32(zero, wv, a), sv);
+        }
+      }
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c)
+        acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[c]), _mm512_set1_ps(dw[0] * Ad[c * ad_rs + u]), acc[c]);
+    } else {
+      const __m512i wlo = _mm512_load_si512(w), whi = _mm512_load_si512(w + 64);
+      const __m512 dv = _mm512_load_ps(dw);
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) {
+        const int8_t* a = Aq + c * aq_rs + u * qunit;
+        const __m512i t = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, wlo, _mm512_loadu_si512(a)), whi,
+                                              _mm512_loadu_si512(a + 64));
+        acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(dv, _mm512_loadu_ps(Ad + c * ad_rs + u * dunit)),
+                                 acc[c]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int c = 0; c < C; ++c) {
+    const float* am = Am + c * spad;
+    for (int64_t j = 0; j < spad; j += 16) acc[c] = _mm512_fmadd_ps(_mm512_load_ps(wm + j), _mm512_loadu_ps(am + j), acc[c]);
+    y[c * ldy] = _mm512_reduce_add_ps(acc[c]);
+  }
+}
+
+// Weight rows [n0, n1) against all M (<= 16) rows of x, 8 at a time: a row (at most a few KiB)
+// is read from memory once and stays in L1 for the second group of 8.
+template <int64_t T>
+void decode_rows(const uint8_t* W, int64_t ldw, int64_t n0, int64_t n1, int64_t M, int64_t K, const int8_t* Aq,
+                 int64_t aq_rs, const float* Ad, int64_t ad_rs, const float* Am, int64_t spad, float* y, int64_t ldy) {
+  constexpr bool KQ = T == Q4_K || T == Q5_K || T == Q6_K;
+  const int64_t nblocks = K / 32, nunits = KQ ? K / 256 : (nblocks + 3) / 4;
+  auto wm = aligned_buffer<float>(spad);
+  std::fill(wm.get(), wm.get() + spad, 0.f);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = W + n * ldw;
+    for (int64_t c0 = 0; c0 < M; c0 += 8) {
+      const int8_t* aq = Aq + c0 * aq_rs;
+      const float* ad = Ad + c0 * ad_rs;
+      const float* am = Am + c0 * spad;
+      float* yc = y + c0 * ldy + n;
+#define RS_DECODE_ROW(C) decode_row<T, C>(row, nblocks, nunits, aq, aq_rs, ad, ad_rs, am, spad, wm.get(), yc, ldy)
+      switch (std::min<int64_t>(8, M - c0)) {
+        case 1: RS_DECODE_ROW(1); break;
+        case 2: RS_DECODE_ROW(2); break;
+        case 3: RS_DECODE_ROW(3); break;
+        case 4: RS_DECODE_ROW(4); break;
+        case 5: RS_DECODE_ROW(5); break;
+        case 6: RS_DECODE_ROW(6); break;
+        case 7: RS_DECODE_ROW(7); break;
+        default: RS_DECODE_ROW(8); break;
+      }
+#undef RS_DECODE_ROW
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Micro-kernels: R weight rows x C rows of x, accumulators in registers (F: float32 x16 each,
+// loaded and stored around one K chunk).
+
+template <int R, int C>
+inline void mk32(const uint8_t* const* uw, const float* const* udw, const int8_t* const* aq, const float* const* ad,
+                 int64_t ng, float* const* F) {
+  __m512 acc[R][C];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_loadu_ps(F[r * C + c]);
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t g = 0; g < ng; ++g) {
+    __m512i alo[C], ahi[C];
+    __m512 da[C];
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      alo[c] = in_reg(_mm512_loadu_si512(aq[c] + g * 128));
+      ahi[c] = in_reg(_mm512_loadu_si512(aq[c] + g * 128 + 64));
+      da[c] = in_reg(_mm512_loadu_ps(ad[c] + g * 16));
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m512i wlo = in_reg(_mm512_loadu_si512(uw[r] + g * 128));
+      const __m512i whi = in_reg(_mm512_loadu_si512(uw[r] + g * 128 + 64));
+      const __m512 dw = in_reg(_mm512_loadu_ps(udw[r] + g * 16));
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) {
+        const __m512i t = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, wlo, alo[c]), whi, ahi[c]);
+        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(dw, da[c]), acc[r][c]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(F[r * C + c], acc[r][c]);
+}
+
+template <int R, int C>
+inline void mkK(const uint8_t* const* uw, const uint8_t* const* usc, const float* const* udw, const int8_t* const* aq,
+                const float* const* ad, int64_t nsb, float* const* F) {
+  __m512 acc[R][C];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_loadu_ps(F[r * C + c]);
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t s = 0; s < nsb; ++s) {
+    __m512i iacc[R][C];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) iacc[r][c] = zero;
+#pragma GCC unroll 4
+    for (int v = 0; v < 4; ++v) {
+      __m512i a[C];
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) a[c] = in_reg(_mm512_loadu_si512(aq[c] + s * 256 + 64 * v));
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m512i w = in_reg(_mm512_loadu_si512(uw[r] + s * 256 + 64 * v));
+        const __m512i sc = in_reg(_mm512_loadu_si512(usc[r] + s * 256 + 64 * v));
+#pragma GCC unroll 4
+        for (int c = 0; c < C; ++c)  // each lane: 4 products, |.| < 2^15: one int16 times the scale
+          iacc[r][c] = _mm512_dpwssd_epi32(iacc[r][c], _mm512_dpbusd_epi32(zero, w, a[c]), sc);
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m512 dw = _mm512_set1_ps(udw[r][s]);
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c)
+        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[r][c]), _mm512_mul_ps(dw, _mm512_set1_ps(ad[c][s])),
+                                    acc[r][c]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(F[r * C + c], acc[r][c]);
+}
+
+template <bool KQ, int R, int C>
+inline void mk(const uint8_t* const* uw, const uint8_t* const* usc, const float* const* udw, const int8_t* const* aq,
+               const float* const* ad, int64_t nu, float* const* F) {
+  if constexpr (KQ)
+    mkK<R, C>(uw, usc, udw, aq, ad, nu, F);
+  else
+    mk32<R, C>(uw, udw, aq, ad, nu, F);
+}
+
+template <bool KQ>
+void mk_dispatch(int rr, int cc, const uint8_t* const* uw, const uint8_t* const* usc, const float* const* udw,
+                 const int8_t* const* aq, const float* const* ad, int64_t nu, float* const* F) {
+  switch (rr * 4 + cc) {
+    case 1 * 4 + 1: return mk<KQ, 1, 1>(uw, usc, udw, aq, ad, nu, F);
+    case 1 * 4 + 2: return mk<KQ, 1, 2>(uw, usc, udw, aq, ad, nu, F);
+    case 1 * 4 + 3: return mk<KQ, 1, 3>(uw, usc, udw, aq, ad, nu, F);
+    case 1 * 4 + 4: return mk<KQ, 1, 4>(uw, usc, udw, aq, ad, nu, F);
+    case 2 * 4 + 1: return mk<KQ, 2, 1>(uw, usc, udw, aq, ad, nu, F);
+    case 2 * 4 + 2: return mk<KQ, 2, 2>(uw, usc, udw, aq, ad, nu, F);
+    case 2 * 4 + 3: return mk<KQ, 2, 3>(uw, usc, udw, aq, ad, nu, F);
+    default: return mk<KQ, 2, 4>(uw, usc, udw, aq, ad, nu, F);
+  }
+}
+
+inline int64_t pad16(int64_t n) { return (n + 15) / 16 * 16; }
+
+// The horizontal sums of 4 vectors: [sum a, sum b, sum c, sum d].
+inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  // per 128-bit chunk: [a0+a2, b0+b2, a1+a3, b1+b3] and the same of c, d
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  // per chunk: [a, b, c, d] partial sums
+  const __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(abcd), _mm512_extractf32x8_ps(abcd, 1));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// y[M, N] (row stride ldy) = x[M, K] (contiguous) @ dequantize(W)^T.
+template <bool KQ>
+void quant_gemm(const float* x, int64_t M, int64_t K, const uint8_t* W, int64_t ldw, int64_t N, const QInfo& qi,
+                float* y, int64_t ldy) {
+  const int64_t qtype = qi.id;
+  // the unit: a group of 4 blocks (32-block types) or a super-block (K-quants)
+  const int64_t nblocks = K / 32;
+  const int64_t nunits = KQ ? K / 256 : (nblocks + 3) / 4;
+  const int64_t qunit = KQ ? 256 : 128;       // activation / unpacked weight bytes per unit
+  const int64_t dunit = KQ ? 1 : 16;          // floats of d per unit
+  const int64_t UC = KQ ? UCK : UC32;         // units per K chunk
+  const int64_t nslots = KQ ? (qtype == Q6_K ? K / 16 : K / 32) : nblocks;
+  const int64_t spad = pad16(nslots);
+  const int64_t slots_per_unit = KQ ? (qtype == Q6_K ? 16 : 8) : 4;
+  const int64_t row_bytes = K / qi.block * qi.bytes;
+
+  // 1. every row of x quantized once
+  const int64_t aq_rs = nunits * qunit, ad_rs = nunits * dunit;
+  auto Aq = aligned_buffer<int8_t>(M * aq_rs);
+  auto Ad = aligned_buffer<float>(M * ad_rs);
+  auto Am = aligned_buffer<float>(M * spad);
+  at::parallel_for(0, M, 4, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      float* am = Am.get() + m * spad;
+      std::fill(am + nslots, am + spad, 0.f);
+      if constexpr (KQ)
+        quantize_row_k(x + m * K, K, qtype == Q6_K, Aq.get() + m * aq_rs, Ad.get() + m * ad_rs, am);
+      else
+        quantize_row_32(x + m * K, K, Aq.get() + m * aq_rs, Ad.get() + m * ad_rs, am);
+    }
+  });
+
+  if (M <= kDecodeRows) {  // decode: one sequential pass over the weight rows
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+      const int8_t* aq = Aq.get();
+      const float* ad = Ad.get();
+      const float* am = Am.get();
+#define RS_DECODE(T) decode_rows<T>(W, ldw, n0, n1, M, K, aq, aq_rs, ad, ad_rs, am, spad, y, ldy)
+      switch (qtype) {
+        case Q4_0: RS_DECODE(Q4_0); break;
+        case Q4_1: RS_DECODE(Q4_1); break;
+        case Q5_0: RS_DECODE(Q5_0); break;
+        case Q5_1: RS_DECODE(Q5_1); break;
+        case Q8_0: RS_DECODE(Q8_0); break;
+        case Q4_K: RS_DECODE(Q4_K); break;
+        case Q5_K: RS_DECODE(Q5_K); break;
+        default: RS_DECODE(Q6_K); break;
+      }
+#undef RS_DECODE
+    });
+    return;
+  }
+
+  // 2. rows of x in blocks of MC (their quantized bytes ~ 512 KiB, an L2's share)
+  int64_t MC = (512 * 1024) / std::max<int64_t>(1, aq_rs + ad_rs * 4 + spad * 4);
+  MC = std::max<int64_t>(4, std::min<int64_t>(256, MC / 4 * 4));
+  MC = std::min(MC, (M + 3) / 4 * 4);
+  const int64_t ntiles = (N + NT - 1) / NT;
+
+  at::parallel_for(0, ntiles, 1, [&](int64_t t0, int64_t t1) {
+    auto Uw = aligned_buffer<uint8_t>(NT * UC * qunit);
+    auto Usc = aligned_buffer<uint8_t>(KQ ? NT * UC * 256 : 1);
+    auto Udw = aligned_buffer<float>(NT * UC * dunit);
+    auto Fb = aligned_buffer<float>(NT * MC * 16);
+    auto Wm = aligned_buffer<float>(NT * spad);
+    std::fill(Wm.get(), Wm.get() + NT * spad, 0.f);
+    for (int64_t mb = 0; mb < M; mb += MC) {
+      const int64_t mc = std::min(MC, M - mb);
+      for (int64_t tile = t0; tile < t1; ++tile) {
+        const int64_t n0 = tile * NT, nr = std::min(NT, N - n0);
+        // rows past N (the last tile) take part as zeros: F and wmin zeroed
+        for (int64_t r = 0; r < NT; ++r) std::fill(Fb.get() + r * MC * 16, Fb.get() + (r * MC + mc) * 16, 0.f);
+        if (nr < NT) std::fill(Wm.get() + nr * spad, Wm.get() + NT * spad, 0.f);
+        if (mc >= 8 && tile + 1 < t1) {  // the next tile's weight rows towards L2 while this one computes
+          const uint8_t* next = W + (n0 + NT) * ldw;
+          const int64_t nn = std::min(NT, N - n0 - NT);
+          for (int64_t r = 0; r < nn; ++r)
+            for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(next + r * ldw + b), _MM_HINT_T1);
+        }
+        for (int64_t u0 = 0; u0 < nunits; u0 += UC) {
+          const int64_t uc = std::min(UC, nunits - u0);
+          for (int64_t r = 0; r < nr; ++r) {  // unpack the tile's rows, this chunk
+            const uint8_t* row = W + (n0 + r) * ldw;
+            uint8_t* uw = Uw.get() + r * UC * qunit;
+            float* udw = Udw.get() + r * UC * dunit;
+            float* wm = Wm.get() + r * spad;
+            if constexpr (KQ) {
+              uint8_t* usc = Usc.get() + r * UC * 256;
+              for (int64_t u = 0; u < uc; ++u) {
+                const uint8_t* p = row + (u0 + u) * qi.bytes;
+                float* wmu = wm + (u0 + u) * slots_per_unit;
+                if (qtype == Q6_K)
+                  unpack_sb_q6k(p, uw + u * 256, usc + u * 256, udw + u, wmu);
+                else
+                  unpack_sb_q4k(p, qtype == Q5_K, uw + u * 256, usc + u * 256, udw + u, wmu);
+              }
+            } else {
+              switch (qtype) {
+                case Q4_0: unpack_row32<Q4_0>(row, nblocks, u0, uc, uw, udw, wm); break;
+                case Q4_1: unpack_row32<Q4_1>(row, nblocks, u0, uc, uw, udw, wm); break;
+                case Q5_0: unpack_row32<Q5_0>(row, nblocks, u0, uc, uw, udw, wm); break;
+                case Q5_1: unpack_row32<Q5_1>(row, nblocks, u0, uc, uw, udw, wm); break;
+                default: unpack_row32<Q8_0>(row, nblocks, u0, uc, uw, udw, wm); break;
+              }
+            }
+          }
+          for (int64_t c0 = 0; c0 < mc; c0 += 4) {
+            const int cc = static_cast<int>(std::min<int64_t>(4, mc - c0));
+            const int8_t* aq[4];
+            const float* ad[4];
+            for (int c = 0; c < cc; ++c) {
+              const int64_t m = mb + c0 + c;
+              aq[c] = Aq.get() + m * aq_rs + u0 * qunit;
+              ad[c] = Ad.get() + m * ad_rs + u0 * dunit;
+            }
+            for (int64_t r0 = 0; r0 < nr; r0 += 2) {
+              const int rr = static_cast<int>(std::min<int64_t>(2, nr - r0));
+              const uint8_t* uw[2];
+              const uint8_t* usc[2];
+              const float* udw[2];
+              float* F[8];
+              for (int r = 0; r < rr; ++r) {
+                uw[r] = Uw.get() + (r0 + r) * UC * qunit;
+                usc[r] = KQ ? Usc.get() + (r0 + r) * UC * 256 : nullptr;
+                udw[r] = Udw.get() + (r0 + r) * UC * dunit;
+                for (int c = 0; c < cc; ++c) F[r * cc + c] = Fb.get() + ((r0 + r) * MC + c0 + c) * 16;
+              }
+              mk_dispatch<KQ>(rr, cc, uw, usc, udw, aq, ad, uc, F);
+            }
+          }
+        }
+        // 3. the integer parts' sums + the offsets / mins (wmin . amin): the tile's 4 outputs of a
+        // row of x summed together and stored at once
+        static_assert(NT == 4, "the finalization sums 4 rows at once");
+        const float* wm = Wm.get();
+        for (int64_t c = 0; c < mc; ++c) {
+          const float* am = Am.get() + (mb + c) * spad;
+          const float* f = Fb.get() + c * 16;
+          __m512 v0 = _mm512_loadu_ps(f), v1 = _mm512_loadu_ps(f + MC * 16);
+          __m512 v2 = _mm512_loadu_ps(f + 2 * MC * 16), v3 = _mm512_loadu_ps(f + 3 * MC * 16);
+          for (int64_t j = 0; j < spad; j += 16) {
+            const __m512 a = _mm512_loadu_ps(am + j);
+            v0 = _mm512_fmadd_ps(_mm512_loadu_ps(wm + j), a, v0);
+            v1 = _mm512_fmadd_ps(_mm512_loadu_ps(wm + spad + j), a, v1);
+            v2 = _mm512_fmadd_ps(_mm512_loadu_ps(wm + 2 * spad + j), a, v2);
+            v3 = _mm512_fmadd_ps(_mm512_loadu_ps(wm + 3 * spad + j), a, v3);
+          }
+          const __m128 sums = hsum4(v0, v1, v2, v3);
+          float* yp = y + (mb + c) * ldy + n0;
+          if (nr == NT)
+            _mm_storeu_ps(yp, sums);
+          else
+            _mm_mask_storeu_ps(yp, static_cast<__mmask8>((1u << nr) - 1), sums);
+        }
+      }
+    }
+  });
+}
+
+#endif  // RADIXSERVE_QUANT_GEMM
+
+bool has_quant_gemm() {
+#if defined(RADIXSERVE_QUANT_GEMM)
+  return true;
+#else
+  return false;
+#endif
+}
+
+std::vector<int64_t> quant_gemm_types() {
+  std::vector<int64_t> out;
+#if defined(RADIXSERVE_QUANT_GEMM)
+  for (const auto& t : kTypes) out.push_back(t.id);
+#endif
+  return out;
+}
+
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t qtype, int64_t in_features) {
+#if defined(RADIXSERVE_QUANT_GEMM)
+  const QInfo* qi = find_type(qtype);
+  TORCH_CHECK(qi != nullptr, "quant_linear: unsupported ggml type ", qtype);
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "quant_linear: CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "quant_linear: x must be float32");
+  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2 && weight.stride(1) == 1,
+              "quant_linear: weight must be uint8 [N, row_bytes] with contiguous rows");
+  const int64_t K = in_features;
+  TORCH_CHECK(K > 0 && K % qi->block == 0, "quant_linear: in_features ", K, " is not a multiple of ", qi->block);
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "quant_linear: x's last dim must be in_features");
+  const int64_t row_bytes = K / qi->block * qi->bytes;
+  TORCH_CHECK(weight.size(1) == row_bytes, "quant_linear: weight rows are ", weight.size(1), " bytes, expected ",
+              row_bytes);
+  const int64_t N = weight.size(0);
+  TORCH_CHECK(N <= 1 || weight.stride(0) >= row_bytes, "quant_linear: overlapping weight rows");
+  const at::Tensor x2 = x.reshape({-1, K}).contiguous();
+  const int64_t M = x2.size(0);
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = N;
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M > 0 && N > 0) {
+    const bool kq = qi->block == 256;
+    if (kq)
+      quant_gemm<true>(x2.data_ptr<float>(), M, K, weight.data_ptr<uint8_t>(), weight.stride(0), N, *qi,
+                       y.data_ptr<float>(), N);
+    else
+      quant_gemm<false>(x2.data_ptr<float>(), M, K, weight.data_ptr<uint8_t>(), weight.stride(0), N, *qi,
+                        y.data_ptr<float>(), N);
+  }
+  return y.view(out_shape);
+#else
+  (void)x;
+  (void)weight;
+  (void)qtype;
+  (void)in_features;
+  (void)find_type;
+  TORCH_CHECK(false, "quant_linear: built without AVX512-VNNI");
+#endif
+}
+
+}  // namespace
+
+void register_quant_kernels(pybind11::module_& m) {
+  m.def("has_quant_gemm", &has_quant_gemm, "whether quant_linear is built (AVX512-VNNI)");
+  m.def("quant_gemm_types", &quant_gemm_types, "the ggml type ids quant_linear supports");
+  m.def("quant_linear", &quant_linear,
+        "y = x @ dequantize(weight)^T with GGUF-quantized weight rows (x quantized to 8 bits per block, "
+        "integer dot products)",
+        py::arg("x"), py::arg("weight"), py::arg("qtype"), py::arg("in_features"));
+}

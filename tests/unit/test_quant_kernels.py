@@ -1,0 +1,148 @@
+"""The quantized GEMM of the C++ CPU kernels (radixserve/csrc/quant_kernels.cpp, issue 38):
+quant_linear(x, weight, qtype, K) = x @ dequantize(weight)^T with the weight kept in its GGUF
+blocks and x quantized to 8 bits per block, for every supported ggml type.
+
+Weights: gguf.quants.quantize of random floats where the gguf package can quantize the type
+(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), random bytes with valid fp16 scale fields for the K-quants (it
+cannot); the dequantized weight is gguf.quants.dequantize of the same bytes (the ground truth of
+the bit layouts). Two references:
+  A. the activation quantization the kernel uses, repeated here in numpy (per block of 32, or of
+     256 for the K-quants: d = amax / 127, q = rint(x * float32(127 / amax))), times the
+     dequantized weight in float64: the kernel must match it to float32 accumulation error;
+  B. the float product x @ W^T: the difference is the error of 8-bit activations (< 2e-2 relative).
+M in {1, 3, 11, 16}: the decode path (groups of up to 8 rows of x: 8 + 3, 8 + 8); M in {17, 67}:
+the blocked (prefill) path, with remainders of its 4-row groups and (at the larger K) more than
+one block of rows of x. K values with a partial group of 4 blocks and more than one K chunk; N
+values not multiples of the kernel's 4-row tiles."""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from radixserve.layers import cpu_kernels
+
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+# (K, N) per block size: one K chunk of the kernel (2048 values); and several K chunks, a partial
+# group of 4 blocks (281 blocks), N not a multiple of the 4-row tiles, and K so large that the
+# kernel takes the 67 rows of x in more than one block (32 or 44 rows for these K)
+SHAPES = {32: [(512, 48), (32 * 281, 13)], 256: [(256 * 3, 48), (256 * 35, 7)]}
+MS = [1, 3, 11, 16, 17, 67]
+
+
+@pytest.fixture(scope="module")
+def ops():
+    mod = cpu_kernels.get()
+    assert mod is not None, "the C++ CPU kernels did not build (see the warning logged by cpu_kernels.build)"
+    if not mod.has_quant_gemm():
+        pytest.skip("quant_linear is built only with AVX512-VNNI")
+    return mod
+
+
+def _fp16_field(rng, n, scale):
+    """n valid fp16 values as bytes [n, 2] (positive, around `scale`)."""
+    return (rng.uniform(0.5, 1.5, size=n) * scale).astype(np.float16).view(np.uint8).reshape(n, 2)
+
+
+def make_weight(qtype, n, k, seed=0):
+    """(GGUF bytes uint8 [n, row_bytes], dequantized float32 [n, k])."""
+    rng = np.random.default_rng(seed)
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    if qtype in K_QUANTS:  # gguf cannot quantize these: random blocks, the fp16 fields made valid
+        nb = n * k // block
+        blocks = rng.integers(0, 256, size=(nb, type_size), dtype=np.uint8)
+        if qtype == Q.Q6_K:
+            blocks[:, 208:210] = _fp16_field(rng, nb, 2e-3)  # d (the scales are int8)
+        else:
+            blocks[:, 0:2] = _fp16_field(rng, nb, 2e-3)  # d
+            blocks[:, 2:4] = _fp16_field(rng, nb, 1e-2)  # dmin
+        data = blocks.reshape(n, k // block * type_size)
+    else:
+        data = gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.05, qtype)
+    assert data.shape == (n, k // block * type_size) and data.dtype == np.uint8
+    return data, gguf.quants.dequantize(data, qtype).reshape(n, k)
+
+
+def quantize_activations(x, block):
+    """x [M, K] float32 -> the kernel's quantized x (q * d), float64."""
+    m, k = x.shape
+    xb = x.reshape(m, k // block, block).astype(np.float32)
+    amax = np.abs(xb).max(axis=-1, keepdims=True)
+    d = amax / np.float32(127)
+    inv = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax > 0)
+    q = np.rint(xb * inv)  # float32 product, round half to even (the kernel's vcvtps2dq)
+    assert np.abs(q).max() <= 127
+    return (q.astype(np.float64) * d.astype(np.float64)).reshape(m, k)
+
+
+def make_x(m, k, seed=1):
+    x = np.random.default_rng(seed).standard_normal((m, k)).astype(np.float32)
+    x[:, : k // 8] *= 4.0  # uneven magnitudes across blocks
+    if m >= 3:
+        x[1, 32:64] = 0.0  # an all-zero block (amax = 0)
+        x[2] = 0.0  # an all-zero row
+    return x
+
+
+def check(ops, qtype, m, k, n, tol_a=2e-5, tol_b=2e-2):
+    data, w = make_weight(qtype, n, k)
+    x = make_x(m, k)
+    y = ops.quant_linear(torch.from_numpy(x), torch.from_numpy(data), int(qtype), k)
+    assert y.dtype == torch.float32 and tuple(y.shape) == (m, n)
+    y = y.numpy().astype(np.float64)
+    block = 256 if qtype in K_QUANTS else 32
+    ref_a = quantize_activations(x, block) @ w.astype(np.float64).T
+    scale = np.abs(ref_a).max()
+    err_a = np.abs(y - ref_a).max() / scale
+    assert err_a < tol_a, f"{qtype.name} M={m} K={k} N={n}: max error {err_a:.2e} of max |y| vs the quantized-x reference"
+    ref_b = x.astype(np.float64) @ w.astype(np.float64).T
+    err_b = np.linalg.norm(y - ref_b) / np.linalg.norm(ref_b)
+    assert err_b < tol_b, f"{qtype.name} M={m} K={k} N={n}: relative error {err_b:.2e} vs the float product"
+    if m >= 3:
+        assert np.all(y[2] == 0.0)  # an all-zero row of x gives exact zeros
+
+
+@pytest.mark.parametrize("m", MS)
+@pytest.mark.parametrize("shape", [0, 1], ids=["one-chunk", "chunks-tails"])
+@pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
+def test_quant_linear_matches_references(ops, qtype, shape, m):
+    k, n = SHAPES[256 if qtype in K_QUANTS else 32][shape]
+    check(ops, qtype, m, k, n)
+
+
+def test_types_and_layout_sizes(ops):
+    assert sorted(ops.quant_gemm_types()) == sorted(int(t) for t in TYPES)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_0], ids=["Q4_K", "Q5_0"])
+def test_strided_rows_and_leading_dims(ops, qtype):
+    """Weight rows read through a row stride (a slice of a wider buffer, e.g. one part of a fused
+    projection), and x with leading dimensions: the same numbers as the contiguous call."""
+    k, n = SHAPES[256 if qtype in K_QUANTS else 32][0]
+    data, _ = make_weight(qtype, n, k)
+    wide = np.zeros((n, data.shape[1] + 40), dtype=np.uint8)
+    wide[:, 7 : 7 + data.shape[1]] = data
+    strided = torch.from_numpy(wide)[:, 7 : 7 + data.shape[1]]
+    assert not strided.is_contiguous()
+    x = torch.from_numpy(make_x(6, k))
+    want = ops.quant_linear(x, torch.from_numpy(data), int(qtype), k)
+    got = ops.quant_linear(x.view(2, 3, k), strided, int(qtype), k)
+    assert tuple(got.shape) == (2, 3, n)
+    assert torch.equal(got.reshape(6, n), want)
+
+
+def test_bad_arguments(ops):
+    data, _ = make_weight(Q.Q4_0, 8, 64)
+    w = torch.from_numpy(data)
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="unsupported ggml type"):
+        ops.quant_linear(x, w, int(Q.Q2_K), 64)
+    with pytest.raises(RuntimeError, match="bytes, expected"):
+        ops.quant_linear(x, w, int(Q.Q8_0), 64)
+    with pytest.raises(RuntimeError, match="multiple of"):
+        ops.quant_linear(torch.randn(2, 48), w, int(Q.Q4_0), 48)
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.quant_linear(x.double(), w, int(Q.Q4_0), 64)
+    assert tuple(ops.quant_linear(torch.zeros(0, 64), w, int(Q.Q4_0), 64).shape) == (0, 8)
