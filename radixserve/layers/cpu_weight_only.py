@@ -60,6 +60,8 @@ def convert_to_weight_only(model: nn.Module) -> None:
         kept += p.dim() == 2 and p.numel() > 0
         p.data = p.data.float()
     for m in embeddings:
+        if getattr(m.weight, "gguf_blocks", None) is not None:  # multiplied in a GGUF file's blocks
+            continue
         if getattr(m, "weight_packed", True) is None:  # an LM head the GEMM could not take: float32
             m.weight = nn.Parameter(m.weight.detach().float(), requires_grad=False)
             kept += 1

@@ -15,6 +15,13 @@ from radixserve.distributed.parallel_state import (
 )
 from radixserve.layers import cpu_kernels
 from radixserve.layers.linear import PackedWeight, _copy, linear, pack_cpu_weight
+from radixserve.layers.quantization import QuantizedWeight, quant_matmul
+
+
+def gguf_blocks(weight: torch.Tensor) -> Optional[QuantizedWeight]:
+    """This rank's rows of the table in a GGUF file's blocks, when it was loaded so. Kept on the
+    Parameter itself: a tied LM head holds the very same Parameter as the embedding."""
+    return getattr(weight, "gguf_blocks", None)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -25,17 +32,25 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings = num_embeddings
         self.shard_size = -(-num_embeddings // self.tp_size)  # padded so every rank is equal
         self.vocab_start = self.tp_rank * self.shard_size
+        self.embedding_dim = embedding_dim
         self.weight = nn.Parameter(torch.zeros(self.shard_size, embedding_dim), requires_grad=False)
         # The hidden states' dtype when it differs from the table's (the CPU's bf16 mode: a bf16
         # table, float32 activations; layers/cpu_weight_only.py). None: the table's.
         self.output_dtype: Optional[torch.dtype] = None
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
-        if loaded.shape[1:] != param.shape[1:] or loaded.shape[0] != self.num_embeddings:
-            raise ValueError(
-                f"expected shape ({self.num_embeddings}, {param.shape[1]}), got {tuple(loaded.shape)}"
-            )
+        dim = self.embedding_dim
+        if tuple(loaded.shape[1:]) != (dim,) or loaded.shape[0] != self.num_embeddings:
+            raise ValueError(f"expected shape ({self.num_embeddings}, {dim}), got {tuple(loaded.shape)}")
         n = min(self.shard_size, self.num_embeddings - self.vocab_start)
+        if isinstance(loaded, QuantizedWeight):  # kept in its blocks; the float table is freed
+            rows = loaded.narrow(0, self.vocab_start, n)
+            param.gguf_blocks = QuantizedWeight(rows.qtype, rows.data.clone(), dim)
+            param.data = torch.empty(0, dim, dtype=param.dtype)
+            return
+        if param.numel() == 0:  # held in blocks until now (a weight update from another format)
+            param.data = torch.zeros(self.shard_size, dim, dtype=param.dtype)
+            param.gguf_blocks = None
         _copy(param.data[:n], loaded[self.vocab_start : self.vocab_start + n])
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -48,6 +63,12 @@ class VocabParallelEmbedding(nn.Module):
         return tensor_model_parallel_all_reduce(out)
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        blocks = gguf_blocks(self.weight)
+        if blocks is not None:  # dequantize just the rows looked up
+            flat = ids.reshape(-1)
+            rows = QuantizedWeight(blocks.qtype, blocks.data.index_select(0, flat), blocks.cols).dequantize()
+            out = rows.reshape(*ids.shape, blocks.cols).to(self.output_dtype or self.weight.dtype)
+            return out
         out = F.embedding(ids, self.weight)
         return out if self.output_dtype is None else out.to(self.output_dtype)
 
@@ -65,10 +86,19 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.refine_top_k = 0
 
     def pack_cpu_weight(self) -> bool:
+        if gguf_blocks(self.weight) is not None:  # multiplied in its blocks
+            return False
         self.weight_packed = pack_cpu_weight(self.weight)  # the original stays (the embedding)
         return self.weight_packed is not None
 
     def get_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        blocks = gguf_blocks(self.weight)
+        if blocks is not None:
+            logits = quant_matmul(hidden.reshape(-1, hidden.shape[-1]).float().contiguous(), blocks)
+            logits = F.pad(logits, (0, self.shard_size - logits.shape[-1]))  # the last rank's padding rows
+            if self.tp_size > 1:
+                logits = tensor_model_parallel_all_gather(logits, dim=-1)
+            return logits[..., : self.num_embeddings]
         logits = linear(hidden, self.weight, self.weight_packed)
         if self.refine_top_k and logits.dtype == torch.float32:
             # The GEMM rounded the hidden states to bf16; the largest logits, what greedy choice,

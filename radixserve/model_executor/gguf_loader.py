@@ -42,8 +42,9 @@ _BLOCK = {
     "ffn_down": "mlp.down_proj",
 }
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
-# The linear layers' weights: the tensors that may stay in their blocks.
+# The linear layers' weights, and the embedding and LM head: the tensors that may stay in their blocks.
 _LINEAR_RE = re.compile(r"^blk\.\d+\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)\.weight$")
+_VOCAB = ("token_embd.weight", "output.weight")
 # Folded into the config instead (rope_freqs: the llama3 rope scaling, see ModelConfig.from_gguf).
 _SKIP = {"rope_freqs.weight"}
 _PERMUTED_ARCHS = ("llama", "mistral")
@@ -115,7 +116,7 @@ def _iterate(reader: Any, config: ModelConfig, dtype: torch.dtype, path: str,
         name = hf_name(t.name)
         if name is None or (keep is not None and not keep(name)):
             continue
-        if int(t.tensor_type) in block_types and _LINEAR_RE.match(t.name):
+        if int(t.tensor_type) in block_types and (_LINEAR_RE.match(t.name) or t.name in _VOCAB):
             # The file's blocks, copied out of the memory map: [rows, row bytes], rows as the HF
             # checkpoint's (ggml shapes are innermost first: (cols, rows)).
             with warnings.catch_warnings():  # a read-only view of the memory map, read once here

@@ -162,6 +162,7 @@ class MemorySaverAdapter:
         out += [m.weight_packed.data for m in model.modules() if isinstance(getattr(m, "weight_packed", None), PackedWeight)]
         out += [s.data for m in model.modules() if isinstance(getattr(m, "quant_method", None), GGUFLinearMethod)
                 for s in m.quant_method.ordered]  # GGUF weights kept in their blocks
+        out += [p.gguf_blocks.data for p in model.parameters() if getattr(p, "gguf_blocks", None) is not None]
         return out
 
     # ---- release / resume -------------------------------------------------------------------

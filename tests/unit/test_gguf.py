@@ -193,6 +193,9 @@ def test_synthetic_gguf_kept_in_blocks_matches_transformers(arch, tmp_path, torc
     assert [s.qtype for s in qkv.ordered] == [Q.Q8_0, Q.Q4_1, None]  # q, k in blocks; v (F16) as floats
     held = sum(s.data.nbytes for m in layers for s in m.quant_method.ordered if s.qtype is not None)
     assert held == file_block_bytes(path)
+    # the embedding and the LM head (Q8_0 in the file) too: rows looked up / multiplied in blocks
+    tables = [runner.model.model.embed_tokens.weight, runner.model.lm_head.weight]
+    assert all(t.gguf_blocks.qtype == Q.Q8_0 and t.numel() == 0 for t in tables)
 
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (7, 23)]

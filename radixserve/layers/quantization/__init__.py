@@ -10,6 +10,6 @@ layer starts unquantized; the first QuantizedWeight its weight_loader is handed 
 GGUFLinearMethod, so a checkpoint chooses its own method and the model files never change."""
 
 from radixserve.layers.quantization.base import LinearMethodBase
-from radixserve.layers.quantization.gguf import GGUFLinearMethod, QuantizedWeight, kernel_types
+from radixserve.layers.quantization.gguf import GGUFLinearMethod, QuantizedWeight, kernel_types, quant_matmul
 
-__all__ = ["GGUFLinearMethod", "LinearMethodBase", "QuantizedWeight", "kernel_types"]
+__all__ = ["GGUFLinearMethod", "LinearMethodBase", "QuantizedWeight", "kernel_types", "quant_matmul"]

@@ -11,8 +11,9 @@ apply() multiplies each with the C++ kernel (csrc/quant_kernels.cpp: activations
 block to 8 bits, integer dot products, as llama.cpp does) where it takes the type; otherwise it
 dequantizes a tile of rows at a time (never the whole matrix) and uses F.linear.
 
-Memory after load is the file's bytes for the linear layers; the embedding and the LM head are
-still dequantized at load (issue 38 keeps the LM head in its file type: not done yet)."""
+The embedding and the LM head keep their blocks too (vocab_parallel_embedding.py): the LM head
+multiplies them as a linear layer does, the embedding dequantizes the rows it looks up. Memory
+after load is then about the file's size.""" 
 
 from __future__ import annotations
 
@@ -134,11 +135,16 @@ class GGUFLinearMethod(LinearMethodBase):
     def _matmul(seg: Segment, x: torch.Tensor) -> torch.Tensor:
         if seg.qtype is None:
             return F.linear(x, seg.data)
-        if seg.qtype in kernel_types():
-            return cpu_kernels.get().quant_linear(x, seg.data, seg.qtype, x.shape[1])
-        # No kernel for this type here: a tile of rows at a time, so the float32 matrix never exists whole.
-        out = x.new_empty(x.shape[0], seg.rows)
-        for r in range(0, seg.rows, FALLBACK_TILE_ROWS):
-            tile = QuantizedWeight(seg.qtype, seg.data[r : r + FALLBACK_TILE_ROWS], x.shape[1]).dequantize()
-            out[:, r : r + tile.shape[0]] = F.linear(x, tile)
-        return out
+        return quant_matmul(x, QuantizedWeight(seg.qtype, seg.data, x.shape[1]))
+
+
+def quant_matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """float32 x [M, K] @ w^T: the C++ kernel where it takes w's type, else the torch fallback,
+    a tile of rows at a time, so the float32 matrix never exists whole."""
+    if w.qtype in kernel_types():
+        return cpu_kernels.get().quant_linear(x, w.data, w.qtype, w.cols)
+    out = x.new_empty(x.shape[0], w.shape[0])
+    for r in range(0, w.shape[0], FALLBACK_TILE_ROWS):
+        tile = w.narrow(0, r, min(FALLBACK_TILE_ROWS, w.shape[0] - r)).dequantize()
+        out[:, r : r + tile.shape[0]] = F.linear(x, tile)
+    return out
