@@ -39,12 +39,15 @@ from real_model import AGREEMENT_QUESTIONS, agreement_figures, chat_prompt_ids, 
 
 MAX_NEW = 32
 # name -> (Engine keyword arguments, C++ kernels on)
+# The bf16 configurations dequantize the GGUF (--quantization none): the bf16 mode, as a bf16
+# checkpoint runs; "gguf-blocks" keeps the file's Q4_1 blocks (issue 38), what a GGUF runs by default.
 RADIXSERVE = {
     "float32": ({"dtype": "float32"}, True),
-    "bf16": ({"dtype": "bfloat16"}, True),  # what the CPU runs by default on a bf16 checkpoint
-    "bf16-kv-fp16": ({"dtype": "bfloat16", "kv_cache_dtype": "float16"}, True),
-    "bf16-kv-fp32": ({"dtype": "bfloat16", "kv_cache_dtype": "float32"}, True),
-    "bf16-torch": ({"dtype": "bfloat16"}, False),  # RADIXSERVE_DISABLE_CPU_KERNELS=1: all in bf16
+    "bf16": ({"dtype": "bfloat16", "quantization": "none"}, True),  # what the CPU runs by default on a bf16 checkpoint
+    "bf16-kv-fp16": ({"dtype": "bfloat16", "kv_cache_dtype": "float16", "quantization": "none"}, True),
+    "bf16-kv-fp32": ({"dtype": "bfloat16", "kv_cache_dtype": "float32", "quantization": "none"}, True),
+    "bf16-torch": ({"dtype": "bfloat16", "quantization": "none"}, False),  # RADIXSERVE_DISABLE_CPU_KERNELS=1: all in bf16
+    "gguf-blocks": ({"dtype": "bfloat16", "quantization": "gguf"}, True),  # the file's blocks, 8-bit activations
 }
 
 Answer = Tuple[List[int], List[float]]  # (token ids, logprob of each)
@@ -142,6 +145,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engines", default=",".join(RADIXSERVE), help=f"radixserve configurations: {', '.join(RADIXSERVE)}")
     ap.add_argument("--llama-url", default=None, help="a llama-server serving the BF16 GGUF of the same model")
+    ap.add_argument("--llama-label", default="llama.cpp BF16", help="its row's name (e.g. llama.cpp Q4_1 for the file itself)")
     ap.add_argument("--num-prompts", type=int, default=len(AGREEMENT_QUESTIONS))
     ap.add_argument("--out", default=None, help="write the table as JSON here")
     args = ap.parse_args()
@@ -168,7 +172,7 @@ def main() -> None:
             raise SystemExit(f"unknown engine {name!r}: {', '.join(RADIXSERVE)}")
         rows[f"radixserve {name}"] = compare(ref, *radixserve_answers(name, gguf, prompts, ref, eos), eos)
     if args.llama_url:
-        rows["llama.cpp BF16"] = compare(ref, *llamacpp_answers(args.llama_url, prompts, ref, eos), eos)
+        rows[args.llama_label] = compare(ref, *llamacpp_answers(args.llama_url, prompts, ref, eos), eos)
 
     print(f"| engine ({len(prompts)} chat prompts, greedy, {MAX_NEW} tokens) | agree with float32 | mean equal prefix "
           f"| teacher-forced abs dlogprob: mean | p99 | max |")

@@ -53,7 +53,9 @@ start() {  # ENGINE
   esac
   SERVER_PID=$!
   for _ in $(seq 900); do
-    curl -sf "http://127.0.0.1:$PORT/health" > /dev/null 2>&1 && return 0
+    # llama-server answers /health before its model is loaded on some builds: a real request decides
+    curl -sf "http://127.0.0.1:$PORT/v1/completions" -H 'Content-Type: application/json' \
+      -d '{"prompt": "hi", "max_tokens": 1}' > /dev/null 2>&1 && return 0
     kill -0 "$SERVER_PID" 2>/dev/null || { tail -n 20 "$CACHE/quantized_$1.log" >&2; exit 1; }
     sleep 1
   done

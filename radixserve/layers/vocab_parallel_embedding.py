@@ -33,7 +33,10 @@ class VocabParallelEmbedding(nn.Module):
         self.shard_size = -(-num_embeddings // self.tp_size)  # padded so every rank is equal
         self.vocab_start = self.tp_rank * self.shard_size
         self.embedding_dim = embedding_dim
-        self.weight = nn.Parameter(torch.zeros(self.shard_size, embedding_dim), requires_grad=False)
+        # Uninitialised (untouched memory: a GGUF table kept in blocks never makes it resident)
+        # except the padding rows past the vocabulary, which the LM head turns into logits too.
+        self.weight = nn.Parameter(torch.empty(self.shard_size, embedding_dim), requires_grad=False)
+        self.weight.data[max(0, num_embeddings - self.vocab_start):].zero_()
         # The hidden states' dtype when it differs from the table's (the CPU's bf16 mode: a bf16
         # table, float32 activations; layers/cpu_weight_only.py). None: the table's.
         self.output_dtype: Optional[torch.dtype] = None

@@ -64,15 +64,17 @@ def get_model(config: ModelConfig, load_format: str, dtype: torch.dtype, device:
         weights = iterate_safetensors(config.model_path, keep)
     with torch.device(device):
         model = model_cls(config)
-    # Cast before loading: the (still untouched) float32 parameters are never filled, so a
-    # bf16 model never holds a float32 copy of its weights; each tensor is cast as it is copied in.
-    model = model.to(dtype=dtype)
+    # The layers that keep a GGUF's blocks drop their float weights first, before the cast below
+    # would write (and so make resident) a bf16 copy of them.
     for name in gguf_block_tensors(config, block_types) if load_format != "dummy" else ():
         if keep is not None and not keep(name):  # another pipeline stage's layer
             continue
         layer = model.get_submodule(param_name_for(name, model.stacked_params_mapping)[0].rsplit(".", 1)[0])
         if not isinstance(layer.quant_method, GGUFLinearMethod):  # a fused layer: once for its parts
             layer.use_quant_method(GGUFLinearMethod())
+    # Cast before loading: the (still untouched) float32 parameters are never filled, so a
+    # bf16 model never holds a float32 copy of its weights; each tensor is cast as it is copied in.
+    model = model.to(dtype=dtype)
     model.load_weights(weights)
     return model.to(dtype=dtype).eval()
 

@@ -25,7 +25,7 @@ from radixserve.layers.layernorm import RMSNorm
 from radixserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from radixserve.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from radixserve.layers.radix_attention import RadixAttention
-from radixserve.layers.rotary_embedding import RotaryEmbedding
+from radixserve.layers.rotary_embedding import get_rope
 from radixserve.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from radixserve.models.model_config import ModelConfig
 from radixserve.models.weight_utils import NamedWeight, call_weight_loader, load_named_weights
@@ -75,7 +75,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(
             config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.o_bias
         )
-        self.rotary_emb = RotaryEmbedding(
+        self.rotary_emb = get_rope(
             self.head_dim,
             config.max_position_embeddings,
             config.rope_theta,
