@@ -102,6 +102,48 @@ def reference():
     return path, prompts, eos, answers, logprobs, gaps, continued
 
 
+# The file's own Q4_1 blocks (issue 38: --quantization gguf, the default on a GGUF in the bf16 mode)
+# against llama.cpp running the same file, both against the same float32 reference. Measured once,
+# 2026-11-26: `python benchmarks/cpu/bf16_agreement.py --engines gguf-blocks,bf16 --llama-url ...
+# --llama-label "llama.cpp Q4_1 (the file)"` with `llama-server -m SmolLM2-135M-Instruct.Q4_1.gguf
+# -t 2 -c 4096` (benchmarks/cpu/gguf_agreement.json): llama.cpp 21 / 64, mean 0.0373, p99 0.203,
+# max 0.434; radixserve 24 / 64, mean 0.0380, p99 0.201, max 0.519. Both quantize the activations
+# to 8 bits per block; radixserve's mean is 2% above llama.cpp's and its max 20% (one token).
+# Held: agreement and p99 at llama.cpp's, the mean and max at 5% / 25% above it.
+LLAMACPP_Q41_AGREE = 21
+LLAMACPP_Q41_TF_MEAN = 0.0373
+LLAMACPP_Q41_TF_P99 = 0.203
+LLAMACPP_Q41_TF_MAX = 0.434
+
+
+def teacher_forced(engine: Engine, prompts: List[List[int]], answers: List[List[int]]) -> List[List[float]]:
+    """Our logprob of each token of float32's answers (prompt + answer as the input)."""
+    forced = []
+    for p, a in zip(prompts, answers):
+        o = engine.generate(input_ids=p + a, sampling_params={"max_new_tokens": 1, "temperature": 0},
+                            return_logprob=True, logprob_start_len=len(p), progress=False)
+        forced.append([lp for lp, _, _ in o["meta_info"]["input_token_logprobs"]])
+    assert [len(f) for f in forced] == [len(a) for a in answers]
+    return forced
+
+
+def test_gguf_blocks_answer_as_llamacpp_does_on_the_file(reference):
+    path, prompts, eos, answers, ref_logprobs, gaps, _ = reference
+    engine = Engine(str(path), dtype="bfloat16", max_total_tokens=16384, quantization="gguf")
+    layer = engine.scheduler.tp_worker.model_runner.model.model.layers[0].mlp.down_proj
+    assert [s.qtype for s in layer.quant_method.ordered] == [3]  # Q4_1, in its blocks
+    fig = agreement_figures(answers, ref_logprobs, greedy(engine, prompts), teacher_forced(engine, prompts, answers),
+                            eos, ref_gaps=gaps)
+    report = (f"{fig['agree']} / {fig['prompts']} equal float32's (llama.cpp on the file: {LLAMACPP_Q41_AGREE}); "
+              f"teacher-forced |dlogprob| mean {fig['tf_dlogprob_mean']:.4f}, p99 {fig['tf_dlogprob_p99']:.3f}, "
+              f"max {fig['tf_dlogprob_max']:.3f}")
+    print(report)
+    assert fig["agree"] >= LLAMACPP_Q41_AGREE, report
+    assert fig["tf_dlogprob_p99"] <= LLAMACPP_Q41_TF_P99, report
+    assert fig["tf_dlogprob_mean"] <= 1.05 * LLAMACPP_Q41_TF_MEAN, report
+    assert fig["tf_dlogprob_max"] <= 1.25 * LLAMACPP_Q41_TF_MAX, report
+
+
 def test_bf16_answers_as_well_as_llamacpp(reference):
     path, prompts, eos, answers, ref_logprobs, gaps, continued = reference
     if not weight_only_available(torch.bfloat16, "cpu"):
@@ -116,12 +158,7 @@ def test_bf16_answers_as_well_as_llamacpp(reference):
     france = engine.tokenizer.decode(outs[AGREEMENT_QUESTIONS.index("What is the capital of France?")])
     assert "Paris" in france, france  # the README's quick start
 
-    forced = []
-    for p, a in zip(prompts, answers):  # teacher-forced along float32's answer, its EOS included
-        o = engine.generate(input_ids=p + a, sampling_params={"max_new_tokens": 1, "temperature": 0},
-                            return_logprob=True, logprob_start_len=len(p), progress=False)
-        forced.append([lp for lp, _, _ in o["meta_info"]["input_token_logprobs"]])
-    assert [len(f) for f in forced] == [len(a) for a in answers]
+    forced = teacher_forced(engine, prompts, answers)  # along float32's answer, its EOS included
     fig = agreement_figures(answers, ref_logprobs, outs, forced, eos, ref_gaps=gaps)
     differ = {i: d for i, d in enumerate(fig["first_diffs"]) if d[0] is not None}
     report = (f"{fig['agree']} / {fig['prompts']} answers equal float32's, whole sequence (llama.cpp: {LLAMACPP_AGREE}); "
