@@ -83,19 +83,3 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, cfg: Dict[str, Any]) -> torch.Tenso
     is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return torch.where(is_medium, smoothed, scaled)
 
-
-_ROPE_CACHE: Dict[Tuple[Any, ...], RotaryEmbedding] = {}
-
-
-def get_rope(head_dim: int, max_position: int, base: float, rope_scaling: Optional[Dict[str, Any]] = None,
-             partial_rotary_factor: float = 1.0) -> RotaryEmbedding:
-    """One RotaryEmbedding per distinct configuration (and device), shared by every layer that asks
-    for it (SGLang's get_rope): its cos/sin tables are max_position x rotary_dim floats, 32 MB for a
-    32k context, and a copy per layer came to 0.9 GB on Qwen2.5-1.5B."""
-    import json
-
-    key = (head_dim, max_position, float(base), json.dumps(rope_scaling, sort_keys=True), float(partial_rotary_factor),
-           str(torch.get_default_device()))
-    if key not in _ROPE_CACHE:
-        _ROPE_CACHE[key] = RotaryEmbedding(head_dim, max_position, base, rope_scaling, partial_rotary_factor)
-    return _ROPE_CACHE[key]
