@@ -8,7 +8,8 @@
 Each parameter carries a `weight_loader(param, loaded_weight, shard_id=None)` that copies the
 rank's slice of a full checkpoint tensor, so checkpoints load the same way for any tp size.
 How a layer holds and applies its weight is its `quant_method` (layers/quantization/):
-UnquantizedLinearMethod here, or GGUFLinearMethod once a GGUF tensor in its blocks is loaded.
+UnquantizedLinearMethod here, or GGUFLinearMethod for a GGUF's blocks (model_loader gives it to
+the layers whose tensors stay in blocks, before loading).
 With tp_size 1 every layer is a plain F.linear, except on a CPU with AVX512_BF16 in bf16: there
 `pack_cpu_weights` repacks each weight once for the C++ GEMM (cpu_kernels.bf16_linear, 2-4x
 torch's at decode batch sizes) and frees the original layout, so the weights are held once.

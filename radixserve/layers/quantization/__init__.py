@@ -5,9 +5,10 @@ holds its weight the way a checkpoint format wants and applies it (x @ W^T).
   gguf.py   QuantizedWeight (a GGUF tensor still in its blocks) and GGUFLinearMethod, which keeps
             the blocks and multiplies them with the C++ integer kernel (csrc/quant_kernels.cpp)
 
-linear.py's UnquantizedLinearMethod is the default (F.linear, or the CPU's packed bf16 GEMM). A
-layer starts unquantized; the first QuantizedWeight its weight_loader is handed switches it to
-GGUFLinearMethod, so a checkpoint chooses its own method and the model files never change."""
+linear.py's UnquantizedLinearMethod is the default (F.linear, or the CPU's packed bf16 GEMM).
+model_executor/model_loader.py gives GGUFLinearMethod, before loading, to the layers whose GGUF
+tensors stay in their blocks (--quantization), so the checkpoint chooses the method and the model
+files never change."""
 
 from radixserve.layers.quantization.base import LinearMethodBase
 from radixserve.layers.quantization.gguf import GGUFLinearMethod, QuantizedWeight, kernel_types, quant_matmul
