@@ -52,10 +52,6 @@ class UnquantizedLinearMethod(LinearMethodBase):
     def apply(self, layer: "LinearBase", x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         return linear(x, layer.weight, layer.weight_packed, bias)
 
-    def weight_bytes(self, layer: "LinearBase") -> int:
-        w = layer.weight_packed.data if layer.weight_packed is not None else layer.weight
-        return w.numel() * w.element_size()
-
 
 UNQUANTIZED = UnquantizedLinearMethod()  # it keeps no state of its own: one for every layer
 

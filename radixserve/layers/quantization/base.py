@@ -17,7 +17,3 @@ class LinearMethodBase:
 
     def apply(self, layer: Any, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         raise NotImplementedError
-
-    def weight_bytes(self, layer: Any) -> int:
-        """The bytes a forward reads of the weight (for the step-cost tables)."""
-        raise NotImplementedError

@@ -120,9 +120,6 @@ class GGUFLinearMethod(LinearMethodBase):
         self.segments[offset] = seg
         self.ordered = sorted(self.segments.values(), key=lambda s: s.offset)
 
-    def weight_bytes(self, layer: Any) -> int:
-        return sum(s.data.numel() * s.data.element_size() for s in self.ordered)
-
     def apply(self, layer: Any, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
         parts = [self._matmul(s, x2) for s in self.ordered]
