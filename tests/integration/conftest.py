@@ -103,6 +103,13 @@ class ServerProcess:
     def read_log(self) -> str:
         return Path(self.log.name).read_text(errors="replace")
 
+    def tp_rank_pid(self, tp_rank: int) -> int:
+        """The pid a TP rank's scheduler logs when it is ready (not a guess from pid order)."""
+        m = re.search(rf"scheduler TP{tp_rank}\] Scheduler ready \(pid (\d+)\)", self.read_log())
+        assert m, self.read_log()
+        assert int(m.group(1)) in self.children
+        return int(m.group(1))
+
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT
         while time.monotonic() < deadline:

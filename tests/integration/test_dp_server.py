@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import random
-import re
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -43,19 +42,11 @@ def test_dp2_serves_64_concurrent_requests_like_dp1(http, method):
     assert_children_gone(srv.children)
 
 
-def _tp_rank_pid(srv: ServerProcess, tp_rank: int) -> int:
-    """The pid a TP rank's scheduler logs when it is ready (not a guess from pid order)."""
-    m = re.search(rf"scheduler TP{tp_rank}\] Scheduler ready \(pid (\d+)\)", srv.read_log())
-    assert m, srv.read_log()
-    assert int(m.group(1)) in srv.children
-    return int(m.group(1))
-
-
 def test_killing_a_tp_rank_takes_the_server_down():
     srv = ServerProcess("--tp-size", "2", "--max-total-tokens", "2000")
     try:
         children = srv.children
-        target = _tp_rank_pid(srv, 1)  # a rank other than the one that talks to the server
+        target = srv.tp_rank_pid(1)  # a rank other than the one that talks to the server
         with srv.client() as c:
             assert target != c.get("/get_server_info").json()["scheduler_pid"]
         os.kill(target, signal.SIGKILL)

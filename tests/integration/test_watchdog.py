@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import signal
 import threading
 import time
@@ -86,20 +85,13 @@ def test_watchdog_quiet_when_idle_or_progressing():
 WATCHDOG_TIMEOUT = 3.0
 
 
-def _tp_rank_pid(srv: ServerProcess, tp_rank: int) -> int:
-    m = re.search(rf"scheduler TP{tp_rank}\] Scheduler ready \(pid (\d+)\)", srv.read_log())
-    assert m, srv.read_log()
-    assert int(m.group(1)) in srv.children
-    return int(m.group(1))
-
-
 def test_watchdog_ends_a_server_whose_scheduler_hangs():
     """--tp-size 2: TP rank 1 is stopped (SIGSTOP) while a request decodes, so rank 0 waits in a
     collective that never completes: work, no progress. Rank 0's watchdog dumps the stacks and
     exits 1; the server then fails the request and exits 1, in that order, within a deadline."""
     srv = ServerProcess("--tp-size", "2", "--max-total-tokens", "2000",
                         "--watchdog-timeout", str(WATCHDOG_TIMEOUT), "--grammar-timeout", "1")
-    rank1 = _tp_rank_pid(srv, 1)
+    rank1 = srv.tp_rank_pid(1)
     try:
         with srv.client() as c:
             rank0 = c.get("/get_server_info").json()["scheduler_pid"]
