@@ -12,6 +12,9 @@ logits: transformers in float32 on those weights is the reference. transformers 
   measured at every position. Pass: radixserve's max and mean errors are at most 2x those of
   transformers' own bf16 run, and its top-1 agrees with the reference as often (-1 point).
   That makes "bf16 tolerance" the noise floor bf16 itself has on these weights.
+mbu: decode step time and model-bandwidth utilization of one ModelRunner at the given batch
+  sizes, with CUDA graphs and eager (the same runner, its graph runner set aside), dummy weights
+  drawn on the device (their values do not change the bytes a step reads).
 idle: the device's idle share between kernels while the overlap loop decodes (from a
   torch.profiler trace of an Engine run), beside the normal loop's.
 
@@ -171,6 +174,62 @@ def check_logits(model_dir: str, attention_backend: str, disable_cuda_graph: boo
             "transformers_bf16_vs_fp32": hf_bf16, "radixserve_bf16_vs_fp32": ours, "passed": passed}
 
 
+# ---- mbu ----------------------------------------------------------------------------------------
+def config_only_dir(name: str, out_dir: str) -> str:
+    """A directory holding only config.json (for --load-format dummy: no weights written)."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(CONFIGS[name], f)
+    return out_dir
+
+
+def dummy_weights_on_device(config: Any, seed: int, keep: Any = None):
+    """model_loader.dummy_weights' names and scales, drawn on the device: the host's generator
+    takes most of a minute for 8 B values, and a timing does not depend on them."""
+    from radixserve.model_executor.model_loader import checkpoint_shapes
+
+    torch.manual_seed(seed)
+    for name, shape in checkpoint_shapes(config).items():
+        scale = shape[-1] ** -0.5 if len(shape) > 1 else 0.02
+        tensor = torch.ones(shape, device=device()) if name.endswith("norm.weight") else \
+            torch.randn(*shape, device=device()) * scale
+        if keep is None or keep(name):
+            yield name, tensor, "dummy"
+
+
+def decode_mbu(name: str, batch_sizes: Sequence[int], input_len: int, decode_steps: int) -> Dict[str, Any]:
+    from radixserve.bench import one_batch
+    from radixserve.model_executor import model_loader
+    from radixserve.server_args import ServerArgs
+
+    model_loader.dummy_weights = dummy_weights_on_device
+    model_dir = config_only_dir(name, f"/tmp/{name}-config")
+    args = ServerArgs(model_path=model_dir, load_format="dummy", dtype="bfloat16", attention_backend="triton",
+                      max_total_tokens=max(batch_sizes) * (input_len + decode_steps + 8) + 64,
+                      max_running_requests=max(batch_sizes), cuda_graph_max_bs=max(batch_sizes),
+                      context_length=input_len + decode_steps + 8)
+    t0 = time.perf_counter()
+    driver = one_batch._OursDriver(args)
+    load_s = time.perf_counter() - t0
+    runner = driver.runner
+    graphs = runner.cuda_graph_runner
+    bandwidth = one_batch.measure_mem_bandwidth_gbs(runner.device)
+    rows = []
+    for bs in batch_sizes:
+        prompts = torch.randint(2, runner.model_config.vocab_size, (bs, input_len))
+        for use_graphs in (True, False):
+            runner.cuda_graph_runner = graphs if use_graphs else None
+            row = {"batch_size": bs, "cuda_graph": use_graphs and graphs is not None,
+                   "ours": one_batch._measure({"ours": driver}, prompts, decode_steps)["ours"]}
+            one_batch.add_mbu(row, runner, input_len, decode_steps, bandwidth)
+            rows.append(row)
+            print(f"bs {bs:3d} graphs {row['cuda_graph']!s:5}: {row['ours']['decode_ms_per_step']:.3f} ms/step, "
+                  f"{row['ours']['decode_gb_s']:.0f} GB/s, MBU {row['ours']['mbu']:.1%}", flush=True)
+    runner.cuda_graph_runner = graphs
+    return {"model": name, "input_len": input_len, "decode_steps": decode_steps, "load_s": load_s,
+            "mem_bandwidth_gbs": bandwidth, "rows": rows}
+
+
 # ---- idle -----------------------------------------------------------------------------------------
 def busy_union_us(intervals: List[tuple]) -> float:
     """Total length of the union of [start, end) intervals (kernels may overlap across streams)."""
@@ -224,6 +283,12 @@ def main(argv: Sequence[str] = None) -> int:
     lg.add_argument("--attention-backend", default="triton" if device() == "cuda" else "torch_native")
     lg.add_argument("--disable-cuda-graph", action="store_true")
     lg.add_argument("--output", default="")
+    mb = sub.add_parser("mbu")
+    mb.add_argument("name", choices=sorted(CONFIGS))
+    mb.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    mb.add_argument("--input-len", type=int, default=512)
+    mb.add_argument("--decode-steps", type=int, default=32)
+    mb.add_argument("--output", default="")
     idle = sub.add_parser("idle")
     idle.add_argument("model_dir")
     idle.add_argument("--num-reqs", type=int, default=64)
@@ -236,6 +301,8 @@ def main(argv: Sequence[str] = None) -> int:
         return 0
     if args.cmd == "logits":
         report = check_logits(args.model_dir, args.attention_backend, args.disable_cuda_graph)
+    elif args.cmd == "mbu":
+        report = decode_mbu(args.name, args.batch_sizes, args.input_len, args.decode_steps)
     else:
         if device() != "cuda":
             print("idle: needs a CUDA device (it reads kernel times from the profiler)")

@@ -85,7 +85,7 @@ class _OursDriver:
         """One EXTEND forward of all prompts ([B, L]); returns the greedy next tokens [B]."""
         bs, n = prompts.shape
         locs = self._alloc(bs * n)
-        self.runner.req_to_token_pool.req_to_token[torch.tensor(rows), :n] = locs.view(bs, n).to(torch.int32)
+        self.runner.req_to_token_pool.write_spans(rows, [0] * bs, [n] * bs, locs)
         batch = ModelWorkerBatch(
             forward_mode=ForwardMode.EXTEND,
             input_ids=prompts.reshape(-1),
@@ -104,7 +104,7 @@ class _OursDriver:
         bs = len(rows)
         loc = self._alloc(bs)
         row_t = torch.tensor(rows, dtype=torch.int64)
-        self.runner.req_to_token_pool.req_to_token[row_t, torch.tensor(seq_lens_before)] = loc.to(torch.int32)
+        self.runner.req_to_token_pool.write((row_t, torch.tensor(seq_lens_before)), loc)
         seq_lens = [s + 1 for s in seq_lens_before]
         batch = ModelWorkerBatch(
             forward_mode=ForwardMode.DECODE,

@@ -68,7 +68,7 @@ class DecodePreallocQueue:
                 break
             budget_tokens -= need
             self.queue.pop(0)
-            dreq.kv_receiver.init(self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_committed_len],
+            dreq.kv_receiver.init(self.req_to_token_pool.req_to_token_cpu[req.req_pool_idx, : req.kv_committed_len],
                                   req.origin_input_ids)
             dreq.since = time.monotonic()
             out.append(dreq)
@@ -88,7 +88,7 @@ class DecodePreallocQueue:
             self.req_to_token_pool.free(rows[0])
             return False
         req.req_pool_idx = rows[0]
-        self.req_to_token_pool.req_to_token[req.req_pool_idx, :n] = slots.to(torch.int32)
+        self.req_to_token_pool.write((req.req_pool_idx, slice(0, n)), slots)
         req.fill_ids = list(req.origin_input_ids)
         req.prefix_indices = torch.empty(0, dtype=torch.int64)
         req.last_node = None
@@ -159,7 +159,7 @@ class DecodeDisaggregation:
         return done
 
     def _release(self, req: Req) -> None:
-        slots = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_committed_len].to(torch.int64)
+        slots = self.req_to_token_pool.req_to_token_cpu[req.req_pool_idx, : req.kv_committed_len].to(torch.int64)
         self.allocator.free(slots)
         self.req_to_token_pool.free(req.req_pool_idx)
         req.req_pool_idx, req.kv_committed_len = None, 0

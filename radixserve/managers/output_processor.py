@@ -150,7 +150,7 @@ class SchedulerOutputProcessor:
         held = max(req.kv_committed_len, req.kv_allocated_len)
         first_free = -(-kept // self.allocator.page_size) * self.allocator.page_size
         if first_free < held:
-            row = self.tree_cache.req_to_token_pool.req_to_token[req.req_pool_idx]
+            row = self.tree_cache.req_to_token_pool.req_to_token_cpu[req.req_pool_idx]
             self.allocator.free(row[first_free:held].to(torch.int64))
         req.kv_committed_len, req.kv_allocated_len = kept, 0
 

@@ -52,6 +52,7 @@ class FutureMap:
 
     def resolve_future(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Negative entries are placeholders: -i means "the token stored at index i"."""
+        input_ids = input_ids.to(self.token_ids_buf.device, non_blocking=True)  # the scheduler's are on the host
         return torch.where(input_ids < 0, self.token_ids_buf[torch.clamp(-input_ids, min=0)], input_ids)
 
     def store_to_map(self, future_indices: torch.Tensor, next_token_ids: torch.Tensor) -> None:
@@ -96,7 +97,13 @@ class ForwardThread:
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
         if self._error is not None:
             raise RuntimeError("the forward thread failed") from self._error
-        self._tasks.put((fn, args))
+        # On CUDA the task waits for the device work the submitting thread queued on its own
+        # stream before it (its req_to_token writes for this batch, say).
+        submitted = None
+        if self.cuda_stream is not None:
+            submitted = torch.cuda.Event()
+            submitted.record()
+        self._tasks.put((fn, args, submitted))
 
     def synchronize(self) -> None:
         done = threading.Event()
@@ -118,7 +125,9 @@ class ForwardThread:
             item = self._tasks.get()
             if item is None:
                 return
-            fn, args = item
+            fn, args, submitted = item
+            if submitted is not None:
+                self.cuda_stream.wait_event(submitted)
             self.busy.set()
             t0 = time.perf_counter()
             try:

@@ -469,7 +469,7 @@ class ScheduleBatch:
         """Slot of each request's token prefix_len-1 (-1 if none): paged alloc continues its page."""
         if self.token_to_kv_pool_allocator.page_size == 1:
             return [-1] * len(prefix_lens)
-        req_to_token = self.req_to_token_pool.req_to_token
+        req_to_token = self.req_to_token_pool.req_to_token_cpu
         return [int(req_to_token[r.req_pool_idx, p - 1]) if p > 0 else -1 for r, p in zip(self.reqs, prefix_lens)]
 
     # ---- extend ------------------------------------------------------------------------------
@@ -488,19 +488,17 @@ class ScheduleBatch:
         self.extend_lens = [r.extend_input_len for r in reqs]
         self.seq_lens_cpu = [len(r.fill_ids) for r in reqs]
         self.extend_num_tokens = sum(self.extend_lens)
-        req_to_token = self.req_to_token_pool.req_to_token
         # The cached prefix goes into the row first (a paged alloc reads the last prefix slot).
-        for r, p in zip(reqs, self.prefix_lens):
-            if p > 0:
-                req_to_token[r.req_pool_idx, :p] = r.prefix_indices.to(torch.int32)
+        cached = [(r, p) for r, p in zip(reqs, self.prefix_lens) if p > 0]
+        if cached:
+            self.req_to_token_pool.write_spans([r.req_pool_idx for r, _ in cached], [0] * len(cached),
+                                               [p for _, p in cached], torch.cat([r.prefix_indices for r, _ in cached]))
         if self.token_to_kv_pool_allocator.page_size == 1:
             out_cache_loc = self.alloc_token_slots(self.extend_num_tokens)
         else:
             out_cache_loc = self._alloc_paged(self.prefix_lens, self.seq_lens_cpu, self._last_locs(self.prefix_lens))
-        offset = 0
-        for r, p, n in zip(reqs, self.prefix_lens, self.extend_lens):
-            req_to_token[r.req_pool_idx, p : p + n] = out_cache_loc[offset : offset + n].to(torch.int32)
-            offset += n
+        self.req_to_token_pool.write_spans([r.req_pool_idx for r in reqs], self.prefix_lens, self.extend_lens,
+                                           out_cache_loc)
         for r in reqs:
             # Only prefix hits beyond what this request computed itself count as cached.
             r.count_cached_tokens(max(len(r.prefix_indices) - r.already_computed, 0))
@@ -586,7 +584,7 @@ class ScheduleBatch:
         else:
             new_lens = [s + 1 for s in locs_before]
             self.out_cache_loc = self._alloc_paged(locs_before, new_lens, self._last_locs(locs_before))
-        self.req_to_token_pool.req_to_token[self.req_pool_indices, self.seq_lens] = self.out_cache_loc.to(torch.int32)
+        self.req_to_token_pool.write((self.req_pool_indices, self.seq_lens), self.out_cache_loc)
         self.seq_lens = self.seq_lens + 1
         self.seq_lens_cpu = [s + 1 for s in self.seq_lens_cpu]
         for r in self.reqs:
@@ -606,7 +604,7 @@ class ScheduleBatch:
         page_size = self.token_to_kv_pool_allocator.page_size
         # Slots of the locked tree prefix stay in the tree; everything after is private.
         protected = 0 if self.tree_cache.disable else len(req.prefix_indices) // page_size * page_size
-        slots = self.req_to_token_pool.req_to_token[row, protected:seq_len].to(torch.int64)
+        slots = self.req_to_token_pool.req_to_token_cpu[row, protected:seq_len].to(torch.int64)
         self.token_to_kv_pool_allocator.free(slots)
         self.req_to_token_pool.free(row)
         if req.last_node is not None:

@@ -84,18 +84,13 @@ def req_to_token_rows(req_to_token: torch.Tensor, wb: ModelWorkerBatch) -> torch
     return torch.cat(rows).cpu()
 
 
-def write_req_to_token(req_to_token: torch.Tensor, wb: ModelWorkerBatch, rows: Optional[torch.Tensor]) -> None:
+def write_req_to_token(req_to_token_pool: Any, wb: ModelWorkerBatch, rows: Optional[torch.Tensor]) -> None:
     """A later stage: make its req_to_token agree with the first stage's for this batch."""
     if rows is None:  # DECODE: one new slot per request, at position seq_len - 1
-        idx = wb.req_pool_indices.to(req_to_token.device)
-        pos = wb.seq_lens.to(req_to_token.device) - 1
-        req_to_token[idx, pos] = wb.out_cache_loc.to(req_to_token.device, torch.int32)
+        req_to_token_pool.write((wb.req_pool_indices, wb.seq_lens - 1), wb.out_cache_loc)
         return
-    rows = rows.to(req_to_token.device)
-    offset = 0
-    for i, n in zip(wb.req_pool_indices.tolist(), wb.seq_lens_cpu):
-        req_to_token[i, :n] = rows[offset:offset + n]
-        offset += n
+    n = len(wb.seq_lens_cpu)
+    req_to_token_pool.write_spans(wb.req_pool_indices.tolist(), [0] * n, wb.seq_lens_cpu, rows)
 
 
 def proxy_to(proxy: Any, device: Any) -> Any:
@@ -179,7 +174,7 @@ class SchedulerPP:
         wb = batch.get_model_worker_batch()
         if s.grammar_backend is not None:  # the last stage applies it; the matchers have seen every token
             wb.token_bitmask = s.grammar_backend.fill_token_bitmask(batch.reqs, GrammarQueue.fail_request)
-        rows = None if wb.forward_mode.is_decode() else req_to_token_rows(s.req_to_token_pool.req_to_token, wb)
+        rows = None if wb.forward_mode.is_decode() else req_to_token_rows(s.req_to_token_pool.req_to_token_cpu, wb)
         t0 = time.perf_counter()
         proxy = s.tp_worker.forward_batch_generation(wb, skip_sample=True).logits_output
         t1 = time.perf_counter()
@@ -259,7 +254,7 @@ class PPStage:
 
     def _pp_launch_batch(self, msg: PPBatchMessage) -> None:
         wb: ModelWorkerBatch = msg.worker_batch
-        write_req_to_token(self.runner.req_to_token_pool.req_to_token, wb, msg.req_to_token_rows)
+        write_req_to_token(self.runner.req_to_token_pool, wb, msg.req_to_token_rows)
         wb.pp_proxy_tensors = proxy_to(msg.proxy, self.runner.device)  # _pp_recv_proxy_tensors
         t0 = time.perf_counter()
         result = self.tp_worker.forward_batch_generation(wb, skip_sample=not self.pp.is_last_rank)

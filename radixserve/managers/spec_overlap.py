@@ -84,22 +84,20 @@ def prepare_decode(batch: Any) -> None:
     batch.forward_mode = ForwardMode.DECODE
     batch.input_ids, batch.output_ids = batch.output_ids, None
     k = batch.spec_max_drafts
-    rows = batch.req_to_token_pool.req_to_token
-    width = rows.shape[1]
+    width = batch.req_to_token_pool.max_context_len
     bases = [held_len(r) for r in batch.reqs]
     targets = [max(reserve_target(r, k, width), b) for r, b in zip(batch.reqs, bases)]
     if any(t > b for t, b in zip(targets, bases)):
-        flat = batch.alloc_slots_after(bases, targets).to(torch.int32)
-        offset = 0
-        for r, b, t in zip(batch.reqs, bases, targets):
-            rows[r.req_pool_idx, b:t] = flat[offset : offset + t - b]
-            offset += t - b
+        flat = batch.alloc_slots_after(bases, targets)
+        batch.req_to_token_pool.write_spans([r.req_pool_idx for r in batch.reqs], bases,
+                                            [t - b for b, t in zip(bases, targets)], flat)
     for r, t in zip(batch.reqs, targets):
         r.kv_allocated_len = t
     known = [r.seqlen() for r in batch.reqs]
     positions = torch.tensor(known, dtype=torch.int64)[:, None] - 1 + torch.arange(2 * k + 2)
     # (on the host, as the verify step's other index tensors: the forward thread picks from it)
-    windows = rows[batch.req_pool_indices[:, None], positions.clamp(max=width - 1)].to(torch.int64).cpu()
+    rows = batch.req_to_token_pool.req_to_token_cpu
+    windows = rows[batch.req_pool_indices[:, None], positions.clamp(max=width - 1)].to(torch.int64)
     batch.seq_lens_cpu = known
     batch.seq_lens = torch.tensor(known, dtype=torch.int64)
     batch.out_cache_loc = windows[:, 0]  # nominal: the forward thread picks each request's slots

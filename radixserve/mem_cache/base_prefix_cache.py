@@ -170,7 +170,7 @@ def check_pages_conserved(tree_cache: BasePrefixCache, token_to_kv_pool_allocato
     row (its first kv_committed_len slots, or kv_allocated_len where speculation in the overlap
     loop reserved slots ahead), and no page is both free and held."""
     allocator = token_to_kv_pool_allocator
-    rows = req_to_token_pool.req_to_token
+    rows = req_to_token_pool.req_to_token_cpu
     held = [tree_cache.all_values_flatten().to(torch.int64)]
     held += [rows[r.req_pool_idx, : max(kv_committed_len(r), getattr(r, "kv_allocated_len", 0))].to(torch.int64)
              for r in live_reqs]

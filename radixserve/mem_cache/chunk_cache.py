@@ -23,8 +23,7 @@ class ChunkCache(BasePrefixCache):
     def __init__(self, req_to_token_pool: "ReqToTokenPool", token_to_kv_pool_allocator: "TokenToKVPoolAllocator"):
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
-        alloc = token_to_kv_pool_allocator
-        self.device = alloc.device if alloc is not None else "cpu"
+        self.device = "cpu"  # slot indices are host tensors (the allocator's), wherever the KV is
         self.reset()
 
     def reset(self) -> None:
@@ -41,13 +40,13 @@ class ChunkCache(BasePrefixCache):
 
     def cache_finished_req(self, req: CacheReq, is_insert: bool = True) -> None:
         kv_len = kv_committed_len(req)
-        kv_indices = self.req_to_token_pool.req_to_token[req.req_pool_idx, :kv_len].to(torch.int64)
+        kv_indices = self.req_to_token_pool.req_to_token_cpu[req.req_pool_idx, :kv_len].to(torch.int64)
         self.token_to_kv_pool_allocator.free(kv_indices)
         self.req_to_token_pool.free(req.req_pool_idx)
 
     def cache_unfinished_req(self, req: CacheReq, chunked: bool = False) -> None:
         row = req.req_pool_idx
-        req.prefix_indices = self.req_to_token_pool.req_to_token[row, : len(req.fill_ids)].to(torch.int64)
+        req.prefix_indices = self.req_to_token_pool.req_to_token_cpu[row, : len(req.fill_ids)].to(torch.int64)
 
     def evict(self, num_tokens: int) -> int:
         return 0

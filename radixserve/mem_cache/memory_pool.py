@@ -19,13 +19,20 @@ from radixserve.layers import cpu_kernels
 
 class ReqToTokenPool:
     """A [size, max_context_len] int32 table: row r holds the KV slot of each token of the
-    request that owns row r. Rows are handed out and returned as whole requests come and go."""
+    request that owns row r. Rows are handed out and returned as whole requests come and go.
+
+    Two copies on a GPU: `req_to_token` on the device (the attention kernels read it) and
+    `req_to_token_cpu` on the host (the scheduler reads it without waiting for the device).
+    Every write goes through write() / write_spans(), which keep them equal. On the CPU they
+    are one tensor."""
 
     def __init__(self, size: int, max_context_len: int, device: str = "cpu"):
         self.size = size
         self.max_context_len = max_context_len
         self.device = device
         self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=device)
+        self.req_to_token_cpu = self.req_to_token if self.req_to_token.device.type == "cpu" else \
+            torch.zeros((size, max_context_len), dtype=torch.int32)
         self.free_slots: List[int] = list(range(size))
 
     def available_size(self) -> int:
@@ -43,7 +50,23 @@ class ReqToTokenPool:
         self.free_slots.extend(free_index)
 
     def write(self, indices, values: torch.Tensor) -> None:
-        self.req_to_token[indices] = values
+        """req_to_token[indices] = values in both copies (indices: what a tensor's [] takes)."""
+        values = values.to(torch.int32)
+        self.req_to_token_cpu[indices] = values.cpu()
+        if self.req_to_token_cpu is not self.req_to_token:
+            on_device = tuple(i.to(self.req_to_token.device) if isinstance(i, torch.Tensor) else i for i in indices) \
+                if isinstance(indices, tuple) else indices
+            self.req_to_token[on_device] = values.to(self.req_to_token.device, non_blocking=True)
+
+    def write_spans(self, rows: List[int], starts: List[int], lens: List[int], values: torch.Tensor) -> None:
+        """Row rows[i], positions starts[i] .. starts[i] + lens[i] - 1: the next lens[i] values,
+        in order (one write for a whole batch)."""
+        if not rows:
+            return
+        lens_t = torch.tensor(lens, dtype=torch.int64)
+        firsts = torch.cumsum(lens_t, 0) - lens_t  # each span's first index into values
+        cols = torch.arange(int(lens_t.sum())) + torch.repeat_interleave(torch.tensor(starts, dtype=torch.int64) - firsts, lens_t)
+        self.write((torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64), lens_t), cols), values)
 
     def clear(self) -> None:
         self.free_slots = list(range(self.size))

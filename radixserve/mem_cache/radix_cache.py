@@ -98,8 +98,7 @@ class RadixCache(BasePrefixCache):
         self.eviction_policy = eviction_policy.lower()
         if self.eviction_policy not in ("lru", "lfu"):
             raise ValueError(f"unknown eviction policy {eviction_policy!r}; choose 'lru' or 'lfu'")
-        alloc = token_to_kv_pool_allocator
-        self.device = alloc.device if alloc is not None else "cpu"
+        self.device = "cpu"  # slot indices are host tensors (the allocator's), wherever the KV is
         self._last_time = 0.0
         self.reset()
 
@@ -146,7 +145,7 @@ class RadixCache(BasePrefixCache):
     def cache_finished_req(self, req: CacheReq, is_insert: bool = True) -> None:
         """Hand a finished (or aborted) request's KV to the tree and release its row and lock."""
         kv_len = kv_committed_len(req)
-        kv_indices = self.req_to_token_pool.req_to_token[req.req_pool_idx, :kv_len].to(torch.int64)
+        kv_indices = self.req_to_token_pool.req_to_token_cpu[req.req_pool_idx, :kv_len].to(torch.int64)
         allocator = self.token_to_kv_pool_allocator
 
         if self.disable:
@@ -174,7 +173,7 @@ class RadixCache(BasePrefixCache):
         """Insert the KV computed so far (after a prefill chunk) and lock it for `req`."""
         token_ids = list(req.fill_ids)
         row = req.req_pool_idx
-        kv_indices = self.req_to_token_pool.req_to_token[row, : len(token_ids)].to(torch.int64)
+        kv_indices = self.req_to_token_pool.req_to_token_cpu[row, : len(token_ids)].to(torch.int64)
         if self.disable:
             req.prefix_indices = kv_indices
             return

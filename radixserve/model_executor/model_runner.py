@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from typing import Any, List, Optional, Tuple
@@ -141,6 +142,10 @@ class ModelRunner:
             self.kv_heads_per_rank(), cfg.head_dim, self.num_stage_layers(), self.kv_cache_dtype
         ) + self.draft_kv_bytes_per_token()
         if self.device == "cuda":
+            # Memory of objects already dropped (an engine made and failed before this one, in
+            # the same process) would count as used by others: collect and release it first.
+            gc.collect()
+            torch.cuda.empty_cache()
             free, _ = torch.cuda.mem_get_info()
             total = torch.cuda.get_device_properties(0).total_memory
             used_by_others = total - free

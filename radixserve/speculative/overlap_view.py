@@ -139,4 +139,4 @@ def slots_of(batch: Any, i: int, start: int, end: int) -> torch.Tensor:
     overlap loop from its reserved window (the row may be another request's by now)."""
     if isinstance(batch, DecodeView):
         return batch.slots(i, start, end)
-    return batch.req_to_token_pool.req_to_token[batch.reqs[i].req_pool_idx, start:end].to(torch.int64)
+    return batch.req_to_token_pool.req_to_token_cpu[batch.reqs[i].req_pool_idx, start:end].to(torch.int64)

@@ -48,10 +48,12 @@ def load_draft_runner(server_args: Any, target_worker: TpModelWorker) -> ModelRu
     if config.context_len < target_worker.context_len:
         raise ValueError(f"--speculative-draft-model-path {path}: context of {config.context_len} tokens is below "
                          f"the target's {target_worker.context_len}; lower --context-length")
-    # The draft is an ordinary model of its own path (no adapters, no speculation of its own).
+    # The draft is an ordinary model of its own path (no adapters, no speculation of its own),
+    # in the target's dtype (an EAGLE head takes the target's embeddings and hidden states).
     # Its decode steps run eagerly: the target's memory budget reserves no graph pool for it.
+    dtype = str(target_worker.model_runner.dtype).removeprefix("torch.")
     args = server_args.replace(model_path=path, speculative_algorithm=None, enable_lora=False, lora_paths=None,
-                               disable_cuda_graph=True)
+                               disable_cuda_graph=True, dtype=dtype)
     return ModelRunner(config, args, shared_slots=target_worker.get_memory_pool())
 
 

@@ -58,7 +58,7 @@ def alloc_draft_slots(batch: Any, num_drafts: List[int]) -> List[torch.Tensor]:
         locs = flat[offset : offset + k].to(torch.int64)
         offset += k
         if not isinstance(batch, DecodeView):
-            batch.req_to_token_pool.req_to_token[req.req_pool_idx, p + 1 : p + 1 + k] = locs.to(torch.int32)
+            batch.req_to_token_pool.write((req.req_pool_idx, slice(p + 1, p + 1 + k)), locs)
         out.append(locs)
     return out
 
@@ -157,7 +157,7 @@ def verify_batch_of(batch: Any, worker_batch: ModelWorkerBatch, drafts: List[Lis
 def commit(batch: Any, spec: ChainVerifyInput, out: ChainVerifyOutput) -> None:
     """KV of the accepted tokens stays, the rejected drafts' slots go back now; seq_lens and
     the sampling state follow the committed tokens."""
-    rows = batch.req_to_token_pool.req_to_token
+    rows = batch.req_to_token_pool.req_to_token_cpu
     ps = batch.token_to_kv_pool_allocator.page_size
     freed, new_lens = [], []
     for i, (req, k, a) in enumerate(zip(batch.reqs, spec.num_drafts, out.accept_lens)):

@@ -3,12 +3,17 @@ captured and replayed through an eager stand-in for CUDA graphs. The stand-in ke
 callable and the ForwardBatch built at capture and calls them again at replay, so only the
 contents of the static tensors change between replays, as on a GPU: anything a backend
 plans from Python-side values at capture stays frozen, and the comparisons below catch it.
-The real torch.cuda.CUDAGraph path needs a GPU and is not run here."""
+The real torch.cuda.CUDAGraph path needs a GPU: with RADIXSERVE_TEST_DEVICE=cuda
+(tests/unit/devices.py) the same tests run there with compiled kernels, still through the
+stand-in, and test_real_cuda_graphs_replay_as_eager captures real graphs."""
 
 import os
 
-# Before triton_ops is imported (see test_triton_kernels.py).
-os.environ["TRITON_INTERPRET"] = "1"
+from devices import ON_GPU, TEST_DEVICE
+
+# Before triton_ops is imported (see test_triton_kernels.py). Not on the GPU.
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import logging  # noqa: E402
 from typing import List, Sequence  # noqa: E402
@@ -29,7 +34,7 @@ from radixserve.models.model_config import ModelConfig  # noqa: E402
 from radixserve.server_args import ServerArgs  # noqa: E402
 from radixserve.tiny_model import get_tiny_model_path  # noqa: E402
 
-# The interpreter for this module's tests only (tests/unit/conftest.py; set above for the import).
+# The interpreter for this module's tests only (tests/unit/conftest.py; set above for the import; not on the GPU).
 pytestmark = pytest.mark.usefixtures("triton_interpreter")
 
 TOL = 1e-4
@@ -60,10 +65,11 @@ class RecordingStandIn(EagerGraphBackend):
 @pytest.fixture(scope="module")
 def runner() -> ModelRunner:
     path = get_tiny_model_path()
-    args = ServerArgs(model_path=str(path), dtype="float32", device="cpu", max_total_tokens=4096,
+    args = ServerArgs(model_path=str(path), dtype="float32", device=TEST_DEVICE, max_total_tokens=4096,
                       max_running_requests=32, attention_backend="triton", cuda_graph_max_bs=MAX_BS)
     r = ModelRunner(ModelConfig.from_pretrained(path), args)
-    assert r.cuda_graph_runner is None  # never on the CPU by itself
+    assert (r.cuda_graph_runner is not None) == ON_GPU  # real graphs on a GPU by itself, never on the CPU
+    r.cuda_graph_runner = None  # the tests below drive graph runners of their own
     r.attn_backend.num_kv_splits = NUM_KV_SPLITS
     g = torch.Generator().manual_seed(0)
     pool = r.token_to_kv_pool
@@ -207,7 +213,7 @@ def test_can_run_and_eager_fallback(runner, graph_runner, monkeypatch):
         assert not graph_runner.can_run(ForwardBatch.init_new(batch, runner))
 
     # Against the torch-native backend (fast on the CPU); Triton-vs-eager-Triton is test 2's.
-    reference = TorchNativeAttnBackend("cpu")
+    reference = TorchNativeAttnBackend(TEST_DEVICE)
     # The replayable batch goes through the graph, and skips the eager metadata.
     fb = ForwardBatch.init_new(decode, runner)
     assert fb.attn_metadata is None
@@ -229,7 +235,7 @@ def test_can_run_and_eager_fallback(runner, graph_runner, monkeypatch):
 
 # ---- 5. a backend that plans from capture-time (CPU-side) values cannot pass ------------------
 def test_torch_native_backend_cannot_be_captured(runner, monkeypatch, caplog):
-    monkeypatch.setattr(runner, "attn_backend", TorchNativeAttnBackend("cpu"))
+    monkeypatch.setattr(runner, "attn_backend", TorchNativeAttnBackend(TEST_DEVICE))
     with pytest.raises(NotImplementedError, match="cannot run under CUDA graphs.*CPU-side lengths"):
         CudaGraphRunner(runner, EagerGraphBackend())
     # ModelRunner turns graphs off for it (and says why) instead of failing, even on CUDA.
@@ -238,7 +244,7 @@ def test_torch_native_backend_cannot_be_captured(runner, monkeypatch, caplog):
         assert runner.init_cuda_graphs() is None and not runner.use_cuda_graph()
     assert "CUDA graphs off: TorchNativeAttnBackend" in caplog.text
     monkeypatch.setattr(runner, "server_args", runner.server_args.replace(disable_cuda_graph=True))
-    monkeypatch.setattr(runner, "attn_backend", TritonAttnBackend("cpu"))
+    monkeypatch.setattr(runner, "attn_backend", TritonAttnBackend(TEST_DEVICE))
     assert runner.init_cuda_graphs() is None and not runner.use_cuda_graph()
 
 
@@ -256,7 +262,7 @@ class FrozenMetadataTriton(TritonAttnBackend):
 
 
 def test_stand_in_catches_a_backend_frozen_at_capture(runner, monkeypatch):
-    monkeypatch.setattr(runner, "attn_backend", FrozenMetadataTriton("cpu", num_kv_splits=NUM_KV_SPLITS))
+    monkeypatch.setattr(runner, "attn_backend", FrozenMetadataTriton(TEST_DEVICE, num_kv_splits=NUM_KV_SPLITS))
     monkeypatch.setattr(runner, "server_args", runner.server_args.replace(cuda_graph_max_bs=2))
     frozen = CudaGraphRunner(runner, EagerGraphBackend())
     batch = random_decode_batch(runner, 2, seed=21)
@@ -266,8 +272,21 @@ def test_stand_in_catches_a_backend_frozen_at_capture(runner, monkeypatch):
 
 def test_replay_with_several_kv_splits(runner, monkeypatch):
     """The preallocated split buffers (mid_o / mid_lse) with 4 splits, shared by both graphs."""
-    monkeypatch.setattr(runner, "attn_backend", TritonAttnBackend("cpu", num_kv_splits=4))
+    monkeypatch.setattr(runner, "attn_backend", TritonAttnBackend(TEST_DEVICE, num_kv_splits=4))
     monkeypatch.setattr(runner, "server_args", runner.server_args.replace(cuda_graph_max_bs=2))
     graph_runner = CudaGraphRunner(runner, EagerGraphBackend())
     assert graph_runner.capture_bs == [1, 2] and runner.attn_backend.graph_state.mid_o.shape[:3] == (2, 4, 4)
     check_replay(runner, graph_runner, decode_batch(runner, [4, 9], [70, 3], seed=22))
+
+
+# ---- 6. the real torch.cuda.CUDAGraph path (GPU only) -------------------------------------------
+@pytest.mark.skipif(not ON_GPU, reason="real CUDA graphs need RADIXSERVE_TEST_DEVICE=cuda (a GPU)")
+def test_real_cuda_graphs_replay_as_eager(runner, monkeypatch):
+    """CudaGraphBackend: padded and exact replays, one after another, match the eager forward."""
+    # A backend of its own (its graph state): the stand-in graphs of the module fixture keep theirs.
+    monkeypatch.setattr(runner, "attn_backend", TritonAttnBackend(TEST_DEVICE, num_kv_splits=4))
+    monkeypatch.setattr(runner, "server_args", runner.server_args.replace(cuda_graph_max_bs=8))
+    graph_runner = CudaGraphRunner(runner)  # no backend given: real CUDA graphs
+    assert graph_runner.capture_bs == [1, 2, 4, 8] and sorted(graph_runner.graphs) == [1, 2, 4, 8]
+    for step, bs in enumerate([3, 8, 5, 1]):
+        check_replay(runner, graph_runner, random_decode_batch(runner, bs, seed=300 + step))

@@ -1,15 +1,20 @@
 """The segmented LoRA matmul kernels (issue 28) against the torch loop of radixserve/lora/layers.py:
 the C++ kernel (cpu_kernels.lora_delta, radixserve/csrc/lora_kernels.cpp) and the Triton kernels
-(radixserve/lora/triton_ops.py, under Triton's interpreter on the CPU), on one batch that mixes
-everything a batch can: adapters of ranks 4, 8 and 16 (and 24: more than one 16-wide rank chunk)
-zero-padded in one pool, a slot whose segments are not adjacent, one-token (decode) segments next to
-a long (prefill) one, base-model tokens between them (which must come back bit for bit), a fused
-projection of three parts (q|k|v) with output widths that are not multiples of 16."""
+(radixserve/lora/triton_ops.py, under Triton's interpreter on the CPU; compiled on a GPU with
+RADIXSERVE_TEST_DEVICE=cuda, tests/unit/devices.py, where the C++ kernel's tests stay on the CPU),
+on one batch that mixes everything a batch can: adapters of ranks 4, 8 and 16 (and 24: more than
+one 16-wide rank chunk) zero-padded in one pool, a slot whose segments are not adjacent, one-token
+(decode) segments next to a long (prefill) one, base-model tokens between them (which must come
+back bit for bit), a fused projection of three parts (q|k|v) with output widths that are not
+multiples of 16."""
 
 import os
 
-# Before triton_ops is imported (its kernels are defined at import), as in test_triton_kernels.py.
-os.environ["TRITON_INTERPRET"] = "1"
+from devices import ON_GPU, TEST_DEVICE, assert_kernels_match_the_device
+
+# Before triton_ops is imported (its kernels are defined at import), as in test_triton_kernels.py. Not on the GPU.
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"
 
 from typing import List, Tuple  # noqa: E402
 
@@ -21,7 +26,7 @@ from radixserve.lora import layers as lora_layers  # noqa: E402
 from radixserve.lora.layers import LoRABatchInfo, LoRABatchState, LoRALinearDelta  # noqa: E402
 from radixserve.lora.mem_pool import LoRAMemoryPool  # noqa: E402
 
-# The interpreter for this module's tests only (tests/unit/conftest.py; set above for the import).
+# The interpreter for this module's tests only (tests/unit/conftest.py; set above for the import; not on the GPU).
 pytestmark = pytest.mark.usefixtures("triton_interpreter")
 
 TOL = 1e-4  # float32: the kernels sum in another order than torch's matmuls
@@ -58,16 +63,16 @@ def _delta(pool: LoRAMemoryPool) -> Tuple[LoRALinearDelta, LoRABatchInfo]:
     return LoRALinearDelta(LAYER, PARTS, pool, state), state.info
 
 
-def _inputs() -> Tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
+def _inputs(device: str = "cpu") -> Tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)  # drawn on the CPU: the same values on every device
     x = torch.randn(NUM_TOKENS, K, generator=gen)
     y = torch.randn(NUM_TOKENS, PARTS[-1][1] + PARTS[-1][2], generator=gen)
-    return x, y
+    return x.to(device), y.to(device)
 
 
-def _reference(pool: LoRAMemoryPool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(x, y before, y after the torch loop)."""
-    x, y = _inputs()
+def _reference(pool: LoRAMemoryPool, device: str = "cpu") -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x, y before, y after the torch loop), on `device` (the pool's)."""
+    x, y = _inputs(device)
     lora, info = _delta(pool)
     want = y.clone()
     lora.apply_torch(x, want, info)
@@ -152,25 +157,31 @@ def test_torch_backend_and_other_dtypes_keep_the_torch_loop(ops):
 
 
 def test_triton_kernels_run_under_the_interpreter():
-    from triton.runtime.interpreter import InterpretedFunction
-
+    """Interpreted on the CPU; on the GPU compiled, not interpreted."""
     from radixserve.lora import triton_ops
 
-    assert isinstance(triton_ops._shrink_kernel, InterpretedFunction)
-    assert isinstance(triton_ops._expand_kernel, InterpretedFunction)
+    assert_kernels_match_the_device(triton_ops._shrink_kernel, triton_ops._expand_kernel)
 
 
-@pytest.mark.parametrize("max_rank,dtype", [(8, torch.float32), (24, torch.float32), (16, torch.float16)])
+# bf16 only on the GPU: the interpreter has no bf16 dot
+TRITON_CASES = [(8, torch.float32), (24, torch.float32), (16, torch.float16)]
+TRITON_CASES += [(16, torch.bfloat16)] if ON_GPU else []
+# fp16/bf16: a few roundings (to 11 / 8 significant bits) of the delta and the sum, relative to the largest value
+TRITON_HALF_TOL = {torch.float16: 1e-2, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.parametrize("max_rank,dtype", TRITON_CASES)
 def test_triton_kernel_matches_torch(max_rank, dtype):
-    """float32 exact (ieee dots), and fp16 activations and slots as on a GPU (the interpreter has
-    no bf16 dot): within fp16 rounding of the torch loop in fp16."""
+    """float32 exact (ieee dots, on the GPU too: no TF32), and fp16 activations and slots as on a
+    GPU (the interpreter has no bf16 dot; bf16 on the GPU only): within fp16 (bf16) rounding of
+    the torch loop in fp16 (bf16)."""
     from radixserve.lora import triton_ops
 
     pool = _pool(max_rank)
     for buffers in (pool.a_buffers, pool.b_buffers):
         for m in buffers:
-            buffers[m] = buffers[m].to(dtype)
-    x, y0, want = (t.to(dtype) for t in _reference(pool))
+            buffers[m] = buffers[m].to(TEST_DEVICE, dtype)
+    x, y0, want = (t.to(dtype) for t in _reference(pool, TEST_DEVICE))
     lora, info = _delta(pool)
     if dtype != torch.float32:
         want = y0.clone()
@@ -180,4 +191,4 @@ def test_triton_kernel_matches_torch(max_rank, dtype):
     triton_ops.lora_delta(got, x, [pool.a_buffers[m][LAYER] for m, _, _ in PARTS],
                           [pool.b_buffers[m][LAYER] for m, _, _ in PARTS], lora.offsets, segs, scalings,
                           max(e - s for s, e, _, _ in SEGMENTS))
-    _check(got, y0, want, tol=TOL if dtype == torch.float32 else 1e-2)
+    _check(got, y0, want, tol=TOL if dtype == torch.float32 else TRITON_HALF_TOL[dtype])

@@ -11,6 +11,7 @@ import torch
 
 from radixserve.managers import spec_overlap
 from radixserve.managers.overlap import FutureMap
+from radixserve.mem_cache.memory_pool import ReqToTokenPool
 from radixserve.model_executor.forward_batch import ForwardMode, ModelWorkerBatch
 from radixserve.speculative.overlap_view import decode_view
 
@@ -40,7 +41,8 @@ def test_slots_are_reserved_for_any_length_the_step_in_flight_leaves():
     view of the next step finds its token and drafts' slots there whatever the step in flight
     committed (0 to k + 1 tokens)."""
     k, width = 2, 64
-    rows = torch.zeros((2, width), dtype=torch.int32)
+    pool = ReqToTokenPool(2, width)
+    rows = pool.req_to_token_cpu  # on the CPU: the one table
     allocated = iter(range(1000, 2000))
     rows[0, :10] = torch.arange(10)  # request a: 10 tokens with KV, 11 known (the last has none)
     rows[1, :5] = torch.arange(100, 105)  # request b: prefill of 5 just launched (its token in flight)
@@ -50,7 +52,7 @@ def test_slots_are_reserved_for_any_length_the_step_in_flight_leaves():
         return torch.tensor([next(allocated) for p, s in zip(prefix_lens, seq_lens) for _ in range(s - p)])
 
     batch = SimpleNamespace(reqs=reqs, spec_max_drafts=k, output_ids=torch.tensor([4, -3]),
-                            req_to_token_pool=SimpleNamespace(req_to_token=rows), req_pool_indices=torch.tensor([0, 1]),
+                            req_to_token_pool=pool, req_pool_indices=torch.tensor([0, 1]),
                             alloc_slots_after=alloc_slots_after)
     assert spec_overlap.new_slots_needed(reqs, k, width, page_size=1) == (11 + 2 * k + 1 - 10) + (5 + 2 * k + 1 - 5)
     spec_overlap.prepare_decode(batch)

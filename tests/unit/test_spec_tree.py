@@ -1,12 +1,16 @@
 """Token trees in speculative decoding: the tree attention of a verify forward on every backend
-(C++ decode kernel, torch SDPA with the mask, Triton under its interpreter) against plain forwards
-of each root-to-token path; the accepted branch's KV moved into place; tree acceptance, greedy
-and in distribution."""
+(C++ decode kernel, torch SDPA with the mask, Triton under its interpreter; with
+RADIXSERVE_TEST_DEVICE=cuda, tests/unit/devices.py, Triton compiled on the GPU and the other two
+still on the CPU) against plain forwards of each root-to-token path; the accepted branch's KV
+moved into place; tree acceptance, greedy and in distribution."""
 
 import os
 
-# Before triton_ops is imported (see test_triton_kernels.py).
-os.environ["TRITON_INTERPRET"] = "1"
+from devices import ON_GPU, TEST_DEVICE
+
+# Before triton_ops is imported (see test_triton_kernels.py). Not on the GPU.
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -31,7 +35,7 @@ from hf_utils import KVDriver  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from greedy_testing import sampling_info  # noqa: E402
 
-# The interpreter for this module's tests only (tests/unit/conftest.py; set above for the import).
+# The interpreter for this module's tests only (tests/unit/conftest.py; set above for the import; not on the GPU).
 pytestmark = pytest.mark.usefixtures("triton_interpreter")
 
 TOL = 1e-4
@@ -62,7 +66,8 @@ def test_spec_tree_layout():
 # ---- the verify forward on the tiny model --------------------------------------------------------
 def _runner(backend: str) -> ModelRunner:
     path = get_tiny_model_path()
-    args = ServerArgs(model_path=path, dtype="float32", device="cpu", max_total_tokens=1024, max_running_requests=16,
+    device = TEST_DEVICE if backend == "triton" else "cpu"  # the C++ kernels and the CPU's torch path stay there
+    args = ServerArgs(model_path=path, dtype="float32", device=device, max_total_tokens=1024, max_running_requests=16,
                       attention_backend="triton" if backend == "triton" else "torch_native")
     runner = ModelRunner(ModelConfig.from_pretrained(path), args)
     if backend == "torch":

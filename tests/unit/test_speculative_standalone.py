@@ -292,8 +292,8 @@ def test_draft_of_another_vocabulary_is_refused_at_start(tmp_path):
 def test_draft_kv_is_counted_in_the_cpu_budget(tiny_path, truncated_path):
     """The pool's slots hold the target's KV and the draft's: one budget buys fewer slots."""
     budget = 64 * 1024**2
-    off = Engine(cpu_kv_cache_bytes=budget)
-    on = Engine(cpu_kv_cache_bytes=budget, **spec_kw(truncated_path))
+    off = Engine(device="cpu", cpu_kv_cache_bytes=budget)
+    on = Engine(device="cpu", cpu_kv_cache_bytes=budget, **spec_kw(truncated_path))
     n_off, n_on = off.scheduler.max_total_num_tokens, on.scheduler.max_total_num_tokens
     # The tiny model has 4 layers, the truncated draft 2 (same heads): 2/3 of the slots.
     assert abs(n_on - n_off * 4 / 6) <= 1
