@@ -48,6 +48,7 @@ class Runtime:
     procs: Dict[str, Any] = field(default_factory=dict)
     ready_info: Dict[str, Dict[str, Any]] = field(default_factory=dict)
     stopping: bool = False
+    tokenizer: Any = None  # loaded once here, for the TokenizerManager (None on other nodes, or without one)
 
     def stop(self) -> None:
         """Terminate the children (SIGTERM, then SIGKILL) and remove the socket directory."""
@@ -109,7 +110,13 @@ def launch_subprocesses(server_args: ServerArgs, should_abort: Any = lambda: Fal
 
         children.append(("dp_controller", run_data_parallel_controller_process, server_args, ()))
     if server_args.node_rank == 0:
-        children.append(("detokenizer", run_detokenizer_process, server_args, ()))
+        from radixserve.hf_transformers_utils import get_tokenizer
+        from radixserve.managers.text_decoder import text_decoder_of
+
+        # The detokenizer gets a decoder made from it, so it imports neither transformers nor torch.
+        rt.tokenizer = get_tokenizer(server_args)
+        decoder = text_decoder_of(rt.tokenizer) if rt.tokenizer is not None else None
+        children.append(("detokenizer", run_detokenizer_process, server_args, (decoder,)))
     try:
         for name, target, child_args, extra in children:
             reader, writer = ctx.Pipe(duplex=False)
@@ -272,7 +279,7 @@ def launch_server(server_args: ServerArgs) -> int:
             "Scheduler ready (pid %s): max_total_num_tokens=%d, max_running_requests=%d, context_len=%d, device=%s",
             sched["pid"], sched["max_total_num_tokens"], sched["max_running_requests"], sched["context_len"], sched["device"],
         )
-        tm = TokenizerManager(server_args, rt.port_args, sched)
+        tm = TokenizerManager(server_args, rt.port_args, sched, rt.tokenizer)
         app = create_app(tm)
         config = uvicorn.Config(
             app, host=server_args.host, port=server_args.port, log_level=server_args.log_level.lower(),

@@ -150,8 +150,9 @@ class DetokenizerManager:
         return trim_matched_stop(text, reason, no_stop_trim) if finished else text
 
 
-def run_detokenizer_process(server_args: Any, port_args: Any, pipe: Any) -> None:
-    """Process entry: PULL token outputs from the scheduler, PUSH text to the tokenizer manager."""
+def run_detokenizer_process(server_args: Any, port_args: Any, pipe: Any, decoder: Any = None) -> None:
+    """Process entry: PULL token outputs from the scheduler, PUSH text to the tokenizer manager.
+    decoder: the launcher's TextDecoder (managers/text_decoder.py); None: load the tokenizer here."""
     import os
     import signal
     import traceback
@@ -166,9 +167,12 @@ def run_detokenizer_process(server_args: Any, port_args: Any, pipe: Any) -> None
 
         from radixserve.protocol import BatchTokenIDOutput
 
-        from radixserve.hf_transformers_utils import get_tokenizer
+        if decoder is not None and decoder.verified():
+            tokenizer = decoder
+        else:  # no `tokenizers` backend, a decode of its own (or --skip-tokenizer-init: None)
+            from radixserve.hf_transformers_utils import get_tokenizer
 
-        tokenizer = get_tokenizer(server_args)
+            tokenizer = get_tokenizer(server_args)
         ctx = zmq.Context(1)
         recv_sock = ctx.socket(zmq.PULL)
         recv_sock.bind(port_args.detokenizer_ipc_name)

@@ -161,12 +161,12 @@ class TokenizerManager:
     outputs) plus asyncio and ZeroMQ: it sends requests to the scheduler and wakes each
     request's waiter when the detokenizer's BatchStrOutput brings news."""
 
-    def __init__(self, server_args: ServerArgs, port_args: PortArgs, model_info: Dict[str, Any]):
+    def __init__(self, server_args: ServerArgs, port_args: PortArgs, model_info: Dict[str, Any], tokenizer: Any = None):
         self.server_args = server_args
         self.port_args = port_args
         self.model_path = resolve_model_path(server_args)
         self.served_model_name = server_args.served_model_name or server_args.model_path or "radixserve-tiny-qwen3"
-        self.tokenizer = get_tokenizer(server_args)
+        self.tokenizer = tokenizer if tokenizer is not None else get_tokenizer(server_args)  # the launcher's, if loaded
         self.model_info = model_info
         self.context_len: int = model_info["context_len"]
         self.vocab_size: int = model_info["vocab_size"]

@@ -27,7 +27,7 @@ from radixserve.model_executor.cuda_graph_runner import CudaGraphRunner
 from radixserve.model_executor.forward_batch import ForwardBatch, ModelWorkerBatch
 from radixserve.model_executor.model_loader import get_model, gguf_block_types
 from radixserve.model_executor.weight_updater import ModelWeightUpdater
-from radixserve.models.model_config import ModelConfig
+from radixserve.models.model_config import LoadError, ModelConfig
 from radixserve.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -83,7 +83,12 @@ class ModelRunner:
         self.lora_manager = self.init_lora_manager()
         self.weight_updater = ModelWeightUpdater(self)  # weight updates without a restart
         self.kv_cache_dtype = resolve_kv_cache_dtype(server_args.kv_cache_dtype, self.activation_dtype, self.weight_only)
-        self.context_len = model_config.serving_context_len(server_args.context_length)
+        # The torch-native backend applies a sliding window; the Triton one does not yet.
+        windowed = server_args.attention_backend != "triton"
+        self.context_len = model_config.serving_context_len(server_args.context_length, windowed_attention=windowed)
+        if windowed and model_config.sliding_window is not None and server_args.speculative_algorithm is not None:
+            raise LoadError(f"{model_config.model_path}: speculative decoding with sliding-window attention is not "
+                            f"implemented yet (the verify forward attends to every key)")
         self.attn_backend = self.init_attention_backend()
         # --is-embedding: the pooling of the model directory's sentence-transformers config
         self.pooler = Pooler(PoolingConfig.from_model_path(model_config.model_path)) if server_args.is_embedding else None
@@ -103,7 +108,7 @@ class ModelRunner:
             from radixserve.layers.attention.triton_backend import TritonAttnBackend  # imports triton
 
             return TritonAttnBackend(self.device)
-        return TorchNativeAttnBackend(self.device)
+        return TorchNativeAttnBackend(self.device, sliding_window=self.model_config.sliding_window)
 
     def use_cuda_graph(self) -> bool:
         return (

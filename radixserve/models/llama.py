@@ -67,7 +67,7 @@ def make_rope(config: ModelConfig) -> RotaryEmbedding:
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, qkv_bias: bool, qk_norm: bool,
-                 rotary_emb: Optional[RotaryEmbedding] = None):
+                 rotary_emb: Optional[RotaryEmbedding] = None, sliding_window: Optional[int] = None):
         super().__init__()
         tp_size = get_tp_group().size
         self.head_dim = config.head_dim
@@ -88,7 +88,8 @@ class LlamaAttention(nn.Module):
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.attn = RadixAttention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id)
+        self.attn = RadixAttention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id,
+                                   sliding_window_size=sliding_window)
         assert tp_size == 1 or config.num_attention_heads % tp_size == 0
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch) -> torch.Tensor:
@@ -105,9 +106,9 @@ class LlamaAttention(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, qkv_bias: bool, qk_norm: bool,
-                 rotary_emb: Optional[RotaryEmbedding] = None):
+                 rotary_emb: Optional[RotaryEmbedding] = None, sliding_window: Optional[int] = None):
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, qkv_bias, qk_norm, rotary_emb)
+        self.self_attn = LlamaAttention(config, layer_id, qkv_bias, qk_norm, rotary_emb, sliding_window)
         self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -136,7 +137,7 @@ class LlamaModel(nn.Module):
         # A stage's KV pool holds its layers only: attention layer i reads the pool's layer i - start.
         rope = make_rope(config)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i - self.start_layer, qkv_bias, qk_norm, rope)
+            LlamaDecoderLayer(config, i - self.start_layer, qkv_bias, qk_norm, rope, config.layer_sliding_window(i))
             if self.start_layer <= i < self.end_layer else PPMissingLayer()
             for i in range(config.num_hidden_layers)
         )

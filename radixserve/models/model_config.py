@@ -60,31 +60,36 @@ class ModelConfig:
     # The attention window of the config's windowed layers (Mistral's sliding_window, Qwen2's
     # use_sliding_window, layer_types' "sliding_attention"); None when every layer attends to all.
     sliding_window: Optional[int] = None
+    window_layers: List[bool] = field(default_factory=list)  # per layer: windowed (empty: none is)
     hf_config: Dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def context_len(self) -> int:
-        """The longest sequence served. Windowed attention is not implemented yet (every layer
-        attends to every key), so a model with a window is served up to its window: there a
-        window of W keys (the token and the W - 1 before it) is all of them, and the answers
-        are the model's own."""
-        if self.sliding_window is not None:
-            return min(self.max_position_embeddings, self.sliding_window)
+        """The longest sequence the model takes."""
         return self.max_position_embeddings
 
-    def serving_context_len(self, requested: Optional[int]) -> int:
-        """--context-length (None: the model's) checked against what can be served exactly."""
+    def layer_sliding_window(self, layer_id: int) -> Optional[int]:
+        """Layer layer_id's window (its query attends to the W keys up to itself), None: all keys."""
+        return self.sliding_window if self.window_layers and self.window_layers[layer_id] else None
+
+    def serving_context_len(self, requested: Optional[int], windowed_attention: bool = True) -> int:
+        """--context-length (None: the model's) checked against what can be served exactly.
+        windowed_attention: the attention backend applies the window. Where it does not, a model
+        with one is served up to its window (there the W keys are all of them, and the answers
+        are the model's own), never beyond it, where it would answer wrongly."""
+        if self.sliding_window is None or windowed_attention or self.sliding_window >= self.max_position_embeddings:
+            return min(requested or self.context_len, self.context_len)
         if requested is None:
-            if self.sliding_window is not None and self.sliding_window < self.max_position_embeddings:
-                logger.warning("%s: sliding_window %d < max_position_embeddings %d; windowed attention is not "
-                               "implemented, so the context length is capped at the window (answers stay exact)",
-                               self.model_path or self.architecture, self.sliding_window, self.max_position_embeddings)
-            return self.context_len
-        if self.sliding_window is not None and requested > self.sliding_window:
+            logger.warning("%s: sliding_window %d < max_position_embeddings %d; this attention backend does not apply "
+                           "the window, so the context length is capped at it (answers stay exact)",
+                           self.model_path or self.architecture, self.sliding_window, self.max_position_embeddings)
+            return self.sliding_window
+        if requested > self.sliding_window:
             raise LoadError(f"--context-length {requested}: this model attends through a sliding window of "
-                            f"{self.sliding_window} tokens, which radixserve does not implement yet; beyond the window it "
-                            f"would answer wrongly, so at most --context-length {self.sliding_window} is served")
-        return min(requested, self.context_len)
+                            f"{self.sliding_window} tokens, which this attention backend does not apply (use "
+                            f"--attention-backend torch_native); beyond the window it would answer wrongly, so at most "
+                            f"--context-length {self.sliding_window} is served")
+        return requested
 
     @classmethod
     def from_dict(cls, cfg: Dict[str, Any], model_path: Optional[str] = None) -> "ModelConfig":
@@ -118,6 +123,7 @@ class ModelConfig:
             eos_token_ids=_as_list(eos),
             model_path=model_path,
             sliding_window=_sliding_window(cfg),
+            window_layers=_window_layers(cfg),
             hf_config=cfg,
         )
 
@@ -210,21 +216,27 @@ def cpu_has_native_bf16() -> bool:
 
 
 def _sliding_window(cfg: Dict[str, Any]) -> Optional[int]:
-    """The window of a config's windowed layers, None when it has none. transformers' rules:
-    `layer_types` names them where a config has it (Qwen2/Qwen3 build it from use_sliding_window
-    and max_window_layers, off by default); else a non-null `sliding_window` windows every layer
-    (Mistral, unless the config turns it off with use_sliding_window false)."""
-    window = cfg.get("sliding_window")
-    if not window:
-        return None
+    """The window of a config's windowed layers, None when it has none (_window_layers)."""
+    return int(cfg["sliding_window"]) if any(_window_layers(cfg)) else None
+
+
+def _window_layers(cfg: Dict[str, Any]) -> List[bool]:
+    """Which layers attend through the window, by transformers' rules: `layer_types` names them
+    where a config has it (Qwen2/Qwen3 build it from use_sliding_window and max_window_layers, off
+    by default); else a non-null `sliding_window` windows every layer (Mistral, unless the config
+    turns it off with use_sliding_window false), or the layers from max_window_layers on (Qwen2)."""
+    n = cfg["num_hidden_layers"]
+    if not cfg.get("sliding_window"):
+        return []
     layer_types = cfg.get("layer_types")
     if layer_types is not None:
-        return int(window) if "sliding_attention" in layer_types else None
-    if not cfg.get("use_sliding_window", True):
-        return None
-    if "max_window_layers" in cfg and cfg["max_window_layers"] >= cfg["num_hidden_layers"]:
-        return None  # Qwen2's rule: layers from max_window_layers on are windowed
-    return int(window)
+        windowed = [t == "sliding_attention" for t in layer_types]
+    elif not cfg.get("use_sliding_window", True):
+        windowed = []
+    else:
+        first = cfg.get("max_window_layers", 0)
+        windowed = [i >= first for i in range(n)]
+    return windowed if any(windowed) else []
 
 
 def _as_list(x: Any) -> List[int]:

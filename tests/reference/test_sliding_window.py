@@ -1,18 +1,20 @@
-"""A config with a sliding window is never served as if it had none (issue 42, its first step).
-
-Windowed attention is not implemented yet, so such a model is served up to its window, where
-the window holds every key and the answers are transformers' own; longer inputs are refused and
-a --context-length beyond the window is refused at start with one line."""
+"""Sliding-window attention (issue 42): a windowed layer's query attends to the W keys up to
+itself, as in transformers, past the window too, on every path of the torch-native backend (the
+C++ kernels and the torch reference; prefill, an extend after a cached prefix, decode, a mixed
+batch), for a model whose every layer is windowed (Mistral) and one with windowed and full
+layers (Qwen3's layer_types). A backend that does not apply the window (Triton, for now) serves
+such a model up to its window only, where the answers are still the model's own."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hf_utils import hf_logits, load_hf, make_hf_model_dir
+from hf_utils import KVDriver, hf_logits, load_hf, make_hf_model_dir, make_runner
 
 from radixserve import Engine
 from radixserve.hf_transformers_utils import LoadError
+from radixserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from radixserve.models.model_config import ModelConfig
 
 WINDOW = 16
@@ -24,6 +26,13 @@ def windowed_mistral(tmp_path_factory):
     return make_hf_model_dir("mistral", str(tmp_path_factory.mktemp("mistral_swa")), seed=7, sliding_window=WINDOW)
 
 
+@pytest.fixture(scope="module")
+def mixed_qwen3(tmp_path_factory):
+    """Qwen3 with a windowed and a full layer (transformers builds layer_types from these)."""
+    return make_hf_model_dir("qwen3", str(tmp_path_factory.mktemp("qwen3_swa")), seed=3, sliding_window=WINDOW,
+                             use_sliding_window=True, max_window_layers=1)
+
+
 def _config(**cfg) -> ModelConfig:
     base = dict(architectures=["Qwen2ForCausalLM"], vocab_size=8, hidden_size=8, intermediate_size=8,
                 num_hidden_layers=4, num_attention_heads=2, max_position_embeddings=1024)
@@ -31,47 +40,97 @@ def _config(**cfg) -> ModelConfig:
 
 
 def test_the_window_is_read_as_transformers_reads_it():
-    assert _config(sliding_window=WINDOW, architectures=["MistralForCausalLM"]).sliding_window == WINDOW
+    mistral = _config(sliding_window=WINDOW, architectures=["MistralForCausalLM"])
+    assert mistral.sliding_window == WINDOW and mistral.window_layers == [True] * 4
     assert _config(sliding_window=None).sliding_window is None
     # Qwen2/Qwen3 keep sliding_window in the config but use it only with use_sliding_window,
     # for the layers from max_window_layers on (transformers' layer_types).
     assert _config(sliding_window=WINDOW, use_sliding_window=False).sliding_window is None
     assert _config(sliding_window=WINDOW, use_sliding_window=True, max_window_layers=4).sliding_window is None
-    assert _config(sliding_window=WINDOW, use_sliding_window=True, max_window_layers=2).sliding_window == WINDOW
+    qwen2 = _config(sliding_window=WINDOW, use_sliding_window=True, max_window_layers=2)
+    assert qwen2.sliding_window == WINDOW and qwen2.window_layers == [False, False, True, True]
+    assert [qwen2.layer_sliding_window(i) for i in range(4)] == [None, None, WINDOW, WINDOW]
     assert _config(sliding_window=WINDOW, layer_types=["full_attention"] * 4).sliding_window is None
-    assert _config(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"] * 2).sliding_window == WINDOW
+    alternating = _config(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"] * 2)
+    assert alternating.sliding_window == WINDOW and alternating.window_layers == [True, False, True, False]
 
 
-def test_a_windowed_model_is_served_up_to_its_window_exactly(windowed_mistral):
-    hf = load_hf(windowed_mistral)
-    config = ModelConfig.from_pretrained(windowed_mistral)
-    assert config.sliding_window == WINDOW and config.context_len == WINDOW
+def test_the_premise_past_the_window_the_answers_differ(windowed_mistral):
+    """Served as if it had no window, the model would answer wrongly past it."""
     g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, config.vocab_size, (WINDOW - 5,), generator=g).tolist()
-    long_prompt = torch.randint(0, config.vocab_size, (WINDOW + 8,), generator=g).tolist()
-    # The premise: past the window, transformers' windowed model answers differently from the
-    # same weights attending to every key, so serving it "as if it had none" would be wrong.
-    hf_full = load_hf(windowed_mistral)
+    ids = torch.randint(0, 512, (WINDOW + 8,), generator=g).tolist()
+    hf, hf_full = load_hf(windowed_mistral), load_hf(windowed_mistral)
     hf_full.config.sliding_window = None
-    assert (hf_logits(hf, long_prompt)[-1] - hf_logits(hf_full, long_prompt)[-1]).abs().max() > 1e-2
+    assert (hf_logits(hf, ids)[-1] - hf_logits(hf_full, ids)[-1]).abs().max() > 1e-2
 
-    engine = Engine(windowed_mistral, dtype="float32", skip_tokenizer_init=True, disable_overlap_schedule=True)
+
+@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["cpp_kernels", "torch"])
+@pytest.mark.parametrize("model", ["windowed_mistral", "mixed_qwen3"])
+def test_every_path_matches_transformers_past_the_window(model, cpu_kernels, request):
+    model_dir = request.getfixturevalue(model)
+    runner = make_runner(model_dir)
+    assert isinstance(runner.attn_backend, TorchNativeAttnBackend) and runner.attn_backend.sliding_window == WINDOW
+    runner.attn_backend = TorchNativeAttnBackend("cpu", use_cpu_kernels=cpu_kernels, sliding_window=WINDOW)
+    hf = load_hf(model_dir)
+    g = torch.Generator().manual_seed(1)
+    full = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (48, 20, 40)]
+    drv = KVDriver(runner, scatter_seed=5)
+    got = {i: [] for i in range(3)}  # per sequence: its logits at each position computed
+    # a ragged prefill, beyond the window (row 0), within it (row 1), beyond with a later extend (row 2)
+    out = drv.extend([0, 1, 2], [0, 0, 0], [full[0][:30], full[1][:10], full[2][:20]]).all_logits
+    for i, part in zip(range(3), out.split([30, 10, 20])):
+        got[i].append(part)
+    # a mixed batch: one decode-like token (row 1) and an extend after a 20-token cached prefix (row 2)
+    out = drv.extend([1, 2], [10, 20], [full[1][10:11], full[2][20:32]]).all_logits
+    got[1].append(out[:1])
+    got[2].append(out[1:])
+    lens = [30, 11, 32]
+    for _ in range(6):  # decode steps: rows 0 and 2 past the window, row 1 crossing it
+        step = drv.decode([0, 1, 2], lens, [full[i][lens[i]] for i in range(3)]).next_token_logits
+        for i in range(3):
+            got[i].append(step[i : i + 1])
+        lens = [n + 1 for n in lens]
+    for i in range(3):
+        ours = torch.cat(got[i])
+        ref = hf_logits(hf, full[i][: len(ours)])
+        err = (ours - ref).abs().max().item()
+        assert err <= TOL, f"sequence {i}: max |logit error| {err:.2e} over {len(ours)} positions"
+
+
+def test_the_engine_serves_past_the_window(mixed_qwen3):
+    """Chunked prefill (chunks of 8), a prefix cache hit on the second request, greedy tokens and
+    their logprobs as transformers gives them."""
+    hf = load_hf(mixed_qwen3)
+    g = torch.Generator().manual_seed(2)
+    prompt = torch.randint(0, 512, (3 * WINDOW,), generator=g).tolist()
+    engine = Engine(mixed_qwen3, dtype="float32", skip_tokenizer_init=True, chunked_prefill_size=8)
     try:
-        out = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 4, "temperature": 0},
-                              return_logprob=True, progress=False)
-        ids = out["output_ids"]
-        ref = hf_logits(hf, prompt + ids)
-        want = ref[len(prompt) - 1 : -1].argmax(-1).tolist()
-        assert ids == want
-        lp = [v for v, _, _ in out["meta_info"]["output_token_logprobs"]]
-        ref_lp = torch.log_softmax(ref[len(prompt) - 1 : -1], -1).gather(1, torch.tensor(ids)[:, None]).squeeze(1)
-        assert max(abs(a - b) for a, b in zip(lp, ref_lp.tolist())) <= TOL
-        with pytest.raises(ValueError, match=f"longer than the model's context length \\({WINDOW} tokens\\)"):
-            engine.generate(input_ids=long_prompt, sampling_params={"max_new_tokens": 1}, progress=False)
+        assert engine.scheduler.context_len == 1024  # the model's, not its window
+        for _ in range(2):  # the second one finds the first's prompt in the radix cache
+            out = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 6, "temperature": 0},
+                                  return_logprob=True, progress=False)
+            ids = out["output_ids"]
+            ref = hf_logits(hf, prompt + ids)[len(prompt) - 1 : -1]
+            assert ids == ref.argmax(-1).tolist()
+            lp = torch.tensor([v for v, _, _ in out["meta_info"]["output_token_logprobs"]])
+            ref_lp = torch.log_softmax(ref, -1).gather(1, torch.tensor(ids)[:, None]).squeeze(1)
+            assert (lp - ref_lp).abs().max().item() <= TOL
+        assert out["meta_info"]["cached_tokens"] > 0
     finally:
         engine.shutdown()
 
 
-def test_a_context_length_beyond_the_window_is_refused_at_start(windowed_mistral):
+def test_a_backend_without_the_window_serves_up_to_it_only(windowed_mistral):
+    """The Triton backend does not apply the window yet: the context is capped at it, and a
+    --context-length beyond it is refused at start with one line (before any kernel is built)."""
+    config = ModelConfig.from_pretrained(windowed_mistral)
+    assert config.serving_context_len(None, windowed_attention=False) == WINDOW
+    assert config.serving_context_len(None, windowed_attention=True) == config.max_position_embeddings
     with pytest.raises(LoadError, match=f"sliding window of {WINDOW} tokens"):
-        Engine(windowed_mistral, dtype="float32", skip_tokenizer_init=True, context_length=4 * WINDOW)
+        Engine(windowed_mistral, dtype="float32", skip_tokenizer_init=True, context_length=4 * WINDOW,
+               attention_backend="triton")
+
+
+def test_speculative_decoding_on_a_windowed_model_is_refused(windowed_mistral):
+    with pytest.raises(LoadError, match="speculative decoding with sliding-window attention"):
+        Engine(windowed_mistral, dtype="float32", skip_tokenizer_init=True, speculative_algorithm="NGRAM")

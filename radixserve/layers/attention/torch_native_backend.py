@@ -16,6 +16,12 @@ GQA-aware, a prefix every request of a DECODE batch shares read once for all of 
 longer extend requests to another (one call per layer for all of them, their prefix read in
 place, no mask built). `use_cpu_kernels=False` keeps the torch path, the reference
 the kernels are tested on.
+
+Sliding-window layers (RadixAttention.sliding_window_size = W: a query attends to the W keys up
+to itself, transformers' rule) take a second metadata, made only when some request is longer
+than W: decode rows read a table of each request's last W slots (the C++ kernel or the padded
+block take it as they take req_to_token), and extend requests run one SDPA call each over their
+slots from the first key any of their queries sees, with the window in the mask.
 """
 
 from __future__ import annotations
@@ -78,6 +84,7 @@ class TorchNativeMetadata:
     all_decode: bool = False
     extend_seqs: List[ExtendSeq] = field(default_factory=list)
     extend_rows: Optional[ExtendRows] = None  # instead of extend_seqs, with the C++ kernel
+    windowed: Optional["TorchNativeMetadata"] = None  # for sliding-window layers, when it differs
 
 
 # A decode group's shortest request is at least this share of its longest, so at most ~30%
@@ -106,8 +113,9 @@ def shared_prefix_len(req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: 
 
 
 class TorchNativeAttnBackend(AttentionBackend):
-    def __init__(self, device: str = "cpu", use_cpu_kernels: bool = True):
+    def __init__(self, device: str = "cpu", use_cpu_kernels: bool = True, sliding_window: Optional[int] = None):
         self.device = device
+        self.sliding_window = sliding_window  # the model's windowed layers' W (None: it has none)
         self.cpu_ops = cpu_kernels.get() if use_cpu_kernels and device == "cpu" else None
         # the AVX-512 build's tile kernels: extend attention, decode over a shared prefix
         self._tiles = self.cpu_ops is not None and bool(self.cpu_ops.has_extend_attention())
@@ -148,7 +156,43 @@ class TorchNativeAttnBackend(AttentionBackend):
                     q_pos = torch.arange(n, device=self.device)[:, None] + p
                     mask = torch.arange(p + n, device=self.device)[None, :] <= q_pos
                 md.extend_seqs.append(ExtendSeq(starts[i], n, p, slots, mask))
+        if self.sliding_window is not None and max(fb.seq_lens_cpu) > self.sliding_window:
+            md.windowed = self._window_metadata(fb, self.sliding_window)
         fb.attn_metadata = md
+
+    def _window_metadata(self, fb, window: int) -> TorchNativeMetadata:
+        """The metadata of a sliding-window layer: query at position p sees keys p - W + 1 .. p."""
+        md = TorchNativeMetadata()
+        req_to_token = fb.req_to_token_pool.req_to_token
+        rows = fb.req_pool_indices.to(req_to_token.device).long()
+        if fb.forward_mode.is_decode():
+            lens = torch.tensor(fb.seq_lens_cpu, dtype=torch.int64)
+            first = (lens - window).clamp(min=0)  # the first key each request's query sees
+            width = int((lens - first).max())
+            cols = (first[:, None] + torch.arange(width)).clamp(max=req_to_token.shape[1] - 1)
+            table = req_to_token[rows[:, None], cols.to(req_to_token.device)].contiguous()  # [n, width]: the last W slots
+            seen = lens - first
+            md.all_decode = True
+            if self.cpu_ops is not None:
+                md.decode_rows = DecodeRows(None, torch.arange(len(lens)), seen, table)
+            else:
+                mask = (torch.arange(width)[None, :] < seen[:, None])[:, None, None, :].to(self.device)
+                md.decode_groups = [DecodeGroup(torch.arange(len(lens), device=self.device), table.reshape(-1).long(),
+                                                (len(lens), width), mask)]
+            return md
+        for i, (start, n, p) in enumerate(zip(_starts(fb.extend_seq_lens_cpu), fb.extend_seq_lens_cpu,
+                                              fb.extend_prefix_lens_cpu)):
+            first = max(0, p - window + 1)
+            slots = req_to_token[rows[i], first : p + n].long()
+            q_pos = torch.arange(p, p + n, device=self.device)[:, None]
+            k_pos = torch.arange(first, p + n, device=self.device)[None, :]
+            md.extend_seqs.append(ExtendSeq(start, n, p, slots, (k_pos <= q_pos) & (k_pos > q_pos - window)))
+        return md
+
+    @staticmethod
+    def _metadata(layer, fb) -> TorchNativeMetadata:
+        md: TorchNativeMetadata = fb.attn_metadata
+        return md.windowed if md.windowed is not None and layer.sliding_window_size is not None else md
 
     def _tiles_fit(self, pool) -> bool:
         """The C++ tile kernels (extend; decode's shared prefix; AVX-512 builds) take head_dim a
@@ -169,7 +213,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         pool = fb.token_to_kv_pool
         pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
         out = torch.empty_like(q)
-        self._decode_into(out, q, layer, fb.attn_metadata, pool)
+        self._decode_into(out, q, layer, self._metadata(layer, fb), pool)
         return out
 
     def _decode_rows(self, fb, dec_rows: List[int], token_of_row, all_decode: bool) -> DecodeRows:
@@ -236,7 +280,7 @@ class TorchNativeAttnBackend(AttentionBackend):
     def forward_extend(self, q, k, v, layer, fb) -> torch.Tensor:
         pool = fb.token_to_kv_pool
         pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
-        md: TorchNativeMetadata = fb.attn_metadata
+        md = self._metadata(layer, fb)
         out = torch.empty_like(q)
         if md.decode_groups or md.decode_rows is not None:
             self._decode_into(out, q, layer, md, pool)
