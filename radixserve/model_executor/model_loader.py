@@ -20,6 +20,7 @@ from radixserve.layers.quantization import GGUFLinearMethod, kernel_types
 from radixserve.model_executor.gguf_loader import gguf_block_tensors, gguf_weights
 from radixserve.models.llama import is_stage_weight
 from radixserve.models.model_config import LoadError, ModelConfig
+from radixserve.models.qwen3_moe import is_sparse_layer, num_experts
 from radixserve.models.registry import get_model_class
 from radixserve.models.weight_utils import NamedWeight, param_name_for
 
@@ -110,7 +111,8 @@ def checkpoint_shapes(config: ModelConfig) -> Dict[str, Tuple[int, ...]]:
     h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
     nq, nkv = config.num_attention_heads, config.num_key_value_heads
     qkv_bias = config.attention_bias or config.architecture == "Qwen2ForCausalLM"
-    qk_norm = config.architecture == "Qwen3ForCausalLM"
+    qk_norm = config.architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+    moe = config.architecture == "Qwen3MoeForCausalLM"
     shapes: Dict[str, Tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h)}
     for layer in range(config.num_hidden_layers):
         p = f"model.layers.{layer}."
@@ -119,10 +121,15 @@ def checkpoint_shapes(config: ModelConfig) -> Dict[str, Tuple[int, ...]]:
             "self_attn.k_proj.weight": (nkv * d, h),
             "self_attn.v_proj.weight": (nkv * d, h),
             "self_attn.o_proj.weight": (h, nq * d),
-            "mlp.gate_proj.weight": (i, h),
-            "mlp.up_proj.weight": (i, h),
-            "mlp.down_proj.weight": (h, i),
         }
+        if moe and is_sparse_layer(config.hf_config, layer):  # the router, then each expert's projections
+            e, mi = num_experts(config.hf_config), config.hf_config["moe_intermediate_size"]
+            layer_shapes["mlp.gate.weight"] = (e, h)
+            for x in range(e):
+                layer_shapes.update({f"mlp.experts.{x}.gate_proj.weight": (mi, h), f"mlp.experts.{x}.up_proj.weight": (mi, h),
+                                     f"mlp.experts.{x}.down_proj.weight": (h, mi)})
+        else:
+            layer_shapes.update({"mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i)})
         if qkv_bias:
             layer_shapes.update({"self_attn.q_proj.bias": (nq * d,), "self_attn.k_proj.bias": (nkv * d,),
                                  "self_attn.v_proj.bias": (nkv * d,)})

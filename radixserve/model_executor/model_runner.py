@@ -19,6 +19,7 @@ from radixserve.layers.attention.base_attn_backend import AttentionBackend
 from radixserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from radixserve.layers.cpu_weight_only import convert_to_weight_only, resolve_kv_cache_dtype, weight_only_available
 from radixserve.layers.logits_processor import LogitsProcessorOutput
+from radixserve.layers.moe import FusedMoE
 from radixserve.layers.pooler import EmbeddingPoolerOutput, Pooler, PoolingConfig
 from radixserve.layers.sampler import Sampler, SamplerOutput
 from radixserve.lora.lora_manager import LoRAManager
@@ -118,6 +119,8 @@ class ModelRunner:
             and not self.server_args.is_embedding  # the graphs are of decode steps
             and self.attn_backend.cuda_graph_unsupported_reason is None
             and self.server_args.pp_size == 1  # a stage's graphs would need its proxy tensors as inputs
+            # the experts' loop reads on the host which experts a batch hits (layers/moe.py)
+            and not any(isinstance(m, FusedMoE) for m in self.model.modules())
         )
 
     def init_cuda_graphs(self) -> Optional[CudaGraphRunner]:

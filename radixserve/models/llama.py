@@ -14,7 +14,7 @@ a stage other than the last returns them (a PPProxyTensors) instead of logits.""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Optional, Tuple, Union
+from typing import Callable, Iterable, Iterator, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -106,10 +106,12 @@ class LlamaAttention(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, qkv_bias: bool, qk_norm: bool,
-                 rotary_emb: Optional[RotaryEmbedding] = None, sliding_window: Optional[int] = None):
+                 rotary_emb: Optional[RotaryEmbedding] = None, sliding_window: Optional[int] = None,
+                 mlp: Optional[nn.Module] = None):
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_id, qkv_bias, qk_norm, rotary_emb, sliding_window)
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        # a dense MLP, or the model's own (a mixture of experts: models/qwen3_moe.py)
+        self.mlp = mlp if mlp is not None else LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -127,7 +129,8 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, qkv_bias: bool, qk_norm: bool):
+    def __init__(self, config: ModelConfig, qkv_bias: bool, qk_norm: bool,
+                 make_mlp: Optional[Callable[[ModelConfig, int], Optional[nn.Module]]] = None):
         super().__init__()
         pp = get_pp_group()
         self.is_first_stage, self.is_last_stage = pp.is_first_rank, pp.is_last_rank
@@ -137,7 +140,8 @@ class LlamaModel(nn.Module):
         # A stage's KV pool holds its layers only: attention layer i reads the pool's layer i - start.
         rope = make_rope(config)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i - self.start_layer, qkv_bias, qk_norm, rope, config.layer_sliding_window(i))
+            LlamaDecoderLayer(config, i - self.start_layer, qkv_bias, qk_norm, rope, config.layer_sliding_window(i),
+                              make_mlp(config, i) if make_mlp is not None else None)
             if self.start_layer <= i < self.end_layer else PPMissingLayer()
             for i in range(config.num_hidden_layers)
         )
@@ -173,7 +177,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, self.qkv_bias or config.attention_bias, self.qk_norm)
+        self.model = LlamaModel(config, self.qkv_bias or config.attention_bias, self.qk_norm, self.make_mlp)
         if not self.model.is_last_stage:
             self.lm_head = PPMissingLayer()
         elif config.tie_word_embeddings and self.model.is_first_stage:
@@ -182,6 +186,10 @@ class LlamaForCausalLM(nn.Module):
         else:  # untied, or tied with the embedding on another stage: a copy of it loaded here
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.logits_processor = LogitsProcessor(config.vocab_size)
+
+    def make_mlp(self, config: ModelConfig, layer_id: int) -> Optional[nn.Module]:
+        """Decoder layer layer_id's MLP; None: the dense LlamaMLP."""
+        return None
 
     @torch.no_grad()
     def forward(
@@ -194,16 +202,22 @@ class LlamaForCausalLM(nn.Module):
             return hidden_states
         return self.logits_processor(hidden_states, self.lm_head, forward_batch)
 
-    def load_weights(self, weights: Iterable[NamedWeight], require_all: bool = True) -> None:
+    def load_weights(self, weights: Iterable[NamedWeight], require_all: bool = True,
+                     not_required: Tuple[str, ...] = ()) -> None:
         """weights: (checkpoint tensor name, tensor, file it came from). Raises LoadError.
-        require_all=False: a weight update of some of the tensors."""
-        num_layers, tied = self.config.num_hidden_layers, self.config.tie_word_embeddings
-        weights = (w for w in map(_with_model_prefix, weights) if is_stage_weight(w[0], num_layers, tied))
+        require_all=False: a weight update of some of the tensors. not_required: parameters a
+        subclass loads itself (prefixes)."""
+        weights = self.stage_weights(weights)
         if self.model.is_first_stage or not self.config.tie_word_embeddings:
-            return load_named_weights(self, weights, self.stacked_params_mapping, require_all)
+            return load_named_weights(self, weights, self.stacked_params_mapping, require_all, not_required)
         # PP, tied embeddings, a later stage: the embedding's tensor is this stage's LM head.
         load_named_weights(self, self._tied_head_into_lm_head(weights), self.stacked_params_mapping,
-                           require_all, not_required=("lm_head.",))
+                           require_all, not_required=("lm_head.", *not_required))
+
+    def stage_weights(self, weights: Iterable[NamedWeight]) -> Iterator[NamedWeight]:
+        """The checkpoint's tensors this pipeline stage holds, named as a *ForCausalLM checkpoint names them."""
+        num_layers, tied = self.config.num_hidden_layers, self.config.tie_word_embeddings
+        return (w for w in map(_with_model_prefix, weights) if is_stage_weight(w[0], num_layers, tied))
 
     def _tied_head_into_lm_head(self, weights: Iterator[NamedWeight]) -> Iterator[NamedWeight]:
         for name, tensor, fn in weights:

@@ -11,12 +11,14 @@ from radixserve.models.llama_eagle import LlamaForCausalLMEagle
 from radixserve.models.model_config import LoadError
 from radixserve.models.qwen2 import Qwen2ForCausalLM
 from radixserve.models.qwen3 import Qwen3ForCausalLM
+from radixserve.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: Dict[str, Type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "LlamaForCausalLMEagle": LlamaForCausalLMEagle,  # a draft head (--speculative-algorithm EAGLE)
 }
 

@@ -1,0 +1,101 @@
+"""Mixture of experts: the top-k router and the experts' weights stacked in one layer (SGLang's
+FusedMoE names: w13_weight holds each expert's gate and up projections, w2_weight its down one).
+
+The router picks each token's top-k experts from a softmax over all of them (in float32, as
+transformers does; renormalized over the k when the config's norm_topk_prob says so). The experts
+then run one at a time over the tokens routed to them (gathered, then scattered back weighted):
+a Python loop over the experts the batch hits, never over tokens. That loop reads which experts
+are hit on the host, so a model with experts runs without CUDA graphs.
+
+Tensor parallelism splits every expert's intermediate dimension (w13 by rows, w2 by columns) and
+all-reduces the output, as RowParallelLinear does.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixserve.distributed.parallel_state import get_tp_group, tensor_model_parallel_all_reduce
+from radixserve.layers.linear import LinearBase, WeightShapeError
+
+
+class TopKRouter(LinearBase):
+    """The gate ([num_experts, hidden], replicated on every TP rank): each token's top-k expert
+    ids and their weights."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool):
+        super().__init__(hidden_size, num_experts, bias=False)
+        self.top_k, self.renormalize = top_k, renormalize
+
+    def route(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        probs = torch.softmax(self.forward(x).float(), dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids
+
+
+class FusedMoE(nn.Module):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        tp = get_tp_group()
+        if intermediate_size % tp.size:
+            raise ValueError(f"moe_intermediate_size {intermediate_size} is not divisible by --tp-size {tp.size}")
+        self.tp_rank, self.tp_size = tp.rank, tp.size
+        self.num_experts = num_experts
+        self.inter = intermediate_size // tp.size  # this rank's share
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden_size), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.inter), requires_grad=False)
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: Tuple[int, str]) -> None:
+        """shard_id: (expert, "w1" | "w3" | "w2"), a checkpoint's gate / up / down projection of
+        that expert; this rank keeps its slice of the intermediate dimension."""
+        expert, which = shard_id
+        n, start = self.inter, self.tp_rank * self.inter
+        if which == "w2":
+            part, dst = loaded.narrow(1, start, n), param.data[expert]
+        else:
+            part = loaded.narrow(0, start, n)
+            dst = param.data[expert].narrow(0, 0 if which == "w1" else n, n)
+        if dst.shape != part.shape:
+            raise WeightShapeError(f"expert {expert} {which}: expected shape {tuple(dst.shape)}, got {tuple(part.shape)}")
+        dst.copy_(part)
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        flat_ids = topk_ids.flatten()
+        order = torch.argsort(flat_ids, stable=True)  # (token, k) pairs grouped by expert
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        tokens = order // topk_ids.shape[1]
+        weights = topk_weights.flatten()[order]
+        start = 0
+        for expert, n in enumerate(counts):
+            if n == 0:
+                continue
+            idx = tokens[start : start + n]
+            w13, w2 = self.w13_weight[expert], self.w2_weight[expert]
+            h = x[idx].to(w13.dtype)
+            gate, up = F.linear(h, w13).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, w2).to(x.dtype)
+            out.index_add_(0, idx, y * weights[start : start + n, None].to(x.dtype))
+            start += n
+        if self.tp_size > 1:
+            out = tensor_model_parallel_all_reduce(out)
+        return out
+
+
+class SparseMoeBlock(nn.Module):
+    """A decoder layer's MLP when it is a mixture of experts (Qwen3-MoE's Qwen3MoeSparseMoeBlock)."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool):
+        super().__init__()
+        self.gate = TopKRouter(hidden_size, num_experts, top_k, renormalize)
+        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate.route(x)
+        return self.experts.forward(x, weights, ids)

@@ -1,0 +1,143 @@
+"""Qwen3-MoE (issue 41, its first model with experts) against transformers on the same random
+weights, float32: logits at every position of a ragged prefill, an extend after a cached prefix
+and decode steps (with the router's renormalization on and off, a dense layer among the sparse
+ones); tensor parallelism 2 (gloo) splitting every expert; the Engine's greedy tokens and
+logprobs; and --load-format dummy naming and shaping every tensor as the checkpoint does."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors import safe_open
+
+from hf_utils import KVDriver, hf_logits, load_hf, make_runner
+
+from radixserve import Engine
+from radixserve.layers.moe import FusedMoE, SparseMoeBlock
+from radixserve.model_executor.model_loader import checkpoint_shapes
+from radixserve.models.model_config import ModelConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from processes import free_port, run_processes  # noqa: E402
+
+TOL = 1e-4
+CONFIG = dict(vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+              max_position_embeddings=512, mlp_only_layers=[1])  # layers 0 and 2 sparse, layer 1 dense
+PROMPTS = [[5, 17, 200, 3, 99, 41, 7, 300, 12], [450, 2, 2, 61, 88, 130, 7, 9, 10, 11, 500, 42, 1, 77]]
+
+
+def make_moe_dir(out_dir: str, seed: int = 0, **overrides) -> str:
+    cfg = transformers.Qwen3MoeConfig(**{**CONFIG, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:  # the router's too: well-separated expert choices
+                p.normal_(0, p.shape[-1] ** -0.5 * (2.0 if name.endswith("mlp.gate.weight") else 1.0))
+            else:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["renormalized", "plain_topk"])
+def moe_dir(request, tmp_path_factory):
+    return make_moe_dir(str(tmp_path_factory.mktemp("qwen3_moe")), norm_topk_prob=request.param)
+
+
+def _driver_logits(runner) -> list:
+    """A ragged prefill, an extend after row 0's 9 cached tokens, then 4 decode steps."""
+    drv = KVDriver(runner, scatter_seed=1)
+    out = [drv.extend([0, 1], [0, 0], PROMPTS).all_logits]
+    out.append(drv.extend([0], [9], [[13, 14, 15, 16, 17]]).all_logits)
+    lens = [14, 14]
+    for t in range(4):
+        out.append(drv.decode([0, 1], lens, [20 + t, 30 + t]).next_token_logits)
+        lens = [n + 1 for n in lens]
+    return out
+
+
+def _reference(hf) -> list:
+    a = PROMPTS[0] + [13, 14, 15, 16, 17] + [20, 21, 22, 23]
+    b = PROMPTS[1] + [30, 31, 32, 33]
+    la, lb = hf_logits(hf, a), hf_logits(hf, b)
+    out = [torch.cat([la[:9], lb[:14]]), la[9:14]]
+    for t in range(4):
+        out.append(torch.stack([la[14 + t], lb[14 + t]]))
+    return out
+
+
+def test_logits_match_transformers(moe_dir):
+    runner = make_runner(moe_dir)
+    layers = runner.model.model.layers
+    assert [isinstance(layer.mlp, SparseMoeBlock) for layer in layers] == [True, False, True]
+    ours, ref = _driver_logits(runner), _reference(load_hf(moe_dir))
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        assert a.shape == b.shape, i
+        assert (a - b).abs().max().item() <= TOL, f"step {i}: {(a - b).abs().max().item():.2e}"
+
+
+def test_decoder_sparse_step_keeps_dense_layers_between(tmp_path):
+    model_dir = make_moe_dir(str(tmp_path / "step2"), decoder_sparse_step=2, mlp_only_layers=[])
+    runner = make_runner(model_dir)
+    assert [isinstance(layer.mlp, SparseMoeBlock) for layer in runner.model.model.layers] == [False, True, False]
+    ours, ref = _driver_logits(runner), _reference(load_hf(model_dir))
+    assert max((a - b).abs().max().item() for a, b in zip(ours, ref)) <= TOL
+
+
+def _tp_rank(rank: int, addr: str, model_dir: str, out_path: str) -> None:
+    from radixserve.distributed.parallel_state import destroy_distributed_environment
+    from radixserve.model_executor.model_runner import ModelRunner
+    from radixserve.server_args import ServerArgs
+
+    args = ServerArgs(model_path=model_dir, dtype="float32", device="cpu", max_total_tokens=2048,
+                      max_running_requests=8, tp_size=2, dist_init_addr=addr)
+    runner = ModelRunner(ModelConfig.from_pretrained(model_dir), args, rank, 2)
+    experts = runner.model.model.layers[0].mlp.experts
+    logits = _driver_logits(runner)
+    if rank == 0:
+        torch.save({"logits": logits, "w13": tuple(experts.w13_weight.shape)}, out_path)
+    destroy_distributed_environment()
+
+
+def test_tensor_parallel_2_splits_every_expert(moe_dir, tmp_path):
+    ctx = mp.get_context("spawn")
+    out = tmp_path / "tp2.pt"
+    addr = f"127.0.0.1:{free_port()}"
+    run_processes([ctx.Process(target=_tp_rank, args=(r, addr, moe_dir, str(out))) for r in range(2)])
+    res = torch.load(out)
+    assert res["w13"] == (8, 32, 64)  # each rank: half of each expert's 2 x 32 intermediate rows
+    for a, b in zip(res["logits"], _reference(load_hf(moe_dir))):
+        assert (a - b).abs().max().item() <= TOL
+
+
+def test_the_engine_serves_it(moe_dir):
+    hf = load_hf(moe_dir)
+    engine = Engine(moe_dir, dtype="float32", skip_tokenizer_init=True, chunked_prefill_size=8)
+    try:
+        outs = engine.generate(input_ids=PROMPTS, sampling_params={"max_new_tokens": 6, "temperature": 0},
+                               return_logprob=True, progress=False)
+    finally:
+        engine.shutdown()
+    for prompt, out in zip(PROMPTS, outs):
+        ids = out["output_ids"]
+        ref = hf_logits(hf, prompt + ids)[len(prompt) - 1 : -1]
+        assert ids == ref.argmax(-1).tolist()
+        lp = torch.tensor([v for v, _, _ in out["meta_info"]["output_token_logprobs"]])
+        assert (lp - torch.log_softmax(ref, -1).gather(1, torch.tensor(ids)[:, None]).squeeze(1)).abs().max() <= TOL
+
+
+def test_dummy_weights_name_and_shape_every_tensor_as_the_checkpoint(moe_dir):
+    config = ModelConfig.from_pretrained(moe_dir)
+    with safe_open(str(Path(moe_dir) / "model.safetensors"), "pt") as f:
+        saved = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    assert checkpoint_shapes(config) == saved
+    runner = make_runner(moe_dir, load_format="dummy")
+    moe = [m for m in runner.model.modules() if isinstance(m, FusedMoE)]
+    assert len(moe) == 2 and all(m.w13_weight.abs().sum() > 0 and m.w2_weight.abs().sum() > 0 for m in moe)
