@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from radixserve.managers.tokenizer_manager import TokenizerManager
+from radixserve.sampling_params import MAX_INT_PARAM
 
 
 class MemoryOccupationRequest(BaseModel):
@@ -46,8 +47,8 @@ class ProfileRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     output_dir: Optional[str] = Field(None, description="Where the traces go (default: $SGLANG_TORCH_PROFILER_DIR, else the temp dir).")
-    start_step: Optional[StrictInt] = Field(None, description="Start at this forward count (default: now).")
-    num_steps: Optional[StrictInt] = Field(None, description="Stop by itself after this many batches.")
+    start_step: Optional[StrictInt] = Field(None, le=MAX_INT_PARAM, description="Start at this forward count (default: now).")
+    num_steps: Optional[StrictInt] = Field(None, le=MAX_INT_PARAM, description="Stop by itself after this many batches.")
     activities: Optional[List[str]] = Field(None, description='"CPU", and "GPU" (or "CUDA") on a GPU.')
     with_stack: Optional[StrictBool] = None
     record_shapes: Optional[StrictBool] = None

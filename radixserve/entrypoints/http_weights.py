@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from radixserve.managers.tokenizer_manager import RequestError, TokenizerManager
+from radixserve.sampling_params import MAX_INT_PARAM
 from radixserve.protocol import (
     DestroyWeightsUpdateGroupReqInput,
     GetWeightsByNameReqInput,
@@ -40,6 +41,7 @@ from radixserve.protocol import (
 )
 
 GROUP = "weight_update_group"
+MAX_GROUP_SIZE = 65536  # ranks in a weight-update group: beyond any real cluster, within a TCP store's reach
 
 
 class _Body(BaseModel):
@@ -66,8 +68,8 @@ class UpdateWeightsFromTensorRequest(_Body):
 class InitWeightsUpdateGroupRequest(_Body):
     master_address: StrictStr
     master_port: StrictInt = Field(..., ge=1, le=65535)
-    rank_offset: StrictInt = Field(..., ge=1, description="This server's first rank in the group (the trainer is 0).")
-    world_size: StrictInt = Field(..., ge=2)
+    rank_offset: StrictInt = Field(..., ge=1, le=MAX_GROUP_SIZE, description="This server's first rank in the group (the trainer is 0).")
+    world_size: StrictInt = Field(..., ge=2, le=MAX_GROUP_SIZE)
     group_name: StrictStr = GROUP
     backend: StrictStr = Field("nccl", description="gloo on a CPU server, nccl on GPUs.")
 
@@ -89,7 +91,7 @@ class DestroyWeightsUpdateGroupRequest(_Body):
 
 class GetWeightsByNameRequest(_Body):
     name: StrictStr = Field(..., description="A checkpoint tensor name, e.g. model.layers.0.mlp.up_proj.weight.")
-    truncate_size: StrictInt = Field(100, ge=1, description="How many rows (elements of a vector) to return.")
+    truncate_size: StrictInt = Field(100, ge=1, le=MAX_INT_PARAM, description="How many rows (elements of a vector) to return.")
 
 
 class UpdateWeightVersionRequest(_Body):

@@ -181,9 +181,13 @@ class ModelWeightUpdater:
         if name not in shapes:
             return None
         full = shapes[name]
+        truncate_size = min(truncate_size, full[0])  # a huge one (2**70) would overflow the comparisons below
         target, shard_id = param_name_for(name, self.model.stacked_params_mapping)
         owner_name, attr = target.rsplit(".", 1)
-        owner = self.model.get_submodule(owner_name)
+        try:
+            owner = self.model.get_submodule(owner_name)
+        except AttributeError:  # a tensor the model holds stacked with others (an MoE expert's): not readable here
+            return None
         values = getattr(owner, attr).data
         packed = getattr(owner, "weight_packed", None)
         if attr == "weight" and values.numel() == 0 and packed is not None:  # the CPU's bf16 mode

@@ -165,6 +165,15 @@ def test_malformed_update_requests_answer_400(http):
     assert r.status_code == 400 and "not a tensor of numbers" in r.json()["error"]["message"]
     r = http.post("/get_weights_by_name", json={"name": "model.layers.0.nope.weight"})
     assert r.status_code == 400 and "no tensor named" in r.json()["error"]["message"]
+    # Issue 45: an integer beyond any tensor once killed the scheduler (an overflow in a comparison);
+    # now a 400 naming the field, and the server answers as before.
+    before = generate(http, PROMPTS[0])["output_ids"]
+    r = http.post("/get_weights_by_name", json={"name": "model.norm.weight", "truncate_size": 2**70})
+    assert r.status_code == 400 and "truncate_size" in r.json()["error"]["message"], r.text
+    r = http.post("/init_weights_update_group", json={"master_address": "127.0.0.1", "master_port": 1,
+                                                      "rank_offset": 1, "world_size": 10**9, "backend": "gloo"})
+    assert r.status_code == 400 and "world_size" in r.json()["error"]["message"], r.text
+    assert generate(http, PROMPTS[0])["output_ids"] == before
 
 
 def test_abort_all_requests_aborts_the_request_in_flight(srv, http, dirs, reference):

@@ -199,6 +199,9 @@ def test_get_weights_by_name_returns_the_checkpoint_rows(dirs, hf):
             got = torch.tensor(e.get_weights_by_name(name, 5))
             assert torch.equal(got, params[name][:5].detach()), name
         assert e.get_weights_by_name("model.layers.0.self_attn.qkv_proj.weight") is None  # a fused name, not a checkpoint's
+        # More rows than the tensor has (2**70 once overflowed a comparison and killed the scheduler): all of them.
+        norm = params["model.norm.weight"].detach()
+        assert torch.equal(torch.tensor(e.get_weights_by_name("model.norm.weight", 2**70)), norm)
     finally:
         e.shutdown()
 
