@@ -24,7 +24,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait as mp_wait
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from radixserve.server_args import PortArgs, ServerArgs
 
@@ -87,7 +87,6 @@ def launch_subprocesses(server_args: ServerArgs, should_abort: Any = lambda: Fal
     rt = Runtime(server_args, PortArgs.init_new())
     logger.info("IPC sockets in %s", rt.port_args.ipc_dir)
     ctx = mp.get_context("spawn")
-    pipes = {}
     children = []  # (name, target, server_args, extra args)
     # --pp-size: pp x tp ranks, global rank = pp_rank * tp_size + tp_rank (SGLang's order)
     tp, pp = server_args.tp_size, server_args.pp_size
@@ -109,26 +108,54 @@ def launch_subprocesses(server_args: ServerArgs, should_abort: Any = lambda: Fal
         from radixserve.managers.dp_controller import run_data_parallel_controller_process
 
         children.append(("dp_controller", run_data_parallel_controller_process, server_args, ()))
-    if server_args.node_rank == 0:
-        from radixserve.hf_transformers_utils import get_tokenizer
-        from radixserve.managers.text_decoder import text_decoder_of
-
-        # The detokenizer gets a decoder made from it, so it imports neither transformers nor torch.
-        rt.tokenizer = get_tokenizer(server_args)
-        decoder = text_decoder_of(rt.tokenizer) if rt.tokenizer is not None else None
-        children.append(("detokenizer", run_detokenizer_process, server_args, (decoder,)))
     try:
-        for name, target, child_args, extra in children:
-            reader, writer = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=target, args=(child_args, rt.port_args, writer, *extra), name=f"radixserve-{name}")
-            proc.start()
-            writer.close()
-            rt.procs[name], pipes[name] = proc, reader
-        _wait_ready(rt, pipes, should_abort)
+        _start(ctx, rt, children, should_abort)
+        if server_args.node_rank == 0:
+            # After the schedulers are up (a model that cannot load says so first, in its own
+            # words): the tokenizer, loaded once here for the TokenizerManager, and the
+            # detokenizer, given a decoder made from it so it imports neither transformers nor torch.
+            rt.tokenizer = _load_tokenizer(server_args)
+            _start(ctx, rt, [("detokenizer", run_detokenizer_process, server_args, (_text_decoder(rt.tokenizer),))],
+                   should_abort)
     except BaseException:
         rt.stop()
         raise
     return rt
+
+
+def _start(ctx: Any, rt: Runtime, children: List[Tuple[str, Any, ServerArgs, tuple]], should_abort: Any) -> None:
+    """Spawn the children and wait until each says it is ready."""
+    pipes = {}
+    for name, target, child_args, extra in children:
+        reader, writer = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=target, args=(child_args, rt.port_args, writer, *extra), name=f"radixserve-{name}")
+        proc.start()
+        writer.close()
+        rt.procs[name], pipes[name] = proc, reader
+    _wait_ready(rt, pipes, should_abort)
+
+
+def _load_tokenizer(server_args: ServerArgs) -> Any:
+    from radixserve.hf_transformers_utils import get_tokenizer
+
+    try:
+        return get_tokenizer(server_args)
+    except Exception as e:  # LoadError: its one line; anything else: what it was
+        raise LaunchError(str(e) if type(e).__name__ == "LoadError" else f"Loading the tokenizer failed: {e!r}") from None
+
+
+def _text_decoder(tokenizer: Any) -> Any:
+    """The detokenizer's TextDecoder, or None (no tokenizer, or none could be made: the
+    detokenizer then loads the tokenizer with transformers)."""
+    from radixserve.managers.text_decoder import text_decoder_of
+
+    if tokenizer is None:
+        return None
+    try:
+        return text_decoder_of(tokenizer)
+    except Exception:
+        logger.warning("No TextDecoder for this tokenizer; the detokenizer loads it with transformers", exc_info=True)
+        return None
 
 
 def _wait_ready(rt: Runtime, pipes: Dict[str, Any], should_abort: Any) -> None:

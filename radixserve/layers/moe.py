@@ -7,20 +7,23 @@ then run one at a time over the tokens routed to them (gathered, then scattered 
 a Python loop over the experts the batch hits, never over tokens. That loop reads which experts
 are hit on the host, so a model with experts runs without CUDA graphs.
 
+In the CPU's bf16 mode each expert's matrices are packed for the C++ bf16 GEMM, as the linear
+layers are (activations stay float32).
+
 Tensor parallelism splits every expert's intermediate dimension (w13 by rows, w2 by columns) and
 all-reduces the output, as RowParallelLinear does.
 """
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from radixserve.distributed.parallel_state import get_tp_group, tensor_model_parallel_all_reduce
-from radixserve.layers.linear import LinearBase, WeightShapeError
+from radixserve.layers.linear import LinearBase, PackedWeight, WeightShapeError, linear, pack_cpu_weight, unpack_cpu_weight
 
 
 class TopKRouter(LinearBase):
@@ -48,8 +51,31 @@ class FusedMoE(nn.Module):
         self.tp_rank, self.tp_size = tp.rank, tp.size
         self.num_experts = num_experts
         self.inter = intermediate_size // tp.size  # this rank's share
+        self.hidden_size = hidden_size
         self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden_size), requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.inter), requires_grad=False)
+        # The CPU's bf16 mode (pack_cpu_weights): each expert's two matrices packed for the C++ GEMM
+        # (float32 activations), the stacked parameters freed.
+        self.weight_packed: Optional[List[Tuple[PackedWeight, PackedWeight]]] = None
+
+    def pack_cpu_weight(self) -> bool:
+        packed = [(pack_cpu_weight(self.w13_weight.data[e]), pack_cpu_weight(self.w2_weight.data[e]))
+                  for e in range(self.num_experts)]
+        if any(p is None for pair in packed for p in pair):
+            return False
+        self.weight_packed = packed
+        dtype = self.w13_weight.dtype
+        self.w13_weight = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+        return True
+
+    def unpack_cpu_weight(self) -> None:
+        """The stacked parameters back from the packed copies (a weight update writes into them)."""
+        if self.weight_packed is not None and self.w13_weight.numel() == 0:
+            self.w13_weight = nn.Parameter(torch.stack([unpack_cpu_weight(a, self.hidden_size) for a, _ in self.weight_packed]),
+                                           requires_grad=False)
+            self.w2_weight = nn.Parameter(torch.stack([unpack_cpu_weight(b, self.inter) for _, b in self.weight_packed]),
+                                          requires_grad=False)
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: Tuple[int, str]) -> None:
         """shard_id: (expert, "w1" | "w3" | "w2"), a checkpoint's gate / up / down projection of
@@ -77,10 +103,14 @@ class FusedMoE(nn.Module):
             if n == 0:
                 continue
             idx = tokens[start : start + n]
-            w13, w2 = self.w13_weight[expert], self.w2_weight[expert]
-            h = x[idx].to(w13.dtype)
-            gate, up = F.linear(h, w13).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, w2).to(x.dtype)
+            if self.weight_packed is not None:  # float32 activations, bf16 weights: the C++ GEMM
+                p13, p2 = self.weight_packed[expert]
+                gate, up = linear(x[idx], None, p13).chunk(2, dim=-1)
+                y = linear(F.silu(gate) * up, None, p2)
+            else:
+                w13, w2 = self.w13_weight[expert], self.w2_weight[expert]
+                gate, up = F.linear(x[idx].to(w13.dtype), w13).chunk(2, dim=-1)
+                y = F.linear(F.silu(gate) * up, w2).to(x.dtype)
             out.index_add_(0, idx, y * weights[start : start + n, None].to(x.dtype))
             start += n
         if self.tp_size > 1:

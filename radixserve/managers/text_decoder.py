@@ -45,7 +45,10 @@ class TextDecoder:
         """Whether it decodes the sample as the tokenizer did (a tokenizer class with a decode of
         its own shows here). Run where it is used: building the backend in the main process too
         would hold a second copy of the vocabulary there (~100 MB for a 150k-token one)."""
-        return all(self.decode(ids, skip_special_tokens=skip) == text for ids, skip, text in self.expected)
+        try:
+            return all(self.decode(ids, skip_special_tokens=skip) == text for ids, skip, text in self.expected)
+        except Exception:  # a backend this tokenizers version cannot read: the caller falls back
+            return False
 
     def __getstate__(self) -> dict:  # sent to the detokenizer process: the JSON, not the backend
         return {**self.__dict__, "_backend": None}
@@ -54,14 +57,17 @@ class TextDecoder:
 def text_decoder_of(tokenizer: Any) -> Optional[TextDecoder]:
     """A TextDecoder for `tokenizer`, with the sample it must decode alike (random id sequences,
     special tokens among them, both ways of skip_special_tokens); None without a `tokenizers`
-    backend."""
+    backend, or where the tokenizer's decode is neither the backend's nor that cleaned up."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return None
-    clean = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
-    if clean and type(backend.model).__name__ == "BPE" and not getattr(
-            tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False):
-        clean = False  # transformers skips it for BPE (it would strip real spaces)
+    # Whether this tokenizer cleans up spaces after the backend (transformers' versions differ on
+    # BPE models): read off a text made of what the clean-up changes.
+    probe = tokenizer.encode("a . b , c ! d ? e 's f 're", add_special_tokens=False)
+    raw, decoded = backend.decode(probe, skip_special_tokens=False), tokenizer.decode(probe)
+    if decoded not in (raw, clean_up_tokenization(raw)):
+        return None
+    clean = decoded != raw
     rng = random.Random(0)
     vocab = len(tokenizer)
     specials = list(getattr(tokenizer, "all_special_ids", []) or [])

@@ -205,6 +205,7 @@ class MemorySaverAdapter:
                 s.resize_(n)
                 _bytes_of(s, n).zero_()  # as allocated: no stale values under a masked position
             self._kv_storages, self._kv_nbytes = [], []
+            self.runner.req_to_token_pool.req_to_token_cpu.zero_()  # its host copy, as the device's (one tensor on a CPU)
         if GPU_MEMORY_TYPE_WEIGHTS in tags and self._weights is not None:
             self._weights.restore()
             self._weights = None

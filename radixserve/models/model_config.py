@@ -220,21 +220,26 @@ def _sliding_window(cfg: Dict[str, Any]) -> Optional[int]:
     return int(cfg["sliding_window"]) if any(_window_layers(cfg)) else None
 
 
+# Families whose configs keep a sliding_window that only use_sliding_window (off by default) turns on.
+WINDOW_OFF_BY_DEFAULT = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+
+
 def _window_layers(cfg: Dict[str, Any]) -> List[bool]:
     """Which layers attend through the window, by transformers' rules: `layer_types` names them
-    where a config has it (Qwen2/Qwen3 build it from use_sliding_window and max_window_layers, off
-    by default); else a non-null `sliding_window` windows every layer (Mistral, unless the config
-    turns it off with use_sliding_window false), or the layers from max_window_layers on (Qwen2)."""
+    where a config has it (transformers 5 saves it); else a non-null `sliding_window` windows every
+    layer of Mistral, and for the Qwen families only with use_sliding_window (off by default):
+    the layers from max_window_layers on (Qwen2, Qwen3), every layer (Qwen3-MoE)."""
     n = cfg["num_hidden_layers"]
     if not cfg.get("sliding_window"):
         return []
     layer_types = cfg.get("layer_types")
+    model_type = cfg.get("model_type", "")
     if layer_types is not None:
         windowed = [t == "sliding_attention" for t in layer_types]
-    elif not cfg.get("use_sliding_window", True):
+    elif not cfg.get("use_sliding_window", model_type not in WINDOW_OFF_BY_DEFAULT):
         windowed = []
     else:
-        first = cfg.get("max_window_layers", 0)
+        first = 0 if model_type == "qwen3_moe" else cfg.get("max_window_layers", 0)
         windowed = [i >= first for i in range(n)]
     return windowed if any(windowed) else []
 

@@ -60,16 +60,24 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
     def _experts_loaded(self, weights: Iterable[NamedWeight], loaded: set) -> Iterator[NamedWeight]:
         """Load the experts' tensors into their stacked parameters; pass the others on."""
         for name, tensor, fn in weights:
+            if name.endswith((".w13_weight", ".w2_weight")):
+                raise LoadError(f"{fn}: tensor {name!r}: the experts are loaded from each expert's gate_proj / up_proj / "
+                                f"down_proj tensors (mlp.experts.<e>.<proj>.weight), not the stacked parameters")
             m = EXPERT_WEIGHT.match(name)
             if m is None:
                 yield name, tensor, fn
                 continue
             prefix, expert, proj = m.group(1), int(m.group(2)), m.group(3)
             shard = SHARD_OF[proj]
-            module = self.get_submodule(prefix)
+            try:
+                module = self.get_submodule(prefix)
+            except AttributeError:
+                module = None
+            if not isinstance(module, FusedMoE) or not 0 <= expert < module.num_experts:
+                raise LoadError(f"{fn}: unexpected tensor {name!r} for {type(self).__name__} (no such expert)")
             param = module.w2_weight if shard == "w2" else module.w13_weight
             try:
                 call_weight_loader(module, param, tensor, (expert, shard))
-            except (ValueError, IndexError) as e:
+            except (ValueError, IndexError, RuntimeError, TypeError) as e:
                 raise LoadError(f"{fn}: tensor {name!r}: {e}") from None
             loaded.add((prefix, expert, shard))

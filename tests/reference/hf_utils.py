@@ -66,7 +66,7 @@ def load_hf(model_dir: str):
 
 
 def make_runner(model_dir: str, **kw) -> ModelRunner:
-    args = ServerArgs(model_path=model_dir, dtype="float32", device="cpu", max_total_tokens=kw.pop("max_total_tokens", 8192), max_running_requests=kw.pop("max_running_requests", 64), **kw)
+    args = ServerArgs(model_path=model_dir, dtype=kw.pop("dtype", "float32"), device="cpu", max_total_tokens=kw.pop("max_total_tokens", 8192), max_running_requests=kw.pop("max_running_requests", 64), **kw)
     return ModelRunner(ModelConfig.from_pretrained(model_dir), args)
 
 

@@ -141,3 +141,37 @@ def test_dummy_weights_name_and_shape_every_tensor_as_the_checkpoint(moe_dir):
     runner = make_runner(moe_dir, load_format="dummy")
     moe = [m for m in runner.model.modules() if isinstance(m, FusedMoE)]
     assert len(moe) == 2 and all(m.w13_weight.abs().sum() > 0 and m.w2_weight.abs().sum() > 0 for m in moe)
+
+
+def test_cpu_bf16_mode_packs_the_experts(moe_dir):
+    """The CPU's bf16 mode: each expert's matrices packed for the C++ bf16 GEMM (the stacked
+    float parameters freed), and the logits no further from float32 transformers than
+    transformers' own bf16 run is (2x, as the dense models' bf16 test allows), on average: a
+    routing choice that bf16 rounding flips moves a position's logits a lot, in either run."""
+    from radixserve.layers.cpu_weight_only import weight_only_available
+
+    if not weight_only_available(torch.bfloat16, "cpu"):
+        pytest.fail("this test needs a CPU with AVX512_BF16 (the CI machines have it)")
+    runner = make_runner(moe_dir, dtype="bfloat16")
+    experts = [m for m in runner.model.modules() if isinstance(m, FusedMoE)]
+    assert all(m.weight_packed is not None and m.w13_weight.numel() == 0 for m in experts)
+    ids = PROMPTS[1] + PROMPTS[0]
+    ours = KVDriver(runner).extend([0], [0], [ids]).all_logits.float()
+    ref = hf_logits(load_hf(moe_dir), ids)
+    hf16 = transformers.AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        theirs = hf16(torch.tensor([ids])).logits[0].float()
+    assert (ours - ref).abs().mean() <= 2 * (theirs - ref).abs().mean(), ((ours - ref).abs().mean(), (theirs - ref).abs().mean())
+    assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= (theirs.argmax(-1) == ref.argmax(-1)).float().mean() - 0.05
+
+
+def test_a_weight_update_naming_the_stacked_experts_is_refused(moe_dir):
+    from radixserve.hf_transformers_utils import LoadError
+
+    runner = make_runner(moe_dir)
+    w13 = runner.model.model.layers[0].mlp.experts.w13_weight
+    with pytest.raises(LoadError, match="each expert's gate_proj"):
+        runner.model.load_weights([("model.layers.0.mlp.experts.w13_weight", w13.clone(), "update")], require_all=False)
+    with pytest.raises(LoadError, match="no such expert"):
+        runner.model.load_weights([("model.layers.1.mlp.experts.0.gate_proj.weight", torch.zeros(32, 64), "update")],
+                                  require_all=False)

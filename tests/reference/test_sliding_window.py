@@ -46,6 +46,9 @@ def test_the_window_is_read_as_transformers_reads_it():
     # Qwen2/Qwen3 keep sliding_window in the config but use it only with use_sliding_window,
     # for the layers from max_window_layers on (transformers' layer_types).
     assert _config(sliding_window=WINDOW, use_sliding_window=False).sliding_window is None
+    assert _config(sliding_window=WINDOW, model_type="qwen2").sliding_window is None  # off unless turned on
+    moe = _config(sliding_window=WINDOW, model_type="qwen3_moe", use_sliding_window=True, max_window_layers=2)
+    assert moe.window_layers == [True] * 4  # Qwen3-MoE windows every layer when on
     assert _config(sliding_window=WINDOW, use_sliding_window=True, max_window_layers=4).sliding_window is None
     qwen2 = _config(sliding_window=WINDOW, use_sliding_window=True, max_window_layers=2)
     assert qwen2.sliding_window == WINDOW and qwen2.window_layers == [False, False, True, True]
