@@ -160,6 +160,7 @@ class ServerArgs:
     log_level: str = "info"
     skip_tokenizer_init: bool = False
     api_key: Optional[str] = None  # every route but /health needs "Authorization: Bearer KEY"
+    admin_api_key: Optional[str] = None  # the operations routes need it (entrypoints/admin_auth.py)
     max_request_body_bytes: int = 32 * 1024 * 1024  # larger request bodies get 413
     watchdog_timeout: float = 300.0  # seconds without forward progress before the server exits
     decode_log_interval: int = 40  # log one line every this many decode batches
@@ -470,7 +471,7 @@ class ServerArgs:
             if f.type in ("bool", bool):
                 parser.add_argument(flag, action="store_true", default=default, help=f"{text} (default: off)".strip())
                 continue
-            shown = "%(default)s" if f.name != "api_key" else "none"
+            shown = "%(default)s" if f.name not in ("api_key", "admin_api_key") else "none"
             parser.add_argument(flag, type=_arg_type(f), default=default, help=f"{text} (default: {shown})".strip())
 
     @classmethod
@@ -584,6 +585,8 @@ FLAG_HELP = {
     "log_level": "debug, info, warning or error",
     "skip_tokenizer_init": "no tokenizer: input_ids in, output_ids out",
     "api_key": "require 'Authorization: Bearer KEY' on every route but /health",
+    "admin_api_key": "the operations routes (weights, LoRA load/unload, release/resume, pause, profile, flush) take "
+                     "only 'Authorization: Bearer KEY'; without it they answer only on a loopback --host",
     "max_request_body_bytes": "refuse larger request bodies with 413",
     "watchdog_timeout": "seconds the scheduler may have work without progress before the server exits",
     "decode_log_interval": "log one decode line every this many decode batches",

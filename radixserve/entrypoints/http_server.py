@@ -26,7 +26,7 @@ import dataclasses
 import hmac
 import logging
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Callable, Coroutine, Dict, List
+from typing import Any, AsyncIterator, Callable, Coroutine, Dict, FrozenSet, List
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -34,6 +34,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from radixserve.entrypoints.admin_auth import ADMIN_PATHS, AdminKeyMiddleware
 from radixserve.entrypoints.http_admin import add_admin_routes
 from radixserve.entrypoints.http_weights import add_weight_update_routes
 from radixserve.entrypoints.native_protocol import (
@@ -189,13 +190,14 @@ class BodySizeLimitMiddleware:
 
 
 class ApiKeyMiddleware:
-    """With --api-key, every route but /health needs `Authorization: Bearer KEY` (401)."""
+    """With --api-key, every route but /health (and `exempt` ones) needs `Authorization: Bearer KEY` (401)."""
 
-    def __init__(self, app: Any, api_key: str):
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+    def __init__(self, app: Any, api_key: str, exempt: FrozenSet[str] = frozenset()):
+        self.app, self.expected, self.exempt = app, f"Bearer {api_key}".encode(), exempt
 
     async def __call__(self, scope: Dict[str, Any], receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http" or scope.get("path") == "/health" or scope.get("method") == "OPTIONS":
+        if (scope["type"] != "http" or scope.get("path") == "/health" or scope.get("method") == "OPTIONS"
+                or scope.get("path") in self.exempt):
             return await self.app(scope, receive, send)
         got = dict(scope.get("headers") or []).get(b"authorization", b"")
         if not hmac.compare_digest(got, self.expected):
@@ -222,9 +224,11 @@ def create_app(tm: TokenizerManager) -> Any:
     add_weight_update_routes(app, tm)  # /update_weights_from_disk, ... (http_weights.py)
     add_admin_routes(app, tm)  # memory release, pause, profiling (http_admin.py)
 
-    wrapped: Any = app
+    wrapped: Any = AdminKeyMiddleware(app, tm.server_args.admin_api_key, tm.server_args.host)
     if tm.server_args.api_key:
-        wrapped = ApiKeyMiddleware(wrapped, tm.server_args.api_key)
+        # with an admin key the operations routes take that one instead (AdminKeyMiddleware)
+        wrapped = ApiKeyMiddleware(wrapped, tm.server_args.api_key,
+                                   exempt=ADMIN_PATHS if tm.server_args.admin_api_key else frozenset())
     wrapped = BodySizeLimitMiddleware(wrapped, tm.server_args.max_request_body_bytes)
     return _Outer(wrapped, app)
 
@@ -285,7 +289,7 @@ def add_native_routes(app: FastAPI, tm: TokenizerManager) -> None:
     @app.get("/server_info")  # sglang-router names its workers' model from this
     async def get_server_info() -> Dict[str, Any]:
         st = await tm.get_internal_state()
-        info = {k: v for k, v in dataclasses.asdict(args).items() if k != "api_key"}
+        info = {k: v for k, v in dataclasses.asdict(args).items() if k not in ("api_key", "admin_api_key")}
         info.update(
             model_path=tm.model_path,  # resolved (the flag is None for the embedded model)
             served_model_name=tm.served_model_name,
