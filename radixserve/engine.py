@@ -229,9 +229,10 @@ class Engine:
             list(named_tensors), load_format, flush_cache, weight_version=weight_version))
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                                  group_name: str = "weight_update_group", backend: str = "gloo") -> Tuple[bool, str]:
+                                  group_name: str = "weight_update_group", backend: str = "gloo",
+                                  timeout: float = 30.0) -> Tuple[bool, str]:
         out = self._control(InitWeightsUpdateGroupReqInput(master_address, master_port, rank_offset, world_size,
-                                                           group_name, backend))
+                                                           group_name, backend, timeout))
         return out.success, out.message
 
     def update_weights_from_distributed(self, names: List[str], dtypes: List[str], shapes: List[List[int]],

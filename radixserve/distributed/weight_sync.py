@@ -29,15 +29,18 @@ def init_custom_process_group(
     rank: int,
     group_name: str,
     timeout: Optional[timedelta] = None,
+    op_timeout: Optional[timedelta] = None,
 ) -> Any:
     """A process group of `world_size` members beside this process's default group (if any).
-    Every member calls it; rank 0 hosts the store at `init_method` (tcp://host:port)."""
+    Every member calls it; rank 0 hosts the store at `init_method` (tcp://host:port). timeout
+    bounds the join (the store's connection and the members' rendezvous), op_timeout the group's
+    collectives afterwards (default: timeout)."""
     timeout = timeout or c10d.default_pg_timeout
     store, rank, world_size = next(c10d.rendezvous(init_method, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     store = c10d.PrefixStore(group_name, store)  # the group's keys never meet another's
     pg, _ = c10d._new_process_group_helper(
-        world_size, rank, [], c10d.Backend(backend), store, group_name=group_name, timeout=timeout,
+        world_size, rank, [], c10d.Backend(backend), store, group_name=group_name, timeout=op_timeout or timeout,
     )
     # Group rank i is "global" rank i for this group, so broadcast(src=0, group=pg) names the trainer.
     c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}

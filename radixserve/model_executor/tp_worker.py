@@ -58,7 +58,7 @@ class TpModelWorker:
     def init_weights_update_group(self, recv_req: InitWeightsUpdateGroupReqInput) -> Tuple[bool, str]:
         r = recv_req
         return self.model_runner.init_weights_update_group(r.master_address, r.master_port, r.rank_offset,
-                                                           r.world_size, r.group_name, r.backend)
+                                                           r.world_size, r.group_name, r.backend, r.timeout)
 
     def update_weights_from_distributed(self, recv_req: UpdateWeightsFromDistributedReqInput) -> Tuple[bool, str]:
         r = recv_req

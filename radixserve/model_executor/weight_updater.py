@@ -93,7 +93,7 @@ class ModelWeightUpdater:
                                    f"Succeeded to update {len(named_tensors)} tensor(s).")
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                                  group_name: str, backend: str) -> Tuple[bool, str]:
+                                  group_name: str, backend: str, timeout: float = 30.0) -> Tuple[bool, str]:
         """Join a trainer's group as rank rank_offset + tp_rank (the trainer is rank 0)."""
         rank = rank_offset + self.runner.tp_rank
         error = None
@@ -108,9 +108,11 @@ class ModelWeightUpdater:
                      f"{self.runner.tp_size} rank(s) beside the trainer's rank 0")
         if error is None:
             try:
+                # The join waits at most `timeout` for the trainer; the group's later operations
+                # (the broadcasts of an update) keep WEIGHTS_UPDATE_GROUP_TIMEOUT.
                 self.groups[group_name] = init_custom_process_group(
                     backend, f"tcp://{master_address}:{master_port}", world_size, rank, group_name,
-                    WEIGHTS_UPDATE_GROUP_TIMEOUT)
+                    timedelta(seconds=timeout), op_timeout=WEIGHTS_UPDATE_GROUP_TIMEOUT)
             except Exception as e:  # the trainer did not come, or the address is wrong
                 error = f"Failed to initialize custom process group: {e}."
         ok, message = all_tp_ranks_ok(error is None, error or "Succeeded to initialize custom process group.")

@@ -173,7 +173,16 @@ def test_malformed_update_requests_answer_400(http):
     r = http.post("/init_weights_update_group", json={"master_address": "127.0.0.1", "master_port": 1,
                                                       "rank_offset": 1, "world_size": 10**9, "backend": "gloo"})
     assert r.status_code == 400 and "world_size" in r.json()["error"]["message"], r.text
+    # A trainer address where nobody listens: the join gives up after its timeout with a 400
+    # (it once waited 120 s with the scheduler's loop blocked), and no group is left behind.
+    t0 = time.monotonic()
+    r = http.post("/init_weights_update_group", json={"master_address": "127.0.0.1", "master_port": 1,
+                                                      "rank_offset": 1, "world_size": 2, "backend": "gloo", "timeout": 3})
+    assert r.status_code == 400 and "Failed to initialize custom process group" in r.json()["message"], r.text
+    assert time.monotonic() - t0 < 30
     assert generate(http, PROMPTS[0])["output_ids"] == before
+    r = http.post("/destroy_weights_update_group", json={})
+    assert r.status_code == 400  # nothing was joined
 
 
 def test_abort_all_requests_aborts_the_request_in_flight(srv, http, dirs, reference):
