@@ -230,7 +230,7 @@ class Engine:
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                   group_name: str = "weight_update_group", backend: str = "gloo",
-                                  timeout: float = 30.0) -> Tuple[bool, str]:
+                                  timeout: float = 15.0) -> Tuple[bool, str]:
         out = self._control(InitWeightsUpdateGroupReqInput(master_address, master_port, rank_offset, world_size,
                                                            group_name, backend, timeout))
         return out.success, out.message

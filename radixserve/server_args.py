@@ -173,7 +173,7 @@ class ServerArgs:
     grammar_cache_size: int = 1024  # compiled grammars kept (least recently used go first)
     request_timeout: Optional[float] = None  # seconds a request may run before it is aborted (504)
     health_check_timeout: float = 20.0  # /health is 503 when the scheduler's heartbeat is older
-    graceful_shutdown_timeout: float = 30.0  # SIGTERM: seconds in-flight requests get to finish
+    graceful_shutdown_timeout: float = 15.0  # SIGTERM: seconds in-flight requests get to finish
 
     # Structured output (json_schema / regex / ebnf requests)
     grammar_backend: str = "xgrammar"  # or "none"

@@ -215,7 +215,7 @@ class ModelRunner:
         return self.weight_updater.update_weights_from_tensor(named_tensors, load_format)
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                                  group_name: str, backend: str = "gloo", timeout: float = 30.0) -> Tuple[bool, str]:
+                                  group_name: str, backend: str = "gloo", timeout: float = 15.0) -> Tuple[bool, str]:
         return self.weight_updater.init_weights_update_group(master_address, master_port, rank_offset, world_size,
                                                              group_name, backend, timeout)
 

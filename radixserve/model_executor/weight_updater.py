@@ -93,7 +93,7 @@ class ModelWeightUpdater:
                                    f"Succeeded to update {len(named_tensors)} tensor(s).")
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                                  group_name: str, backend: str, timeout: float = 30.0) -> Tuple[bool, str]:
+                                  group_name: str, backend: str, timeout: float = 15.0) -> Tuple[bool, str]:
         """Join a trainer's group as rank rank_offset + tp_rank (the trainer is rank 0)."""
         rank = rank_offset + self.runner.tp_rank
         error = None
