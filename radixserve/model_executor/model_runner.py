@@ -84,10 +84,9 @@ class ModelRunner:
         self.lora_manager = self.init_lora_manager()
         self.weight_updater = ModelWeightUpdater(self)  # weight updates without a restart
         self.kv_cache_dtype = resolve_kv_cache_dtype(server_args.kv_cache_dtype, self.activation_dtype, self.weight_only)
-        # The torch-native backend applies a sliding window; the Triton one does not yet.
-        windowed = server_args.attention_backend != "triton"
-        self.context_len = model_config.serving_context_len(server_args.context_length, windowed_attention=windowed)
-        if windowed and model_config.sliding_window is not None and server_args.speculative_algorithm is not None:
+        # Both attention backends apply a sliding window (serving_context_len keeps the cap for one that would not).
+        self.context_len = model_config.serving_context_len(server_args.context_length, windowed_attention=True)
+        if model_config.sliding_window is not None and server_args.speculative_algorithm is not None:
             raise LoadError(f"{model_config.model_path}: speculative decoding with sliding-window attention is not "
                             f"implemented yet (the verify forward attends to every key)")
         self.attn_backend = self.init_attention_backend()
@@ -108,7 +107,7 @@ class ModelRunner:
         if self.server_args.attention_backend == "triton":
             from radixserve.layers.attention.triton_backend import TritonAttnBackend  # imports triton
 
-            return TritonAttnBackend(self.device)
+            return TritonAttnBackend(self.device, sliding_window=self.model_config.sliding_window)
         return TorchNativeAttnBackend(self.device, sliding_window=self.model_config.sliding_window)
 
     def use_cuda_graph(self) -> bool:

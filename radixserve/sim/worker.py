@@ -42,8 +42,7 @@ class SimModelWorker:
         self.device = "cpu"  # where the scheduler's tensors live; the simulated device is `device`
         dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}.get(server_args.dtype, device.dtype_bytes)
         self.cost_model = CostModel(model_config, device, server_args.tp_size, dtype_bytes)
-        self.context_len = model_config.serving_context_len(server_args.context_length,
-                                                            windowed_attention=server_args.attention_backend != "triton")
+        self.context_len = model_config.serving_context_len(server_args.context_length)
         self.page_size = server_args.page_size
         if server_args.max_total_tokens:
             max_tokens = server_args.max_total_tokens

@@ -2,8 +2,8 @@
 itself, as in transformers, past the window too, on every path of the torch-native backend (the
 C++ kernels and the torch reference; prefill, an extend after a cached prefix, decode, a mixed
 batch), for a model whose every layer is windowed (Mistral) and one with windowed and full
-layers (Qwen3's layer_types). A backend that does not apply the window (Triton, for now) serves
-such a model up to its window only, where the answers are still the model's own."""
+layers (Qwen3's layer_types). The Triton backend's window is tested against this backend's in
+tests/unit/test_triton_kernels.py."""
 
 from __future__ import annotations
 
@@ -123,15 +123,16 @@ def test_the_engine_serves_past_the_window(mixed_qwen3):
         engine.shutdown()
 
 
-def test_a_backend_without_the_window_serves_up_to_it_only(windowed_mistral):
-    """The Triton backend does not apply the window yet: the context is capped at it, and a
-    --context-length beyond it is refused at start with one line (before any kernel is built)."""
+def test_a_backend_without_the_window_would_serve_up_to_it_only(windowed_mistral):
+    """Both backends apply the window now (the Triton kernels: tests/unit/test_triton_kernels.py).
+    The rule for one that would not stays: the context capped at the window, and a
+    --context-length beyond it refused with one line."""
     config = ModelConfig.from_pretrained(windowed_mistral)
     assert config.serving_context_len(None, windowed_attention=False) == WINDOW
     assert config.serving_context_len(None, windowed_attention=True) == config.max_position_embeddings
+    assert config.serving_context_len(4 * WINDOW) == 4 * WINDOW
     with pytest.raises(LoadError, match=f"sliding window of {WINDOW} tokens"):
-        Engine(windowed_mistral, dtype="float32", skip_tokenizer_init=True, context_length=4 * WINDOW,
-               attention_backend="triton")
+        config.serving_context_len(4 * WINDOW, windowed_attention=False)
 
 
 def test_speculative_decoding_on_a_windowed_model_is_refused(windowed_mistral):

@@ -22,7 +22,7 @@ def scattered_slots(seq_lens, page_size, num_pages, rng):
 
 
 def make_attention_batch(mode, prefix_lens, extend_lens, heads, kv_heads, head_dim, page_size, seed,
-                         dtype=torch.float32, kv_dtype=None, device="cpu"):
+                         dtype=torch.float32, kv_dtype=None, device="cpu", sliding_window=None):
     """(forward batch, q, k, v, layer): request i has prefix_lens[i] tokens in the pool and
     extend_lens[i] new ones; q/k/v are the new tokens' [T, heads, head_dim] in `dtype`, the pool
     in `kv_dtype` (default: `dtype`); tensors on `device`, with the same values on every device
@@ -59,4 +59,4 @@ def make_attention_batch(mode, prefix_lens, extend_lens, heads, kv_heads, head_d
     q = torch.randn(T, heads, head_dim, generator=g).to(device, dtype)
     k = torch.randn(T, kv_heads, head_dim, generator=g).to(device, dtype)
     v = torch.randn(T, kv_heads, head_dim, generator=g).to(device, dtype)
-    return fb, q, k, v, SimpleNamespace(layer_id=0, scaling=head_dim**-0.5)
+    return fb, q, k, v, SimpleNamespace(layer_id=0, scaling=head_dim**-0.5, sliding_window_size=sliding_window)

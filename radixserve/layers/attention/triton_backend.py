@@ -35,6 +35,11 @@ class TritonMetadata:
     max_extend_len: int = 0
     # TARGET_VERIFY over token trees: every token a decode row of (table, row, length) (spec_tree.py)
     tree_rows: Optional[tuple] = None
+    # Sliding-window layers' decode (when some request is longer than the window): a table of each
+    # request's last W slots, read in place of req_to_token (rows 0..n-1), and their lengths.
+    window_table: Optional[torch.Tensor] = None
+    window_rows: Optional[torch.Tensor] = None
+    window_lens: Optional[torch.Tensor] = None
     # Decode split-KV scratch: preallocated under CUDA graphs, else allocated per layer call.
     mid_o: Optional[torch.Tensor] = None  # [bs, heads, splits, head_dim] float32
     mid_lse: Optional[torch.Tensor] = None  # [bs, heads, splits] float32
@@ -53,12 +58,16 @@ class TritonGraphState:
 class TritonAttnBackend(AttentionBackend):
     cuda_graph_unsupported_reason = None
 
-    def __init__(self, device: str = "cuda", num_kv_splits: int = 8):
+    def __init__(self, device: str = "cuda", num_kv_splits: int = 8, sliding_window: Optional[int] = None):
         from radixserve.layers.attention import triton_ops  # imports triton: only when chosen
 
         self.ops = triton_ops
         self.device = device
         self.num_kv_splits = num_kv_splits
+        self.sliding_window = sliding_window  # the model's windowed layers' W (None: none is)
+        if sliding_window is not None:
+            self.cuda_graph_unsupported_reason = ("sliding-window layers decode through a per-batch table of the "
+                                                  "window's slots, which a captured graph would freeze")
         self.graph_state: Optional[TritonGraphState] = None
 
     def init_forward_metadata(self, fb) -> None:
@@ -81,7 +90,21 @@ class TritonAttnBackend(AttentionBackend):
             rows = fb.spec_tree.kv_rows(fb.req_to_token_pool.req_to_token, fb.req_pool_indices.tolist(),
                                         fb.extend_prefix_lens_cpu, fb.out_cache_loc)
             md.tree_rows = tuple(t.to(dev) for t in rows)
+        if fb.forward_mode.is_decode() and self.sliding_window is not None and max(fb.seq_lens_cpu) > self.sliding_window:
+            self._window_rows(fb, md, self.sliding_window)
         fb.attn_metadata = md
+
+    @staticmethod
+    def _window_rows(fb, md: TritonMetadata, window: int) -> None:
+        """Each request's last `window` slots as a table the decode kernel reads as req_to_token."""
+        req_to_token = fb.req_to_token_pool.req_to_token
+        lens = torch.tensor(fb.seq_lens_cpu, dtype=torch.int64)
+        first = (lens - window).clamp(min=0)
+        width = int((lens - first).max())
+        cols = (first[:, None] + torch.arange(width)).clamp(max=req_to_token.shape[1] - 1).to(req_to_token.device)
+        md.window_table = req_to_token[fb.req_pool_indices.to(req_to_token.device).long()[:, None], cols].contiguous()
+        md.window_rows = torch.arange(len(lens), dtype=torch.int64, device=md.seq_lens.device)
+        md.window_lens = (lens - first).to(md.seq_lens.device)
 
     def _store(self, k, v, layer, fb):
         pool = fb.token_to_kv_pool
@@ -102,6 +125,7 @@ class TritonAttnBackend(AttentionBackend):
             q, k, v, out, k_buf, v_buf,
             fb.req_to_token_pool.req_to_token, md.req_pool_indices,
             md.prefix_lens, md.extend_lens, md.extend_start, md.max_extend_len, layer.scaling,
+            sliding_window=layer.sliding_window_size or 0,
         )
         return out
 
@@ -109,9 +133,11 @@ class TritonAttnBackend(AttentionBackend):
         k_buf, v_buf = self._store(k, v, layer, fb)
         md: TritonMetadata = fb.attn_metadata
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        table, rows, lens = fb.req_to_token_pool.req_to_token, md.req_pool_indices, md.seq_lens
+        if md.window_table is not None and layer.sliding_window_size is not None:
+            table, rows, lens = md.window_table, md.window_rows, md.window_lens
         self.ops.decode_attention_fwd(
-            q, k_buf, v_buf, out,
-            fb.req_to_token_pool.req_to_token, md.req_pool_indices, md.seq_lens,
+            q, k_buf, v_buf, out, table, rows, lens,
             layer.scaling, num_kv_splits=self.num_kv_splits, mid_o=md.mid_o, mid_lse=md.mid_lse,
         )
         return out

@@ -46,6 +46,7 @@ def _extend_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,  # > 0: query at position p sees keys p - W + 1 .. p only
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -78,7 +79,10 @@ def _extend_kernel(
             kv_mask = mask_n[:, None] & mask_d[None, :]
             k = tl.load(K_Buf + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
             qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * sm_scale
-            qk = tl.where(mask_n[None, :], qk, -float("inf"))
+            seen = mask_n[None, :]
+            if SLIDING_WINDOW > 0:  # positions: prefix key n, query prefix_len + m
+                seen = seen & (offs_n[None, :] > prefix_len + offs_m[:, None] - SLIDING_WINDOW)
+            qk = tl.where(seen, qk, -float("inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             p = tl.exp(qk - m_new[:, None])
             alpha = tl.exp(m_i - m_new)
@@ -97,6 +101,8 @@ def _extend_kernel(
                         mask=kv_mask, other=0.0).to(q.dtype)
             qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * sm_scale
             causal = (offs_m[:, None] >= offs_n[None, :]) & mask_n[None, :]
+            if SLIDING_WINDOW > 0:
+                causal = causal & (offs_n[None, :] > offs_m[:, None] - SLIDING_WINDOW)
             qk = tl.where(causal, qk, -float("inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             p = tl.exp(qk - m_new[:, None])
@@ -128,10 +134,13 @@ def extend_attention_fwd(
     sm_scale: float,
     block_m: int = 32,
     block_n: int = 32,
+    sliding_window: int = 0,
 ) -> None:
     """q, o: [T, heads, D]; k, v: [T, kv_heads, D] (the new tokens, request after request);
     k_buf/v_buf: [slots, kv_heads, D] contiguous; req_to_token [R, max_ctx] int32;
-    req_pool_indices, prefix_lens, extend_lens, extend_start: [bs] int tensors on the device."""
+    req_pool_indices, prefix_lens, extend_lens, extend_start: [bs] int tensors on the device.
+    sliding_window > 0: each query attends to the sliding_window keys up to itself (masked: the
+    blocks before the window are still read)."""
     T, H, D = q.shape
     bs = req_pool_indices.shape[0]
     if T == 0 or bs == 0:
@@ -149,5 +158,5 @@ def extend_attention_fwd(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
         k_buf.stride(0), k_buf.stride(1), req_to_token.stride(0), D,
         kv_group=H // kv_heads, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=max(16, triton.next_power_of_2(D)), INPUT_PRECISION=precision,
+        BLOCK_D=max(16, triton.next_power_of_2(D)), INPUT_PRECISION=precision, SLIDING_WINDOW=sliding_window,
     )
