@@ -36,6 +36,7 @@ from radixserve.mem_cache.storage.base import HiCacheStorage
 logger = logging.getLogger(__name__)
 
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+CLEAR_WAIT_S = 30.0  # clear() waits this long at most for the write in flight
 
 
 @dataclass(frozen=True)
@@ -172,6 +173,10 @@ class HiCacheStorageController:
                 item._done.set()
         for item in _drain(self._backup_queue):
             self._count("pages_dropped", len(item[0]))
+        # A write the backup thread had taken goes on batch by batch: let it finish, or its later
+        # batches would land after the clear (backups are queued by this thread: no new ones come).
+        if not self.wait_backups(CLEAR_WAIT_S):
+            logger.warning("HiCache storage: a backup still running after %.0f s; clearing anyway", CLEAR_WAIT_S)
         with self._io_lock:
             try:
                 return bool(self.backend.clear())
