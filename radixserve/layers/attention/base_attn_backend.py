@@ -3,9 +3,22 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Optional
+from typing import Any, List, Optional, Tuple
 
 import torch
+
+
+def window_table(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: List[int],
+                 window: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A sliding-window layer's decode: each request's last `window` slots as one row of a table
+    the decode kernels read in place of req_to_token (rows 0..n-1), and how many of each row are
+    its own (host int64). One gather per forward, shared by every windowed layer."""
+    lens = torch.tensor(seq_lens, dtype=torch.int64)
+    first = (lens - window).clamp(min=0)  # the first key each request's query sees
+    width = int((lens - first).max())
+    cols = (first[:, None] + torch.arange(width)).clamp(max=req_to_token.shape[1] - 1).to(req_to_token.device)
+    rows = req_pool_indices.to(req_to_token.device).long()
+    return req_to_token[rows[:, None], cols].contiguous(), lens - first
 
 
 class AttentionBackend(ABC):

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.layers import cpu_kernels
-from radixserve.layers.attention.base_attn_backend import AttentionBackend
+from radixserve.layers.attention.base_attn_backend import AttentionBackend, window_table
 
 
 @dataclass
@@ -166,19 +166,15 @@ class TorchNativeAttnBackend(AttentionBackend):
         req_to_token = fb.req_to_token_pool.req_to_token
         rows = fb.req_pool_indices.to(req_to_token.device).long()
         if fb.forward_mode.is_decode():
-            lens = torch.tensor(fb.seq_lens_cpu, dtype=torch.int64)
-            first = (lens - window).clamp(min=0)  # the first key each request's query sees
-            width = int((lens - first).max())
-            cols = (first[:, None] + torch.arange(width)).clamp(max=req_to_token.shape[1] - 1)
-            table = req_to_token[rows[:, None], cols.to(req_to_token.device)].contiguous()  # [n, width]: the last W slots
-            seen = lens - first
+            table, seen = window_table(req_to_token, rows, fb.seq_lens_cpu, window)
+            n, width = table.shape
             md.all_decode = True
             if self.cpu_ops is not None:
-                md.decode_rows = DecodeRows(None, torch.arange(len(lens)), seen, table)
+                md.decode_rows = DecodeRows(None, torch.arange(n), seen, table)
             else:
                 mask = (torch.arange(width)[None, :] < seen[:, None])[:, None, None, :].to(self.device)
-                md.decode_groups = [DecodeGroup(torch.arange(len(lens), device=self.device), table.reshape(-1).long(),
-                                                (len(lens), width), mask)]
+                md.decode_groups = [DecodeGroup(torch.arange(n, device=self.device), table.reshape(-1).long(),
+                                                (n, width), mask)]
             return md
         for i, (start, n, p) in enumerate(zip(_starts(fb.extend_seq_lens_cpu), fb.extend_seq_lens_cpu,
                                               fb.extend_prefix_lens_cpu)):

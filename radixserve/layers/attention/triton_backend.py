@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from radixserve.layers.attention.base_attn_backend import AttentionBackend
+from radixserve.layers.attention.base_attn_backend import AttentionBackend, window_table
 
 
 @dataclass
@@ -97,14 +97,9 @@ class TritonAttnBackend(AttentionBackend):
     @staticmethod
     def _window_rows(fb, md: TritonMetadata, window: int) -> None:
         """Each request's last `window` slots as a table the decode kernel reads as req_to_token."""
-        req_to_token = fb.req_to_token_pool.req_to_token
-        lens = torch.tensor(fb.seq_lens_cpu, dtype=torch.int64)
-        first = (lens - window).clamp(min=0)
-        width = int((lens - first).max())
-        cols = (first[:, None] + torch.arange(width)).clamp(max=req_to_token.shape[1] - 1).to(req_to_token.device)
-        md.window_table = req_to_token[fb.req_pool_indices.to(req_to_token.device).long()[:, None], cols].contiguous()
-        md.window_rows = torch.arange(len(lens), dtype=torch.int64, device=md.seq_lens.device)
-        md.window_lens = (lens - first).to(md.seq_lens.device)
+        md.window_table, seen = window_table(fb.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens_cpu, window)
+        md.window_rows = torch.arange(len(seen), dtype=torch.int64, device=md.seq_lens.device)
+        md.window_lens = seen.to(md.seq_lens.device)
 
     def _store(self, k, v, layer, fb):
         pool = fb.token_to_kv_pool
