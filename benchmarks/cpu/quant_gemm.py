@@ -8,6 +8,8 @@ in Q4_K and Q6_K, for M = 1 and 16 rows of x (decode) and 512 (prefill). Columns
 
   quant     quant_linear(x float32, the GGUF blocks): x quantized to 8 bits per block, integer dots
   torch-bf16  torch.nn.functional.linear with x and the dequantized weight in bf16 (oneDNN)
+  deq-bf16  the prefill path of the served layers (M >= 64 here): the blocks dequantized to bf16 a
+            tile at a time (cpu_kernels.quant_dequantize_bf16), x rounded to bf16, oneDNN's GEMM
   rs-bf16   the engine's own bf16 GEMM today (cpu_kernels.bf16_linear: float32 x, packed bf16 weight)
   fp32      torch.nn.functional.linear in float32
 
@@ -49,6 +51,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from radixserve.layers import cpu_kernels  # noqa: E402
+from radixserve.layers.quantization.gguf import QuantizedWeight, dequantized_bf16_matmul  # noqa: E402
 
 SHAPES = [("gate/up", 1536, 8960), ("down", 8960, 1536), ("q/o", 1536, 1536), ("k/v", 1536, 256)]
 TYPES = [Q.Q4_K, Q.Q6_K]
@@ -96,7 +99,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", default=os.environ.get("OMP_NUM_THREADS", ""),
                     help="torch thread counts to run, e.g. 2,1 (default: OMP_NUM_THREADS, else torch's default)")
-    ap.add_argument("--ms", default="1,16,512")
+    ap.add_argument("--ms", default="1,16,128,512")
     ap.add_argument("--reps", type=int, default=0, help="rounds per case (default: 30 for M<=16, 6 for more)")
     ap.add_argument("--shapes", default="", help="comma-separated subset of: " + ",".join(s[0] for s in SHAPES))
     ap.add_argument("--out", default=str(REPO / "benchmarks/cpu/quant_gemm.json"))
@@ -110,7 +113,7 @@ def main() -> None:
     load0 = os.getloadavg()
 
     rows = []
-    header = (f"{'layer':8} {'type':5} {'M':>4} | {'quant ms':>9} {'torch-bf16':>10} {'rs-bf16':>8} {'fp32':>8} | "
+    header = (f"{'layer':8} {'type':5} {'M':>4} | {'quant ms':>9} {'deq-bf16':>9} {'torch-bf16':>10} {'rs-bf16':>8} {'fp32':>8} | "
               f"{'x bf16':>6} | {'GB/s q':>6} {'bf16':>5} {'fp32':>5} | err")
     for threads in thread_counts:
         torch.set_num_threads(threads)
@@ -121,7 +124,7 @@ def main() -> None:
     load1 = os.getloadavg()
     out = {
         "label": "issue 38",
-        "what": "quant_linear (GGUF blocks, 8-bit activations, AVX512-VNNI) vs torch bf16 / the engine's bf16 GEMM / "
+        "what": "quant_linear (GGUF blocks, 8-bit activations, AVX512-VNNI) and the prefill path (deq_bf16) vs torch bf16 / the engine's bf16 GEMM / "
         "fp32 F.linear on the dequantized weight; Qwen2.5-1.5B linear shapes; weights cycled through > 2x L3",
         "threads": thread_counts,
         "cpu": platform.processor() or platform.machine(),
@@ -154,6 +157,8 @@ def run_shapes(ops, shapes, ms, reps_arg, rs_bf16, threads) -> list:
                 }
                 if rs_bf16:
                     fns["rs_bf16"] = lambda i: ops.bf16_linear(x, wp[i % len(wp)], n)
+                if m >= 64:  # the prefill path: a bf16 tile dequantized at a time, oneDNN's GEMM
+                    fns["deq_bf16"] = lambda i: dequantized_bf16_matmul(ops, x, QuantizedWeight(int(qtype), wq[i % len(wq)], k))
                 reps = reps_arg or (30 if m <= 16 else 6)
                 t = bench(fns, reps)
                 y = ops.quant_linear(x, data, int(qtype), k).double()
@@ -172,8 +177,8 @@ def run_shapes(ops, shapes, ms, reps_arg, rs_bf16, threads) -> list:
                     row["gbps_best"]["rs_bf16"] = bbytes / best["rs_bf16"] / 1e6
                 rows.append(row)
                 gb = row["gbps_best"]
-                print(f"{label:8} {qtype.name:5} {m:>4} | {best['quant']:9.3f} {best['torch_bf16']:10.3f} "
-                      f"{best.get('rs_bf16', float('nan')):8.3f} {best['fp32']:8.3f} | "
+                print(f"{label:8} {qtype.name:5} {m:>4} | {best['quant']:9.3f} {best.get('deq_bf16', float('nan')):9.3f} "
+                      f"{best['torch_bf16']:10.3f} {best.get('rs_bf16', float('nan')):8.3f} {best['fp32']:8.3f} | "
                       f"{best['torch_bf16'] / best['quant']:5.2f}x | "
                       + (f"{gb['quant']:6.1f} {gb['torch_bf16']:5.1f} {gb['fp32']:5.1f}" if m == 1 else f"{'':6} {'':5} {'':5}")
                       + f" | {err:.1e}", flush=True)

@@ -719,6 +719,91 @@ void quant_gemm(const float* x, int64_t M, int64_t K, const uint8_t* W, int64_t 
   });
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// Dequantization of weight rows to bf16, for the prefill path (many rows of x): there the GEMM is
+// compute-bound and torch's oneDNN bf16 GEMM outruns the integer kernel, so the caller
+// dequantizes a tile of output rows at a time and multiplies it there. Same unpacking as the
+// GEMM (so the same values), then value = scale * u + min per block / sub-block, rounded to bf16
+// (round to nearest even).
+
+inline __m256i f32_to_bf16(__m512 v) {
+  __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
+}
+
+// 16 unsigned values -> scale * u + min, stored as 16 bf16
+inline void emit16(const uint8_t* u8, float scale, float min, uint16_t* out) {
+  const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(ld128(u8)));
+  const __m512 r = _mm512_fmadd_ps(v, _mm512_set1_ps(scale), _mm512_set1_ps(min));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), f32_to_bf16(r));
+}
+
+template <int64_t T>
+void dequant_row32(const uint8_t* row, int64_t nblocks, uint16_t* out) {
+  alignas(64) uint8_t w[128];
+  alignas(64) float dw[16];
+  alignas(64) float wmin[4];
+  constexpr int64_t TS = T == Q4_0 ? 18 : T == Q4_1 ? 20 : T == Q5_0 ? 22 : T == Q5_1 ? 24 : 34;
+  for (int64_t g = 0; g * 4 < nblocks; ++g) {
+    unpack_row32<T>(row + g * 4 * TS, nblocks - g * 4, 0, 1, w, dw, wmin);  // pads a last partial group
+    for (int64_t b = 0; b < 4 && g * 4 + b < nblocks; ++b) {
+      uint16_t* o = out + (g * 4 + b) * 32;
+      emit16(w + 16 * b, dw[4 * b], wmin[b], o);
+      emit16(w + 64 + 16 * b, dw[4 * b], wmin[b], o + 16);
+    }
+  }
+}
+
+void dequant_row_k(const uint8_t* row, int64_t nsb, int64_t qtype, uint16_t* out) {
+  alignas(64) uint8_t w[256];
+  alignas(64) uint8_t sc[256];
+  alignas(64) float wmin[16];
+  float d = 0.f;
+  constexpr int kSub[4][2] = {{0, 2}, {1, 3}, {4, 6}, {5, 7}};  // Q4_K / Q5_K: sub-blocks of each vector's halves
+  for (int64_t s = 0; s < nsb; ++s) {
+    uint16_t* o = out + s * 256;
+    if (qtype == Q6_K) {
+      const uint8_t* p = row + s * 210;
+      unpack_sb_q6k(p, w, sc, &d, wmin);
+      for (int j = 0; j < 16; ++j)  // natural order, a scale per 16 values
+        emit16(w + 16 * j, d * static_cast<float>(static_cast<int8_t>(p[192 + j])), wmin[j], o + 16 * j);
+    } else {
+      const int64_t ts = qtype == Q5_K ? 176 : 144;
+      unpack_sb_q4k(row + s * ts, qtype == Q5_K, w, sc, &d, wmin);
+      const int32_t* sc32 = reinterpret_cast<const int32_t*>(sc);
+      for (int v = 0; v < 4; ++v)
+        for (int h = 0; h < 2; ++h) {
+          const int sub = kSub[v][h];
+          const float scale = d * static_cast<float>(sc32[v * 16 + h * 8]);
+          const uint8_t* u = w + 64 * v + 32 * h;
+          emit16(u, scale, wmin[sub], o + 32 * sub);
+          emit16(u + 16, scale, wmin[sub], o + 32 * sub + 16);
+        }
+    }
+  }
+}
+
+void dequant_rows(const uint8_t* W, int64_t ldw, int64_t N, int64_t K, const QInfo& qi, uint16_t* out) {
+  const int64_t nb = K / qi.block;
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* row = W + n * ldw;
+      uint16_t* o = out + n * K;
+      switch (qi.id) {
+        case Q4_0: dequant_row32<Q4_0>(row, nb, o); break;
+        case Q4_1: dequant_row32<Q4_1>(row, nb, o); break;
+        case Q5_0: dequant_row32<Q5_0>(row, nb, o); break;
+        case Q5_1: dequant_row32<Q5_1>(row, nb, o); break;
+        case Q8_0: dequant_row32<Q8_0>(row, nb, o); break;
+        default: dequant_row_k(row, nb, qi.id, o);
+      }
+    }
+  });
+}
+
 #endif  // RADIXSERVE_QUANT_GEMM
 
 bool has_quant_gemm() {
@@ -778,6 +863,33 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t q
 #endif
 }
 
+// weight rows [N, row_bytes] -> bf16 [N, K] (the prefill path's tile; see dequant_rows)
+at::Tensor quant_dequantize_bf16(const at::Tensor& weight, int64_t qtype, int64_t in_features) {
+#if defined(RADIXSERVE_QUANT_GEMM)
+  const QInfo* qi = find_type(qtype);
+  TORCH_CHECK(qi != nullptr, "quant_dequantize_bf16: unsupported ggml type ", qtype);
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kByte && weight.dim() == 2 &&
+                  weight.stride(1) == 1,
+              "quant_dequantize_bf16: weight must be a CPU uint8 [N, row_bytes] with contiguous rows");
+  const int64_t K = in_features;
+  TORCH_CHECK(K > 0 && K % qi->block == 0, "quant_dequantize_bf16: in_features ", K, " is not a multiple of ",
+              qi->block);
+  TORCH_CHECK(weight.size(1) == K / qi->block * qi->bytes, "quant_dequantize_bf16: weight rows are ",
+              weight.size(1), " bytes, expected ", K / qi->block * qi->bytes);
+  const int64_t N = weight.size(0);
+  at::Tensor out = at::empty({N, K}, weight.options().dtype(at::kBFloat16));
+  if (N > 0)
+    dequant_rows(weight.data_ptr<uint8_t>(), weight.stride(0), N, K, *qi,
+                 reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
+  return out;
+#else
+  (void)weight;
+  (void)qtype;
+  (void)in_features;
+  TORCH_CHECK(false, "quant_dequantize_bf16: built without AVX512-VNNI");
+#endif
+}
+
 }  // namespace
 
 void register_quant_kernels(pybind11::module_& m) {
@@ -787,4 +899,7 @@ void register_quant_kernels(pybind11::module_& m) {
         "y = x @ dequantize(weight)^T with GGUF-quantized weight rows (x quantized to 8 bits per block, "
         "integer dot products)",
         py::arg("x"), py::arg("weight"), py::arg("qtype"), py::arg("in_features"));
+  m.def("quant_dequantize_bf16", &quant_dequantize_bf16,
+        "GGUF-quantized weight rows [N, row_bytes] -> bf16 [N, in_features] (the prefill path's tile)",
+        py::arg("weight"), py::arg("qtype"), py::arg("in_features"));
 }

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 from functools import partial
 from typing import Callable, Dict, FrozenSet, Iterator, List, Optional, Tuple
@@ -24,10 +25,37 @@ from radixserve.models.qwen3_moe import is_sparse_layer, num_experts
 from radixserve.models.registry import get_model_class
 from radixserve.models.weight_utils import NamedWeight, param_name_for
 
+logger = logging.getLogger(__name__)
+
 
 # Every quantized ggml type the gguf package dequantizes: what --quantization gguf keeps in blocks
 # where the C++ kernel is not built (its torch fallback dequantizes a tile of rows at a time).
 GGUF_QUANT_TYPES = frozenset({2, 3, 6, 7, 8, 10, 11, 12, 13, 14})  # Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K..Q6_K
+
+
+def check_w8a8(quantization: str, config: ModelConfig, device: str) -> bool:
+    """--quantization w8a8_int8: whether to quantize the linear layers at load; refused with one
+    line where it cannot apply."""
+    if quantization != "w8a8_int8":
+        return False
+    if config.gguf_file:
+        raise LoadError(f"--quantization w8a8_int8 quantizes a safetensors checkpoint; {config.gguf_file} is a GGUF "
+                        "file, whose own blocks --quantization gguf keeps")
+    if device != "cpu":
+        raise LoadError("--quantization w8a8_int8 runs on the CPU only so far (the integer kernel is C++)")
+    return True
+
+
+def use_w8a8(model: nn.Module) -> int:
+    """Before loading: every linear layer whose input width whole Q8_0 blocks cut quantizes its
+    checkpoint rows at load (the embedding and the LM head stay as loaded). Returns how many."""
+    from radixserve.layers.linear import LinearBase
+    from radixserve.layers.quantization.w8a8_int8 import W8A8Int8LinearMethod, can_quantize
+
+    layers = [m for m in model.modules() if isinstance(m, LinearBase) and can_quantize(m.in_features)]
+    for layer in layers:
+        layer.use_quant_method(W8A8Int8LinearMethod())
+    return len(layers)
 
 
 def gguf_block_types(quantization: str, config: ModelConfig, dtype: torch.dtype, device: str) -> FrozenSet[int]:
@@ -49,7 +77,7 @@ def gguf_block_types(quantization: str, config: ModelConfig, dtype: torch.dtype,
 
 
 def get_model(config: ModelConfig, load_format: str, dtype: torch.dtype, device: str, seed: int = 0,
-              block_types: FrozenSet[int] = frozenset()) -> nn.Module:
+              block_types: FrozenSet[int] = frozenset(), w8a8: bool = False) -> nn.Module:
     where = config.gguf_file or _path(config.model_path, "config.json")
     model_cls = get_model_class(config.architecture, where)
     # --pp-size: only this stage's tensors are read (or dequantized)
@@ -73,6 +101,8 @@ def get_model(config: ModelConfig, load_format: str, dtype: torch.dtype, device:
         layer = model.get_submodule(param_name_for(name, model.stacked_params_mapping)[0].rsplit(".", 1)[0])
         if not isinstance(layer.quant_method, GGUFLinearMethod):  # a fused layer: once for its parts
             layer.use_quant_method(GGUFLinearMethod())
+    if w8a8:
+        logger.info("--quantization w8a8_int8: %d linear layers quantized to Q8_0 blocks as they load", use_w8a8(model))
     # Cast before loading: the (still untouched) float32 parameters are never filled, so a
     # bf16 model never holds a float32 copy of its weights; each tensor is cast as it is copied in.
     model = model.to(dtype=dtype)

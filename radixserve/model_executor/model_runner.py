@@ -26,7 +26,7 @@ from radixserve.lora.lora_manager import LoRAManager
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from radixserve.model_executor.cuda_graph_runner import CudaGraphRunner
 from radixserve.model_executor.forward_batch import ForwardBatch, ModelWorkerBatch
-from radixserve.model_executor.model_loader import get_model, gguf_block_types
+from radixserve.model_executor.model_loader import check_w8a8, get_model, gguf_block_types
 from radixserve.model_executor.weight_updater import ModelWeightUpdater
 from radixserve.models.model_config import LoadError, ModelConfig
 from radixserve.server_args import ServerArgs
@@ -75,7 +75,7 @@ class ModelRunner:
         # --quantization: the GGUF types the linear layers keep in their blocks (layers/quantization/)
         self.gguf_block_types = gguf_block_types(server_args.quantization, model_config, self.dtype, self.device)
         self.model = get_model(model_config, server_args.load_format, self.dtype, self.device, server_args.seed,
-                               self.gguf_block_types)
+                               self.gguf_block_types, check_w8a8(server_args.quantization, model_config, self.device))
         # bf16 on a CPU with the C++ GEMM: bf16 weights, float32 activations (cpu_weight_only.py)
         self.weight_only = weight_only_available(self.dtype, self.device)
         if self.weight_only:

@@ -146,3 +146,67 @@ def test_bad_arguments(ops):
     with pytest.raises(RuntimeError, match="float32"):
         ops.quant_linear(x.double(), w, int(Q.Q4_0), 64)
     assert tuple(ops.quant_linear(torch.zeros(0, 64), w, int(Q.Q4_0), 64).shape) == (0, 8)
+
+
+@pytest.mark.parametrize("shape", [0, 1], ids=["one-chunk", "chunks-tails"])
+@pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
+def test_dequantize_bf16_is_the_gguf_dequantization_rounded(ops, qtype, shape):
+    """The prefill path's tile (quant_dequantize_bf16): gguf's dequantization of the same bytes,
+    rounded to bf16 (to nearest, as torch rounds), for every type, with a partial last group of 4
+    blocks and N not a multiple of anything; read through a row stride as well."""
+    k, n = SHAPES[256 if qtype in K_QUANTS else 32][shape]
+    data, w = make_weight(qtype, n, k)
+    want = torch.from_numpy(w.astype(np.float32)).bfloat16()
+    got = ops.quant_dequantize_bf16(torch.from_numpy(data), int(qtype), k)
+    assert got.dtype == torch.bfloat16 and tuple(got.shape) == (n, k)
+    # the kernel computes scale * u + min in float32 with one rounding (an fma); gguf in numpy
+    # rounds twice: the two may land one bf16 step apart where a value sits on a rounding edge
+    diff = (got.float() - want.float()).abs()
+    step = want.float().abs().clamp_min(1e-30) * 2.0**-7
+    assert bool((diff <= step).all()), f"{qtype.name}: {int((diff > step).sum())} values off by more than a bf16 step"
+    assert float((diff == 0).float().mean()) > 0.99
+    wide = np.zeros((n, data.shape[1] + 24), dtype=np.uint8)
+    wide[:, 5 : 5 + data.shape[1]] = data
+    strided = torch.from_numpy(wide)[:, 5 : 5 + data.shape[1]]
+    assert torch.equal(ops.quant_dequantize_bf16(strided, int(qtype), k), got)
+
+
+def test_dequantize_bf16_bad_arguments(ops):
+    data, _ = make_weight(Q.Q4_0, 8, 64)
+    w = torch.from_numpy(data)
+    with pytest.raises(RuntimeError, match="unsupported ggml type"):
+        ops.quant_dequantize_bf16(w, int(Q.Q2_K), 64)
+    with pytest.raises(RuntimeError, match="bytes, expected"):
+        ops.quant_dequantize_bf16(w, int(Q.Q8_0), 64)
+    with pytest.raises(RuntimeError, match="multiple of"):
+        ops.quant_dequantize_bf16(w, int(Q.Q4_0), 48)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q5_0], ids=["Q4_K", "Q6_K", "Q5_0"])
+def test_prefill_rows_take_the_dequantized_bf16_path(ops, qtype, monkeypatch):
+    """quant_matmul from PREFILL_MIN_ROWS rows of x on: the weight dequantized to bf16 a tile of
+    output rows at a time and multiplied by torch's bf16 GEMM with x rounded to bf16, so the result
+    is that product (float32 sums, rounded to bf16 once): close to the float product, closer than
+    the 8-bit activations of the integer kernel, and the same for any tile size."""
+    from radixserve.layers.quantization import gguf as quant_gguf
+    from radixserve.layers.quantization import QuantizedWeight, quant_matmul
+
+    k, n = SHAPES[256 if qtype in K_QUANTS else 32][0]
+    data, w = make_weight(qtype, n, k)
+    m = quant_gguf.PREFILL_MIN_ROWS + 5
+    x = make_x(m, k)
+    qw = QuantizedWeight(int(qtype), torch.from_numpy(data), k)
+    y = quant_matmul(torch.from_numpy(x), qw)
+    assert y.dtype == torch.float32 and tuple(y.shape) == (m, n)
+    xb = torch.from_numpy(x).bfloat16().double()
+    wb = torch.from_numpy(w).bfloat16().double()
+    want = xb @ wb.T
+    err = ((y.double() - want).abs() / want.abs().clamp_min(want.abs().max() * 1e-3)).max()
+    assert err < 2 ** -7, f"{float(err):.2e} from the bf16 product"
+    exact = torch.from_numpy(x.astype(np.float64) @ w.astype(np.float64).T)
+    integer = ops.quant_linear(torch.from_numpy(x), torch.from_numpy(data), int(qtype), k).double()
+    assert (y.double() - exact).norm() < (integer - exact).norm()
+    monkeypatch.setattr(quant_gguf, "PREFILL_TILE_BYTES", 2 * k * 16)  # 16 rows a tile: 3 tiles
+    assert torch.equal(quant_matmul(torch.from_numpy(x), qw), y)
+    monkeypatch.setattr(quant_gguf, "PREFILL_MIN_ROWS", m + 1)  # below the threshold: the integer kernel
+    assert torch.equal(quant_matmul(torch.from_numpy(x), qw), ops.quant_linear(torch.from_numpy(x), torch.from_numpy(data), int(qtype), k))

@@ -4,6 +4,8 @@ holds its weight the way a checkpoint format wants and applies it (x @ W^T).
   base.py   LinearMethodBase (what a method does: load a checkpoint tensor's rows, apply)
   gguf.py   QuantizedWeight (a GGUF tensor still in its blocks) and GGUFLinearMethod, which keeps
             the blocks and multiplies them with the C++ integer kernel (csrc/quant_kernels.cpp)
+  w8a8_int8.py  --quantization w8a8_int8: a safetensors checkpoint's rows quantized to Q8_0
+            blocks as they load, then GGUFLinearMethod's way
 
 linear.py's UnquantizedLinearMethod is the default (F.linear, or the CPU's packed bf16 GEMM).
 model_executor/model_loader.py gives GGUFLinearMethod, before loading, to the layers whose GGUF

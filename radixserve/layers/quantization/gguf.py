@@ -10,6 +10,10 @@ rows: a fused q|k|v or gate|up layer of a Q4_K_M file holds Q4_K and Q6_K segmen
 apply() multiplies each with the C++ kernel (csrc/quant_kernels.cpp: activations quantized per
 block to 8 bits, integer dot products, as llama.cpp does) where it takes the type; otherwise it
 dequantizes a tile of rows at a time (never the whole matrix) and uses F.linear.
+At prefill sizes (PREFILL_MIN_ROWS rows of x or more) the integer kernel is compute-bound and
+torch's oneDNN bf16 GEMM is faster: there the C++ kernel dequantizes a tile of output rows to
+bf16 (~4 MB) at a time and oneDNN multiplies it with x rounded to bf16 (benchmarks/NOTES.md,
+issue 38 prefill: 1.3-1.5x at 256-512 rows; the accuracy against float32 is measured there).
 
 The embedding and the LM head keep their blocks too (vocab_parallel_embedding.py): the LM head
 multiplies them as a linear layer does, the embedding dequantizes the rows it looks up. Memory
@@ -28,6 +32,10 @@ from radixserve.layers import cpu_kernels
 from radixserve.layers.quantization.base import LinearMethodBase
 
 FALLBACK_TILE_ROWS = 256  # rows dequantized at once by the torch fallback
+# Rows of x from which the dequantize-to-bf16 + oneDNN path beats the integer kernel (measured on
+# Qwen2.5-1.5B's shapes: level at 64 rows, 1.3x at 128-256; benchmarks/cpu/quant_gemm.py)
+PREFILL_MIN_ROWS = 128
+PREFILL_TILE_BYTES = 4 << 20  # bf16 bytes of weight dequantized at once on that path
 
 
 def block_geometry(qtype: int) -> Tuple[int, int]:
@@ -139,9 +147,27 @@ def quant_matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     """float32 x [M, K] @ w^T: the C++ kernel where it takes w's type, else the torch fallback,
     a tile of rows at a time, so the float32 matrix never exists whole."""
     if w.qtype in kernel_types():
-        return cpu_kernels.get().quant_linear(x, w.data, w.qtype, w.cols)
+        ops = cpu_kernels.get()
+        if x.shape[0] >= PREFILL_MIN_ROWS and hasattr(ops, "quant_dequantize_bf16"):
+            return dequantized_bf16_matmul(ops, x, w)
+        return ops.quant_linear(x, w.data, w.qtype, w.cols)
     out = x.new_empty(x.shape[0], w.shape[0])
     for r in range(0, w.shape[0], FALLBACK_TILE_ROWS):
         tile = w.narrow(0, r, min(FALLBACK_TILE_ROWS, w.shape[0] - r)).dequantize()
         out[:, r : r + tile.shape[0]] = F.linear(x, tile)
+    return out
+
+
+def dequantized_bf16_matmul(ops: Any, x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """The prefill path: x rounded to bf16 once, the weight dequantized to bf16 a tile of output
+    rows at a time (the C++ kernel's unpacking) and multiplied by oneDNN; float32 out."""
+    xb = x.to(torch.bfloat16)
+    n = w.shape[0]
+    tile = max(16, PREFILL_TILE_BYTES // (2 * w.cols) // 16 * 16)
+    if tile >= n:
+        return F.linear(xb, ops.quant_dequantize_bf16(w.data, w.qtype, w.cols)).float()
+    out = x.new_empty(x.shape[0], n)
+    for r in range(0, n, tile):
+        rows = min(tile, n - r)
+        out[:, r : r + rows] = F.linear(xb, ops.quant_dequantize_bf16(w.data[r : r + rows], w.qtype, w.cols))
     return out
