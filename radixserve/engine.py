@@ -10,6 +10,7 @@ the same RequestFrontend and DetokenizerManager as the served runtime make the r
 
 from __future__ import annotations
 
+import time
 import uuid
 from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
@@ -306,11 +307,14 @@ class Engine:
         return out
 
     def _control(self, obj: Any) -> Any:
-        """A control request's reply (the scheduler answers it at once, in this thread)."""
+        """A control request's reply: at once, in this thread, or (a group join, which answers when
+        the trainer has come) once the scheduler's note that it ended comes round."""
         obj.query_id = uuid.uuid4().hex
         self._inbox.append(obj)
         self.scheduler.process_input_requests(self._drain_inbox())
-        reply = next(o for o in self._outbox if getattr(o, "query_id", None) == obj.query_id)
+        while (reply := next((o for o in self._outbox if getattr(o, "query_id", None) == obj.query_id), None)) is None:
+            time.sleep(0.01)
+            self.scheduler.process_input_requests(self.scheduler.recv_requests())
         self._outbox.remove(reply)
         return reply
 

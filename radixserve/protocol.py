@@ -326,7 +326,7 @@ class InitWeightsUpdateGroupReqInput:
     world_size: int = 2
     group_name: str = "weight_update_group"
     backend: str = "nccl"
-    timeout: float = 15.0  # seconds to wait for every member to join (the loop waits too: below --health-check-timeout)
+    timeout: float = 15.0  # seconds to wait for every member to join (on a thread: the loop serves meanwhile)
     query_id: str = ""
 
 

@@ -17,13 +17,15 @@ released, a stop without a start, a clear on a server without --hicache-storage-
 
 from __future__ import annotations
 
+import os
 from typing import List, Optional
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
-from radixserve.managers.tokenizer_manager import TokenizerManager
+from radixserve.managers.scheduler_profiler import default_profile_dir
+from radixserve.managers.tokenizer_manager import RequestError, TokenizerManager
 from radixserve.sampling_params import MAX_INT_PARAM
 
 
@@ -46,7 +48,9 @@ class ProfileRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    output_dir: Optional[str] = Field(None, description="Where the traces go (default: $SGLANG_TORCH_PROFILER_DIR, else the temp dir).")
+    output_dir: Optional[str] = Field(None, description="Where the traces go: under the profile directory "
+                                                        "($SGLANG_TORCH_PROFILER_DIR, else the temp dir; a relative path "
+                                                        "is taken from there), which is also the default.")
     start_step: Optional[StrictInt] = Field(None, le=MAX_INT_PARAM, description="Start at this forward count (default: now).")
     num_steps: Optional[StrictInt] = Field(None, le=MAX_INT_PARAM, description="Stop by itself after this many batches.")
     activities: Optional[List[str]] = Field(None, description='"CPU", and "GPU" (or "CUDA") on a GPU.')
@@ -54,6 +58,19 @@ class ProfileRequest(BaseModel):
     record_shapes: Optional[StrictBool] = None
     profile_by_stage: StrictBool = False
     merge_profiles: StrictBool = False  # SGLang's; one trace per rank here
+
+
+def profile_output_dir(requested: Optional[str]) -> Optional[str]:
+    """A request's output_dir, kept under the profile directory: an HTTP caller chooses where in
+    it the traces go, never a path elsewhere on the server's disk (400)."""
+    if requested is None:
+        return None
+    base = os.path.realpath(default_profile_dir())
+    path = os.path.realpath(os.path.join(base, requested))
+    if os.path.commonpath([base, path]) != base:
+        raise RequestError(f"output_dir must be under the profile directory {base} ($SGLANG_TORCH_PROFILER_DIR, "
+                           f"else the temp dir); got {requested!r}")
+    return path
 
 
 def add_admin_routes(app: FastAPI, tm: TokenizerManager) -> None:
@@ -83,7 +100,7 @@ def add_admin_routes(app: FastAPI, tm: TokenizerManager) -> None:
     async def start_profile(body: Optional[ProfileRequest] = None) -> PlainTextResponse:
         """A torch.profiler trace of the scheduler (a gzipped Chrome trace per rank, for Perfetto)."""
         b = body or ProfileRequest()
-        await admin.start_profile(output_dir=b.output_dir, start_step=b.start_step, num_steps=b.num_steps,
+        await admin.start_profile(output_dir=profile_output_dir(b.output_dir), start_step=b.start_step, num_steps=b.num_steps,
                                   activities=b.activities, with_stack=b.with_stack, record_shapes=b.record_shapes,
                                   profile_by_stage=b.profile_by_stage)
         return PlainTextResponse("Start profiling.\n")

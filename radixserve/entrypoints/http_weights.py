@@ -72,8 +72,8 @@ class InitWeightsUpdateGroupRequest(_Body):
     world_size: StrictInt = Field(..., ge=2, le=MAX_GROUP_SIZE)
     group_name: StrictStr = GROUP
     backend: StrictStr = Field("nccl", description="gloo on a CPU server, nccl on GPUs.")
-    timeout: float = Field(15.0, gt=0, le=600, description="Seconds to wait for every member to join; generation "
-                                                           "pauses meanwhile. A join that times out is a 400.")
+    timeout: float = Field(15.0, gt=0, le=600, description="Seconds to wait for every member to join (generation "
+                                                           "goes on meanwhile). A join that times out is a 400.")
 
 
 class UpdateWeightsFromDistributedRequest(_Body):

@@ -34,7 +34,7 @@ from radixserve.managers.scheduler_pp import SchedulerPP
 from radixserve.managers.scheduler_profiler import SchedulerProfiler
 from radixserve.managers.schedule_policy import NewTokenRatio, PrefillAdder, SchedulePolicy
 from radixserve.managers.scheduler_stats import SchedulerStats
-from radixserve.managers.scheduler_update_weights import SchedulerUpdateWeights
+from radixserve.managers.scheduler_update_weights import SchedulerUpdateWeights, WeightsUpdateGroupJoined
 from radixserve.mem_cache.base_prefix_cache import BasePrefixCache, check_pages_conserved, check_pools_idle
 from radixserve.mem_cache.chunk_cache import ChunkCache
 from radixserve.mem_cache.hiradix_cache import HiRadixCache
@@ -260,6 +260,8 @@ class Scheduler:
         """Rank 0 reads the socket; with --tp-size > 1 it broadcasts what it got, so every
         rank schedules the same batches (only rank 0 talks to the outside)."""
         reqs = self.recv_fn() if self.tp_rank == 0 else None
+        if self.tp_rank == 0 and self.weight_updater.join_done():  # every rank agrees on it now
+            reqs = list(reqs or []) + [WeightsUpdateGroupJoined()]
         return broadcast_pyobj(reqs) if self.tp_size > 1 else reqs
 
     def process_input_requests(self, recv_reqs: List[Any]) -> None:

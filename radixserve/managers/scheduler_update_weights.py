@@ -17,7 +17,10 @@ was computed with the old weights.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, List, Tuple
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Tuple
 
 from radixserve.protocol import (
     DestroyWeightsUpdateGroupReqInput,
@@ -37,6 +40,12 @@ from radixserve.protocol import (
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class WeightsUpdateGroupJoined:
+    """Rank 0's note, sent along with its requests, that its join of a weights update group has
+    ended: every TP rank handles it at the same step and they agree on the outcome together."""
+
+
 # The update reaches this (the first) stage's scheduler only: the later stages would keep the old weights.
 PP_REFUSAL = "Weight updates with --pp-size > 1 are not supported yet (only the first pipeline stage would be updated)."
 
@@ -46,6 +55,9 @@ class SchedulerUpdateWeights:
 
     def __init__(self, scheduler: Any):
         self.scheduler = scheduler
+        # /init_weights_update_group's join in progress (its own thread) and its request: the
+        # loop keeps serving while a trainer takes its time (at most the request's timeout)
+        self._join: Optional[Tuple[Future, InitWeightsUpdateGroupReqInput]] = None
 
     def dispatch_entries(self) -> List[Tuple[type, Callable[[Any], Any]]]:
         return [
@@ -53,6 +65,7 @@ class SchedulerUpdateWeights:
             (UpdateWeightsFromTensorReqInput, self.update_weights_from_tensor),
             (InitWeightsUpdateGroupReqInput, self.init_weights_update_group),
             (UpdateWeightsFromDistributedReqInput, self.update_weights_from_distributed),
+            (WeightsUpdateGroupJoined, self.join_ended),
             (DestroyWeightsUpdateGroupReqInput, self.destroy_weights_update_group),
             (GetWeightsByNameReqInput, self.get_weights_by_name),
         ]
@@ -79,8 +92,33 @@ class SchedulerUpdateWeights:
         success, message = self.scheduler.tp_worker.update_weights_from_distributed(recv)
         return UpdateWeightsFromDistributedReqOutput(success, self._after_update(success, message, recv.flush_cache), recv.query_id)
 
-    def init_weights_update_group(self, recv: InitWeightsUpdateGroupReqInput) -> InitWeightsUpdateGroupReqOutput:
-        success, message = self.scheduler.tp_worker.init_weights_update_group(recv)
+    def init_weights_update_group(self, recv: InitWeightsUpdateGroupReqInput) -> Optional[InitWeightsUpdateGroupReqOutput]:
+        """Start the join on a thread and answer when it ends (join_ended); generation goes on."""
+        if self._join is not None:
+            return InitWeightsUpdateGroupReqOutput(
+                False, f"A join of the group {self._join[1].group_name!r} is in progress; wait for its answer.", recv.query_id)
+        future: Future = Future()
+
+        def join() -> None:
+            try:
+                future.set_result(self.scheduler.tp_worker.join_weights_update_group(recv))
+            except BaseException as e:  # not expected (the join catches its own): an answer all the same
+                future.set_result(f"Failed to initialize custom process group: {type(e).__name__}: {e}.")
+
+        # a daemon: a server stopped mid-join does not wait for the trainer
+        threading.Thread(target=join, name="weights-group-join", daemon=True).start()
+        self._join = (future, recv)
+        return None
+
+    def join_done(self) -> bool:
+        """Rank 0, every turn of the loop: whether the join has ended (then it sends the note)."""
+        return self._join is not None and self._join[0].done()
+
+    def join_ended(self, _: WeightsUpdateGroupJoined) -> InitWeightsUpdateGroupReqOutput:
+        future, recv = self._join
+        self._join = None
+        error = future.result()  # another rank's join ends within the same timeout
+        success, message = self.scheduler.tp_worker.finish_weights_update_group_join(recv, error)
         return InitWeightsUpdateGroupReqOutput(success, message, recv.query_id)
 
     def destroy_weights_update_group(self, recv: DestroyWeightsUpdateGroupReqInput) -> DestroyWeightsUpdateGroupReqOutput:

@@ -218,6 +218,14 @@ class ModelRunner:
         return self.weight_updater.init_weights_update_group(master_address, master_port, rank_offset, world_size,
                                                              group_name, backend, timeout)
 
+    def join_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str, backend: str = "gloo", timeout: float = 15.0) -> Optional[str]:
+        return self.weight_updater.join_update_group(master_address, master_port, rank_offset, world_size,
+                                                     group_name, backend, timeout)
+
+    def finish_weights_update_group_join(self, group_name: str, error: Optional[str]) -> Tuple[bool, str]:
+        return self.weight_updater.finish_update_group_join(group_name, error)
+
     def update_weights_from_distributed(self, names: List[str], dtypes: List[str], shapes: List[List[int]],
                                         group_name: str) -> Tuple[bool, str]:
         return self.weight_updater.update_weights_from_distributed(names, dtypes, shapes, group_name)

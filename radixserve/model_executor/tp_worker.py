@@ -60,6 +60,16 @@ class TpModelWorker:
         return self.model_runner.init_weights_update_group(r.master_address, r.master_port, r.rank_offset,
                                                            r.world_size, r.group_name, r.backend, r.timeout)
 
+    def join_weights_update_group(self, recv_req: InitWeightsUpdateGroupReqInput) -> Optional[str]:
+        """The join alone, for a thread of its own (finish_weights_update_group_join agrees after)."""
+        r = recv_req
+        return self.model_runner.join_weights_update_group(r.master_address, r.master_port, r.rank_offset,
+                                                           r.world_size, r.group_name, r.backend, r.timeout)
+
+    def finish_weights_update_group_join(self, recv_req: InitWeightsUpdateGroupReqInput,
+                                         error: Optional[str]) -> Tuple[bool, str]:
+        return self.model_runner.finish_weights_update_group_join(recv_req.group_name, error)
+
     def update_weights_from_distributed(self, recv_req: UpdateWeightsFromDistributedReqInput) -> Tuple[bool, str]:
         r = recv_req
         return self.model_runner.update_weights_from_distributed(r.names, r.dtypes, r.shapes, r.group_name)

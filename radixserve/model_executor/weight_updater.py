@@ -94,27 +94,39 @@ class ModelWeightUpdater:
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                   group_name: str, backend: str, timeout: float = 15.0) -> Tuple[bool, str]:
-        """Join a trainer's group as rank rank_offset + tp_rank (the trainer is rank 0)."""
+        """Join a trainer's group as rank rank_offset + tp_rank (the trainer is rank 0): the join,
+        then every TP rank's agreement (the scheduler runs the two apart: the join on a thread of
+        its own, so its loop keeps serving)."""
+        error = self.join_update_group(master_address, master_port, rank_offset, world_size, group_name, backend, timeout)
+        return self.finish_update_group_join(group_name, error)
+
+    def join_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                          group_name: str, backend: str, timeout: float = 15.0) -> Optional[str]:
+        """The join alone (no collective of the TP group: it may run on another thread). Returns
+        why it failed, or None."""
         rank = rank_offset + self.runner.tp_rank
-        error = None
         if group_name in self.groups:
-            error = f"A weights update group named {group_name!r} already exists."
-        elif backend not in ("gloo", "nccl"):
-            error = f"backend must be gloo or nccl, got {backend!r}"
-        elif backend == "nccl" and self.runner.device != "cuda":
-            error = "backend nccl needs a GPU; this server runs on the CPU: use gloo"
-        elif not (rank_offset >= 1 and rank_offset + self.runner.tp_size <= world_size):
-            error = (f"rank_offset {rank_offset} and world_size {world_size} leave no room for this server's "
-                     f"{self.runner.tp_size} rank(s) beside the trainer's rank 0")
-        if error is None:
-            try:
-                # The join waits at most `timeout` for the trainer; the group's later operations
-                # (the broadcasts of an update) keep WEIGHTS_UPDATE_GROUP_TIMEOUT.
-                self.groups[group_name] = init_custom_process_group(
-                    backend, f"tcp://{master_address}:{master_port}", world_size, rank, group_name,
-                    timedelta(seconds=timeout), op_timeout=WEIGHTS_UPDATE_GROUP_TIMEOUT)
-            except Exception as e:  # the trainer did not come, or the address is wrong
-                error = f"Failed to initialize custom process group: {e}."
+            return f"A weights update group named {group_name!r} already exists."
+        if backend not in ("gloo", "nccl"):
+            return f"backend must be gloo or nccl, got {backend!r}"
+        if backend == "nccl" and self.runner.device != "cuda":
+            return "backend nccl needs a GPU; this server runs on the CPU: use gloo"
+        if not (rank_offset >= 1 and rank_offset + self.runner.tp_size <= world_size):
+            return (f"rank_offset {rank_offset} and world_size {world_size} leave no room for this server's "
+                    f"{self.runner.tp_size} rank(s) beside the trainer's rank 0")
+        try:
+            # The join waits at most `timeout` for the trainer; the group's later operations
+            # (the broadcasts of an update) keep WEIGHTS_UPDATE_GROUP_TIMEOUT.
+            self.groups[group_name] = init_custom_process_group(
+                backend, f"tcp://{master_address}:{master_port}", world_size, rank, group_name,
+                timedelta(seconds=timeout), op_timeout=WEIGHTS_UPDATE_GROUP_TIMEOUT)
+        except Exception as e:  # the trainer did not come, or the address is wrong
+            return f"Failed to initialize custom process group: {e}."
+        return None
+
+    def finish_update_group_join(self, group_name: str, error: Optional[str]) -> Tuple[bool, str]:
+        """On the scheduler thread, every TP rank together: whether all joined; a group that only
+        some ranks joined is left by those."""
         ok, message = all_tp_ranks_ok(error is None, error or "Succeeded to initialize custom process group.")
         if not ok and group_name in self.groups and error is None:  # another rank failed: leave it
             destroy_custom_process_group(self.groups.pop(group_name))
@@ -152,7 +164,7 @@ class ModelWeightUpdater:
     def destroy_weights_update_group(self, group_name: str) -> Tuple[bool, str]:
         group = self.groups.pop(group_name, None)
         if group is None:
-            return False, "The group to be destroyed does not exist."
+            return False, f"The group to be destroyed does not exist: no weights update group named {group_name!r}."
         destroy_custom_process_group(group)
         return True, "Succeeded to destroy custom process group."
 
@@ -230,11 +242,11 @@ class ModelWeightUpdater:
         return self._meta_model
 
     def _disk_config(self, model_path: str, load_format: str) -> ModelConfig:
-        if not os.path.exists(model_path):
-            raise LoadError(f"{model_path}: no such file or directory")
         if load_format not in DISK_LOAD_FORMATS:
             raise LoadError(f"Failed to get model loader: load_format {load_format!r} cannot update weights "
                             f"(use one of {', '.join(DISK_LOAD_FORMATS)})")
+        if not os.path.exists(model_path):
+            raise LoadError(f"{model_path}: no such file or directory")
         config = ModelConfig.from_pretrained(model_path)  # LoadError: no such path, no config.json
         if config.architecture != self.config.architecture:
             raise LoadError(f"{model_path}: architecture {config.architecture}, but this server runs "

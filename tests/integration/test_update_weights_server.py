@@ -316,3 +316,72 @@ def test_dp2_server_updates_every_replica(dirs, reference):
     finally:
         assert srv.stop(signal.SIGTERM) == 0, srv.read_log()[-3000:]
     assert_children_gone(srv.children)
+
+
+def test_the_server_serves_while_a_join_waits_for_its_trainer(http, dirs, reference):
+    """Issue 45: the join runs on a thread of its own, so while /init_weights_update_group waits
+    for a trainer the scheduler's loop goes on: generation answers, /health answers every probe.
+    A join to an address where nobody listens ends in a 400 after its timeout and leaves nothing
+    behind; a second join right after, whose trainer comes late but within the timeout,
+    succeeds and its update lands."""
+    import threading
+
+    load_and_check(http, dirs["a"])
+    want_a = generate(http, PROMPTS[0])["output_ids"]
+    probes: List[int] = []
+    stop = threading.Event()
+
+    def probe() -> None:
+        with httpx.Client(base_url=str(http.base_url), timeout=5) as c:
+            while not stop.is_set():
+                probes.append(c.get("/health").status_code)
+                time.sleep(0.5)
+
+    def join_in_background(port: int, timeout: float) -> Tuple[threading.Thread, list]:
+        out: list = []
+        body = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+                "backend": "gloo", "timeout": timeout}
+        t = threading.Thread(target=lambda: out.append(http.post("/init_weights_update_group", json=body, timeout=120)))
+        t.start()
+        return t, out
+
+    prober = threading.Thread(target=probe)
+    prober.start()
+    try:
+        joining, result = join_in_background(1, timeout=6)  # nobody listens there
+        time.sleep(1)
+        assert generate(http, PROMPTS[0])["output_ids"] == want_a  # answered during the join
+        assert joining.is_alive()
+        joining.join(60)
+        r = result[0]
+        assert r.status_code == 400 and "Failed to initialize custom process group" in r.json()["message"], r.text
+        assert http.post("/destroy_weights_update_group", json={}).status_code == 400  # no group left
+
+        port = free_port()
+        trainer = mp.get_context("spawn").Process(target=broadcast_checkpoint, args=(port, 2, dirs["b"], 20.0))  # 20 s late, as issue 45 asks
+        trainer.start()
+        try:
+            t0 = time.monotonic()
+            joining, result = join_in_background(port, timeout=40)
+            time.sleep(2)
+            assert generate(http, PROMPTS[0])["output_ids"] == want_a
+            joining.join(60)
+            assert result[0].status_code == 200 and result[0].json()["success"], result[0].text
+            assert time.monotonic() - t0 >= 19  # it did wait for the late trainer
+            tensors = load_file(str(Path(dirs["b"]) / "model.safetensors"))
+            r = http.post("/update_weights_from_distributed", json={
+                "names": list(tensors), "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors.values()],
+                "shapes": [list(t.shape) for t in tensors.values()]})
+            assert r.status_code == 200 and r.json()["success"], r.text
+            trainer.join(60)
+            assert trainer.exitcode == 0
+            assert http.post("/destroy_weights_update_group", json={}).status_code == 200
+        finally:
+            trainer.join(5)
+            if trainer.is_alive():
+                trainer.kill()
+    finally:
+        stop.set()
+        prober.join(10)
+    assert len(probes) >= 10 and all(code == 200 for code in probes), probes
+    assert_serves(http, reference["b"])

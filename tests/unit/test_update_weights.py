@@ -278,7 +278,7 @@ def test_update_from_distributed_trainer(dirs, hf):
         assert_serves(e, hf["b"])
         assert generate(e, PROMPTS[0])["meta_info"]["weight_version"] == "rl-1"
         assert e.destroy_weights_update_group(GROUP)[0]
-        assert e.destroy_weights_update_group(GROUP) == (False, "The group to be destroyed does not exist.")
+        assert e.destroy_weights_update_group(GROUP) == (False, f"The group to be destroyed does not exist: no weights update group named {GROUP!r}.")
     finally:
         trainer.join(5)
         if trainer.is_alive():
