@@ -161,6 +161,9 @@ def check_pools_idle(tree_cache: BasePrefixCache, token_to_kv_pool_allocator: An
                               f"protected={protected}, total={max_total_num_tokens}")
     if free_rows != rows:
         raise MemoryLeakError(f"req_to_token_pool leak detected! free rows={free_rows}, size={rows}")
+    state_pool = getattr(req_to_token_pool, "mamba_pool", None)  # a hybrid model's (mamba_pool.py)
+    if state_pool is not None and state_pool.available_size() != state_pool.size:
+        raise MemoryLeakError(f"state pool leak detected! free slots={state_pool.available_size()}, size={state_pool.size}")
     tree_cache.check_other_tiers(thorough=False)  # the page-by-page check is --test-check-memory's
 
 
