@@ -61,6 +61,11 @@ class MambaPool:
                                           dtype=torch.float32, device=device)
         self.clear()
 
+    @staticmethod
+    def bytes_for(size: int, shape: MambaStateShape, conv_dtype: torch.dtype) -> int:
+        """What a pool of `size` slots takes (the padding slot included): mem_bytes() before it exists."""
+        return (size + 1) * shape.bytes_per_slot(conv_dtype)
+
     def available_size(self) -> int:
         return len(self.free_slots)
 
@@ -135,8 +140,23 @@ class HybridReqToTokenPool(ReqToTokenPool):
         """The state slot of each row of a batch (int64, on the pool's device)."""
         return self.req_index_to_mamba_index[req_pool_indices]
 
-    def held_state_slots(self) -> int:
-        return sum(1 for s in self.mamba_index_cpu if s != 0)
+    def check_state_slots(self, live_rows: List[int]) -> None:
+        """Raise RuntimeError unless rows and state slots pair one to one: every held row holds
+        its own slot (live_rows among them), and every slot is free or held by exactly one row."""
+        free_rows = set(self.free_slots)
+        held = {r: s for r, s in enumerate(self.mamba_index_cpu) if s != 0}
+        problems = []
+        if set(held) != set(range(self.size)) - free_rows:
+            problems.append(f"rows without a slot: {sorted(set(range(self.size)) - free_rows - set(held))[:4]}, "
+                            f"free rows with one: {sorted(set(held) & free_rows)[:4]}")
+        if len(set(held.values())) != len(held) or any(self.mamba_pool.is_free[s] for s in held.values()):
+            problems.append("a state slot held twice, or held and free")
+        if len(held) + self.mamba_pool.available_size() != self.mamba_pool.size:
+            problems.append(f"{len(held)} held + {self.mamba_pool.available_size()} free != {self.mamba_pool.size} slots")
+        if any(self.mamba_index_cpu[r] == 0 for r in live_rows):
+            problems.append("a running request's row holds no state slot")
+        if problems:
+            raise RuntimeError("state slots not conserved: " + "; ".join(problems))
 
     def _map(self, rows: List[int], slots: List[int]) -> None:
         for r, s in zip(rows, slots):

@@ -73,17 +73,17 @@ class ModelRunner:
         self.device = resolve_device(server_args.device)
         self.dtype = model_config.resolve_dtype(server_args.dtype, self.device)  # the weights'
         self.page_size = server_args.page_size
+        # A hybrid model (linear-attention layers, their states in a MambaPool): refuse what it does
+        # not run with, before loading anything.
+        self.is_hybrid = hasattr(MODEL_REGISTRY.get(model_config.architecture), "mamba_state_shape")
+        if self.is_hybrid:
+            check_hybrid_server_args(server_args, model_config.model_path or model_config.architecture)
         if self.device == "cpu":
             share_cpu_cores(server_args.dp_size * tp_size * server_args.pp_size // server_args.nnodes)
         if tp_size > 1 or server_args.pp_size > 1:  # --pp-size: this stage's TP group and the stages' group
             init_distributed_environment(tp_rank, tp_size, server_args.dist_init_addr, self.device, pp_rank,
                                          server_args.pp_size, server_args.pp_partition_list(), server_args.watchdog_timeout)
         torch.manual_seed(server_args.seed)
-        # A hybrid model (linear-attention layers, their states in a MambaPool): refuse what it does
-        # not run with, before loading anything.
-        self.is_hybrid = hasattr(MODEL_REGISTRY.get(model_config.architecture), "mamba_state_shape")
-        if self.is_hybrid:
-            check_hybrid_server_args(server_args, model_config.model_path or model_config.architecture)
         # --quantization: the GGUF types the linear layers keep in their blocks (layers/quantization/)
         self.gguf_block_types = gguf_block_types(server_args.quantization, model_config, self.dtype, self.device)
         self.model = get_model(model_config, server_args.load_format, self.dtype, self.device, server_args.seed,
@@ -213,12 +213,13 @@ class ModelRunner:
         if self.shared_slots is not None:
             return self.init_shared_memory_pool()
         args = self.server_args
-        state_slot_bytes, max_reqs = 0, args.max_running_requests
+        max_reqs, state_pool_bytes = args.max_running_requests, 0
         if self.is_hybrid:  # the state pool's slots cap the running requests; its bytes come off the KV budget
-            state_slot_bytes = self.model.mamba_state_shape().bytes_per_slot(self.activation_dtype)
+            shape = self.model.mamba_state_shape()
             max_reqs = max_reqs or max(1, min(HYBRID_DEFAULT_MAX_RUNNING_REQUESTS, int(
-                self.memory_budget_bytes() * HYBRID_STATE_BUDGET_SHARE // state_slot_bytes)))
-        max_tokens = args.max_total_tokens or self.profile_max_num_token(((max_reqs or 0) + 1) * state_slot_bytes if self.is_hybrid else 0)
+                self.memory_budget_bytes() * HYBRID_STATE_BUDGET_SHARE // shape.bytes_per_slot(self.activation_dtype))))
+            state_pool_bytes = MambaPool.bytes_for(max_reqs + 1, shape, self.activation_dtype)  # a slot per row
+        max_tokens = args.max_total_tokens or self.profile_max_num_token(state_pool_bytes)
         # Ranks must agree on the pool (they run the same schedule): take the smallest.
         max_tokens = all_reduce_min(max_tokens) // self.page_size * self.page_size
         if max_tokens < self.page_size:
