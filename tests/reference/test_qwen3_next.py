@@ -112,13 +112,15 @@ def test_chunked_prefill_continues_from_the_saved_state(next_dir, hf):
     """LONG in three chunks (37, 50, 13 tokens: none a multiple of the conv kernel or of a delta-rule
     chunk), the second one batched with the first chunk of another request (which must start from
     zeros, not from its slot's leftovers); then a decode step of both."""
-    runner = make_runner(next_dir, max_running_requests=8)
+    runner = make_runner(next_dir, max_running_requests=1)  # 2 rows, 2 state slots
     pool = runner.req_to_token_pool
-    stale = pool.alloc(2)  # leave garbage in two slots, then hand them to the requests below
+    stale = pool.alloc(2)  # leave states in both slots, then hand them to the requests below
     drv = KVDriver(runner)
     drv.extend(stale, [0, 0], [SHORT, MID])
+    stale_slots = sorted(pool.mamba_index_cpu[r] for r in stale)
     pool.free(stale)
     rows = pool.alloc(2)
+    assert sorted(pool.mamba_index_cpu[r] for r in rows) == stale_slots
     la, lm = hf_logits(hf, LONG + [7]), hf_logits(hf, MID + [9])
     errs = [_max_err(drv.extend(rows[:1], [0], [LONG[:37]]).all_logits, la[:37])]
     out = drv.extend(rows, [37, 0], [LONG[37:87], MID]).all_logits
