@@ -189,22 +189,22 @@ class GatedDeltaNet(nn.Module):
         self.norm = RMSNormGated(head_v_dim, eps)
         self.out_proj = RowParallelLinear(self.value_dim, hidden_size)
 
-    def split_projections(self, qkvz: torch.Tensor, ba: torch.Tensor):
-        """The checkpoint's per-key-head interleaving -> q, k [T, Hk, dk], v, z [T, Hv, dv], b, a [T, Hv]."""
-        T, r = qkvz.shape[0], self.num_v_heads // self.num_k_heads
+    def project(self, hidden_states: torch.Tensor):
+        """-> the conv's input [T, q | k | v channels], z [T, Hv, dv], b and a [T, Hv]. Qwen3-Next's
+        checkpoint interleaves the projections per key head: undo it."""
+        T, r = hidden_states.shape[0], self.num_v_heads // self.num_k_heads
         dk, dv = self.head_k_dim, self.head_v_dim
+        qkvz, ba = self.in_proj_qkvz.forward(hidden_states), self.in_proj_ba.forward(hidden_states)
         q, k, v, z = qkvz.view(T, self.num_k_heads, -1).split([dk, dk, r * dv, r * dv], dim=-1)
         b, a = ba.view(T, self.num_k_heads, 2 * r).split([r, r], dim=-1)
-        return (q, k, v.reshape(T, -1, dv), z.reshape(T, -1, dv),
-                b.reshape(T, self.num_v_heads), a.reshape(T, self.num_v_heads))
+        mixed = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=-1)
+        return mixed, z.reshape(T, -1, dv), b.reshape(T, self.num_v_heads), a.reshape(T, self.num_v_heads)
 
     def forward(self, hidden_states: torch.Tensor, meta: LinearAttnMetadata, conv_state: torch.Tensor,
                 temporal_state: torch.Tensor) -> torch.Tensor:
         """hidden_states [T, hidden]; conv_state / temporal_state: this layer's MambaPool tensors."""
         T = hidden_states.shape[0]
-        q, k, v, z, b, a = self.split_projections(self.in_proj_qkvz.forward(hidden_states),
-                                                  self.in_proj_ba.forward(hidden_states))
-        mixed = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=-1)
+        mixed, z, b, a = self.project(hidden_states)
         mixed = causal_conv1d(mixed, conv_state, self.conv1d.weight.squeeze(1), meta)
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         r = self.num_v_heads // self.num_k_heads
@@ -236,3 +236,23 @@ class GatedDeltaNet(nn.Module):
 
         out, state = chunk_gated_delta_rule(padded(q), padded(k), padded(v), padded(g), padded(beta), state)
         return out.transpose(1, 2)[rows, cols], state
+
+
+class Qwen3_5GatedDeltaNet(GatedDeltaNet):
+    """Qwen3.5's layer: the same recurrence, its projections apart and not interleaved
+    (in_proj_qkv gives the conv's channels in order, in_proj_z / in_proj_b / in_proj_a the rest)."""
+
+    def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
+                 conv_kernel: int, layer_id: int, eps: float = 1e-6, hidden_act: str = "silu"):
+        super().__init__(hidden_size, num_k_heads, num_v_heads, head_k_dim, head_v_dim, conv_kernel, layer_id, eps,
+                         hidden_act)
+        del self.in_proj_qkvz, self.in_proj_ba
+        self.in_proj_qkv = ColumnParallelLinear(hidden_size, self.conv_dim)
+        self.in_proj_z = ColumnParallelLinear(hidden_size, self.value_dim)
+        self.in_proj_b = ColumnParallelLinear(hidden_size, num_v_heads)
+        self.in_proj_a = ColumnParallelLinear(hidden_size, num_v_heads)
+
+    def project(self, hidden_states: torch.Tensor):
+        T = hidden_states.shape[0]
+        return (self.in_proj_qkv.forward(hidden_states), self.in_proj_z.forward(hidden_states).view(T, -1, self.head_v_dim),
+                self.in_proj_b.forward(hidden_states), self.in_proj_a.forward(hidden_states))

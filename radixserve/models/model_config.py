@@ -106,7 +106,7 @@ class ModelConfig:
             architecture=archs[0],
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
+            intermediate_size=cfg.get("intermediate_size") or 0,  # none in configs whose every layer has experts (Qwen3.5-MoE)
             num_hidden_layers=cfg["num_hidden_layers"],
             num_attention_heads=n_heads,
             num_key_value_heads=cfg.get("num_key_value_heads") or n_heads,

@@ -17,7 +17,7 @@ is skipped, as speculative decoding is refused."""
 from __future__ import annotations
 
 import logging
-from typing import Iterable, Iterator, List, Optional, Tuple
+from typing import Callable, Iterable, Iterator, List, Optional, Tuple, Type
 
 import torch
 from torch import nn
@@ -106,18 +106,19 @@ class Qwen3NextAttention(nn.Module):
 
 
 class Qwen3NextDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, kind: str, mixer_id: int, rope: RotaryEmbedding):
+    def __init__(self, config: ModelConfig, kind: str, mixer_id: int, rope: RotaryEmbedding, mlp: nn.Module,
+                 gdn_class: Type[GatedDeltaNet] = GatedDeltaNet):
         super().__init__()
         cfg = config.hf_config
         self.is_linear = kind == LINEAR
         if self.is_linear:
-            self.linear_attn = GatedDeltaNet(
+            self.linear_attn = gdn_class(
                 config.hidden_size, cfg["linear_num_key_heads"], cfg["linear_num_value_heads"],
                 cfg["linear_key_head_dim"], cfg["linear_value_head_dim"], cfg.get("linear_conv_kernel_dim", 4),
                 mixer_id, config.rms_norm_eps, config.hidden_act)
         else:
             self.self_attn = Qwen3NextAttention(config, mixer_id, rope)
-        self.mlp = make_mlp(config, layer_id)
+        self.mlp = mlp
         self.input_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -137,23 +138,23 @@ class Qwen3NextDecoderLayer(nn.Module):
         return self.mlp.forward(hidden_states), residual
 
 
-def make_mlp(config: ModelConfig, layer_id: int) -> nn.Module:
+def sparse_moe_block(config: ModelConfig, renormalize: bool) -> SparseMoeBlock:
+    """The experts of Qwen3-Next's (and Qwen3.5-MoE's) sparse layers, with their shared expert."""
     cfg = config.hf_config
-    if not is_sparse_layer(cfg, layer_id):
-        return LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
     return SparseMoeBlock(config.hidden_size, num_experts(cfg), cfg["num_experts_per_tok"], cfg["moe_intermediate_size"],
-                          bool(cfg.get("norm_topk_prob", True)), int(cfg.get("shared_expert_intermediate_size") or 0))
+                          renormalize, int(cfg.get("shared_expert_intermediate_size") or 0))
 
 
 class Qwen3NextModel(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, make_mlp: Callable[[ModelConfig, int], nn.Module],
+                 gdn_class: Type[GatedDeltaNet]):
         super().__init__()
         self.layer_types = layer_types(config.hf_config)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         rope = make_rope(config)
         # Layer i's index among the layers of its kind: its KV-pool or its MambaPool layer.
         mixer_ids = [self.layer_types[:i].count(t) for i, t in enumerate(self.layer_types)]
-        self.layers = nn.ModuleList(Qwen3NextDecoderLayer(config, i, t, mixer_ids[i], rope)
+        self.layers = nn.ModuleList(Qwen3NextDecoderLayer(config, t, mixer_ids[i], rope, make_mlp(config, i), gdn_class)
                                     for i, t in enumerate(self.layer_types))
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -172,6 +173,7 @@ class Qwen3NextModel(nn.Module):
 
 
 class Qwen3NextForCausalLM(nn.Module):
+    gdn_class: Type[GatedDeltaNet] = GatedDeltaNet  # the linear layers' projections (Qwen3.5 has its own)
     # checkpoint name -> (our fused parameter, shard id): the dense MLPs' and the shared experts'
     stacked_params_mapping = [
         (".gate_up_proj", ".gate_proj", 0),
@@ -183,11 +185,17 @@ class Qwen3NextForCausalLM(nn.Module):
         if get_tp_group().size > 1:
             raise LoadError(f"{config.model_path}: --tp-size > 1 is not supported for {config.architecture} yet")
         self.config = config
-        self.model = Qwen3NextModel(config)
+        self.model = Qwen3NextModel(config, self.make_mlp, self.gdn_class)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.logits_processor = LogitsProcessor(config.vocab_size)
+
+    def make_mlp(self, config: ModelConfig, layer_id: int) -> nn.Module:
+        """Decoder layer layer_id's MLP: experts, or dense in mlp_only_layers (decoder_sparse_step)."""
+        if not is_sparse_layer(config.hf_config, layer_id):
+            return LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        return sparse_moe_block(config, bool(config.hf_config.get("norm_topk_prob", True)))
 
     def mamba_state_shape(self) -> MambaStateShape:
         """One request's state in the linear layers (the MambaPool's slot)."""

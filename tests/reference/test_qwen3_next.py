@@ -13,7 +13,7 @@ logits by 2e-4, above the tolerance)."""
 from __future__ import annotations
 
 import random
-from typing import List
+from typing import List, Optional
 
 import pytest
 import torch
@@ -45,8 +45,11 @@ SHORT = [_rng.randrange(512) for _ in range(30)]
 MID = [_rng.randrange(512) for _ in range(45)]
 
 
-def make_next_dir(out_dir: str, seed: int = 0, **overrides) -> str:
-    cfg = transformers.Qwen3NextConfig(**{**CONFIG, **overrides})
+def make_next_dir(out_dir: str, seed: int = 0, config_class=transformers.Qwen3NextConfig, config: Optional[dict] = None,
+                  **overrides) -> str:
+    """A saved random model of config_class with `config` (default: Qwen3-Next's CONFIG; Qwen3.5's
+    in test_qwen3_5.py)."""
+    cfg = config_class(**{**(CONFIG if config is None else config), **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
