@@ -138,10 +138,12 @@ def _greedy_reference(hf, prompt: List[int], ids: List[int]) -> torch.Tensor:
     return hf_logits(hf, prompt + ids)[len(prompt) - 1 : -1]
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
-def test_the_engine_greedy_matches_transformers(next_dir, hf, overlap):
+@pytest.mark.parametrize("loop", [dict(disable_overlap_schedule=True), dict(disable_overlap_schedule=False),
+                                  dict(disable_overlap_schedule=True, enable_mixed_chunk=True)],
+                         ids=["normal", "overlap", "mixed_chunk"])
+def test_the_engine_greedy_matches_transformers(next_dir, hf, loop):
     engine = Engine(next_dir, dtype="float32", skip_tokenizer_init=True, chunked_prefill_size=16,
-                    max_total_tokens=2048, disable_overlap_schedule=not overlap, test_check_memory=True)
+                    max_total_tokens=2048, test_check_memory=True, **loop)
     try:
         assert isinstance(engine.scheduler.tree_cache, ChunkCache)  # the prefix cache is off for it
         prompts = [LONG, SHORT, MID]
