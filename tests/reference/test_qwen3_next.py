@@ -45,13 +45,8 @@ SHORT = [_rng.randrange(512) for _ in range(30)]
 MID = [_rng.randrange(512) for _ in range(45)]
 
 
-def make_next_dir(out_dir: str, seed: int = 0, config_class=transformers.Qwen3NextConfig, config: Optional[dict] = None,
-                  **overrides) -> str:
-    """A saved random model of config_class with `config` (default: Qwen3-Next's CONFIG; Qwen3.5's
-    in test_qwen3_5.py)."""
-    cfg = config_class(**{**(CONFIG if config is None else config), **overrides})
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+def randomize_(model: torch.nn.Module) -> None:
+    """Random weights whose float32 logits transformers computes to ~2e-5 (module docstring)."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2:  # the router's too: well-separated expert choices
@@ -64,6 +59,16 @@ def make_next_dir(out_dir: str, seed: int = 0, config_class=transformers.Qwen3Ne
                 p.copy_(1 + 0.1 * torch.randn_like(p))
             else:  # the zero-centered norms: scale 1 + weight
                 p.copy_(0.1 * torch.randn_like(p))
+
+
+def make_next_dir(out_dir: str, seed: int = 0, config_class=transformers.Qwen3NextConfig, config: Optional[dict] = None,
+                  **overrides) -> str:
+    """A saved random model of config_class with `config` (default: Qwen3-Next's CONFIG; Qwen3.5's
+    in test_qwen3_5.py)."""
+    cfg = config_class(**{**(CONFIG if config is None else config), **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    randomize_(model)
     model.save_pretrained(out_dir)
     return out_dir
 
