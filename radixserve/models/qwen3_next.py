@@ -68,6 +68,7 @@ def check_hybrid_server_args(args: ServerArgs, where: str) -> None:
         (args.tp_size > 1, "--tp-size > 1", "the linear-attention layers are not split across ranks"),
         (args.enable_lora or bool(args.lora_paths), "--enable-lora", "no adapters for the linear-attention layers"),
         (args.is_embedding, "--is-embedding", "not an embedding model"),
+        (args.load_format == "dummy", "--load-format dummy", "its random weights are named as a Llama checkpoint's"),
     ]
     for on, what, why in refused:
         if on:

@@ -231,6 +231,7 @@ def test_state_pool_pairs_a_slot_with_each_row():
     (dict(tp_size=2), "--tp-size > 1"),
     (dict(enable_lora=True, lora_paths=[]), "--enable-lora"),
     (dict(disaggregation_mode="decode"), "--disaggregation-mode"),
+    (dict(load_format="dummy"), "--load-format dummy"),
 ])
 def test_what_does_not_combine_is_refused_at_start(next_dir, flags, what):
     args = ServerArgs(model_path=next_dir, dtype="float32", device="cpu", max_total_tokens=1024, **flags)
