@@ -223,7 +223,9 @@ class ModelRunner:
         # Ranks must agree on the pool (they run the same schedule): take the smallest.
         max_tokens = all_reduce_min(max_tokens) // self.page_size * self.page_size
         if max_tokens < self.page_size:
-            raise RuntimeError("not enough memory for the KV cache; lower the model size or raise the budget")
+            states = f" after the state pool's {state_pool_bytes / 2**20:.0f} MB (lower --max-running-requests)" \
+                if state_pool_bytes else ""
+            raise RuntimeError(f"not enough memory for the KV cache{states}; lower the model size or raise the budget")
         self.max_total_num_tokens = max_tokens
         max_reqs = max_reqs or min(max(max_tokens // self.context_len * 512, 2048), 4096)
         self.max_running_requests = max_reqs

@@ -311,3 +311,8 @@ def test_state_slots_survive_a_storm_of_aborts_and_retractions(next_dir, hf, ove
     for prompt, r in survivors:
         assert r.finished_reason == {"type": "length", "length": 6}
         assert r.output_ids == _greedy_reference(hf, prompt, r.output_ids).argmax(-1).tolist()
+
+
+def test_a_state_pool_beyond_the_budget_is_refused_with_its_size(next_dir):
+    with pytest.raises(RuntimeError, match="after the state pool's .* MB \\(lower --max-running-requests\\)"):
+        make_runner(next_dir, max_total_tokens=None, cpu_kv_cache_bytes=2**20, max_running_requests=200)
