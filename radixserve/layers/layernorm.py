@@ -36,3 +36,24 @@ class RMSNorm(nn.Module):
             x.float(), (x.shape[-1],), self.weight.float(), self.variance_epsilon
         ).to(x.dtype)
         return out if residual is None else (out, residual)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Zero-centered RMSNorm: the scale is 1 + weight (Gemma's; Qwen3-Next's and Qwen3.5's
+    Qwen3NextRMSNorm), computed in float32, with the residual add fused as RMSNorm does."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(
+        self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
+    ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+        if residual is not None:
+            x = x + residual
+            residual = x
+        out = torch.nn.functional.rms_norm(
+            x.float(), (x.shape[-1],), 1.0 + self.weight.float(), self.variance_epsilon
+        ).to(x.dtype)
+        return out if residual is None else (out, residual)

@@ -23,7 +23,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve.distributed.parallel_state import get_tp_group, tensor_model_parallel_all_reduce
-from radixserve.layers.linear import LinearBase, PackedWeight, WeightShapeError, linear, pack_cpu_weight, unpack_cpu_weight
+from radixserve.layers.activation import SiluAndMul
+from radixserve.layers.linear import (
+    LinearBase,
+    MergedColumnParallelLinear,
+    PackedWeight,
+    RowParallelLinear,
+    WeightShapeError,
+    linear,
+    pack_cpu_weight,
+    unpack_cpu_weight,
+)
 
 
 class TopKRouter(LinearBase):
@@ -118,14 +128,39 @@ class FusedMoE(nn.Module):
         return out
 
 
-class SparseMoeBlock(nn.Module):
-    """A decoder layer's MLP when it is a mixture of experts (Qwen3-MoE's Qwen3MoeSparseMoeBlock)."""
+class SharedExpert(nn.Module):
+    """An expert every token goes through (Qwen2-MoE's and Qwen3-Next's shared_expert): a dense
+    SiLU MLP, its checkpoint names gate_proj / up_proj / down_proj (gate_up_proj fused)."""
 
-    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool):
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj.forward(self.act_fn.forward(self.gate_up_proj.forward(x)))
+
+
+class SparseMoeBlock(nn.Module):
+    """A decoder layer's MLP when it is a mixture of experts (Qwen3-MoE's Qwen3MoeSparseMoeBlock).
+    shared_intermediate_size > 0: plus a shared expert scaled by sigmoid(shared_expert_gate(x))
+    (Qwen3-Next's Qwen3NextSparseMoeBlock)."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool,
+                 shared_intermediate_size: int = 0):
         super().__init__()
         self.gate = TopKRouter(hidden_size, num_experts, top_k, renormalize)
         self.experts = FusedMoE(num_experts, hidden_size, intermediate_size)
+        if shared_intermediate_size > 0:
+            self.shared_expert = SharedExpert(hidden_size, shared_intermediate_size)
+            self.shared_expert_gate = LinearBase(hidden_size, 1, bias=False)  # replicated on every TP rank
+        else:
+            self.shared_expert = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate.route(x)
-        return self.experts.forward(x, weights, ids)
+        out = self.experts.forward(x, weights, ids)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate.forward(x)) * self.shared_expert.forward(x)
+        return out

@@ -161,6 +161,9 @@ def check_pools_idle(tree_cache: BasePrefixCache, token_to_kv_pool_allocator: An
                               f"protected={protected}, total={max_total_num_tokens}")
     if free_rows != rows:
         raise MemoryLeakError(f"req_to_token_pool leak detected! free rows={free_rows}, size={rows}")
+    state_pool = getattr(req_to_token_pool, "mamba_pool", None)  # a hybrid model's (mamba_pool.py)
+    if state_pool is not None and state_pool.available_size() != state_pool.size:
+        raise MemoryLeakError(f"state pool leak detected! free slots={state_pool.available_size()}, size={state_pool.size}")
     tree_cache.check_other_tiers(thorough=False)  # the page-by-page check is --test-check-memory's
 
 
@@ -180,4 +183,9 @@ def check_pages_conserved(tree_cache: BasePrefixCache, token_to_kv_pool_allocato
     lost = ((~used & ~allocator.is_free)[1:].nonzero().flatten()[:4] + 1).tolist()  # page 0 is padding
     if both or lost:
         raise MemoryLeakError(f"KV pages both free and in use: {both}; pages neither free nor held: {lost}")
+    if getattr(req_to_token_pool, "mamba_pool", None) is not None:  # a hybrid model's state slots (mamba_pool.py)
+        try:
+            req_to_token_pool.check_state_slots([r.req_pool_idx for r in live_reqs])
+        except RuntimeError as e:
+            raise MemoryLeakError(str(e)) from None
     tree_cache.check_other_tiers()

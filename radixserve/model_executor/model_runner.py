@@ -23,12 +23,15 @@ from radixserve.layers.moe import FusedMoE
 from radixserve.layers.pooler import EmbeddingPoolerOutput, Pooler, PoolingConfig
 from radixserve.layers.sampler import Sampler, SamplerOutput
 from radixserve.lora.lora_manager import LoRAManager
+from radixserve.mem_cache.mamba_pool import HybridReqToTokenPool, MambaPool
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from radixserve.model_executor.cuda_graph_runner import CudaGraphRunner
 from radixserve.model_executor.forward_batch import ForwardBatch, ModelWorkerBatch
 from radixserve.model_executor.model_loader import check_w8a8, get_model, gguf_block_types
 from radixserve.model_executor.weight_updater import ModelWeightUpdater
 from radixserve.models.model_config import LoadError, ModelConfig
+from radixserve.models.qwen3_next import check_hybrid_server_args
+from radixserve.models.registry import MODEL_REGISTRY
 from radixserve.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -39,6 +42,10 @@ logger = logging.getLogger(__name__)
 # --cuda-graph-max-bs; without it the graphs' pool would eat into what the KV pool counted on.
 CUDA_GRAPH_FIXED_RESERVE_BYTES = 256 * 1024**2
 CUDA_GRAPH_BYTES_PER_VOCAB_ENTRY = 8
+# Hybrid (linear-attention) models without --max-running-requests: state slots for at most this
+# many requests, and at most this share of the memory budget (the rest is the KV pool's).
+HYBRID_DEFAULT_MAX_RUNNING_REQUESTS = 256
+HYBRID_STATE_BUDGET_SHARE = 0.25
 
 
 def resolve_device(device: str) -> str:
@@ -66,6 +73,11 @@ class ModelRunner:
         self.device = resolve_device(server_args.device)
         self.dtype = model_config.resolve_dtype(server_args.dtype, self.device)  # the weights'
         self.page_size = server_args.page_size
+        # A hybrid model (linear-attention layers, their states in a MambaPool): refuse what it does
+        # not run with, before loading anything.
+        self.is_hybrid = hasattr(MODEL_REGISTRY.get(model_config.architecture), "mamba_state_shape")
+        if self.is_hybrid:
+            check_hybrid_server_args(server_args, model_config.model_path or model_config.architecture)
         if self.device == "cpu":
             share_cpu_cores(server_args.dp_size * tp_size * server_args.pp_size // server_args.nnodes)
         if tp_size > 1 or server_args.pp_size > 1:  # --pp-size: this stage's TP group and the stages' group
@@ -118,6 +130,7 @@ class ModelRunner:
             and not self.server_args.is_embedding  # the graphs are of decode steps
             and self.attn_backend.cuda_graph_unsupported_reason is None
             and self.server_args.pp_size == 1  # a stage's graphs would need its proxy tensors as inputs
+            and not self.is_hybrid  # the linear layers' extend metadata is built on the host
             # the experts' loop reads on the host which experts a batch hits (layers/moe.py)
             and not any(isinstance(m, FusedMoE) for m in self.model.modules())
         )
@@ -142,12 +155,23 @@ class ModelRunner:
     def kv_heads_per_rank(self) -> int:
         return max(1, self.model_config.num_key_value_heads // self.tp_size)
 
-    def profile_max_num_token(self) -> int:
-        """KV pool size in tokens from the memory budget (seed 004)."""
+    def num_kv_layers(self) -> int:
+        """Layers whose KV the pool holds: this stage's, or a hybrid model's full-attention ones."""
+        return self.model.num_kv_layers() if self.is_hybrid else self.num_stage_layers()
+
+    def profile_max_num_token(self, reserved_bytes: int = 0) -> int:
+        """KV pool size in tokens from the memory budget (seed 004), less reserved_bytes (a
+        hybrid model's state pool)."""
         cfg = self.model_config
         per_token = MHATokenToKVPool.bytes_per_token(
-            self.kv_heads_per_rank(), cfg.head_dim, self.num_stage_layers(), self.kv_cache_dtype
+            self.kv_heads_per_rank(), cfg.head_dim, self.num_kv_layers(), self.kv_cache_dtype
         ) + self.draft_kv_bytes_per_token()
+        return max(int((self.memory_budget_bytes() - reserved_bytes) // per_token), 0)
+
+    def memory_budget_bytes(self) -> float:
+        """Bytes for the KV pool (and a hybrid model's state pool): on a GPU what is left of
+        --mem-fraction-static after the weights (and the decode graphs), on a CPU --cpu-kv-cache-bytes."""
+        cfg = self.model_config
         if self.device == "cuda":
             # Memory of objects already dropped (an engine made and failed before this one, in
             # the same process) would count as used by others: collect and release it first.
@@ -163,7 +187,7 @@ class ModelRunner:
                 )
         else:
             budget = self.server_args.cpu_kv_cache_bytes
-        return max(int(budget // per_token), 0)
+        return budget
 
     def draft_kv_bytes_per_token(self) -> int:
         """--speculative-algorithm STANDALONE: the draft model's KV bytes per slot, counted in the
@@ -189,18 +213,32 @@ class ModelRunner:
         if self.shared_slots is not None:
             return self.init_shared_memory_pool()
         args = self.server_args
-        max_tokens = args.max_total_tokens or self.profile_max_num_token()
+        max_reqs, state_pool_bytes = args.max_running_requests, 0
+        if self.is_hybrid:  # the state pool's slots cap the running requests; its bytes come off the KV budget
+            shape = self.model.mamba_state_shape()
+            max_reqs = max_reqs or max(1, min(HYBRID_DEFAULT_MAX_RUNNING_REQUESTS, int(
+                self.memory_budget_bytes() * HYBRID_STATE_BUDGET_SHARE // shape.bytes_per_slot(self.activation_dtype))))
+            state_pool_bytes = MambaPool.bytes_for(max_reqs + 1, shape, self.activation_dtype)  # a slot per row
+        max_tokens = args.max_total_tokens or self.profile_max_num_token(state_pool_bytes)
         # Ranks must agree on the pool (they run the same schedule): take the smallest.
         max_tokens = all_reduce_min(max_tokens) // self.page_size * self.page_size
         if max_tokens < self.page_size:
-            raise RuntimeError("not enough memory for the KV cache; lower the model size or raise the budget")
+            states = f" after the state pool's {state_pool_bytes / 2**20:.0f} MB (lower --max-running-requests)" \
+                if state_pool_bytes else ""
+            raise RuntimeError(f"not enough memory for the KV cache{states}; lower the model size or raise the budget")
         self.max_total_num_tokens = max_tokens
-        max_reqs = args.max_running_requests or min(max(max_tokens // self.context_len * 512, 2048), 4096)
+        max_reqs = max_reqs or min(max(max_tokens // self.context_len * 512, 2048), 4096)
         self.max_running_requests = max_reqs
-        self.req_to_token_pool = ReqToTokenPool(max_reqs + 1, self.context_len + 4, self.device)
+        if self.is_hybrid:  # each request row holds a state slot: allocated and freed with it
+            self.mamba_pool = MambaPool(max_reqs + 1, self.model.mamba_state_shape(), self.activation_dtype, self.device)
+            self.req_to_token_pool = HybridReqToTokenPool(max_reqs + 1, self.context_len + 4, self.mamba_pool,
+                                                          self.device)
+            logger.info("State pool: %d slots, %.1f MB", self.mamba_pool.size, self.mamba_pool.mem_bytes() / 2**20)
+        else:
+            self.req_to_token_pool = ReqToTokenPool(max_reqs + 1, self.context_len + 4, self.device)
         self.token_to_kv_pool = MHATokenToKVPool(
             max_tokens, self.page_size, self.kv_cache_dtype, self.kv_heads_per_rank(), self.model_config.head_dim,
-            self.num_stage_layers(), self.device,
+            self.num_kv_layers(), self.device,
         )
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(max_tokens, self.page_size, self.device)
         logger.info("KV pool: %d tokens of %s, max running requests: %d, context: %d", max_tokens,

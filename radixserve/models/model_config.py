@@ -33,6 +33,10 @@ GGUF_ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
 }
 
+# Vision-language checkpoints served as their language model (text prompts only): config.json
+# nests its entries under text_config.
+SERVED_AS_TEXT = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
+
 
 @dataclass
 class ModelConfig:
@@ -96,6 +100,9 @@ class ModelConfig:
         archs = cfg.get("architectures") or []
         if not archs:
             raise LoadError(f"{_where(model_path, 'config.json')}: no 'architectures' entry")
+        if archs[0] in SERVED_AS_TEXT and isinstance(cfg.get("text_config"), dict):
+            # the language model's entries (those it leaves unset, as eos_token_id may be, kept from the top)
+            cfg = {**cfg, **{k: v for k, v in cfg["text_config"].items() if v is not None}, "architectures": archs}
         rope = cfg.get("rope_parameters") or {}
         rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
         rope_scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
@@ -106,7 +113,7 @@ class ModelConfig:
             architecture=archs[0],
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
+            intermediate_size=cfg.get("intermediate_size") or 0,  # none in configs whose every layer has experts (Qwen3.5-MoE)
             num_hidden_layers=cfg["num_hidden_layers"],
             num_attention_heads=n_heads,
             num_key_value_heads=cfg.get("num_key_value_heads") or n_heads,

@@ -47,37 +47,44 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
     def load_weights(self, weights: Iterable[NamedWeight], require_all: bool = True) -> None:
         expert_params = {name: p for name, p in self.named_parameters() if name.endswith((".w13_weight", ".w2_weight"))}
         loaded = set()
-        super().load_weights(self._experts_loaded(self.stage_weights(weights), loaded), require_all,
+        super().load_weights(load_expert_weights(self, self.stage_weights(weights), loaded), require_all,
                              not_required=tuple(expert_params))
         if require_all:
-            for name, module in self.named_modules():
-                if isinstance(module, FusedMoE):
-                    for e in range(module.num_experts):
-                        for shard in ("w1", "w3", "w2"):
-                            if (name, e, shard) not in loaded:
-                                raise LoadError(f"{self.config.model_path}: no tensor for expert {e} ({shard}) of {name}")
+            check_experts_loaded(self, loaded)
 
-    def _experts_loaded(self, weights: Iterable[NamedWeight], loaded: set) -> Iterator[NamedWeight]:
-        """Load the experts' tensors into their stacked parameters; pass the others on."""
-        for name, tensor, fn in weights:
-            if name.endswith((".w13_weight", ".w2_weight")):
-                raise LoadError(f"{fn}: tensor {name!r}: the experts are loaded from each expert's gate_proj / up_proj / "
-                                f"down_proj tensors (mlp.experts.<e>.<proj>.weight), not the stacked parameters")
-            m = EXPERT_WEIGHT.match(name)
-            if m is None:
-                yield name, tensor, fn
-                continue
-            prefix, expert, proj = m.group(1), int(m.group(2)), m.group(3)
-            shard = SHARD_OF[proj]
-            try:
-                module = self.get_submodule(prefix)
-            except AttributeError:
-                module = None
-            if not isinstance(module, FusedMoE) or not 0 <= expert < module.num_experts:
-                raise LoadError(f"{fn}: unexpected tensor {name!r} for {type(self).__name__} (no such expert)")
-            param = module.w2_weight if shard == "w2" else module.w13_weight
-            try:
-                call_weight_loader(module, param, tensor, (expert, shard))
-            except (ValueError, IndexError, RuntimeError, TypeError) as e:
-                raise LoadError(f"{fn}: tensor {name!r}: {e}") from None
-            loaded.add((prefix, expert, shard))
+
+def check_experts_loaded(model: nn.Module, loaded: set) -> None:
+    """Raise LoadError naming the first expert projection load_expert_weights did not see."""
+    for name, module in model.named_modules():
+        if isinstance(module, FusedMoE):
+            for e in range(module.num_experts):
+                for shard in ("w1", "w3", "w2"):
+                    if (name, e, shard) not in loaded:
+                        raise LoadError(f"{model.config.model_path}: no tensor for expert {e} ({shard}) of {name}")
+
+
+def load_expert_weights(model: nn.Module, weights: Iterable[NamedWeight], loaded: set) -> Iterator[NamedWeight]:
+    """Load the experts' tensors into their stacked parameters (noting (module, expert, shard) in
+    `loaded`); pass the others on."""
+    for name, tensor, fn in weights:
+        if name.endswith((".w13_weight", ".w2_weight")):
+            raise LoadError(f"{fn}: tensor {name!r}: the experts are loaded from each expert's gate_proj / up_proj / "
+                            f"down_proj tensors (mlp.experts.<e>.<proj>.weight), not the stacked parameters")
+        m = EXPERT_WEIGHT.match(name)
+        if m is None:
+            yield name, tensor, fn
+            continue
+        prefix, expert, proj = m.group(1), int(m.group(2)), m.group(3)
+        shard = SHARD_OF[proj]
+        try:
+            module = model.get_submodule(prefix)
+        except AttributeError:
+            module = None
+        if not isinstance(module, FusedMoE) or not 0 <= expert < module.num_experts:
+            raise LoadError(f"{fn}: unexpected tensor {name!r} for {type(model).__name__} (no such expert)")
+        param = module.w2_weight if shard == "w2" else module.w13_weight
+        try:
+            call_weight_loader(module, param, tensor, (expert, shard))
+        except (ValueError, IndexError, RuntimeError, TypeError) as e:
+            raise LoadError(f"{fn}: tensor {name!r}: {e}") from None
+        loaded.add((prefix, expert, shard))

@@ -1,0 +1,77 @@
+"""The GatedDeltaNet building blocks (layers/gated_delta_net.py) against their definitions: the
+chunked delta rule equals the token-by-token recurrence (ragged batches padded, nonzero starting
+states, several chunks), and the causal conv1d with its saved state equals one conv over the
+whole sequence however it is split. The reference for the C++ / Triton kernels to come."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from radixserve.layers.gated_delta_net import (
+    LinearAttnMetadata,
+    causal_conv1d,
+    chunk_gated_delta_rule,
+    l2norm,
+    recurrent_gated_delta_step,
+)
+
+
+def _inputs(B: int, H: int, L: int, dk: int = 8, dv: int = 4, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = l2norm(torch.randn(B, H, L, dk, generator=g, dtype=torch.float64)) * dk ** -0.5
+    k = l2norm(torch.randn(B, H, L, dk, generator=g, dtype=torch.float64))
+    v = torch.randn(B, H, L, dv, generator=g, dtype=torch.float64)
+    decay = -torch.rand(B, H, L, generator=g, dtype=torch.float64)
+    beta = torch.rand(B, H, L, generator=g, dtype=torch.float64)
+    state = torch.randn(B, H, dk, dv, generator=g, dtype=torch.float64)
+    return q, k, v, decay, beta, state
+
+
+def _recurrent(q, k, v, decay, beta, state):
+    outs = []
+    for t in range(q.shape[2]):
+        o, state = recurrent_gated_delta_step(q[:, :, t], k[:, :, t], v[:, :, t], decay[:, :, t], beta[:, :, t], state)
+        outs.append(o)
+    return torch.stack(outs, dim=2), state
+
+
+@pytest.mark.parametrize("L, chunk", [(1, 4), (7, 4), (16, 4), (70, 64)])
+def test_the_chunked_rule_is_the_recurrence(L, chunk):
+    args = _inputs(2, 3, L)
+    out, state = chunk_gated_delta_rule(*args, chunk_size=chunk)
+    ref_out, ref_state = _recurrent(*args)
+    assert torch.allclose(out, ref_out, atol=1e-10) and torch.allclose(state, ref_state, atol=1e-10)
+
+
+def test_padded_positions_leave_the_state_alone():
+    """A request shorter than the batch: zeros after its end (k = v = beta = g = 0) change
+    neither its outputs nor its final state."""
+    q, k, v, decay, beta, state = _inputs(1, 2, 5)
+    pad = lambda x: F.pad(x, (0, 0, 0, 6)) if x.dim() == 4 else F.pad(x, (0, 6))  # noqa: E731
+    out, final = chunk_gated_delta_rule(pad(q), pad(k), pad(v), pad(decay), pad(beta), state, chunk_size=4)
+    ref_out, ref_final = _recurrent(q, k, v, decay, beta, state)
+    assert torch.allclose(out[:, :, :5], ref_out, atol=1e-10) and torch.allclose(final, ref_final, atol=1e-10)
+
+
+def test_the_conv_continues_from_its_saved_state():
+    """A 10-token sequence split 3 + 6 + 1 (a decode step), beside other requests, equals one
+    causal conv over all 10 tokens; a request without a computed prefix ignores its slot's state."""
+    torch.manual_seed(0)
+    C, K = 6, 4
+    weight = torch.randn(C, K)
+    x = torch.randn(10, C)
+    ref = F.silu(F.conv1d(x.t()[None], weight[:, None], padding=K - 1, groups=C)[0, :, :10].t())
+    conv_state = torch.randn(4, K - 1, C)  # slots 0..3 hold garbage
+    other = torch.randn(5, C)
+    meta = LinearAttnMetadata.build(torch.tensor([2, 1]), False, [3, 5], [0, 0])
+    out = causal_conv1d(torch.cat([x[:3], other]), conv_state, weight, meta)
+    ref_other = F.silu(F.conv1d(other.t()[None], weight[:, None], padding=K - 1, groups=C)[0, :, :5].t())
+    assert torch.allclose(out[3:], ref_other, atol=1e-6)
+    meta = LinearAttnMetadata.build(torch.tensor([2]), False, [6], [3])
+    out = torch.cat([out[:3], causal_conv1d(x[3:9], conv_state, weight, meta)])
+    meta = LinearAttnMetadata.build(torch.tensor([2]), True, [1], [9])
+    out = torch.cat([out, causal_conv1d(x[9:], conv_state, weight, meta)])
+    assert torch.allclose(out, ref, atol=1e-6)
+    assert torch.equal(conv_state[2], x[7:10])  # the last K - 1 inputs
