@@ -35,6 +35,13 @@ class TokenizedGenerateReqInput:
     bootstrap_port: Optional[int] = None
     bootstrap_room: Optional[int] = None
     lora_path: Optional[str] = None  # --enable-lora: the adapter's name; None = the base model
+    # /health_generate's probe (SGLang marks it by its rid; a field no HTTP body can set cannot
+    # be faked by a client's rid)
+    is_health_check: bool = False
+
+
+def is_health_check_generate_req(obj: Any) -> bool:
+    return isinstance(obj, TokenizedGenerateReqInput) and obj.is_health_check
 
 
 @dataclass
@@ -214,6 +221,7 @@ class GenerateReqInput:
     bootstrap_port: Optional[Any] = None
     bootstrap_room: Optional[Any] = None
     lora_path: Optional[Any] = None  # an adapter name (str), or one per prompt of a batch; None = base
+    is_health_check: bool = False  # set by /health_generate only (not a field of the HTTP body)
 
 
 @dataclass
@@ -265,6 +273,15 @@ class SessionParams:
     id: str = ""
     rid: Optional[str] = None
     offset: Optional[int] = None
+
+
+@dataclass
+class HealthCheckOutput:
+    """A busy scheduler's answer to a /health_generate probe it did not queue behind its work:
+    sent after the next batch's results were processed, so it proves the loop and the forward
+    pass both move (seed 000's return_health_check_ct)."""
+
+    rid: str
 
 
 @dataclass

@@ -277,7 +277,7 @@ class RequestFrontend:
                     return_logprob=bool(ret_lp), logprob_start_len=obj.logprob_start_len,
                     top_logprobs_num=obj.top_logprobs_num, stream=bool(obj.stream), priority=obj.priority,
                     bootstrap_host=bootstrap[0], bootstrap_port=bootstrap[1], bootstrap_room=bootstrap[2],
-                    lora_path=lora_path,
+                    lora_path=lora_path, is_health_check=obj.is_health_check,
                 ))
                 if n > 1:
                     parents[sub_rid] = base

@@ -43,7 +43,7 @@ from radixserve.model_executor.tp_worker import GenerationBatchResult, TpModelWo
 from radixserve.models.model_config import ModelConfig
 from radixserve.protocol import (
     AbortReq, BatchTokenizedGenerateReqInput, FlushCacheReqInput, FlushCacheReqOutput, GetInternalStateReq,
-    GetInternalStateReqOutput, TokenizedGenerateReqInput,
+    GetInternalStateReqOutput, TokenizedGenerateReqInput, is_health_check_generate_req,
 )
 from radixserve.sampling_params import input_ids_error
 from radixserve.server_args import ServerArgs
@@ -264,6 +264,11 @@ class Scheduler:
 
     def process_input_requests(self, recv_reqs: List[Any]) -> None:
         for recv_req in self.generation_pause.input_blocker.handle(recv_reqs):  # held while paused
+            if is_health_check_generate_req(recv_req) and self.has_work():
+                # seed 000: a busy scheduler does not queue the probe behind its work; the
+                # output processor answers it once the next batch's results are in
+                self.output_processor.pending_health_checks.append(recv_req.rid)
+                continue
             out = self._dispatcher(recv_req)
             if out is not None:
                 self.send_fn(out)

@@ -37,6 +37,7 @@ from radixserve.protocol import (
     FlushCacheReqOutput,
     GenerateReqInput,
     GetInternalStateReq,
+    HealthCheckOutput,
     OpenSessionReqInput,
     SchedulerHeartbeat,
 )
@@ -49,7 +50,6 @@ __all__ = ["ClientDisconnected", "RequestError", "TokenizerManager"]
 
 DISCONNECT_CHECK_INTERVAL = 0.5  # s between "is the client still there?" checks while waiting
 RPC_TIMEOUT = 60.0  # s to wait for the scheduler's reply to flush / state requests
-HEALTH_CHECK_TIMEOUT = 20.0  # s a /health_generate request may take
 RESEND_INTERVAL = 0.05  # s between tries to send control messages the full socket refused
 
 
@@ -188,6 +188,8 @@ class TokenizerManager:
         # Tokenizing (and decoding logprob texts) off the event loop, one at a time: a huge
         # prompt does not stall /health, and the tokenizer is never used by two threads.
         self._tokenize_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radixserve-tokenize")
+        # /health_generate probes in flight: rid -> a future set when the scheduler proves alive
+        self._health_waiters: Dict[str, asyncio.Future] = {}
         now = time.monotonic()
         self.last_heartbeat: Dict[int, float] = {r: now for r in range(server_args.dp_size)}
 
@@ -262,6 +264,8 @@ class TokenizerManager:
                     self._handle_batch_output(obj)
                 elif isinstance(obj, BatchEmbeddingOutput):
                     self._handle_batch_embedding_output(obj)
+                elif isinstance(obj, HealthCheckOutput):
+                    self._health_check_passed(obj.rid)
                 elif hasattr(obj, "query_id"):  # a reply to a control query (flush, state, pause, ...)
                     self.communicator.handle(obj)
                 elif isinstance(obj, SchedulerHeartbeat):
@@ -285,6 +289,7 @@ class TokenizerManager:
 
     def _handle_batch_output(self, out: BatchStrOutput) -> None:
         now = time.monotonic()
+        self._health_check_passed()  # any output since a probe began proves the runtime moves (SGLang)
         for state, num_new in self.frontend.handle_batch_output(out):
             self.metrics.on_update(state, num_new, now)
             if (state.finished_reason or {}).get("err_type") == DETOKENIZE_ERROR:
@@ -564,23 +569,41 @@ class TokenizerManager:
         except SessionError as e:
             raise RequestError(str(e)) from None
 
+    def _health_check_passed(self, rid: Optional[str] = None) -> None:
+        """The probe `rid` (None: every probe in flight) has its proof of life."""
+        for key in ([rid] if rid is not None else list(self._health_waiters)):
+            fut = self._health_waiters.get(key)
+            if fut is not None and not fut.done():
+                fut.set_result(True)
+
     async def health_generate(self) -> bool:
-        """A real one-token generation (SGLang's /health_generate)."""
+        """SGLang's /health_generate: a one-token generation, marked as a health check. An idle
+        scheduler runs it; a busy one does not queue it behind its work but answers after its
+        next batch's results (HealthCheckOutput). Any output that arrives meanwhile proves the
+        same. Nothing within --health-check-timeout: False (a dead or hung runtime)."""
         rid = f"HEALTH_CHECK_{uuid.uuid4().hex}"
-        obj: Any = GenerateReqInput(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0}, rid=rid)
         if self.server_args.is_embedding:  # an embedding server embeds instead (SGLang's too)
-            obj = EmbeddingReqInput(input_ids=[0], rid=rid)
-
-        async def run() -> bool:
-            gen = self.generate_request(obj)
-            try:
-                async for out in gen:
-                    return bool(out["meta_info"]["finish_reason"])
-                return False
-            finally:
-                await gen.aclose()
-
+            obj: Any = EmbeddingReqInput(input_ids=[0], rid=rid)
+        else:
+            obj = GenerateReqInput(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0}, rid=rid,
+                                   is_health_check=True)
+        alive = self._health_waiters[rid] = self._loop.create_future()
+        generation = asyncio.ensure_future(self._health_generation(obj))
         try:
-            return await asyncio.wait_for(run(), HEALTH_CHECK_TIMEOUT)
-        except (asyncio.TimeoutError, RequestError):
+            done, _ = await asyncio.wait({generation, alive}, timeout=self.server_args.health_check_timeout,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            return alive in done or (generation in done and generation.result())
+        finally:
+            self._health_waiters.pop(rid, None)
+            generation.cancel()  # its generator aborts the request if the scheduler runs it
+
+    async def _health_generation(self, obj: Any) -> bool:
+        gen = self.generate_request(obj)
+        try:
+            async for out in gen:
+                return bool(out["meta_info"]["finish_reason"])
             return False
+        except RequestError:
+            return False
+        finally:
+            await gen.aclose()
