@@ -192,6 +192,8 @@ class BatchTokenIDOutput:
     output_top_logprobs_val: List[List[List[float]]] = field(default_factory=list)
     output_top_logprobs_idx: List[List[List[int]]] = field(default_factory=list)
     retraction_counts: List[int] = field(default_factory=list)
+    # seconds from the waiting queue to the first forward (SGLang's meta_info queue_time); None: not yet
+    queue_times: List[Optional[float]] = field(default_factory=list)
     spec_verify_ct: List[int] = field(default_factory=list)  # SPEC_KEYS
     spec_num_correct_drafts: List[int] = field(default_factory=list)
     spec_num_proposed_drafts: List[int] = field(default_factory=list)
@@ -246,6 +248,8 @@ class BatchStrOutput:
     output_top_logprobs_val: List[List[List[float]]] = field(default_factory=list)
     output_top_logprobs_idx: List[List[List[int]]] = field(default_factory=list)
     retraction_counts: List[int] = field(default_factory=list)
+    # seconds from the waiting queue to the first forward (SGLang's meta_info queue_time); None: not yet
+    queue_times: List[Optional[float]] = field(default_factory=list)
     spec_verify_ct: List[int] = field(default_factory=list)  # SPEC_KEYS
     spec_num_correct_drafts: List[int] = field(default_factory=list)
     spec_num_proposed_drafts: List[int] = field(default_factory=list)

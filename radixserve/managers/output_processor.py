@@ -241,6 +241,7 @@ class SchedulerOutputProcessor:
             out.spaces_between_special_tokens.append(sp.spaces_between_special_tokens)
             out.no_stop_trim.append(sp.no_stop_trim)
             out.retraction_counts.append(req.retraction_count)
+            out.queue_times.append(req.queue_time)
             for key in SPEC_KEYS:
                 getattr(out, key).append(getattr(req, key))
             if req.return_logprob:

@@ -304,6 +304,8 @@ class Scheduler:
 
     def _enqueue(self, req: Req) -> None:
         """A request ready to schedule: PD requests first wait for the other server."""
+        if req.wait_queue_entry_time is None:  # meta_info queue_time starts here (after its grammar)
+            req.wait_queue_entry_time = time.perf_counter()
         if req.bootstrap_room is not None and self.disagg_prefill is not None:
             self.disagg_prefill.add(req)
         elif req.bootstrap_room is not None and self.disagg_decode is not None:
