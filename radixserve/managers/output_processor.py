@@ -217,8 +217,9 @@ class SchedulerOutputProcessor:
         n = len(req.output_ids)
         if req.finished():
             return True
-        if req.stream:
-            return n > 0 and (n - req.send_token_offset >= self.stream_interval or n == 1)
+        if req.stream:  # the request's own stream_interval, else the server's (seed 001 §21.1)
+            interval = req.sampling_params.stream_interval or self.stream_interval
+            return n > 0 and (n - req.send_token_offset >= interval or n == 1)
         return n > 0 and n % DEFAULT_FORCE_STREAM_INTERVAL == 0
 
     def stream_output(self, reqs: List[Req]) -> None:
