@@ -132,6 +132,21 @@ class GetInternalStateReqOutput:
     query_id: str = ""
 
 
+# SGLang's POST /set_internal_state: scheduler settings changed at run time
+@dataclass
+class SetInternalStateReq:
+    server_args: Dict[str, Any]
+    query_id: str = ""
+
+
+@dataclass
+class SetInternalStateReqOutput:
+    success: bool  # SGLang's `updated` (the DP controller merges `success`)
+    message: str = ""
+    server_args: Dict[str, Any] = field(default_factory=dict)  # the settable values now
+    query_id: str = ""
+
+
 @dataclass
 class SchedulerHeartbeat:
     """Rank 0 of a scheduler sends one about every second while its loop turns (/health)."""

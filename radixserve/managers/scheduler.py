@@ -27,6 +27,7 @@ from radixserve.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch
 from radixserve.managers.scheduler_disagg import init_disaggregation
 from radixserve.managers.scheduler_embedding import EmbeddingOutputProcessor, SchedulerEmbedding
 from radixserve.managers.scheduler_hicache import SchedulerHiCache
+from radixserve.managers.scheduler_internal_state import SchedulerInternalState
 from radixserve.managers.scheduler_lora import SchedulerLoRA
 from radixserve.managers.scheduler_memory_saver import SchedulerMemorySaver
 from radixserve.managers.scheduler_pause import GenerationPause
@@ -130,6 +131,7 @@ class Scheduler:
             *self.weight_updater.dispatch_entries(),
             *self.generation_pause.dispatch_entries(), *self.memory_saver.dispatch_entries(), *self.profiler.dispatch_entries(),
             *self.embedding.dispatch_entries(), *SchedulerLoRA(self).dispatch_entries(), *SchedulerHiCache(self).dispatch_entries(),
+            *SchedulerInternalState(self).dispatch_entries(),  # /set_internal_state
         ])
         logger.info("Scheduler ready (pid %d): max_total_num_tokens=%d, max_running_requests=%d, context_len=%d, page_size=%d",
                     os.getpid(), self.max_total_num_tokens, self.max_running_requests, self.context_len, self.page_size)
@@ -559,6 +561,7 @@ class Scheduler:
             self.get_stats().to_dict(),
             max_total_num_tokens=self.max_total_num_tokens,
             max_running_requests=self.max_running_requests,
+            chunked_prefill_size=self.chunked_prefill_size,
             context_len=self.context_len,
             new_token_ratio=self.new_token_ratio.value,
             num_waiting_reqs=len(self.waiting_queue),
