@@ -235,6 +235,12 @@ class Scheduler:
             not self.running_batch.is_empty() or self.chunked_req is not None or last_prefill_to_merge
         )
 
+    def batch_coming(self) -> bool:
+        """A batch runs or will run now, so its results come soon (a health check waits for them;
+        a grammar still compiling alone does not count: it may take long)."""
+        return bool(self.waiting_queue or self._results_pending()) or (
+            not self.running_batch.is_empty() or self.chunked_req is not None)
+
     def waiting_on_peer(self) -> bool:
         """PD: requests wait for the other server (handshake, KV transfer), not for a forward.
         The loop then polls often (the news comes on the KVManager's thread) and the watchdog
@@ -266,7 +272,7 @@ class Scheduler:
 
     def process_input_requests(self, recv_reqs: List[Any]) -> None:
         for recv_req in self.generation_pause.input_blocker.handle(recv_reqs):  # held while paused
-            if is_health_check_generate_req(recv_req) and self.has_work():
+            if is_health_check_generate_req(recv_req) and self.batch_coming():
                 # seed 000: a busy scheduler does not queue the probe behind its work; the
                 # output processor answers it once the next batch's results are in
                 self.output_processor.pending_health_checks.append(recv_req.rid)
