@@ -13,9 +13,9 @@ deprecated, so scrapes and dashboards made for earlier versions keep working.
     num_requests_total, num_aborted_requests_     num_grammar_queue_reqs, num_used_tokens,
     total, num_so_requests_total                  token_usage, gen_throughput, cache_hit_rate,
     time_to_first_token_seconds                   max_total_num_tokens, new_token_ratio,
-    inter_token_latency_seconds                   num_retracted_requests_total
-    e2e_request_latency_seconds, queue_time_seconds
-    num_retractions
+    inter_token_latency_seconds                   num_retracted_requests_total,
+    e2e_request_latency_seconds, queue_time_seconds  num_grammar_{total,cache_hit,aborted,timeout}_total,
+    num_retractions                               grammar_compilation_time_seconds
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ E2E_REQUEST_LATENCY_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 4
 QUEUE_TIME_BUCKETS = (0.0, 0.1, 0.2, 0.5, 1, 2, 3, 4, 5, 10, 15, 20, 30, 40, 50, 60, 70, 80, 90, 100, 200, 300,
                       400, 500, 600, 700, 800, 900, 1000, 1200, 1400, 1600, 1800, 2000, 2500, 3000)
 NUM_RETRACTIONS_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 15, 20, 25, 30, 40, 50, 75, 100)
+GRAMMAR_COMPILATION_TIME_BUCKETS = (0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 30, 60, 90, 120, 240)
 
 # The buckets the radixserve: histograms always had (unchanged for their existing scrapes)
 _LEGACY_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80, 160)
@@ -53,6 +54,14 @@ _SCHEDULER_GAUGES: Tuple[Tuple[str, Optional[str], str], ...] = (
     ("cache_hit_rate", "cache_hit_rate", "The prefix cache hit rate."),
     ("max_total_num_tokens", "max_total_num_tokens", "Maximum total number of tokens in the KV cache pool."),
     ("new_token_ratio", "new_token_ratio", "The new token ratio."),
+)
+# Scheduler counters: (SGLang's name without _total, the internal_state key, help)
+_SCHEDULER_COUNTERS: Tuple[Tuple[str, str, str], ...] = (
+    ("num_retracted_requests", "num_retracted_reqs", "Total number of retracted requests."),
+    ("num_grammar_total", "num_grammar_total", "Number of the total grammar requests."),
+    ("num_grammar_cache_hit", "num_grammar_cache_hit", "Number of grammar cache hits."),
+    ("num_grammar_aborted", "num_grammar_aborted", "Number of grammar aborted requests."),
+    ("num_grammar_timeout", "num_grammar_timeout", "Number of grammar timeouts."),
 )
 # The five the radixserve: names had
 _LEGACY_GAUGES = ("num_running_reqs", "num_queue_reqs", "token_usage", "cache_hit_rate", "gen_throughput")
@@ -85,10 +94,25 @@ class SchedulerStateCollector:
             yield family
             if name in _LEGACY_GAUGES:
                 yield GaugeMetricFamily(LEGACY_PREFIX + name, doc, value=value)
-        retracted = CounterMetricFamily(SGLANG_PREFIX + "num_retracted_requests", "Total number of retracted requests.",
-                                        labels=names)
-        retracted.add_metric(values, float(st.get("num_retracted_reqs", 0)))
-        yield retracted
+        for name, key, doc in _SCHEDULER_COUNTERS:
+            counter = CounterMetricFamily(SGLANG_PREFIX + name, doc, labels=names)
+            counter.add_metric(values, float(st.get(key, 0)))
+            yield counter
+        yield self._grammar_compilation_time(names, values)
+
+    def _grammar_compilation_time(self, names: List[str], values: List[str]) -> Any:
+        from prometheus_client.core import HistogramMetricFamily
+
+        counts = self.state.get("grammar_compilation_time_counts") or [0] * (len(GRAMMAR_COMPILATION_TIME_BUCKETS) + 1)
+        buckets, seen = [], 0
+        for bound, n in zip(GRAMMAR_COMPILATION_TIME_BUCKETS, counts):
+            seen += n
+            buckets.append((str(float(bound)), seen))
+        buckets.append(("+Inf", sum(counts)))
+        family = HistogramMetricFamily(SGLANG_PREFIX + "grammar_compilation_time_seconds",
+                                       "Histogram of grammar compilation time in seconds.", labels=names)
+        family.add_metric(values, buckets, self.state.get("grammar_compilation_time_sum", 0.0))
+        return family
 
 
 class _Twin:

@@ -579,6 +579,7 @@ class Scheduler:
             evictable_tokens=self.tree_cache.evictable_size(),
             protected_tokens=self.tree_cache.protected_size(),
             **self.generation_pause.internal_state(), **self.memory_saver.internal_state(),
+            **self.grammar_queue.internal_state(),  # SGLang's grammar metrics
         )
 
     # ---- invariants ---------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ changed bucket fails here."""
 
 from __future__ import annotations
 
+import uuid
 from typing import Dict, List, Tuple
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -36,6 +37,11 @@ SGLANG_METRICS: List[Tuple[str, str]] = [
     ("sglang:num_aborted_requests", "counter"),
     ("sglang:num_so_requests", "counter"),
     ("sglang:num_retracted_requests", "counter"),
+    ("sglang:num_grammar", "counter"),  # sglang:num_grammar_total (a counter family drops _total)
+    ("sglang:num_grammar_cache_hit", "counter"),
+    ("sglang:num_grammar_aborted", "counter"),
+    ("sglang:num_grammar_timeout", "counter"),
+    ("sglang:grammar_compilation_time_seconds", "histogram"),
 ]
 
 SGLANG_BUCKETS: Dict[str, List[float]] = {
@@ -47,6 +53,8 @@ SGLANG_BUCKETS: Dict[str, List[float]] = {
     "sglang:queue_time_seconds": [0.0, 0.1, 0.2, 0.5, 1, 2, 3, 4, 5, 10, 15, 20, 30, 40, 50, 60, 70, 80, 90, 100, 200,
                                   300, 400, 500, 600, 700, 800, 900, 1000, 1200, 1400, 1600, 1800, 2000, 2500, 3000],
     "sglang:num_retractions": [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 15, 20, 25, 30, 40, 50, 75, 100],
+    "sglang:grammar_compilation_time_seconds": [0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 30, 60, 90,
+                                                120, 240],
 }
 
 
@@ -84,3 +92,23 @@ def test_sglang_metric_names_labels_and_buckets(http):
     assert r.json()["meta_info"]["queue_time"] >= 0
     assert _value(after, "sglang:max_total_num_tokens", "sglang:max_total_num_tokens") == \
         http.get("/get_server_info").json()["max_total_num_tokens"]
+
+
+def test_grammar_metrics_count_a_structured_output_request(http):
+    """A regex never seen before: compiled once (not a cache hit), counted as a grammar request and
+    as a structured-output request; the same one again is a cache hit."""
+    regex = f"{uuid.uuid4().hex[:8]}(yes|no)"
+    names = ("sglang:num_grammar", "sglang:num_grammar_cache_hit", "sglang:num_so_requests")
+
+    def counts() -> List[float]:
+        fam = _families(http.get("/metrics").text)
+        return [_value(fam, n, n + "_total") for n in names] + [
+            _value(fam, "sglang:grammar_compilation_time_seconds", "sglang:grammar_compilation_time_seconds_count")]
+
+    before = counts()
+    body = {"text": "Answer:", "sampling_params": greedy(16, regex=regex)}
+    assert http.post("/generate", json=body).status_code == 200
+    first = counts()
+    assert [a - b for a, b in zip(first, before)] == [1, 0, 1, 1]
+    assert http.post("/generate", json=body).status_code == 200
+    assert [a - b for a, b in zip(counts(), first)] == [1, 1, 1, 0]
