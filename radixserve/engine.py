@@ -17,7 +17,9 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 from tqdm import tqdm
 
 from radixserve.hf_transformers_utils import load_sampling_defaults
-from radixserve.managers.admin_requests import check_reply, make_pause_req, make_profile_req, make_release_req, make_resume_req
+from radixserve.managers.admin_requests import (
+    check_reply, make_pause_req, make_profile_req, make_release_req, make_resume_req, make_set_internal_state_req,
+)
 from radixserve.managers.detokenizer import DetokenizerManager
 from radixserve.managers.embedding_frontend import EmbeddingFrontend, check_request_kind
 from radixserve.managers.request_frontend import ReqState, RequestFrontend, is_single
@@ -285,6 +287,11 @@ class Engine:
 
     def stop_profile(self) -> None:
         check_reply(self._control(ProfileReq(ProfileReqType.STOP_PROFILE)))
+
+    def set_internal_state(self, server_args: Dict[str, Any]) -> Dict[str, Any]:
+        """SGLang's /set_internal_state: change max_running_requests / chunked_prefill_size now;
+        returns the settable values after it. Raises ValueError naming the field when refused."""
+        return check_reply(self._control(make_set_internal_state_req(server_args))).server_args
 
     # ---- LoRA adapters at run time (--enable-lora) ----------------------------------------------
     def load_lora_adapter(self, lora_name: str, lora_path: str) -> LoRAUpdateOutput:

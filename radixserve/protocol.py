@@ -35,6 +35,13 @@ class TokenizedGenerateReqInput:
     bootstrap_port: Optional[int] = None
     bootstrap_room: Optional[int] = None
     lora_path: Optional[str] = None  # --enable-lora: the adapter's name; None = the base model
+    # /health_generate's probe (SGLang marks it by its rid; a field no HTTP body can set cannot
+    # be faked by a client's rid)
+    is_health_check: bool = False
+
+
+def is_health_check_generate_req(obj: Any) -> bool:
+    return isinstance(obj, TokenizedGenerateReqInput) and obj.is_health_check
 
 
 @dataclass
@@ -125,6 +132,21 @@ class GetInternalStateReqOutput:
     query_id: str = ""
 
 
+# SGLang's POST /set_internal_state: scheduler settings changed at run time
+@dataclass
+class SetInternalStateReq:
+    server_args: Dict[str, Any]
+    query_id: str = ""
+
+
+@dataclass
+class SetInternalStateReqOutput:
+    success: bool  # SGLang's `updated` (the DP controller merges `success`)
+    message: str = ""
+    server_args: Dict[str, Any] = field(default_factory=dict)  # the settable values now
+    query_id: str = ""
+
+
 @dataclass
 class SchedulerHeartbeat:
     """Rank 0 of a scheduler sends one about every second while its loop turns (/health)."""
@@ -185,6 +207,8 @@ class BatchTokenIDOutput:
     output_top_logprobs_val: List[List[List[float]]] = field(default_factory=list)
     output_top_logprobs_idx: List[List[List[int]]] = field(default_factory=list)
     retraction_counts: List[int] = field(default_factory=list)
+    # seconds from the waiting queue to the first forward (SGLang's meta_info queue_time); None: not yet
+    queue_times: List[Optional[float]] = field(default_factory=list)
     spec_verify_ct: List[int] = field(default_factory=list)  # SPEC_KEYS
     spec_num_correct_drafts: List[int] = field(default_factory=list)
     spec_num_proposed_drafts: List[int] = field(default_factory=list)
@@ -214,6 +238,7 @@ class GenerateReqInput:
     bootstrap_port: Optional[Any] = None
     bootstrap_room: Optional[Any] = None
     lora_path: Optional[Any] = None  # an adapter name (str), or one per prompt of a batch; None = base
+    is_health_check: bool = False  # set by /health_generate only (not a field of the HTTP body)
 
 
 @dataclass
@@ -238,6 +263,8 @@ class BatchStrOutput:
     output_top_logprobs_val: List[List[List[float]]] = field(default_factory=list)
     output_top_logprobs_idx: List[List[List[int]]] = field(default_factory=list)
     retraction_counts: List[int] = field(default_factory=list)
+    # seconds from the waiting queue to the first forward (SGLang's meta_info queue_time); None: not yet
+    queue_times: List[Optional[float]] = field(default_factory=list)
     spec_verify_ct: List[int] = field(default_factory=list)  # SPEC_KEYS
     spec_num_correct_drafts: List[int] = field(default_factory=list)
     spec_num_proposed_drafts: List[int] = field(default_factory=list)
@@ -265,6 +292,15 @@ class SessionParams:
     id: str = ""
     rid: Optional[str] = None
     offset: Optional[int] = None
+
+
+@dataclass
+class HealthCheckOutput:
+    """A busy scheduler's answer to a /health_generate probe it did not queue behind its work:
+    sent after the next batch's results were processed, so it proves the loop and the forward
+    pass both move (seed 000's return_health_check_ct)."""
+
+    rid: str
 
 
 @dataclass

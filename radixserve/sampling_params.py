@@ -17,7 +17,7 @@ MAX_STOPS = 64
 MAX_STOP_REGEX_CHARS = 1024  # the scheduler matches every stop regex after every token
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range: +-100 already bans or forces a token
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty")
-_INT_FIELDS = ("max_new_tokens", "min_new_tokens", "top_k", "n", "sampling_seed")
+_INT_FIELDS = ("max_new_tokens", "min_new_tokens", "top_k", "n", "sampling_seed", "stream_interval")
 _BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
 _TEXT_FIELDS = ("stop", "stop_regex", "regex", "json_schema", "ebnf")
 
@@ -47,8 +47,9 @@ class SamplingParams:
     json_schema: Optional[str] = None
     ebnf: Optional[str] = None
     custom_params: Optional[Dict[str, Any]] = None
+    stream_interval: Optional[int] = None  # a streamed request reports every this many tokens; None: --stream-interval
 
-    # Filled by normalize(): stop strings as a list, the longest one's length.
+    # Filled by normalize(): stop strings as a list, the most tokens one can span.
     stop_strs: List[str] = field(default_factory=list, repr=False)
     stop_regex_strs: List[str] = field(default_factory=list, repr=False)
     stop_str_max_len: int = field(default=0, repr=False)
@@ -75,12 +76,11 @@ class SamplingParams:
             [self.stop_regex] if isinstance(self.stop_regex, str) else list(self.stop_regex or [])
         )
         if self.stop_strs:
-            if tokenizer is not None:
-                self.stop_str_max_len = max(
-                    len(tokenizer.encode(s, add_special_tokens=False)) for s in self.stop_strs
-                )
-            else:
-                self.stop_str_max_len = max(len(s) for s in self.stop_strs)
+            # The most output tokens a stop string can span: the scheduler decodes that many (+1)
+            # from the end. Not its own encoding's length (SGLang's): the model may spell it in
+            # more, smaller tokens ("----" as four "-"), and then the stop was missed. A token
+            # decodes to at least one byte, so the UTF-8 length bounds it.
+            self.stop_str_max_len = max(len(s.encode("utf-8")) for s in self.stop_strs)
 
     def verify(self, vocab_size: Optional[int] = None) -> None:
         """Raise ValueError with SGLang-like messages for out-of-range values."""
@@ -110,6 +110,8 @@ class SamplingParams:
             )
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}.")
+        if self.stream_interval is not None and self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be at least 1, got {self.stream_interval}.")
         grammars = [x for x in (self.regex, self.json_schema, self.ebnf) if x is not None]
         if len(grammars) > 1:
             raise ValueError("Only one of regex, json_schema, or ebnf can be set.")
@@ -141,7 +143,7 @@ class SamplingParams:
         top_k_max = vocab_size if vocab_size is not None else TOP_K_ALL
         if self.top_k > top_k_max and self.top_k != TOP_K_ALL:  # TOP_K_ALL: -1 after normalize()
             raise ValueError(f"top_k must be -1 (disable), or in [1, {top_k_max}], got {self.top_k}.")
-        for name in ("max_new_tokens", "min_new_tokens"):
+        for name in ("max_new_tokens", "min_new_tokens", "stream_interval"):
             value = getattr(self, name)
             if value is not None and value > MAX_INT_PARAM:
                 raise ValueError(f"{name} must be at most {MAX_INT_PARAM}, got {value}.")

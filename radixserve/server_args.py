@@ -597,7 +597,8 @@ FLAG_HELP = {
     "session_timeout": "seconds an unused session stays open",
     "grammar_cache_size": "compiled grammars kept in the cache (least recently used are dropped)",
     "request_timeout": "abort a request that runs longer than this many seconds (504); none = no limit",
-    "health_check_timeout": "/health answers 503 when the scheduler has not reported for this many seconds",
+    "health_check_timeout": "/health answers 503 when the scheduler has not reported for this many seconds; "
+                            "/health_generate when its probe gets no answer in this time",
     "graceful_shutdown_timeout": "on SIGTERM, seconds in-flight requests get to finish (new ones get 503)",
     "grammar_backend": f"structured output backend: {', '.join(GRAMMAR_BACKENDS)}",
     "grammar_timeout": "abort a request whose grammar has not compiled after this many seconds",

@@ -1,6 +1,6 @@
 """Who may call the operations routes (issue 45): the ones that change or inspect the server
 rather than generate (weight updates and reads, LoRA load/unload, memory release/resume, pause,
-profiling, cache flushes).
+profiling, cache flushes, run-time settings).
 
 - With --admin-api-key KEY they take `Authorization: Bearer KEY` and nothing else (401 otherwise;
   the generation key of --api-key does not open them).
@@ -24,7 +24,7 @@ ADMIN_PATHS: FrozenSet[str] = frozenset({
     "/update_weights_from_distributed", "/destroy_weights_update_group", "/get_weights_by_name",
     "/update_weight_version", "/load_lora_adapter", "/unload_lora_adapter",
     "/release_memory_occupation", "/resume_memory_occupation", "/pause_generation", "/continue_generation",
-    "/start_profile", "/stop_profile", "/flush_cache", "/clear_hicache_storage_backend",
+    "/start_profile", "/stop_profile", "/flush_cache", "/clear_hicache_storage_backend", "/set_internal_state",
 })
 
 

@@ -9,16 +9,19 @@ scheduler_memory_saver.py, scheduler_pause.py, scheduler_profiler.py and schedul
     GET|POST /start_profile              {"num_steps": 5, "activities": ["CPU"], "output_dir": ...} -> "Start profiling.\\n"
     GET|POST /stop_profile                                   -> "Stop profiling. This will take some time.\\n"
     GET|POST /clear_hicache_storage_backend                  -> "Hierarchical cache storage backend cleared.\\n"
+    POST|PUT /set_internal_state  {"server_args": {"max_running_requests": 8}}
+                                  -> {"updated": true, "server_args": {"max_running_requests": 8, "chunked_prefill_size": 2048}}
 
-Every body is optional (its fields have defaults). A refusal is a 400 whose message says why:
+Every body but /set_internal_state's is optional (its fields have defaults). A refusal is a 400 whose message says why:
 an unknown tag or mode or activity, a release while requests run, a resume of what was not
-released, a stop without a start, a clear on a server without --hicache-storage-backend.
+released, a stop without a start, a clear on a server without --hicache-storage-backend, a setting that
+cannot change at run time or a value out of its range (the message names the field).
 """
 
 from __future__ import annotations
 
 import os
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -58,6 +61,15 @@ class ProfileRequest(BaseModel):
     record_shapes: Optional[StrictBool] = None
     profile_by_stage: StrictBool = False
     merge_profiles: StrictBool = False  # SGLang's; one trace per rank here
+
+
+class SetInternalStateRequest(BaseModel):
+    """SGLang's SetInternalStateReq (values are checked by name, so their errors name the field)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    server_args: Dict[str, Any] = Field(
+        ..., description="Settings to change now: max_running_requests, chunked_prefill_size.")
 
 
 def profile_output_dir(requested: Optional[str]) -> Optional[str]:
@@ -115,3 +127,9 @@ def add_admin_routes(app: FastAPI, tm: TokenizerManager) -> None:
         """Remove every page of HiCache's storage tier (--hicache-storage-backend); 400 without one."""
         await admin.clear_hicache_storage()
         return PlainTextResponse("Hierarchical cache storage backend cleared.\n")
+
+    @app.api_route("/set_internal_state", methods=["POST", "PUT"])
+    async def set_internal_state(body: SetInternalStateRequest) -> JSONResponse:
+        """Change scheduler settings while serving; 400 naming the field for a bad one."""
+        values = await admin.set_internal_state(body.server_args)
+        return JSONResponse({"updated": True, "server_args": values})

@@ -10,7 +10,7 @@ Weights (http_weights.py): POST /update_weights_from_disk, /update_weights_from_
          /update_weight_version, GET|POST /get_weights_by_name, GET /get_weight_version
 Memory, pause, profiling (http_admin.py): /release_memory_occupation, /resume_memory_occupation,
          /pause_generation, /continue_generation, /start_profile, /stop_profile,
-         /clear_hicache_storage_backend (HiCache's storage tier)
+         /clear_hicache_storage_backend (HiCache's storage tier), /set_internal_state (run-time settings)
 Docs:    GET /docs (Swagger UI), GET /openapi.json
 
 Request bodies are typed models (native_protocol.py, openai_protocol.py) that FastAPI parses and
@@ -248,7 +248,8 @@ def add_native_routes(app: FastAPI, tm: TokenizerManager) -> None:
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
-        """A real one-token generation through the scheduler and the detokenizer."""
+        """A one-token generation marked as a health check: a busy scheduler answers it from its loop
+        after its next batch instead of queueing it (TokenizerManager.health_generate)."""
         problem = tm.health_problem()
         if problem is not None:
             raise RequestError(problem, 503, "ServiceUnavailable")

@@ -17,16 +17,17 @@ refuses with success False, which becomes the same 400.
 from __future__ import annotations
 
 import time
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from radixserve.managers.request_frontend import RequestError
 from radixserve.managers.scheduler_input_blocker import PAUSE_MODES
+from radixserve.managers.scheduler_internal_state import settable_type_problem
 from radixserve.managers.scheduler_memory_saver import parse_memory_tags
 from radixserve.managers.scheduler_profiler import activities_problem
 from radixserve.model_executor.memory_saver import GPU_MEMORY_ALL_TYPES
 from radixserve.protocol import (
     ClearHiCacheReqInput, ContinueGenerationReqInput, PauseGenerationReqInput, ProfileReq, ProfileReqType, ReleaseMemoryOccupationReqInput,
-    ResumeMemoryOccupationReqInput,
+    ResumeMemoryOccupationReqInput, SetInternalStateReq,
 )
 
 
@@ -66,6 +67,13 @@ def make_profile_req(
     # One id for every rank and replica: their traces sit side by side (SGLang's too: the time).
     return ProfileReq(ProfileReqType.START_PROFILE, output_dir, start_step, num_steps, activities, with_stack,
                       record_shapes, profile_by_stage, profile_id=str(time.time()))
+
+
+def make_set_internal_state_req(server_args: Any) -> SetInternalStateReq:
+    problem = settable_type_problem(server_args)
+    if problem is not None:
+        raise RequestError(problem)
+    return SetInternalStateReq(dict(server_args))
 
 
 def check_reply(out: Any) -> Any:
@@ -109,3 +117,10 @@ class TokenizerAdmin:
 
     async def clear_hicache_storage(self) -> str:
         return await self._call(ClearHiCacheReqInput())
+
+    async def set_internal_state(self, server_args: Any) -> Dict[str, Any]:
+        """The settable values after the update (with --dp-size, replica 0's; all got it)."""
+        req = make_set_internal_state_req(server_args)
+        if self.tm.dead_reason is not None:
+            raise RequestError(self.tm.dead_reason, 503, "ServiceUnavailable")
+        return check_reply(await self.tm.communicator(req)).server_args

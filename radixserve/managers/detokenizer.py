@@ -133,6 +133,7 @@ class DetokenizerManager:
                 src = getattr(out, key)
                 getattr(res, key).append(src[i] if i < len(src) else [])
             res.retraction_counts.append(out.retraction_counts[i] if i < len(out.retraction_counts) else 0)
+            res.queue_times.append(out.queue_times[i] if i < len(out.queue_times) else None)
             for key in SPEC_KEYS:
                 src = getattr(out, key, ())
                 getattr(res, key).append(src[i] if i < len(src) else 0)

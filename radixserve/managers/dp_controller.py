@@ -41,6 +41,8 @@ _SUMMED = {
     "max_running_requests", "num_waiting_reqs", "num_running_reqs", "available_tokens", "evictable_tokens",
     "protected_tokens", "forward_ct", "gen_throughput", "num_held_reqs",
     "spec_verify_ct", "spec_num_accept_tokens", "spec_num_correct_drafts", "spec_num_proposed_drafts",
+    "num_grammar_queue_reqs", "num_grammar_total", "num_grammar_cache_hit", "num_grammar_aborted", "num_grammar_timeout",
+    "grammar_compilation_time_sum",
 }
 
 

@@ -5,9 +5,11 @@ thread pool, then joins the waiting queue; an invalid grammar, or one that takes
 
 from __future__ import annotations
 
+import bisect
 import time
 from concurrent import futures
-from typing import Callable, List, Optional
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Dict, List, Optional
 
 from radixserve.constrained.base_grammar_backend import (
     BaseGrammarBackend,
@@ -17,11 +19,30 @@ from radixserve.constrained.base_grammar_backend import (
     is_invalid_grammar,
 )
 from radixserve.distributed.parallel_state import broadcast_pyobj
+from radixserve.managers.metrics import GRAMMAR_COMPILATION_TIME_BUCKETS
 from radixserve.managers.schedule_batch import FINISH_ABORT, Req
 from radixserve.server_args import ServerArgs
 
 # How long an otherwise idle scheduler blocks on a compiling grammar per iteration.
 IDLE_GRAMMAR_WAIT_S = 0.005
+
+
+@dataclass
+class GrammarStats:
+    """SGLang's grammar metrics (sglang:num_grammar_*_total, grammar_compilation_time_seconds)."""
+
+    num_grammar_total: int = 0  # requests with a grammar
+    num_grammar_cache_hit: int = 0
+    num_grammar_aborted: int = 0  # invalid grammars
+    num_grammar_timeout: int = 0
+    # compile times (queued -> compiled) per GRAMMAR_COMPILATION_TIME_BUCKETS bucket, the last: above all
+    grammar_compilation_time_counts: List[int] = field(
+        default_factory=lambda: [0] * (len(GRAMMAR_COMPILATION_TIME_BUCKETS) + 1))
+    grammar_compilation_time_sum: float = 0.0
+
+    def observe_compilation(self, seconds: float) -> None:
+        self.grammar_compilation_time_counts[bisect.bisect_left(GRAMMAR_COMPILATION_TIME_BUCKETS, seconds)] += 1
+        self.grammar_compilation_time_sum += seconds
 
 
 class GrammarQueue:
@@ -38,6 +59,10 @@ class GrammarQueue:
         self.reject = reject
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.queue: List[Req] = []
+        self.stats = GrammarStats()
+
+    def internal_state(self) -> Dict[str, Any]:
+        return {**asdict(self.stats), "grammar_compilation_time_counts": list(self.stats.grammar_compilation_time_counts)}
 
     def __len__(self) -> int:
         return len(self.queue)
@@ -55,12 +80,15 @@ class GrammarQueue:
             self.reject(req, grammar_unavailable_message(self.server_args))
             return False
         value, cache_hit = self.backend.get_cached_or_future_value(key)
+        self.stats.num_grammar_total += 1
+        self.stats.num_grammar_cache_hit += cache_hit
         if not cache_hit:  # compiling: wait here
             req.grammar, req.grammar_key = value, key
             req.grammar_queued_at = time.monotonic()
             self.queue.append(req)
             return False
         if is_invalid_grammar(value):  # a cached invalid grammar fails fast
+            self.stats.num_grammar_aborted += 1
             self.reject(req, value.message)
             return False
         req.grammar = value
@@ -92,10 +120,13 @@ class GrammarQueue:
                 message = f"Grammar compilation timed out after {timeout:g} s (--grammar-timeout)."
                 # Cache it as invalid: the same grammar fails fast instead of timing out again.
                 self.backend.set_cache(req.grammar_key, InvalidGrammarObject(message))
+                self.stats.num_grammar_timeout += 1
                 self.reject(req, message)
             else:
                 value = req.grammar.result()
+                self.stats.observe_compilation(now - req.grammar_queued_at)
                 if is_invalid_grammar(value):
+                    self.stats.num_grammar_aborted += 1
                     self.reject(req, value.message)
                 else:
                     req.grammar = value

@@ -15,7 +15,7 @@ from radixserve.mem_cache.base_prefix_cache import BasePrefixCache
 from radixserve.mem_cache.hiradix_cache import HiRadixCache
 from radixserve.mem_cache.memory_pool import TokenToKVPoolAllocator
 from radixserve.model_executor.tp_worker import GenerationBatchResult
-from radixserve.protocol import LOGPROB_KEYS, SPEC_KEYS, BatchTokenIDOutput
+from radixserve.protocol import LOGPROB_KEYS, SPEC_KEYS, BatchTokenIDOutput, HealthCheckOutput
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +38,9 @@ class SchedulerOutputProcessor:
         self.send_fn = send_fn
         self.stream_interval = stream_interval
         self.stats = stats if stats is not None else SchedulerStats()  # the spec_* totals
+        # /health_generate probes a busy scheduler did not queue: answered after the next
+        # batch's results (seed 000's return_health_check_ct, with the rids to answer).
+        self.pending_health_checks: List[str] = []
         # PD prefill server: takes over a request whose prefill is done (PrefillDisaggregation).
         self.on_disagg_prefilled: Optional[Callable[[Req, int, GenerationBatchResult, int], None]] = None
 
@@ -214,8 +217,9 @@ class SchedulerOutputProcessor:
         n = len(req.output_ids)
         if req.finished():
             return True
-        if req.stream:
-            return n > 0 and (n - req.send_token_offset >= self.stream_interval or n == 1)
+        if req.stream:  # the request's own stream_interval, else the server's (seed 001 §21.1)
+            interval = req.sampling_params.stream_interval or self.stream_interval
+            return n > 0 and (n - req.send_token_offset >= interval or n == 1)
         return n > 0 and n % DEFAULT_FORCE_STREAM_INTERVAL == 0
 
     def stream_output(self, reqs: List[Req]) -> None:
@@ -238,6 +242,7 @@ class SchedulerOutputProcessor:
             out.spaces_between_special_tokens.append(sp.spaces_between_special_tokens)
             out.no_stop_trim.append(sp.no_stop_trim)
             out.retraction_counts.append(req.retraction_count)
+            out.queue_times.append(req.queue_time)
             for key in SPEC_KEYS:
                 getattr(out, key).append(getattr(req, key))
             if req.return_logprob:
@@ -255,6 +260,14 @@ class SchedulerOutputProcessor:
             req.send_token_offset = n
         if out.rids:
             self.send_fn(out)
+        self.answer_health_checks()
+
+    def answer_health_checks(self) -> None:
+        """Results were just processed: the loop and the forward pass move, so the probes waiting
+        for that proof get their HealthCheckOutput."""
+        for rid in self.pending_health_checks:
+            self.send_fn(HealthCheckOutput(rid))
+        self.pending_health_checks.clear()
 
     def finish(self, req: Req, reason: Any) -> None:
         """End a request that holds no KV (refused, aborted while queued) and report it."""

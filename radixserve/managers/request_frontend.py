@@ -67,6 +67,7 @@ class ReqState:
     cached_tokens_details: Optional[Dict[str, int]] = None  # HiCache: cached_tokens by tier
     completion_tokens: int = 0
     retraction_count: int = 0
+    queue_time: Optional[float] = None  # s from the scheduler's waiting queue to the first forward
     spec_verify_ct: int = 0  # speculative decoding (SPEC_KEYS)
     spec_num_correct_drafts: int = 0
     spec_num_proposed_drafts: int = 0
@@ -277,7 +278,7 @@ class RequestFrontend:
                     return_logprob=bool(ret_lp), logprob_start_len=obj.logprob_start_len,
                     top_logprobs_num=obj.top_logprobs_num, stream=bool(obj.stream), priority=obj.priority,
                     bootstrap_host=bootstrap[0], bootstrap_port=bootstrap[1], bootstrap_room=bootstrap[2],
-                    lora_path=lora_path,
+                    lora_path=lora_path, is_health_check=obj.is_health_check,
                 ))
                 if n > 1:
                     parents[sub_rid] = base
@@ -330,6 +331,8 @@ class RequestFrontend:
                 state.cached_tokens_details = out.cached_tokens_details[i]
             if i < len(out.retraction_counts):
                 state.retraction_count = out.retraction_counts[i]
+            if i < len(out.queue_times) and out.queue_times[i] is not None:
+                state.queue_time = out.queue_times[i]
             for key in SPEC_KEYS:
                 if i < len(getattr(out, key, ())):
                     setattr(state, key, getattr(out, key)[i])
@@ -371,6 +374,8 @@ class RequestFrontend:
         }
         if state.retraction_count:
             meta["retraction_count"] = state.retraction_count
+        if state.queue_time is not None:
+            meta["queue_time"] = state.queue_time
         if state.spec_verify_ct:  # speculative decoding, SGLang's fields
             meta.update(spec_meta_info(state))
         if state.return_logprob:

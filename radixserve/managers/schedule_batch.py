@@ -158,6 +158,9 @@ class Req:
         # so the result of the batch in flight is still processed normally.
         self.to_finish: Optional[BaseFinishReason] = None
         self.retraction_count = 0
+        # SGLang's TimeStats (perf_counter): entering the waiting queue, the first forward
+        self.wait_queue_entry_time: Optional[float] = None
+        self.forward_entry_time: Optional[float] = None
         self.cached_tokens = 0  # prompt tokens served from the prefix cache (first prefill)
         # HiCache: the host-only continuation of the last match (loaded back at admission), the
         # tokens loaded back this round (of them, from the storage tier), and cached_tokens by tier.
@@ -339,6 +342,13 @@ class Req:
                     self.finished_reason = FINISHED_MATCHED_REGEX(matched=pattern)
                     return
 
+    @property
+    def queue_time(self) -> Optional[float]:
+        """Seconds from the waiting queue to the first forward (None until both happened)."""
+        if self.wait_queue_entry_time is None or self.forward_entry_time is None:
+            return None
+        return max(self.forward_entry_time - self.wait_queue_entry_time, 0.0)
+
     def __repr__(self) -> str:
         return f"Req(rid={self.rid}, input_len={len(self.origin_input_ids)}, output_len={len(self.output_ids)})"
 
@@ -477,6 +487,10 @@ class ScheduleBatch:
         """Rows for new requests, slots for the tokens to compute, and req_to_token filled in."""
         self.forward_mode = ForwardMode.EXTEND
         reqs = self.reqs
+        now = time.perf_counter()
+        for r in reqs:
+            if r.forward_entry_time is None:  # the first chunk ends its queue time (not a retraction's rerun)
+                r.forward_entry_time = now
         new_rows = [r for r in reqs if r.req_pool_idx is None]
         if new_rows:
             rows = self.req_to_token_pool.alloc(len(new_rows))

@@ -27,6 +27,7 @@ from radixserve.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch
 from radixserve.managers.scheduler_disagg import init_disaggregation
 from radixserve.managers.scheduler_embedding import EmbeddingOutputProcessor, SchedulerEmbedding
 from radixserve.managers.scheduler_hicache import SchedulerHiCache
+from radixserve.managers.scheduler_internal_state import SchedulerInternalState
 from radixserve.managers.scheduler_lora import SchedulerLoRA
 from radixserve.managers.scheduler_memory_saver import SchedulerMemorySaver
 from radixserve.managers.scheduler_pause import GenerationPause
@@ -43,7 +44,7 @@ from radixserve.model_executor.tp_worker import GenerationBatchResult, TpModelWo
 from radixserve.models.model_config import ModelConfig
 from radixserve.protocol import (
     AbortReq, BatchTokenizedGenerateReqInput, FlushCacheReqInput, FlushCacheReqOutput, GetInternalStateReq,
-    GetInternalStateReqOutput, TokenizedGenerateReqInput,
+    GetInternalStateReqOutput, TokenizedGenerateReqInput, is_health_check_generate_req,
 )
 from radixserve.sampling_params import input_ids_error
 from radixserve.server_args import ServerArgs
@@ -130,6 +131,7 @@ class Scheduler:
             *self.weight_updater.dispatch_entries(),
             *self.generation_pause.dispatch_entries(), *self.memory_saver.dispatch_entries(), *self.profiler.dispatch_entries(),
             *self.embedding.dispatch_entries(), *SchedulerLoRA(self).dispatch_entries(), *SchedulerHiCache(self).dispatch_entries(),
+            *SchedulerInternalState(self).dispatch_entries(),  # /set_internal_state
         ])
         logger.info("Scheduler ready (pid %d): max_total_num_tokens=%d, max_running_requests=%d, context_len=%d, page_size=%d",
                     os.getpid(), self.max_total_num_tokens, self.max_running_requests, self.context_len, self.page_size)
@@ -233,6 +235,12 @@ class Scheduler:
             not self.running_batch.is_empty() or self.chunked_req is not None or last_prefill_to_merge
         )
 
+    def batch_coming(self) -> bool:
+        """A batch runs or will run now, so its results come soon (a health check waits for them;
+        a grammar still compiling alone does not count: it may take long)."""
+        return bool(self.waiting_queue or self._results_pending()) or (
+            not self.running_batch.is_empty() or self.chunked_req is not None)
+
     def waiting_on_peer(self) -> bool:
         """PD: requests wait for the other server (handshake, KV transfer), not for a forward.
         The loop then polls often (the news comes on the KVManager's thread) and the watchdog
@@ -266,6 +274,11 @@ class Scheduler:
 
     def process_input_requests(self, recv_reqs: List[Any]) -> None:
         for recv_req in self.generation_pause.input_blocker.handle(recv_reqs):  # held while paused
+            if is_health_check_generate_req(recv_req) and self.batch_coming():
+                # seed 000: a busy scheduler does not queue the probe behind its work; the
+                # output processor answers it once the next batch's results are in
+                self.output_processor.pending_health_checks.append(recv_req.rid)
+                continue
             out = self._dispatcher(recv_req)
             if out is not None:
                 self.send_fn(out)
@@ -301,6 +314,8 @@ class Scheduler:
 
     def _enqueue(self, req: Req) -> None:
         """A request ready to schedule: PD requests first wait for the other server."""
+        if req.wait_queue_entry_time is None:  # meta_info queue_time starts here (after its grammar)
+            req.wait_queue_entry_time = time.perf_counter()
         if req.bootstrap_room is not None and self.disagg_prefill is not None:
             self.disagg_prefill.add(req)
         elif req.bootstrap_room is not None and self.disagg_decode is not None:
@@ -554,6 +569,7 @@ class Scheduler:
             self.get_stats().to_dict(),
             max_total_num_tokens=self.max_total_num_tokens,
             max_running_requests=self.max_running_requests,
+            chunked_prefill_size=self.chunked_prefill_size,
             context_len=self.context_len,
             new_token_ratio=self.new_token_ratio.value,
             num_waiting_reqs=len(self.waiting_queue),
@@ -565,6 +581,7 @@ class Scheduler:
             evictable_tokens=self.tree_cache.evictable_size(),
             protected_tokens=self.tree_cache.protected_size(),
             **self.generation_pause.internal_state(), **self.memory_saver.internal_state(),
+            **self.grammar_queue.internal_state(),  # SGLang's grammar metrics
         )
 
     # ---- invariants ---------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""Speculative decoding's Prometheus metrics (SGLang's names, radixserve: prefix), read from the
-scheduler's state at each scrape (TokenizerMetrics.set_scheduler_state):
+"""Speculative decoding's Prometheus metrics (SGLang's names; served twice, as `sglang:` with a
+model_name label and as the older unlabelled `radixserve:`), read from the scheduler's state at
+each scrape (TokenizerMetrics.set_scheduler_state):
 
     spec_verify_calls_total            verify steps, summed over requests (SGLang's counter;
                                        generation tokens / this = the mean accept length)
@@ -18,7 +19,7 @@ all that is needed here: no counting twice in two processes.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, List
+from typing import Any, Dict, Iterator, List, Optional
 
 PREFIX = "radixserve:"
 
@@ -27,9 +28,15 @@ class SpecMetricsCollector:
     """A prometheus_client collector of the last scheduler state's spec_* numbers; the
     histogram's buckets are 1 .. num_draft_tokens committed tokens."""
 
-    def __init__(self, num_draft_tokens: int):
+    def __init__(self, num_draft_tokens: int, prefix: str = PREFIX, labels: Optional[Dict[str, str]] = None):
         self.bounds = list(range(1, num_draft_tokens + 1))
         self.state: Dict[str, Any] = {}
+        self.prefix, self.labels = prefix, dict(labels or {})
+
+    def _family(self, family: Any, name: str, doc: str, value: float) -> Any:
+        metric = family(self.prefix + name, doc, labels=list(self.labels))
+        metric.add_metric(list(self.labels.values()), value)
+        return metric
 
     def update(self, state: Dict[str, Any]) -> None:
         self.state = state
@@ -42,21 +49,21 @@ class SpecMetricsCollector:
 
         st = self.state
         verify = st.get("spec_verify_ct", 0)
-        yield CounterMetricFamily(PREFIX + "spec_verify_calls", "Verify steps of speculative decoding, summed over requests.",
-                                  value=verify)
-        yield CounterMetricFamily(PREFIX + "spec_num_correct_drafts", "Draft tokens the target accepted.",
-                                  value=st.get("spec_num_correct_drafts", 0))
-        yield CounterMetricFamily(PREFIX + "spec_num_proposed_drafts", "Draft tokens verified.",
-                                  value=st.get("spec_num_proposed_drafts", 0))
+        yield self._family(CounterMetricFamily, "spec_verify_calls", "Verify steps of speculative decoding, summed over requests.",
+                           verify)
+        yield self._family(CounterMetricFamily, "spec_num_correct_drafts", "Draft tokens the target accepted.",
+                           st.get("spec_num_correct_drafts", 0))
+        yield self._family(CounterMetricFamily, "spec_num_proposed_drafts", "Draft tokens verified.",
+                           st.get("spec_num_proposed_drafts", 0))
         length = st.get("spec_accept_length") or st.get("avg_spec_accept_length", 0.0)
-        yield GaugeMetricFamily(PREFIX + "spec_accept_length", "The average acceptance length of speculative decoding "
-                                "(tokens per request per verify step).", value=length)
+        yield self._family(GaugeMetricFamily, "spec_accept_length", "The average acceptance length of speculative decoding "
+                           "(tokens per request per verify step).", length)
         rate = st.get("spec_accept_rate")
         if rate is None or not st.get("spec_accept_length"):
             proposed = st.get("spec_num_proposed_drafts", 0)
             rate = st.get("spec_num_correct_drafts", 0) / proposed if proposed else 0.0
-        yield GaugeMetricFamily(PREFIX + "spec_accept_rate", "The average acceptance rate of speculative decoding "
-                                "(accepted / proposed draft tokens).", value=rate)
+        yield self._family(GaugeMetricFamily, "spec_accept_rate", "The average acceptance rate of speculative decoding "
+                           "(accepted / proposed draft tokens).", rate)
         yield self._histogram(HistogramMetricFamily, st.get("spec_accept_length_counts") or [], st.get("spec_num_accept_tokens", 0))
 
     def _histogram(self, family: Any, counts: List[int], total: float) -> Any:
@@ -66,5 +73,7 @@ class SpecMetricsCollector:
             seen += counts[b - 1] if b - 1 < len(counts) else 0
             buckets.append((f"{float(b)}", seen))
         buckets.append(("+Inf", sum(counts)))
-        return family(PREFIX + "spec_accept_length_histogram", "Tokens each request committed per verify step.",
-                      buckets=buckets, sum_value=total)
+        metric = family(self.prefix + "spec_accept_length_histogram", "Tokens each request committed per verify step.",
+                        labels=list(self.labels))
+        metric.add_metric(list(self.labels.values()), buckets, total)
+        return metric

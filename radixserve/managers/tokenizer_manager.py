@@ -5,7 +5,7 @@ SamplingParams -> 400, fan `n > 1` and batches out into one TokenizedGenerateReq
 sample, build outputs). This class sends those to the scheduler over ZeroMQ and waits on a
 per-request asyncio.Event that `handle_loop` sets when the detokenizer's BatchStrOutput brings
 new text. A request whose client went away is aborted (AbortReq: the scheduler frees its KV).
-It also keeps the Prometheus metrics.
+It also keeps the Prometheus metrics (managers/metrics.py).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from radixserve.hf_transformers_utils import get_tokenizer, load_sampling_defaul
 from radixserve.managers.admin_requests import TokenizerAdmin
 from radixserve.managers.detokenizer import DETOKENIZE_ERROR
 from radixserve.managers.embedding_frontend import EmbeddingFrontend, EmbeddingReqState, check_request_kind
+from radixserve.managers.metrics import TokenizerMetrics
 from radixserve.managers.request_frontend import ReqState, RequestError, RequestFrontend, is_single
 from radixserve.managers.session import SessionError
-from radixserve.managers.spec_metrics import SpecMetricsCollector
 from radixserve.managers.tokenizer_update_weights import TokenizerUpdateWeights
 from radixserve.protocol import (
     AbortReq,
@@ -37,6 +37,7 @@ from radixserve.protocol import (
     FlushCacheReqOutput,
     GenerateReqInput,
     GetInternalStateReq,
+    HealthCheckOutput,
     OpenSessionReqInput,
     SchedulerHeartbeat,
 )
@@ -45,11 +46,10 @@ from radixserve.server_args import PortArgs, ServerArgs
 
 logger = logging.getLogger("radixserve.tokenizer_manager")
 
-__all__ = ["ClientDisconnected", "RequestError", "TokenizerManager"]
+__all__ = ["ClientDisconnected", "RequestError", "TokenizerManager", "TokenizerMetrics"]
 
 DISCONNECT_CHECK_INTERVAL = 0.5  # s between "is the client still there?" checks while waiting
 RPC_TIMEOUT = 60.0  # s to wait for the scheduler's reply to flush / state requests
-HEALTH_CHECK_TIMEOUT = 20.0  # s a /health_generate request may take
 RESEND_INTERVAL = 0.05  # s between tries to send control messages the full socket refused
 
 
@@ -82,80 +82,6 @@ class _Communicator:
             fut.set_result(out)
 
 
-class TokenizerMetrics:
-    """Prometheus metrics in a registry of their own (SGLang's names, radixserve: prefix)."""
-
-    def __init__(self, spec_num_draft_tokens: Optional[int] = None) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
-        self.registry = r = CollectorRegistry()
-        # --speculative-algorithm: the spec_* metrics, from the scheduler's totals
-        self.spec = SpecMetricsCollector(spec_num_draft_tokens) if spec_num_draft_tokens else None
-        if self.spec is not None:
-            r.register(self.spec)
-        p = "radixserve:"
-        self.num_running_reqs = Gauge(p + "num_running_reqs", "Requests in the running batch.", registry=r)
-        self.num_queue_reqs = Gauge(p + "num_queue_reqs", "Requests in the waiting queue.", registry=r)
-        self.token_usage = Gauge(p + "token_usage", "Fraction of the KV pool held by requests.", registry=r)
-        self.cache_hit_rate = Gauge(p + "cache_hit_rate", "Prompt tokens served from the prefix cache / all prompt tokens.", registry=r)
-        self.gen_throughput = Gauge(p + "gen_throughput", "Decode throughput (tokens/s) at the last decode log.", registry=r)
-        self.prompt_tokens_total = Counter(p + "prompt_tokens", "Prompt tokens of finished requests.", registry=r)
-        self.generation_tokens_total = Counter(p + "generation_tokens", "Generated tokens of finished requests.", registry=r)
-        self.cached_tokens_total = Counter(p + "cached_tokens", "Prompt tokens served from the prefix cache.", registry=r)
-        self.cached_tokens_by_tier_total = Counter(  # HiCache: where the cached tokens came from
-            p + "cached_tokens_by_tier", "Prompt tokens served from the prefix cache, by tier (device, host, storage).",
-            ["tier"], registry=r)
-        self.num_requests_total = Counter(p + "num_requests", "Finished requests.", registry=r)
-        self.num_aborted_requests_total = Counter(p + "num_aborted_requests", "Requests that ended aborted.", registry=r)
-        self.time_to_first_token = Histogram(
-            p + "time_to_first_token_seconds", "Time to first token.", registry=r,
-            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80, 160),
-        )
-        self.inter_token_latency = Histogram(
-            p + "inter_token_latency_seconds", "Time between output tokens.", registry=r,
-            buckets=(0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5),
-        )
-        self.e2e_request_latency = Histogram(
-            p + "e2e_request_latency_seconds", "Request latency, arrival to last token.", registry=r,
-            buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40, 80, 160, 320),
-        )
-        self.num_disconnect_aborts = 0
-
-    def on_update(self, state: ReqState, num_new_tokens: int, now: float) -> None:
-        """Latency histograms and finished-request counters from one request's news."""
-        if num_new_tokens:
-            if state.first_token_time is None:
-                state.first_token_time = now
-                self.time_to_first_token.observe(now - state.created)
-            elif state.last_time is not None:
-                self.inter_token_latency.observe((now - state.last_time) / num_new_tokens)
-            state.last_time = now
-        if state.finished:
-            self.num_requests_total.inc()
-            self.prompt_tokens_total.inc(len(state.input_ids))
-            self.generation_tokens_total.inc(state.completion_tokens)
-            self.cached_tokens_total.inc(state.cached_tokens)
-            for tier, n in (state.cached_tokens_details or {}).items():
-                self.cached_tokens_by_tier_total.labels(tier=tier).inc(n)
-            self.e2e_request_latency.observe(now - state.created)
-            if (state.finished_reason or {}).get("type") == "abort":
-                self.num_aborted_requests_total.inc()
-
-    def set_scheduler_state(self, st: Dict[str, Any]) -> None:
-        self.num_running_reqs.set(st.get("num_running_reqs", 0))
-        self.num_queue_reqs.set(st.get("num_waiting_reqs", 0))
-        self.token_usage.set(st.get("token_usage", 0.0))
-        self.cache_hit_rate.set(st.get("cache_hit_rate", 0.0))
-        self.gen_throughput.set(st.get("gen_throughput", 0.0))
-        if self.spec is not None:
-            self.spec.update(st)
-
-    def render(self) -> bytes:
-        from prometheus_client import generate_latest
-
-        return generate_latest(self.registry)
-
-
 class TokenizerManager:
     """The main process's side of the served runtime: the RequestFrontend (tokenize, validate,
     outputs) plus asyncio and ZeroMQ: it sends requests to the scheduler and wakes each
@@ -177,7 +103,8 @@ class TokenizerManager:
         self.rid_to_state: Dict[str, ReqState] = self.frontend.rid_to_state
         self.sessions = self.frontend.sessions
         self.sessions.ttl = server_args.session_timeout
-        self.metrics = TokenizerMetrics(server_args.speculative_num_draft_tokens if server_args.speculative_algorithm else None)
+        self.metrics = TokenizerMetrics(server_args.speculative_num_draft_tokens if server_args.speculative_algorithm else None,
+                                       model_name=self.served_model_name)
         self.admin = TokenizerAdmin(self)  # memory release, pause, profiling (admin_requests.py)
         self.dead_reason: Optional[str] = None  # set when a child process died
         self.draining = False  # SIGTERM: finish what runs, refuse what comes (503)
@@ -188,6 +115,8 @@ class TokenizerManager:
         # Tokenizing (and decoding logprob texts) off the event loop, one at a time: a huge
         # prompt does not stall /health, and the tokenizer is never used by two threads.
         self._tokenize_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radixserve-tokenize")
+        # /health_generate probes in flight: rid -> a future set when the scheduler proves alive
+        self._health_waiters: Dict[str, asyncio.Future] = {}
         now = time.monotonic()
         self.last_heartbeat: Dict[int, float] = {r: now for r in range(server_args.dp_size)}
 
@@ -262,6 +191,8 @@ class TokenizerManager:
                     self._handle_batch_output(obj)
                 elif isinstance(obj, BatchEmbeddingOutput):
                     self._handle_batch_embedding_output(obj)
+                elif isinstance(obj, HealthCheckOutput):
+                    self._health_check_passed(obj.rid)
                 elif hasattr(obj, "query_id"):  # a reply to a control query (flush, state, pause, ...)
                     self.communicator.handle(obj)
                 elif isinstance(obj, SchedulerHeartbeat):
@@ -285,6 +216,7 @@ class TokenizerManager:
 
     def _handle_batch_output(self, out: BatchStrOutput) -> None:
         now = time.monotonic()
+        self._health_check_passed()  # any output since a probe began proves the runtime moves (SGLang)
         for state, num_new in self.frontend.handle_batch_output(out):
             self.metrics.on_update(state, num_new, now)
             if (state.finished_reason or {}).get("err_type") == DETOKENIZE_ERROR:
@@ -564,23 +496,41 @@ class TokenizerManager:
         except SessionError as e:
             raise RequestError(str(e)) from None
 
+    def _health_check_passed(self, rid: Optional[str] = None) -> None:
+        """The probe `rid` (None: every probe in flight) has its proof of life."""
+        for key in ([rid] if rid is not None else list(self._health_waiters)):
+            fut = self._health_waiters.get(key)
+            if fut is not None and not fut.done():
+                fut.set_result(True)
+
     async def health_generate(self) -> bool:
-        """A real one-token generation (SGLang's /health_generate)."""
+        """SGLang's /health_generate: a one-token generation, marked as a health check. An idle
+        scheduler runs it; a busy one does not queue it behind its work but answers after its
+        next batch's results (HealthCheckOutput). Any output that arrives meanwhile proves the
+        same. Nothing within --health-check-timeout: False (a dead or hung runtime)."""
         rid = f"HEALTH_CHECK_{uuid.uuid4().hex}"
-        obj: Any = GenerateReqInput(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0}, rid=rid)
         if self.server_args.is_embedding:  # an embedding server embeds instead (SGLang's too)
-            obj = EmbeddingReqInput(input_ids=[0], rid=rid)
-
-        async def run() -> bool:
-            gen = self.generate_request(obj)
-            try:
-                async for out in gen:
-                    return bool(out["meta_info"]["finish_reason"])
-                return False
-            finally:
-                await gen.aclose()
-
+            obj: Any = EmbeddingReqInput(input_ids=[0], rid=rid)
+        else:
+            obj = GenerateReqInput(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0}, rid=rid,
+                                   is_health_check=True)
+        alive = self._health_waiters[rid] = self._loop.create_future()
+        generation = asyncio.ensure_future(self._health_generation(obj))
         try:
-            return await asyncio.wait_for(run(), HEALTH_CHECK_TIMEOUT)
-        except (asyncio.TimeoutError, RequestError):
+            done, _ = await asyncio.wait({generation, alive}, timeout=self.server_args.health_check_timeout,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            return alive in done or (generation in done and generation.result())
+        finally:
+            self._health_waiters.pop(rid, None)
+            generation.cancel()  # its generator aborts the request if the scheduler runs it
+
+    async def _health_generation(self, obj: Any) -> bool:
+        gen = self.generate_request(obj)
+        try:
+            async for out in gen:
+                return bool(out["meta_info"]["finish_reason"])
             return False
+        except RequestError:
+            return False
+        finally:
+            await gen.aclose()

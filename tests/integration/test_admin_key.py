@@ -13,7 +13,8 @@ import pytest
 from conftest import ServerProcess
 
 ADMIN_ROUTES = [("POST", "/flush_cache", None), ("POST", "/pause_generation", {"mode": "abort"}),
-                ("POST", "/continue_generation", {}), ("POST", "/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": 2})]
+                ("POST", "/continue_generation", {}), ("POST", "/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": 2}),
+                ("POST", "/set_internal_state", {"server_args": {"max_running_requests": 8}})]
 GENERATE = {"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
 
 
@@ -36,6 +37,29 @@ def test_operations_routes_take_the_admin_key_only(two_keys, method, path, body)
             assert r.status_code == 401 and "admin key" in r.json()["error"]["message"], (headers, r.text)
         r = c.request(method, path, json=body, headers=_bearer("admin-B"))
         assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"server_args": {"max_running_requests": 0}}, "server_args.max_running_requests"),
+    ({"server_args": {"chunked_prefill_size": "big"}}, "server_args.chunked_prefill_size"),
+    ({"server_args": {"context_length": 10}}, "server_args.context_length"),
+    ({}, "server_args"),
+])
+def test_set_internal_state_bad_value_is_400_naming_the_field(two_keys, body, field):
+    with httpx.Client(base_url=two_keys.url, timeout=60, headers=_bearer("admin-B")) as c:
+        r = c.post("/set_internal_state", json=body)
+        assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
+
+
+def test_set_internal_state_applies_and_reports(two_keys):
+    with httpx.Client(base_url=two_keys.url, timeout=60) as c:
+        r = c.put("/set_internal_state", json={"server_args": {"max_running_requests": 5, "chunked_prefill_size": 1024}},
+                  headers=_bearer("admin-B"))
+        assert r.status_code == 200, r.text
+        assert r.json() == {"updated": True, "server_args": {"max_running_requests": 5, "chunked_prefill_size": 1024}}
+        state = c.get("/get_server_info", headers=_bearer("gen-A")).json()["internal_states"][0]
+        assert state["max_running_requests"] == 5 and state["chunked_prefill_size"] == 1024
+        assert c.post("/generate", json=GENERATE, headers=_bearer("gen-A")).status_code == 200
 
 
 def test_generation_takes_the_generation_key_only(two_keys):

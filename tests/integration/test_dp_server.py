@@ -37,6 +37,11 @@ def test_dp2_serves_64_concurrent_requests_like_dp1(http, method):
         assert len(states) == 2 and all(s["prompt_tokens"] > 0 for s in states), info
         with srv.client() as c:
             assert c.post("/flush_cache").status_code == 200
+            # issue 43: a run-time setting reaches every replica; the health probe crosses the controller
+            r = c.post("/set_internal_state", json={"server_args": {"max_running_requests": 6}})
+            assert r.status_code == 200, r.text
+            assert [s["max_running_requests"] for s in c.get("/get_server_info").json()["internal_states"]] == [6, 6]
+            assert c.get("/health_generate").status_code == 200
     finally:
         assert srv.stop(signal.SIGTERM) == 0
     assert_children_gone(srv.children)

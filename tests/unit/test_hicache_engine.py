@@ -15,6 +15,7 @@ import pytest
 
 from radixserve.engine import Engine
 from radixserve.managers.tokenizer_manager import TokenizerMetrics
+from radixserve.sampling_params import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from greedy_testing import assert_same_greedy  # noqa: E402
@@ -103,7 +104,8 @@ def test_metrics_count_cached_tokens_by_tier():
     metrics = TokenizerMetrics()
     state = SimpleNamespace(first_token_time=None, last_time=None, created=0.0, finished=True, input_ids=[1] * 50,
                             completion_tokens=3, cached_tokens=40, finished_reason={"type": "length"},
-                            cached_tokens_details={"device": 10, "host": 30, "storage": 0})
+                            cached_tokens_details={"device": 10, "host": 30, "storage": 0},
+                            retraction_count=0, queue_time=None, sampling_params=SamplingParams())
     metrics.on_update(state, 3, now=1.0)
     value = metrics.registry.get_sample_value
     assert value("radixserve:cached_tokens_by_tier_total", {"tier": "host"}) == 30
