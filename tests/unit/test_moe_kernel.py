@@ -1,7 +1,7 @@
 """The C++ MoE kernel (cpu_kernels.fused_moe_bf16, issue 41) against FusedMoE's torch loop over the
 experts on the same packed bf16 weights (the loop calls the bf16 GEMM per expert): 64 experts,
-top-8, decode (1 token), a decode batch (16) and a prefill (300 tokens, several 64-row chunks per
-expert), renormalized routing weights and not, with experts that get no token."""
+top-8, decode (1 token), a decode batch (16) and a prefill (300 tokens, the popular experts'
+tokens spanning several 64-row chunks), renormalized routing weights and not, with experts that get no token."""
 
 from __future__ import annotations
 
@@ -37,7 +37,11 @@ def _route(m: int, renormalize: bool, seed: int) -> tuple:
     g = torch.Generator().manual_seed(seed)
     router = TopKRouter(HIDDEN, E, TOP_K, renormalize)
     router.weight.data = torch.randn(E, HIDDEN, generator=g) * HIDDEN**-0.5
-    x = torch.randn(m, HIDDEN, generator=g)
+    # a few popular experts, as real routers have: in a prefill they get more tokens than one of
+    # the kernel's 64-row chunks holds
+    popular = torch.randn(HIDDEN, generator=g)
+    router.weight.data[:3] += popular * HIDDEN**-0.5
+    x = torch.randn(m, HIDDEN, generator=g) + 0.5 * popular
     weights, ids = router.route(x)
     return x, weights, ids
 
@@ -56,6 +60,8 @@ def test_kernel_matches_the_torch_loop(ops, moe, m, renormalize):
     assert all(len(set(row)) == TOP_K for row in ids.tolist())  # top-k never repeats an expert
     if m <= 16:
         assert (counts == 0).any()  # experts with no token: the kernel must skip them
+    else:
+        assert counts.max() > 2 * 64  # an expert's tokens span several of the kernel's row chunks
     y = ops.fused_moe_bf16(x, moe.w13_packed, moe.w2_packed, weights, ids, INTER)
     ref = moe.forward_loop(x, weights, ids)
     assert y.dtype == torch.float32 and y.shape == x.shape
