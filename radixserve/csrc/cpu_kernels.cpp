@@ -1138,9 +1138,10 @@ void refine_top_logits(at::Tensor logits, const at::Tensor& hidden_in, const at:
 // (its fused w13), SiLU * up and down once over all of its tokens, on the gemm_tile of bf16_linear
 // (float32 activations rounded to bf16 only as the dot products' operand, fp32 sums): the dense
 // path's numerics. The torch loop in layers/moe.py calls bf16_linear per expert instead, five
-// dispatches and a gather/scatter per expert; here each of the two GEMMs is one parallel region
-// over every (expert, row chunk, output tile), so a decode step's 8 experts share all threads.
-// The routing-weighted sum over k is taken last, per token, in float32 (no atomics, no races).
+// dispatches and a gather/scatter per expert; here gate/up is one parallel region over every
+// (expert, row chunk, output tile), so a decode step's 8 experts share all threads, and down is one
+// over output tiles, each adding every expert's routing-weighted rows into its own columns of the
+// output in float32 (no atomics, no [pairs, hidden] buffer).
 struct MoeChunk {
   int64_t expert, row0, rows;  // rows [row0, row0 + rows) of the expert-sorted pairs
 };
@@ -1159,6 +1160,33 @@ void moe_grouped_gemm(const uint16_t* x, int64_t K, const uint16_t* w, int64_t n
       for (int64_t m0 = 0; m0 < c.rows; m0 += kMr) {
         const int64_t r = c.row0 + m0, mr = std::min(kMr, c.rows - m0);
         kTiles[mr](x + r * K, K, w_tile, k2, blocks, nullptr, y + r * N, true, N, n0, N);
+      }
+    }
+  });
+}
+
+// out[token of each row] += its routing weight * (act row @ W2_expert^T), for every chunk. A work
+// item owns a tile of output columns across all chunks, so no two threads add to the same
+// element, and each element sums its experts in ascending order (the torch loop's order) with no
+// [pairs, hidden] buffer of the experts' outputs.
+void moe_down_accumulate(const uint16_t* act, int64_t K, const uint16_t* w, int64_t nb, int64_t k2,
+                         const std::vector<MoeChunk>& chunks, const int64_t* pair_token, const float* pair_weight,
+                         float* out, int64_t N) {
+  const int64_t tiles = ceil_div(nb, kTileBlocks), expert_stride = nb * k2 * kBlockN * 2;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> y(kMr * N);  // a register tile's rows; only this item's columns are used
+    for (int64_t tile = begin; tile < end; ++tile) {
+      const int64_t b0 = tile * kTileBlocks, blocks = std::min(kTileBlocks, nb - b0), n0 = b0 * kBlockN;
+      const int64_t n1 = std::min(N, n0 + blocks * kBlockN);
+      if (n0 >= N) continue;
+      for (const MoeChunk& c : chunks) {
+        const uint16_t* w_tile = w + c.expert * expert_stride + b0 * k2 * kBlockN * 2;
+        for (int64_t m0 = 0; m0 < c.rows; m0 += kMr) {
+          const int64_t r = c.row0 + m0, mr = std::min(kMr, c.rows - m0);
+          kTiles[mr](act + r * K, K, w_tile, k2, blocks, nullptr, y.data(), true, N, n0, N);
+          for (int64_t i = 0; i < mr; ++i)
+            axpy(out + pair_token[r + i] * N + n0, pair_weight[r + i], y.data() + i * N + n0, n1 - n0);
+        }
       }
     }
   });
@@ -1192,7 +1220,9 @@ at::Tensor fused_moe_bf16(const at::Tensor& x_in, const at::Tensor& w13, const a
   const int64_t* idp = ids.data_ptr<int64_t>();
 
   // Group the pairs by expert (a counting sort, stable: tokens stay in order within an expert).
-  std::vector<int64_t> offset(E + 1, 0), pair_token(P), pos_of_pair(P);
+  std::vector<int64_t> offset(E + 1, 0), pair_token(P);
+  std::vector<float> pair_weight(P);
+  const float* twp = tw.data_ptr<float>();
   for (int64_t p = 0; p < P; ++p) {
     TORCH_CHECK(idp[p] >= 0 && idp[p] < E, "fused_moe_bf16: expert id ", idp[p], " outside [0, ", E, ")");
     ++offset[idp[p] + 1];
@@ -1202,7 +1232,7 @@ at::Tensor fused_moe_bf16(const at::Tensor& x_in, const at::Tensor& w13, const a
   for (int64_t p = 0; p < P; ++p) {
     const int64_t s = fill[idp[p]]++;
     pair_token[s] = p / topk;
-    pos_of_pair[p] = s;
+    pair_weight[s] = twp[p];
   }
   std::vector<MoeChunk> chunks;  // experts with no tokens get none: their weights are never read
   for (int64_t e = 0; e < E; ++e)
@@ -1210,7 +1240,7 @@ at::Tensor fused_moe_bf16(const at::Tensor& x_in, const at::Tensor& w13, const a
 
   // The bf16 operand of gate/up: each pair's token row, rounded once.
   std::vector<uint16_t> xs(P * H), act(P * inter);
-  std::vector<float> h13(P * 2 * inter), ys(P * H);
+  std::vector<float> h13(P * 2 * inter);
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, P, 16, [&](int64_t s0, int64_t s1) {
     for (int64_t s = s0; s < s1; ++s) round_row_bf16(xp + pair_token[s] * H, xs.data() + s * H, H);
@@ -1230,14 +1260,8 @@ at::Tensor fused_moe_bf16(const at::Tensor& x_in, const at::Tensor& w13, const a
       round_row_bf16(a.data(), act.data() + s * inter, inter);
     }
   });
-  moe_grouped_gemm(act.data(), inter, reinterpret_cast<const uint16_t*>(w2.data_ptr()), w2.size(1), k2_2, chunks,
-                   ys.data(), H);
-  float* op = out.data_ptr<float>();
-  const float* twp = tw.data_ptr<float>();
-  at::parallel_for(0, M, 4, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t)
-      for (int64_t j = 0; j < topk; ++j) axpy(op + t * H, twp[t * topk + j], ys.data() + pos_of_pair[t * topk + j] * H, H);
-  });
+  moe_down_accumulate(act.data(), inter, reinterpret_cast<const uint16_t*>(w2.data_ptr()), w2.size(1), k2_2, chunks,
+                      pair_token.data(), pair_weight.data(), out.data_ptr<float>(), H);
   return out;
 }
 #else
