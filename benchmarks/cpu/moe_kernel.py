@@ -11,8 +11,9 @@ Columns: the median and best time of each method, loop / kernel (the speedup), "
 bf16_linear over a single packed matrix of the same bytes as the step's experts (cycled cold
 copies; what those bytes cost without the routing), the kernel's best bytes / time, and the
 floor: the bytes of the experts the step actually uses (their packed w13 + w2) / this machine's
-memory bandwidth, measured in this script as a large read's bytes per second (a sum over 1 GiB;
-the copy bandwidth, reads + writes, is printed beside it).
+memory bandwidth, measured in this script as a large read's bytes per second (a sum over 1 GiB,
+the best of 5 before the runs and 5 after each row, as other work on the machine lowers it; the
+copy bandwidth, reads + writes, is printed beside it).
 
     python benchmarks/cpu/moe_kernel.py --threads 2,1 --out benchmarks/cpu/moe_kernel.json
 
@@ -140,8 +141,9 @@ def main() -> None:
         bench(fns, inputs[-2:], 2)  # warm-up (thread pool, allocator)
         times = bench(fns, inputs[:-2], args.reps)
         used = [expert_bytes(layer, a[2]) for a in inputs[:-2]]
-        floor = statistics.median(used) / bw
         med = {k: statistics.median(v) for k, v in times.items()}
+        copy_bw, bw = (max(a, b) for a, b in zip((copy_bw, bw), bandwidths()))  # the best seen: load varies
+        floor = statistics.median(used) / bw
         rows.append({
             "threads": threads, "batch": m, "experts_used_median": statistics.median(int(a[2].unique().numel()) for a in inputs[:-2]),
             "bytes_used_median": statistics.median(used), "floor_ms": floor * 1e3,
