@@ -1131,6 +1131,139 @@ void refine_top_logits(at::Tensor logits, const at::Tensor& hidden_in, const at:
     }
   });
 }
+
+// ---- the experts of a mixture-of-experts layer on the packed bf16 weights -----------------------
+//
+// A step's (token, k) pairs are grouped by expert; each expert the step uses then runs gate/up
+// (its fused w13), SiLU * up and down once over all of its tokens, on the gemm_tile of bf16_linear
+// (float32 activations rounded to bf16 only as the dot products' operand, fp32 sums): the dense
+// path's numerics. The torch loop in layers/moe.py calls bf16_linear per expert instead, five
+// dispatches and a gather/scatter per expert; here gate/up is one parallel region over every
+// (expert, row chunk, output tile), so a decode step's 8 experts share all threads, and down is one
+// over output tiles, each adding every expert's routing-weighted rows into its own columns of the
+// output in float32 (no atomics, no [pairs, hidden] buffer).
+struct MoeChunk {
+  int64_t expert, row0, rows;  // rows [row0, row0 + rows) of the expert-sorted pairs
+};
+
+// y[rows of each chunk] = x[those rows] @ W_expert^T, float32 out, for every chunk and output tile.
+void moe_grouped_gemm(const uint16_t* x, int64_t K, const uint16_t* w, int64_t nb, int64_t k2,
+                      const std::vector<MoeChunk>& chunks, float* y, int64_t N) {
+  const int64_t tiles = ceil_div(nb, kTileBlocks), expert_stride = nb * k2 * kBlockN * 2;
+  const int64_t items = static_cast<int64_t>(chunks.size()) * tiles;
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const MoeChunk& c = chunks[item / tiles];
+      const int64_t b0 = (item % tiles) * kTileBlocks, blocks = std::min(kTileBlocks, nb - b0), n0 = b0 * kBlockN;
+      if (n0 >= N) continue;
+      const uint16_t* w_tile = w + c.expert * expert_stride + b0 * k2 * kBlockN * 2;
+      for (int64_t m0 = 0; m0 < c.rows; m0 += kMr) {
+        const int64_t r = c.row0 + m0, mr = std::min(kMr, c.rows - m0);
+        kTiles[mr](x + r * K, K, w_tile, k2, blocks, nullptr, y + r * N, true, N, n0, N);
+      }
+    }
+  });
+}
+
+// out[token of each row] += its routing weight * (act row @ W2_expert^T), for every chunk. A work
+// item owns a tile of output columns across all chunks, so no two threads add to the same
+// element, and each element sums its experts in ascending order (the torch loop's order) with no
+// [pairs, hidden] buffer of the experts' outputs.
+void moe_down_accumulate(const uint16_t* act, int64_t K, const uint16_t* w, int64_t nb, int64_t k2,
+                         const std::vector<MoeChunk>& chunks, const int64_t* pair_token, const float* pair_weight,
+                         float* out, int64_t N) {
+  const int64_t tiles = ceil_div(nb, kTileBlocks), expert_stride = nb * k2 * kBlockN * 2;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> y(kMr * N);  // a register tile's rows; only this item's columns are used
+    for (int64_t tile = begin; tile < end; ++tile) {
+      const int64_t b0 = tile * kTileBlocks, blocks = std::min(kTileBlocks, nb - b0), n0 = b0 * kBlockN;
+      const int64_t n1 = std::min(N, n0 + blocks * kBlockN);
+      if (n0 >= N) continue;
+      for (const MoeChunk& c : chunks) {
+        const uint16_t* w_tile = w + c.expert * expert_stride + b0 * k2 * kBlockN * 2;
+        for (int64_t m0 = 0; m0 < c.rows; m0 += kMr) {
+          const int64_t r = c.row0 + m0, mr = std::min(kMr, c.rows - m0);
+          kTiles[mr](act + r * K, K, w_tile, k2, blocks, nullptr, y.data(), true, N, n0, N);
+          for (int64_t i = 0; i < mr; ++i)
+            axpy(out + pair_token[r + i] * N + n0, pair_weight[r + i], y.data() + i * N + n0, n1 - n0);
+        }
+      }
+    }
+  });
+}
+
+inline void round_row_bf16(const float* src, uint16_t* dst, int64_t n) {  // nearest even, as bf16_linear
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = i + 16 <= n ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1);
+    _mm256_mask_storeu_epi16(dst + i, m, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, src + i)));
+  }
+}
+
+// x [M, H] float32; w13 [E][2I/16][H/2][16][2] and w2 [E][H/16][I/2][16][2] (pack_bf16_weight of
+// each expert, stacked); topk_weights [M, k] float32 and topk_ids [M, k] int. Returns [M, H] float32.
+at::Tensor fused_moe_bf16(const at::Tensor& x_in, const at::Tensor& w13, const at::Tensor& w2,
+                          const at::Tensor& topk_weights_in, const at::Tensor& topk_ids_in, int64_t inter) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "fused_moe_bf16: float32 x [M, H]");
+  TORCH_CHECK(w13.dim() == 5 && w2.dim() == 5 && w13.scalar_type() == at::kBFloat16 && w2.scalar_type() == at::kBFloat16 &&
+                  w13.is_contiguous() && w2.is_contiguous(),
+              "fused_moe_bf16: contiguous stacked packed bf16 weights [E, N/16, K/2, 16, 2]");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t M = x.size(0), H = x.size(1), E = w13.size(0), k2_13 = w13.size(2), k2_2 = w2.size(2);
+  TORCH_CHECK(H % 2 == 0 && inter % 2 == 0 && k2_13 * 2 == H && k2_2 * 2 == inter && w2.size(0) == E &&
+                  w13.size(1) * kBlockN >= 2 * inter && w2.size(1) * kBlockN >= H,
+              "fused_moe_bf16: shapes do not match (even hidden and intermediate sizes)");
+  const at::Tensor ids = topk_ids_in.to(at::kLong).contiguous(), tw = topk_weights_in.to(at::kFloat).contiguous();
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == M && tw.sizes() == ids.sizes(), "fused_moe_bf16: topk [M, k]");
+  const int64_t topk = ids.size(1), P = M * topk;
+  at::Tensor out = at::zeros({M, H}, x.options());
+  if (P == 0) return out;
+  const int64_t* idp = ids.data_ptr<int64_t>();
+
+  // Group the pairs by expert (a counting sort, stable: tokens stay in order within an expert).
+  std::vector<int64_t> offset(E + 1, 0), pair_token(P);
+  std::vector<float> pair_weight(P);
+  const float* twp = tw.data_ptr<float>();
+  for (int64_t p = 0; p < P; ++p) {
+    TORCH_CHECK(idp[p] >= 0 && idp[p] < E, "fused_moe_bf16: expert id ", idp[p], " outside [0, ", E, ")");
+    ++offset[idp[p] + 1];
+  }
+  for (int64_t e = 0; e < E; ++e) offset[e + 1] += offset[e];
+  std::vector<int64_t> fill(offset.begin(), offset.end() - 1);
+  for (int64_t p = 0; p < P; ++p) {
+    const int64_t s = fill[idp[p]]++;
+    pair_token[s] = p / topk;
+    pair_weight[s] = twp[p];
+  }
+  std::vector<MoeChunk> chunks;  // experts with no tokens get none: their weights are never read
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t r = offset[e]; r < offset[e + 1]; r += kMBlock) chunks.push_back({e, r, std::min(kMBlock, offset[e + 1] - r)});
+
+  // The bf16 operand of gate/up: each pair's token row, rounded once.
+  std::vector<uint16_t> xs(P * H), act(P * inter);
+  std::vector<float> h13(P * 2 * inter);
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, P, 16, [&](int64_t s0, int64_t s1) {
+    for (int64_t s = s0; s < s1; ++s) round_row_bf16(xp + pair_token[s] * H, xs.data() + s * H, H);
+  });
+  moe_grouped_gemm(xs.data(), H, reinterpret_cast<const uint16_t*>(w13.data_ptr()), w13.size(1), k2_13, chunks,
+                   h13.data(), 2 * inter);
+  at::parallel_for(0, P, 16, [&](int64_t s0, int64_t s1) {
+    std::vector<float> a(inter);
+    for (int64_t s = s0; s < s1; ++s) {
+      const float* g = h13.data() + s * 2 * inter;
+      const float* u = g + inter;
+#pragma omp simd
+      for (int64_t j = 0; j < inter; ++j) {  // as silu_and_mul: sigmoid from exp(-|g|) <= 1
+        const float e = exp_neg(-std::fabs(g[j]));
+        a[j] = g[j] * ((g[j] >= 0.f ? 1.f : e) / (1.f + e)) * u[j];
+      }
+      round_row_bf16(a.data(), act.data() + s * inter, inter);
+    }
+  });
+  moe_down_accumulate(act.data(), inter, reinterpret_cast<const uint16_t*>(w2.data_ptr()), w2.size(1), k2_2, chunks,
+                      pair_token.data(), pair_weight.data(), out.data_ptr<float>(), H);
+  return out;
+}
 #else
 bool has_bf16_gemm() { return false; }
 void refine_top_logits(at::Tensor, const at::Tensor&, const at::Tensor&, int64_t) {
@@ -1138,6 +1271,10 @@ void refine_top_logits(at::Tensor, const at::Tensor&, const at::Tensor&, int64_t
 }
 at::Tensor pack_bf16_weight(const at::Tensor&) { TORCH_CHECK(false, "built without AVX512_BF16"); }
 at::Tensor bf16_linear(const at::Tensor&, const at::Tensor&, int64_t, const c10::optional<at::Tensor>&) {
+  TORCH_CHECK(false, "built without AVX512_BF16");
+}
+at::Tensor fused_moe_bf16(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                          int64_t) {
   TORCH_CHECK(false, "built without AVX512_BF16");
 }
 #endif
@@ -1162,6 +1299,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out_features"), py::arg("bias") = py::none());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
   m.def("refine_top_logits", &refine_top_logits, "recompute each row's k largest logits from float32 hidden states");
+  m.def("fused_moe_bf16", &fused_moe_bf16, "a MoE layer's experts over their routed tokens, packed bf16 weights",
+        py::arg("x"), py::arg("w13"), py::arg("w2"), py::arg("topk_weights"), py::arg("topk_ids"), py::arg("inter"));
   register_lora_kernels(m);
   register_quant_kernels(m);
 }

@@ -8,7 +8,9 @@ a Python loop over the experts the batch hits, never over tokens. That loop read
 are hit on the host, so a model with experts runs without CUDA graphs.
 
 In the CPU's bf16 mode each expert's matrices are packed for the C++ bf16 GEMM, as the linear
-layers are (activations stay float32).
+layers are (activations stay float32), and stacked, so that the C++ MoE kernel
+(cpu_kernels.fused_moe_bf16) runs every used expert of a step in one call; the loop stays as its
+reference and as the path everywhere else.
 
 Tensor parallelism splits every expert's intermediate dimension (w13 by rows, w2 by columns) and
 all-reduces the output, as RowParallelLinear does.
@@ -23,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve.distributed.parallel_state import get_tp_group, tensor_model_parallel_all_reduce
+from radixserve.layers import cpu_kernels
 from radixserve.layers.activation import SiluAndMul
 from radixserve.layers.linear import (
     LinearBase,
@@ -67,13 +70,20 @@ class FusedMoE(nn.Module):
         # The CPU's bf16 mode (pack_cpu_weights): each expert's two matrices packed for the C++ GEMM
         # (float32 activations), the stacked parameters freed.
         self.weight_packed: Optional[List[Tuple[PackedWeight, PackedWeight]]] = None
+        # The same packed matrices stacked [E, N/16, K/2, 16, 2] (weight_packed holds views of
+        # them): the MoE kernel's operands.
+        self.w13_packed: Optional[torch.Tensor] = None
+        self.w2_packed: Optional[torch.Tensor] = None
 
     def pack_cpu_weight(self) -> bool:
         packed = [(pack_cpu_weight(self.w13_weight.data[e]), pack_cpu_weight(self.w2_weight.data[e]))
                   for e in range(self.num_experts)]
         if any(p is None for pair in packed for p in pair):
             return False
-        self.weight_packed = packed
+        self.w13_packed = torch.stack([a.data for a, _ in packed])
+        self.w2_packed = torch.stack([b.data for _, b in packed])
+        self.weight_packed = [(PackedWeight(self.w13_packed[e], 2 * self.inter), PackedWeight(self.w2_packed[e], self.hidden_size))
+                              for e in range(self.num_experts)]
         dtype = self.w13_weight.dtype
         self.w13_weight = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
@@ -102,6 +112,25 @@ class FusedMoE(nn.Module):
         dst.copy_(part)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        ops = self._moe_kernel(x)
+        if ops is not None:
+            out = ops.fused_moe_bf16(x, self.w13_packed, self.w2_packed, topk_weights, topk_ids, self.inter)
+        else:
+            out = self.forward_loop(x, topk_weights, topk_ids)
+        if self.tp_size > 1:
+            out = tensor_model_parallel_all_reduce(out)
+        return out
+
+    def _moe_kernel(self, x: torch.Tensor):
+        """The C++ kernels when the MoE kernel can take this call: packed experts, float32
+        activations (the CPU's bf16 mode), an even intermediate size; else None."""
+        if self.w13_packed is None or x.dtype != torch.float32 or x.dim() != 2 or self.inter % 2:
+            return None
+        return cpu_kernels.kernels_for(x)
+
+    def forward_loop(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """The experts one at a time over their tokens (this rank's partial sum, not all-reduced):
+        the reference of the MoE kernel, and the path wherever that kernel cannot run."""
         out = torch.zeros_like(x)
         flat_ids = topk_ids.flatten()
         order = torch.argsort(flat_ids, stable=True)  # (token, k) pairs grouped by expert
@@ -123,8 +152,6 @@ class FusedMoE(nn.Module):
                 y = F.linear(F.silu(gate) * up, w2).to(x.dtype)
             out.index_add_(0, idx, y * weights[start : start + n, None].to(x.dtype))
             start += n
-        if self.tp_size > 1:
-            out = tensor_model_parallel_all_reduce(out)
         return out
 
 

@@ -40,7 +40,12 @@ _BLOCK = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # qwen3moe: the router
 }
+# qwen3moe: every expert's projection stacked in one tensor [experts, rows, cols] (numpy order),
+# handed on as each expert's own HF tensor (mlp.experts.<e>.<proj>.weight), dequantized.
+_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_STACKED = "mlp.experts.<e>."  # stands for the expert index in hf_name's answer
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 # The linear layers' weights, and the embedding and LM head: the tensors that may stay in their blocks.
 _LINEAR_RE = re.compile(r"^blk\.\d+\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)\.weight$")
@@ -57,6 +62,8 @@ def hf_name(gguf_name: str) -> Optional[str]:
     m = _BLOCK_RE.match(gguf_name)
     if m and m.group(2) in _BLOCK:
         return f"model.layers.{m.group(1)}.{_BLOCK[m.group(2)]}.{m.group(3)}"
+    if m and m.group(2) in _EXPERTS and m.group(3) == "weight":
+        return f"model.layers.{m.group(1)}.{_STACKED}{_EXPERTS[m.group(2)]}.weight"
     return None
 
 
@@ -116,6 +123,9 @@ def _iterate(reader: Any, config: ModelConfig, dtype: torch.dtype, path: str,
         name = hf_name(t.name)
         if name is None or (keep is not None and not keep(name)):
             continue
+        if _STACKED in name:
+            yield from _expert_tensors(t, name, dtype, path)
+            continue
         if int(t.tensor_type) in block_types and (_LINEAR_RE.match(t.name) or t.name in _VOCAB):
             # The file's blocks, copied out of the memory map: [rows, row bytes], rows as the HF
             # checkpoint's (ggml shapes are innermost first: (cols, rows)).
@@ -135,3 +145,15 @@ def _iterate(reader: Any, config: ModelConfig, dtype: torch.dtype, path: str,
             n_head = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
             tensor = unpermute_qk(tensor, n_head)
         yield name, tensor, path
+
+
+def _expert_tensors(t: Any, stacked_name: str, dtype: torch.dtype, path: str) -> Iterator[NamedWeight]:
+    """A stacked expert tensor as each expert's [rows, cols] tensor, dequantized one expert at a
+    time (a float32 copy of the whole stack would be the layer's size x 2-8)."""
+    import gguf
+
+    for e in range(t.data.shape[0]):
+        arr = gguf.quants.dequantize(t.data[e], t.tensor_type)
+        if not arr.flags.writeable:
+            arr = arr.copy()
+        yield stacked_name.replace(_STACKED, f"mlp.experts.{e}."), torch.from_numpy(arr).to(dtype), path

@@ -31,7 +31,10 @@ GGUF_ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
+# GGUF architectures whose Hugging Face model_type is spelled otherwise.
+_GGUF_MODEL_TYPES = {"qwen3moe": "qwen3_moe"}
 
 # Vision-language checkpoints served as their language model (text prompts only): config.json
 # nests its entries under text_config.
@@ -389,6 +392,18 @@ def _gguf_value(buf: Any, off: int, vtype: int) -> Tuple[Any, int]:
     return (out if n <= _MAX_ARRAY else SkippedArray(n)), off
 
 
+def _gguf_moe_config(hp: Any, tensors: Dict[str, Any], n_layers: int) -> Dict[str, Any]:
+    """Qwen3-MoE's config entries: llama.cpp's qwen3moe always renormalizes the top-k weights
+    (transformers' GGUF loading sets norm_topk_prob too); a layer without a router is dense."""
+    return {
+        "num_experts": int(hp("expert_count")),
+        "num_experts_per_tok": int(hp("expert_used_count")),
+        "moe_intermediate_size": int(hp("expert_feed_forward_length")),
+        "norm_topk_prob": True,
+        "mlp_only_layers": [i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors],
+    }
+
+
 def gguf_to_hf_config(reader: GGUFIndex, path: str) -> Dict[str, Any]:
     """The config.json a GGUF's metadata stands for (keys as ModelConfig.from_dict reads them),
     plus "gguf_architecture" (the loader undoes llama.cpp's Q/K row permutation for llama) and
@@ -440,11 +455,11 @@ def gguf_to_hf_config(reader: GGUFIndex, path: str) -> Dict[str, Any]:
             eos.append(int(tid))
     cfg: Dict[str, Any] = {
         "architectures": [GGUF_ARCHITECTURES[arch]],
-        "model_type": arch,
+        "model_type": _GGUF_MODEL_TYPES.get(arch, arch),
         "gguf_architecture": arch,
         "vocab_size": vocab,
         "hidden_size": hidden,
-        "intermediate_size": uniform("feed_forward_length"),
+        "intermediate_size": uniform("feed_forward_length", hp("expert_feed_forward_length", 0)),
         "num_hidden_layers": int(hp("block_count")),
         "num_attention_heads": n_heads,
         "num_key_value_heads": n_kv,
@@ -461,6 +476,8 @@ def gguf_to_hf_config(reader: GGUFIndex, path: str) -> Dict[str, Any]:
         "torch_dtype": _gguf_checkpoint_dtype(meta("general.file_type", None)),
         "eos_token_id": eos,
     }
+    if arch == "qwen3moe":
+        cfg.update(_gguf_moe_config(hp, tensors, cfg["num_hidden_layers"]))
     window = hp("attention.sliding_window", None)
     if window:
         cfg["sliding_window"] = int(window)

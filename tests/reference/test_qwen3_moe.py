@@ -165,6 +165,27 @@ def test_cpu_bf16_mode_packs_the_experts(moe_dir):
     assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= (theirs.argmax(-1) == ref.argmax(-1)).float().mean() - 0.05
 
 
+def test_cpu_bf16_mode_moe_kernel_matches_the_torch_loop(moe_dir, monkeypatch):
+    """In the CPU's bf16 mode the experts run in the C++ MoE kernel (one call per layer); the
+    logits match those of the same model with the experts on the torch loop (bf16 GEMM per expert)
+    to bf16-operand precision, and pick the same tokens."""
+    from radixserve.layers.cpu_weight_only import weight_only_available
+
+    if not weight_only_available(torch.bfloat16, "cpu"):
+        pytest.fail("this test needs a CPU with AVX512_BF16 (the CI machines have it)")
+    runner = make_runner(moe_dir, dtype="bfloat16")
+    ids = PROMPTS[1] + PROMPTS[0]
+    calls = []
+    kernel = FusedMoE._moe_kernel
+    monkeypatch.setattr(FusedMoE, "_moe_kernel", lambda self, x: calls.append(kernel(self, x)) or calls[-1])
+    ours = KVDriver(runner).extend([0], [0], [ids]).all_logits.float()
+    assert len(calls) == 2 and all(ops is not None for ops in calls)  # both sparse layers took the kernel
+    monkeypatch.setattr(FusedMoE, "_moe_kernel", lambda self, x: None)
+    loop = KVDriver(runner).extend([0], [0], [ids]).all_logits.float()
+    assert (ours - loop).abs().max().item() <= 2e-2 * loop.abs().max().item(), (ours - loop).abs().max().item()
+    assert torch.equal(ours.argmax(-1), loop.argmax(-1))
+
+
 def test_a_weight_update_naming_the_stacked_experts_is_refused(moe_dir):
     from radixserve.hf_transformers_utils import LoadError
 

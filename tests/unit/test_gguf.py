@@ -313,7 +313,7 @@ def test_gguf_index_reads_what_gguf_reader_reads(tmp_path):
 def test_names_and_permutation():
     assert hf_name("blk.3.attn_q.bias") == "model.layers.3.self_attn.q_proj.bias"
     assert hf_name("blk.0.attn_k_norm.weight") == "model.layers.0.self_attn.k_norm.weight"
-    assert hf_name("output.weight") == "lm_head.weight" and hf_name("blk.0.ffn_gate_exps.weight") is None
+    assert hf_name("output.weight") == "lm_head.weight" and hf_name("blk.0.ffn_gate_shexp.weight") is None  # qwen2moe shared experts: not yet
     w = torch.randn(2 * 8, 5)
     assert torch.equal(unpermute_qk(torch.from_numpy(llama_permute(w.numpy(), 2)), 2), w)
 
