@@ -38,6 +38,11 @@
 #                  worker on the rest; no-reserved-cpu (vllm-bf16-no-reserved-cpu):
 #                  VLLM_CPU_NUM_OF_RESERVED_CPU=0, the worker on every core
 #   5. benchmarks/cpu/peers_report.py: the markdown table (OUT -> MD), radixserve / the best peer.
+#   6. the quantized files (issue 38; QUANTIZED_MODELS, "" to skip; not with --quick): each GGUF
+#      served as users download it by llama.cpp and radixserve, one at a time, the same file and KV
+#      budget (benchmarks/cpu/quantized_vs_llamacpp.sh: one user and 16 at a time, with resident
+#      memory). vLLM's CPU backend is not run there: it cannot load GGUF on a CPU (vLLM's
+#      quantization hardware table: GGUF on NVIDIA and AMD GPUs only).
 #
 # Environment (defaults in brackets):
 #   RADIXSERVE_BENCH_CACHE [~/.cache/radixserve-bench]  downloads, builds, venvs, converted models
@@ -100,6 +105,7 @@ LOG_DIR=${LOG_DIR:-$CACHE/logs}
 
 WORKLOADS=${WORKLOADS:-serving one-user chat}
 ENGINES=${ENGINES:-llamacpp vllm radixserve}
+QUANTIZED_MODELS=${QUANTIZED_MODELS-qwen2.5-coder-1.5b-q4_k_m}  # benchmarks/cpu/fetch_gguf.py names
 SEED=${SEED:-1}
 NUM_PROMPTS=${NUM_PROMPTS:-64}
 INPUT_LEN=${INPUT_LEN:-250}
@@ -378,3 +384,12 @@ radixserve: radixserve serve --model-path $(basename "$HF_DIR") ${RADIXSERVE_FLA
 Client: radixserve bench serving --backend openai, seed $SEED, ignore_eos, greedy. \
 Command: benchmarks/cpu_vs_peers.sh$QUICK_FLAG (WORKLOADS='$WORKLOADS' ENGINES='$ENGINES')."
 "$PYTHON" "$REPO/benchmarks/cpu/peers_report.py" "$OUT" --md "$MD" --notes "$notes"
+
+if ((!QUICK)) && [[ -n $QUANTIZED_MODELS ]]; then
+  [[ -x $LLAMA_BIN/llama-server ]] || prepare_llamacpp
+  for m in $QUANTIZED_MODELS; do
+    log "quantized: $m (llama.cpp and radixserve on the same file)"
+    MODEL=$m ENGINES="llamacpp radixserve" PYTHON="$PYTHON" LLAMA_BIN="$LLAMA_BIN" \
+      OUT="$REPO/benchmarks/cpu/quantized_vs_llamacpp_$m.jsonl" bash "$REPO/benchmarks/cpu/quantized_vs_llamacpp.sh"
+  done
+fi

