@@ -47,6 +47,11 @@ class RWLock:
         self._writer = False
         self._waiting_writers = 0
 
+    @property
+    def writing(self) -> bool:
+        """Whether a writer (a weight update) holds the lock now."""
+        return self._writer
+
     @asynccontextmanager
     async def reader_lock(self) -> AsyncIterator[None]:
         async with self._cond:
