@@ -162,6 +162,9 @@ def smollm2_hf_dir(path: Path, model=None) -> Path:
     return target
 
 
+hf_dir_from_gguf = smollm2_hf_dir  # any GGUF transformers reads (Gemma 3's too)
+
+
 def chat_prompt_ids(tok, question: str) -> List[int]:
     """The token ids the server's /v1/chat/completions gives the model for one user message."""
     text = tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)

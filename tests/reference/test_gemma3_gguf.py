@@ -1,8 +1,9 @@
 """The real Gemma 3 270M (Q4_K_M GGUF from four PyPI wheels, cached under $RADIXSERVE_TEST_CACHE:
 tests/real_model.py's gemma3_gguf) served with --dtype float32 (the file dequantized: the exact
 path) against transformers float32 reading the same file: 12 chat prompts, greedy, the same
-tokens and logprobs within 1e-3, four of them longer than the file's 512-token window (the
-local layers must really drop the keys before it: with the window off those four fail)."""
+tokens and logprobs within 1e-3, two of them longer than the file's 512-token window (the
+local layers must really drop the keys before it: with the window off, the first of those
+differs at its first token, by a logit gap of 1.0)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from radixserve.model_executor.gguf_loader import hf_name
 from radixserve.models.model_config import ModelConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from real_model import AGREEMENT_QUESTIONS, NEAR_TIE, QUESTIONS, gemma3_gguf, hf_from_gguf  # noqa: E402
+from real_model import AGREEMENT_QUESTIONS, NEAR_TIE, QUESTIONS, gemma3_gguf, hf_dir_from_gguf  # noqa: E402
+from hf_utils import load_hf  # noqa: E402
 
 LOGPROB_TOL = 1e-3
 WINDOW = 512
@@ -36,7 +38,7 @@ def _long_question(k: int) -> str:
 
 
 def _prompts(tok) -> List[List[int]]:
-    questions = QUESTIONS + AGREEMENT_QUESTIONS[1:6] + [_long_question(k) for k in (0, 9, 23, 40)]
+    questions = QUESTIONS + AGREEMENT_QUESTIONS[1:8] + [_long_question(k) for k in (0, 23)]
     texts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True,
                                      chat_template=GEMMA3_CHAT_TEMPLATE) for q in questions]
     return [tok.encode(t, add_special_tokens=False) for t in texts]
@@ -60,14 +62,14 @@ def test_gemma3_gguf_matches_transformers():
     try:
         tok = engine.tokenizer
         prompts = _prompts(tok)
-        assert sum(len(p) > WINDOW + 32 for p in prompts) == 4, [len(p) for p in prompts]
+        assert sum(len(p) > WINDOW + 32 for p in prompts) == 2, [len(p) for p in prompts]
         sp = {"max_new_tokens": 12, "temperature": 0, "stop_token_ids": [END_OF_TURN]}
         ours = engine.generate(input_ids=prompts, sampling_params=[sp] * len(prompts), return_logprob=True,
                                progress=False)
     finally:
         engine.shutdown()
 
-    hf = hf_from_gguf(path)
+    hf = load_hf(str(hf_dir_from_gguf(path)))  # transformers' reading of the file, saved once (reading it: ~1 min)
     worst = 0.0
     for i, (prompt, got) in enumerate(zip(prompts, ours)):
         ids = got["output_ids"]
