@@ -473,10 +473,15 @@ def gguf_to_hf_config(reader: GGUFIndex, path: str) -> Dict[str, Any]:
         cfg["sliding_window"] = int(window)
     if arch == "gemma3":
         cfg.update(_gguf_gemma3_config(cfg))
+        if GEMMA3_END_OF_TURN not in eos:  # a chat turn ends there (the HF checkpoints' generation_config says so)
+            eos.append(GEMMA3_END_OF_TURN)
     bos = meta("tokenizer.ggml.bos_token_id", None)
     if bos is not None:
         cfg["bos_token_id"] = int(bos)
     return cfg
+
+
+GEMMA3_END_OF_TURN = 106  # <end_of_turn> in every Gemma 3 vocabulary
 
 
 def _gguf_gemma3_config(cfg: Dict[str, Any]) -> Dict[str, Any]:

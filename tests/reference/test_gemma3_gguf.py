@@ -50,6 +50,7 @@ def test_gemma3_gguf_config_and_names():
     assert config.window_layers == [(i + 1) % 6 != 0 for i in range(18)]  # layers 5, 11, 17 global
     assert config.rope_theta == 1e6 and config.hf_config["rope_local_base_freq"] == 10000.0
     assert config.hf_config["query_pre_attn_scalar"] == 256 and config.tie_word_embeddings
+    assert config.eos_token_ids == [1, END_OF_TURN]  # <eos>, and the end of a chat turn
     assert hf_name("blk.3.ffn_norm.weight", "gemma3") == "model.layers.3.pre_feedforward_layernorm.weight"
     assert hf_name("blk.3.post_attention_norm.weight", "gemma3") == "model.layers.3.post_attention_layernorm.weight"
     assert hf_name("blk.3.post_ffw_norm.weight", "gemma3") == "model.layers.3.post_feedforward_layernorm.weight"
