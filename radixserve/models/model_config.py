@@ -32,6 +32,7 @@ GGUF_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 # GGUF architectures whose Hugging Face model_type is spelled otherwise.
 _GGUF_MODEL_TYPES = {"qwen3moe": "qwen3_moe"}
@@ -107,6 +108,7 @@ class ModelConfig:
             # the language model's entries (those it leaves unset, as eos_token_id may be, kept from the top)
             cfg = {**cfg, **{k: v for k, v in cfg["text_config"].items() if v is not None}, "architectures": archs}
         rope = cfg.get("rope_parameters") or {}
+        rope = rope.get("full_attention", rope)  # per layer type (Gemma 3): the global layers' here
         rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
         rope_scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         n_heads = cfg["num_attention_heads"]
@@ -232,6 +234,8 @@ def _sliding_window(cfg: Dict[str, Any]) -> Optional[int]:
 
 # Families whose configs keep a sliding_window that only use_sliding_window (off by default) turns on.
 WINDOW_OFF_BY_DEFAULT = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+# Families whose layer_types default to every sliding_window_pattern-th layer global, the others windowed.
+WINDOW_PATTERN_DEFAULTS = {"gemma3_text": 6, "gemma3": 6}
 
 
 def _window_layers(cfg: Dict[str, Any]) -> List[bool]:
@@ -246,6 +250,9 @@ def _window_layers(cfg: Dict[str, Any]) -> List[bool]:
     model_type = cfg.get("model_type", "")
     if layer_types is not None:
         windowed = [t == "sliding_attention" for t in layer_types]
+    elif model_type in WINDOW_PATTERN_DEFAULTS:
+        pattern = int(cfg.get("sliding_window_pattern") or WINDOW_PATTERN_DEFAULTS[model_type])
+        windowed = [(i + 1) % pattern != 0 for i in range(n)]
     elif not cfg.get("use_sliding_window", model_type not in WINDOW_OFF_BY_DEFAULT):
         windowed = []
     else:
@@ -481,10 +488,26 @@ def gguf_to_hf_config(reader: GGUFIndex, path: str) -> Dict[str, Any]:
     window = hp("attention.sliding_window", None)
     if window:
         cfg["sliding_window"] = int(window)
+    if arch == "gemma3":
+        cfg.update(_gguf_gemma3_config(cfg))
+        if GEMMA3_END_OF_TURN not in eos:  # a chat turn ends there (the HF checkpoints' generation_config says so)
+            eos.append(GEMMA3_END_OF_TURN)
     bos = meta("tokenizer.ggml.bos_token_id", None)
     if bos is not None:
         cfg["bos_token_id"] = int(bos)
     return cfg
+
+
+GEMMA3_END_OF_TURN = 106  # <end_of_turn> in every Gemma 3 vocabulary
+
+
+def _gguf_gemma3_config(cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """What a gemma3 GGUF leaves to the defaults that transformers' and llama.cpp's Gemma 3 share:
+    GeGLU (tanh), local RoPE base 10000, every 6th layer global (llama.cpp's n_swa_pattern);
+    query_pre_attn_scalar is head_dim, except the 27B (62 layers: hidden / heads, llama.cpp's rule)."""
+    scalar = cfg["hidden_size"] // cfg["num_attention_heads"] if cfg["num_hidden_layers"] == 62 else cfg["head_dim"]
+    return {"model_type": "gemma3_text", "hidden_activation": "gelu_pytorch_tanh", "rope_local_base_freq": 10000.0,
+            "sliding_window_pattern": 6, "query_pre_attn_scalar": scalar}
 
 
 def _gguf_checkpoint_dtype(file_type: Optional[int]) -> str:

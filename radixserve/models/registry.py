@@ -6,6 +6,7 @@ from typing import Dict, Type
 
 from torch import nn
 
+from radixserve.models.gemma3 import Gemma3ForCausalLM
 from radixserve.models.llama import LlamaForCausalLM, MistralForCausalLM
 from radixserve.models.llama_eagle import LlamaForCausalLMEagle
 from radixserve.models.model_config import LoadError
@@ -27,6 +28,7 @@ MODEL_REGISTRY: Dict[str, Type[nn.Module]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
     "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
     # the released Qwen3.5 checkpoints (vision-language), served as their language model
