@@ -84,7 +84,8 @@ class DecodePreallocQueue:
         req.fill_ids = list(req.origin_input_ids)
         req.prefix_indices = torch.empty(0, dtype=torch.int64)
         req.last_node = None
-        req.kv_committed_len = req.already_computed = n
+        req.already_computed = n
+        self.ledger.advance(req, n)
         return True
 
 

@@ -133,7 +133,7 @@ class SchedulerOutputProcessor:
                 break
         kept = req.seqlen() - 1  # every token but the last has KV, as after a plain decode step
         if not req.finished():
-            req.kv_committed_len = kept  # (the overlap loop's forward thread left the Req alone)
+            self.ledger.advance(req, kept)  # (the overlap loop's forward thread left the Req alone)
             return False
         self.ledger.commit(req, kept)  # rejected or dropped drafts' slots, and those reserved ahead
         req.grammar = None

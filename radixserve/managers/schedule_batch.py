@@ -476,7 +476,7 @@ class ScheduleBatch:
             # Only prefix hits beyond what this request computed itself count as cached.
             r.count_cached_tokens(max(len(r.prefix_indices) - r.already_computed, 0))
             r.already_computed = len(r.fill_ids)
-            r.kv_committed_len = len(r.fill_ids)
+            self.ledger.advance(r, len(r.fill_ids))
             r.check_invariants()
         new_tokens = itertools.chain.from_iterable(r.fill_ids[p:] for r, p in zip(reqs, self.prefix_lens))
         self.input_ids = torch.tensor(list(new_tokens), dtype=torch.int64)
@@ -555,7 +555,7 @@ class ScheduleBatch:
         self.seq_lens = self.seq_lens + 1
         self.seq_lens_cpu = [s + 1 for s in self.seq_lens_cpu]
         for r in self.reqs:
-            r.kv_committed_len += 1
+            self.ledger.advance(r, r.kv_committed_len + 1)
         self.check_invariants()
 
     def check_invariants(self) -> None:

@@ -150,7 +150,12 @@ class KVLedger:
         """Copy the K/V of slots `src` into slots `tgt` (a tree verify's accepted branch)."""
         self.kv_pool.move_kv_cache(tgt, src)
 
-    # ---- commit and release -------------------------------------------------------------------------
+    # ---- commit and release ----------------------------------------------------------------------
+    def advance(self, req: Any, committed: int) -> None:
+        """The request's KV now covers its first `committed` tokens (a prefill chunk or a decode
+        step ran; slots reserved past them stay reserved)."""
+        req.kv_committed_len = committed
+
     def commit(self, req: Any, kept: int, held: Optional[int] = None) -> None:
         """The request keeps the KV of its first `kept` tokens; its slots past them, up to `held`
         (default: all it holds), go back. Paged: the rest of the last kept token's page stays
