@@ -18,7 +18,7 @@ the PrefillAdder admits against; `check_idle` / `check_conserved` are slot conse
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import Iterator, List, Optional, Protocol, Tuple
 
 import torch
 
@@ -26,9 +26,20 @@ from radixserve.mem_cache.base_prefix_cache import (
     BasePrefixCache, CacheReq, check_pages_conserved, check_pools_idle,
 )
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from radixserve.mem_cache.radix_cache import TreeNode
 
 
-def held_len(req: Any) -> int:
+class LedgerReq(Protocol):
+    """The fields of a request (managers/schedule_batch.py's Req) the ledger reads and writes."""
+
+    req_pool_idx: Optional[int]  # its row (None: holds none)
+    kv_committed_len: int  # positions of the row whose KV was computed
+    kv_allocated_len: int  # positions of the row with slots reserved ahead (0: none)
+    prefix_indices: torch.Tensor  # the tree's slots at the start of the row (locked)
+    last_node: Optional[TreeNode]  # where the lock on the prefix is (None: holds no lock)
+
+
+def held_len(req: LedgerReq) -> int:
     """Positions of a request's row that hold its slots (committed, or reserved ahead)."""
     return max(req.kv_committed_len, req.kv_allocated_len)
 
@@ -74,22 +85,22 @@ class KVLedger:
                 f"evictable={self.tree_cache.evictable_size()}, protected={self.tree_cache.protected_size()}")
 
     # ---- match and lock (L1) ----------------------------------------------------------------------
-    def lock(self, node: Any) -> None:
+    def lock(self, node: TreeNode) -> None:
         """The prefix ending at `node` may not be evicted while a request uses it."""
         self.tree_cache.inc_lock_ref(node)
 
-    def unlock(self, node: Any) -> None:
+    def unlock(self, node: TreeNode) -> None:
         self.tree_cache.dec_lock_ref(node)
 
     @contextmanager
-    def locked(self, node: Any) -> Iterator[None]:
+    def locked(self, node: TreeNode) -> Iterator[None]:
         self.lock(node)
         try:
             yield
         finally:
             self.unlock(node)
 
-    def load_back(self, last_host_node: Any, host_hit_length: int) -> Tuple[torch.Tensor, Any]:
+    def load_back(self, last_host_node: TreeNode, host_hit_length: int) -> Tuple[torch.Tensor, TreeNode]:
         """HiCache: device slots for a host hit (BasePrefixCache.init_load_back)."""
         return self.tree_cache.init_load_back(last_host_node, host_hit_length)
 
@@ -100,7 +111,7 @@ class KVLedger:
     def free_row(self, row: int) -> None:
         self.req_to_token_pool.free(row)
 
-    def row(self, req: Any) -> torch.Tensor:
+    def row(self, req: LedgerReq) -> torch.Tensor:
         """The request's row of slot indices (host copy)."""
         return self.req_to_token_pool.req_to_token_cpu[req.req_pool_idx]
 
@@ -151,12 +162,12 @@ class KVLedger:
         self.kv_pool.move_kv_cache(tgt, src)
 
     # ---- commit and release ----------------------------------------------------------------------
-    def advance(self, req: Any, committed: int) -> None:
+    def advance(self, req: LedgerReq, committed: int) -> None:
         """The request's KV now covers its first `committed` tokens (a prefill chunk or a decode
         step ran; slots reserved past them stay reserved)."""
         req.kv_committed_len = committed
 
-    def commit(self, req: Any, kept: int, held: Optional[int] = None) -> None:
+    def commit(self, req: LedgerReq, kept: int, held: Optional[int] = None) -> None:
         """The request keeps the KV of its first `kept` tokens; its slots past them, up to `held`
         (default: all it holds), go back. Paged: the rest of the last kept token's page stays
         (the next tokens fill it); only whole pages past it go."""
@@ -167,7 +178,7 @@ class KVLedger:
             self.allocator.free(self.row(req)[first_free:held].to(torch.int64))
         req.kv_committed_len, req.kv_allocated_len = kept, 0
 
-    def release(self, req: Any) -> None:
+    def release(self, req: LedgerReq) -> None:
         """Everything a request holds that the tree does not (retract, preempt, a failed PD
         transfer): its private slots, its row, the lock on its prefix. The prefix stays in the
         tree, unlocked (evictable)."""

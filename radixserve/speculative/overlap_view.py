@@ -24,6 +24,7 @@ from typing import Any, List, Optional
 
 import torch
 
+from radixserve.mem_cache.kv_ledger import KVLedger
 from radixserve.model_executor.forward_batch import ForwardMode, ModelWorkerBatch
 
 
@@ -35,7 +36,7 @@ class ReservedSlots:
 
     page_size = 1  # slots here are single positions of reserved pages
 
-    def __init__(self, spare: torch.Tensor, ledger: Any = None):
+    def __init__(self, spare: torch.Tensor, ledger: Optional[KVLedger] = None):
         self.spare = spare
         self.ledger = ledger  # the scheduler's KVLedger
 
@@ -47,7 +48,7 @@ class ReservedSlots:
     def free_slots(self, slots: torch.Tensor) -> None:
         """Nothing to do: rejected drafts' slots are the ones the next step writes."""
 
-    def commit(self, req: Any, kept: int, held: Optional[int] = None) -> None:
+    def commit(self, req: ReqView, kept: int, held: Optional[int] = None) -> None:
         """The view's request keeps `kept` tokens' KV; nothing goes back (see free_slots)."""
         req.kv_committed_len = kept
 
@@ -109,7 +110,7 @@ class DecodeView:
         return torch.cat([self.slots(i, p, s) for i, (p, s) in enumerate(zip(prefix_lens, seq_lens))])
 
 
-def decode_view(inp: Any, pending: List[List[int]], worker_batch: ModelWorkerBatch, ledger: Any,
+def decode_view(inp: Any, pending: List[List[int]], worker_batch: ModelWorkerBatch, ledger: KVLedger,
                 return_logprob: bool, top_logprobs_nums: List[int], verify_width: int) -> DecodeView:
     """The step's DecodeView: `inp` is the scheduler's SpecOverlapInput, pending[i] the tokens the
     step in flight committed for request i (empty when the scheduler had them already),
