@@ -7,8 +7,6 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, List, Optional
 
-import torch
-
 from radixserve.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch
 from radixserve.managers.scheduler_stats import SchedulerStats
 from radixserve.mem_cache.base_prefix_cache import BasePrefixCache
