@@ -63,6 +63,8 @@ class _OursDriver:
     """Owns a ModelRunner; runs one static batch with explicit req_to_token rows and KV slots."""
 
     def __init__(self, server_args: ServerArgs):
+        from radixserve.mem_cache.chunk_cache import ChunkCache
+        from radixserve.mem_cache.kv_ledger import KVLedger
         from radixserve.model_executor.model_runner import ModelRunner
         from radixserve.models.model_config import ModelConfig
         from radixserve.tiny_model import get_tiny_model_path
@@ -70,16 +72,17 @@ class _OursDriver:
         path = server_args.model_path or get_tiny_model_path()
         self.runner = ModelRunner(ModelConfig.from_pretrained(path), server_args)
         self.model_path = path
+        r2t, alloc = self.runner.req_to_token_pool, self.runner.token_to_kv_pool_allocator
+        self.ledger = KVLedger(r2t, alloc, ChunkCache(r2t, alloc))  # no prefix sharing here
 
     def reset(self) -> None:
-        self.runner.req_to_token_pool.clear()
-        self.runner.token_to_kv_pool_allocator.clear()
+        self.ledger.clear()
 
     def _alloc(self, n: int) -> torch.Tensor:
-        out = self.runner.token_to_kv_pool_allocator.alloc(n)
-        if out is None:
-            raise ValueError(f"KV pool too small for this benchmark: raise --max-total-tokens (need {n} more slots)")
-        return out
+        try:
+            return self.ledger.alloc_slots(n)
+        except RuntimeError:
+            raise ValueError(f"KV pool too small for this benchmark: raise --max-total-tokens (need {n} more slots)") from None
 
     def prefill(self, rows: List[int], prompts: torch.Tensor) -> torch.Tensor:
         """One EXTEND forward of all prompts ([B, L]); returns the greedy next tokens [B]."""

@@ -25,8 +25,7 @@ from radixserve.disaggregation.utils import FirstToken, KVPoll
 from radixserve.managers.disagg_prefill import transfer_error
 from radixserve.managers.output_processor import SchedulerOutputProcessor
 from radixserve.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch
-from radixserve.mem_cache.base_prefix_cache import BasePrefixCache
-from radixserve.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
+from radixserve.mem_cache.kv_ledger import KVLedger
 from radixserve.model_executor.forward_batch import ForwardMode
 from radixserve.model_executor.tp_worker import GenerationBatchResult
 from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
@@ -44,12 +43,9 @@ class DecodeRequest:
 class DecodePreallocQueue:
     """Requests waiting for KV slots on this server (SGLang's DecodePreallocQueue)."""
 
-    def __init__(self, kv_manager: KVManager, req_to_token_pool: ReqToTokenPool,
-                 allocator: TokenToKVPoolAllocator, tree_cache: BasePrefixCache):
+    def __init__(self, kv_manager: KVManager, ledger: KVLedger):
         self.kv_manager = kv_manager
-        self.req_to_token_pool = req_to_token_pool
-        self.allocator = allocator
-        self.tree_cache = tree_cache
+        self.ledger = ledger
         self.queue: List[DecodeRequest] = []
 
     def add(self, req: Req) -> None:
@@ -68,31 +64,28 @@ class DecodePreallocQueue:
                 break
             budget_tokens -= need
             self.queue.pop(0)
-            dreq.kv_receiver.init(self.req_to_token_pool.req_to_token_cpu[req.req_pool_idx, : req.kv_committed_len],
+            dreq.kv_receiver.init(self.ledger.row(req)[: req.kv_committed_len],
                                   req.origin_input_ids)
             dreq.since = time.monotonic()
             out.append(dreq)
         return out
 
     def _alloc(self, req: Req) -> bool:
-        rows = self.req_to_token_pool.alloc(1)
+        rows = self.ledger.alloc_rows(1)
         if rows is None:
             return False
         n = len(req.origin_input_ids)
-        ps = self.allocator.page_size
-        need = -(-n // ps) * ps
-        if self.allocator.available_size() < need:
-            self.tree_cache.evict(need - self.allocator.available_size())
-        slots = self.allocator.alloc_extend([0], [n], [-1])
+        slots = self.ledger.try_alloc_extend([0], [n], [-1])
         if slots is None:
-            self.req_to_token_pool.free(rows[0])
+            self.ledger.free_row(rows[0])
             return False
         req.req_pool_idx = rows[0]
-        self.req_to_token_pool.write((req.req_pool_idx, slice(0, n)), slots)
+        self.ledger.req_to_token_pool.write((req.req_pool_idx, slice(0, n)), slots)
         req.fill_ids = list(req.origin_input_ids)
         req.prefix_indices = torch.empty(0, dtype=torch.int64)
         req.last_node = None
-        req.kv_committed_len = req.already_computed = n
+        req.already_computed = n
+        self.ledger.advance(req, n)
         return True
 
 
@@ -129,13 +122,11 @@ class DecodeTransferQueue:
 class DecodeDisaggregation:
     """The decode server's two queues, and turning arrived requests into a running batch."""
 
-    def __init__(self, kv_manager: KVManager, req_to_token_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator,
-                 tree_cache: BasePrefixCache, output_processor: SchedulerOutputProcessor, timeout: float):
-        self.req_to_token_pool = req_to_token_pool
-        self.allocator = allocator
-        self.tree_cache = tree_cache
+    def __init__(self, kv_manager: KVManager, ledger: KVLedger, output_processor: SchedulerOutputProcessor,
+                 timeout: float):
+        self.ledger = ledger
         self.output_processor = output_processor
-        self.prealloc_queue = DecodePreallocQueue(kv_manager, req_to_token_pool, allocator, tree_cache)
+        self.prealloc_queue = DecodePreallocQueue(kv_manager, ledger)
         self.transfer_queue = DecodeTransferQueue(timeout)
 
     def __len__(self) -> int:
@@ -153,16 +144,13 @@ class DecodeDisaggregation:
             self.output_processor.finish(req, reason)
         running = running_batch.reqs + [d.req for d in self.transfer_queue.queue] + [r for r, _ in done]
         reserved = sum(r.clipped_remaining_new_tokens() for r in running) * new_token_ratio
-        budget = self.allocator.available_size() + self.tree_cache.evictable_size() - reserved
-        free_running = min(max_running_requests - len(running), self.req_to_token_pool.available_size())
+        budget = self.ledger.budget() - reserved
+        free_running = min(max_running_requests - len(running), self.ledger.free_rows())
         self.transfer_queue.queue += self.prealloc_queue.pop_preallocated(budget, free_running, new_token_ratio)
         return done
 
     def _release(self, req: Req) -> None:
-        slots = self.req_to_token_pool.req_to_token_cpu[req.req_pool_idx, : req.kv_committed_len].to(torch.int64)
-        self.allocator.free(slots)
-        self.req_to_token_pool.free(req.req_pool_idx)
-        req.req_pool_idx, req.kv_committed_len = None, 0
+        self.ledger.release(req)  # its slots and row (no tree prefix: nothing locked)
 
     def abort(self, match: Callable[[Req], bool], message: str) -> None:
         for q, holds_kv in ((self.prealloc_queue, False), (self.transfer_queue, True)):

@@ -7,13 +7,11 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, List, Optional
 
-import torch
-
 from radixserve.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch
 from radixserve.managers.scheduler_stats import SchedulerStats
 from radixserve.mem_cache.base_prefix_cache import BasePrefixCache
 from radixserve.mem_cache.hiradix_cache import HiRadixCache
-from radixserve.mem_cache.memory_pool import TokenToKVPoolAllocator
+from radixserve.mem_cache.kv_ledger import KVLedger
 from radixserve.model_executor.tp_worker import GenerationBatchResult
 from radixserve.protocol import LOGPROB_KEYS, SPEC_KEYS, BatchTokenIDOutput, HealthCheckOutput
 
@@ -27,14 +25,14 @@ class SchedulerOutputProcessor:
     def __init__(
         self,
         tree_cache: BasePrefixCache,
-        token_to_kv_pool_allocator: TokenToKVPoolAllocator,
+        ledger: KVLedger,
         send_fn: Callable[[Any], None],
         stream_interval: int,
         stats: Optional[SchedulerStats] = None,
     ):
         self.tree_cache = tree_cache
         self._hicache = isinstance(tree_cache, HiRadixCache)  # report cached_tokens_details
-        self.allocator = token_to_kv_pool_allocator
+        self.ledger = ledger
         self.send_fn = send_fn
         self.stream_interval = stream_interval
         self.stats = stats if stats is not None else SchedulerStats()  # the spec_* totals
@@ -56,39 +54,37 @@ class SchedulerOutputProcessor:
         if batch.input_logprob_counts:
             self._add_input_logprobs(batch, result)
         decoding = set(id(r) for r in (batch.decoding_reqs or []))
-        self.allocator.free_group_begin()
-        for i, req in enumerate(batch.reqs):
-            if req.pending_chunks > 0:
-                req.pending_chunks -= 1  # a middle chunk: its sampled token means nothing
-                continue
-            if self._is_stale(req):
-                continue
-            if req.disagg_kv_sender is not None and self.on_disagg_prefilled is not None:
-                self.on_disagg_prefilled(req, next_ids[i], result, i)  # its KV goes to a decode server
-                continue
-            if self.append_token(req, next_ids[i], result, i):
-                continue
-            if id(req) not in decoding:
-                # The prompt enters the tree now, so requests behind it can share it.
-                self.tree_cache.cache_unfinished_req(req)
-        self.allocator.free_group_end()
+        with self.ledger.free_group():
+            for i, req in enumerate(batch.reqs):
+                if req.pending_chunks > 0:
+                    req.pending_chunks -= 1  # a middle chunk: its sampled token means nothing
+                    continue
+                if self._is_stale(req):
+                    continue
+                if req.disagg_kv_sender is not None and self.on_disagg_prefilled is not None:
+                    self.on_disagg_prefilled(req, next_ids[i], result, i)  # its KV goes to a decode server
+                    continue
+                if self.append_token(req, next_ids[i], result, i):
+                    continue
+                if id(req) not in decoding:
+                    # The prompt enters the tree now, so requests behind it can share it.
+                    self.tree_cache.cache_unfinished_req(req)
         self.stream_output(batch.reqs)
 
     def process_batch_result_decode(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
         next_ids = result.next_token_ids.tolist()
-        self.allocator.free_group_begin()
-        if result.num_drafts is not None:  # a speculative step: accepted drafts + 1 tokens per request
-            self._count_spec_step(batch, result)
-            start = 0
-            for req, accepted in zip(batch.reqs, result.accept_lens or [0] * len(batch.reqs)):
-                if not self._is_stale(req):
-                    self.append_tokens(req, next_ids[start : start + accepted + 1], result, start)
-                start += accepted + 1
-        else:
-            for i, req in enumerate(batch.reqs):
-                if not self._is_stale(req):
-                    self.append_token(req, next_ids[i], result, i)
-        self.allocator.free_group_end()
+        with self.ledger.free_group():
+            if result.num_drafts is not None:  # a speculative step: accepted drafts + 1 tokens per request
+                self._count_spec_step(batch, result)
+                start = 0
+                for req, accepted in zip(batch.reqs, result.accept_lens or [0] * len(batch.reqs)):
+                    if not self._is_stale(req):
+                        self.append_tokens(req, next_ids[start : start + accepted + 1], result, start)
+                    start += accepted + 1
+            else:
+                for i, req in enumerate(batch.reqs):
+                    if not self._is_stale(req):
+                        self.append_token(req, next_ids[i], result, i)
         self.stream_output(batch.reqs)
 
     def _count_spec_step(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
@@ -123,7 +119,7 @@ class SchedulerOutputProcessor:
         if not req.finished():
             return False
         if req.kv_allocated_len:  # a prefill's end, its first decode step prepared (spec_overlap.py)
-            self._release_past(req, req.kv_committed_len)
+            self.ledger.commit(req, req.kv_committed_len)
         req.grammar = None  # release the matcher
         self.tree_cache.cache_finished_req(req)
         return True
@@ -138,24 +134,12 @@ class SchedulerOutputProcessor:
                 break
         kept = req.seqlen() - 1  # every token but the last has KV, as after a plain decode step
         if not req.finished():
-            req.kv_committed_len = kept  # (the overlap loop's forward thread left the Req alone)
+            self.ledger.advance(req, kept)  # (the overlap loop's forward thread left the Req alone)
             return False
-        self._release_past(req, kept)
+        self.ledger.commit(req, kept)  # rejected or dropped drafts' slots, and those reserved ahead
         req.grammar = None
         self.tree_cache.cache_finished_req(req)
         return True
-
-    def _release_past(self, req: Req, kept: int) -> None:
-        """A finishing request keeps the KV of its first `kept` tokens (for the tree); the slots
-        past them go back now: rejected or dropped drafts', and in the overlap loop those
-        reserved ahead (kv_allocated_len). Whole pages past the last kept token go; the rest of
-        its page goes with it."""
-        held = max(req.kv_committed_len, req.kv_allocated_len)
-        first_free = -(-kept // self.allocator.page_size) * self.allocator.page_size
-        if first_free < held:
-            row = self.tree_cache.req_to_token_pool.req_to_token_cpu[req.req_pool_idx]
-            self.allocator.free(row[first_free:held].to(torch.int64))
-        req.kv_committed_len, req.kv_allocated_len = kept, 0
 
     def _add_token(self, req: Req, token: int, result: GenerationBatchResult, i: int) -> None:
         req.output_ids.append(token)

@@ -25,6 +25,7 @@ from typing import Any, Callable, Deque, List, Optional, Tuple
 
 import torch
 
+from radixserve.mem_cache.kv_ledger import KVLedger
 from radixserve.speculative.overlap_view import DecodeView, ExtendView, decode_view, decode_worker_batch
 
 
@@ -172,8 +173,10 @@ class TpModelWorkerClient:
     forward on the ForwardThread and returns at once with a PendingResult and the placeholders
     (-future_index) that stand for the batch's sampled tokens until they are known."""
 
-    def __init__(self, tp_worker: Any, max_running_requests: int, chunked_prefill_size: Optional[int], context_len: int):
+    def __init__(self, tp_worker: Any, max_running_requests: int, chunked_prefill_size: Optional[int], context_len: int,
+                 ledger: Optional[KVLedger] = None):
         self.worker = tp_worker
+        self.ledger = ledger  # the speculative step's view reads rows and moves KV through it
         self.forward_thread = ForwardThread(tp_worker.device)
         self.future_map = FutureMap(max_running_requests, chunked_prefill_size, context_len, tp_worker.device)
         # (what processing a batch's result needs, its PendingResult), in launch order
@@ -208,7 +211,7 @@ class TpModelWorkerClient:
     def _decode_view(self, inp: Any, return_logprob: bool, top_logprobs_nums: List[int], verify_width: int,
                      worker_batch: Any) -> Tuple[DecodeView, Any]:
         view = decode_view(inp, self.future_map.resolve_committed(inp.input_ids, inp.known_lens), worker_batch,
-                           self.worker.model_runner.req_to_token_pool, return_logprob, top_logprobs_nums, verify_width)
+                           self.ledger, return_logprob, top_logprobs_nums, verify_width)
         return view, decode_worker_batch(view, worker_batch)
 
     def _forward_spec(self, spec_worker: Any, make_view: Callable, worker_batch: Any, lens_before: Optional[List[int]],

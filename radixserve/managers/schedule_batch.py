@@ -21,7 +21,7 @@ import torch
 
 from radixserve.managers import spec_overlap
 from radixserve.mem_cache.base_prefix_cache import BasePrefixCache
-from radixserve.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
+from radixserve.mem_cache.kv_ledger import KVLedger
 from radixserve.model_executor.forward_batch import ForwardMode, ModelWorkerBatch
 from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
 from radixserve.sampling_params import SamplingParams
@@ -365,9 +365,8 @@ class ScheduleBatch:
     seq_lens_cpu[i] is reqs[i]'s kv_committed_len (the tokens with KV in the pool)."""
 
     reqs: List[Req]
-    req_to_token_pool: Optional[ReqToTokenPool] = None
-    token_to_kv_pool_allocator: Optional[TokenToKVPoolAllocator] = None
-    tree_cache: Optional[BasePrefixCache] = None
+    ledger: Optional[KVLedger] = None  # rows, slots and tree locks: all KV goes through it
+    tree_cache: Optional[BasePrefixCache] = None  # (read: prefix matching)
     vocab_size: int = 0
     device: str = "cpu"
     forward_mode: Optional[ForwardMode] = None
@@ -403,14 +402,12 @@ class ScheduleBatch:
     spec_overlap_input: Any = None
 
     @classmethod
-    def init_new(cls, reqs: List[Req], req_to_token_pool, token_to_kv_pool_allocator, tree_cache,
-                 vocab_size: int, device: str = "cpu", chunked_req: Optional[Req] = None,
+    def init_new(cls, reqs: List[Req], ledger: KVLedger, vocab_size: int, device: str = "cpu", chunked_req: Optional[Req] = None,
                  forward_thread: Any = None, spec_max_drafts: int = 0, spec_overlap: bool = False) -> "ScheduleBatch":
         return cls(
             reqs=reqs,
-            req_to_token_pool=req_to_token_pool,
-            token_to_kv_pool_allocator=token_to_kv_pool_allocator,
-            tree_cache=tree_cache,
+            ledger=ledger,
+            tree_cache=ledger.tree_cache,
             vocab_size=vocab_size,
             device=device,
             return_logprob=any(r.return_logprob for r in reqs),
@@ -424,7 +421,7 @@ class ScheduleBatch:
         """What processing this batch's result needs, detached from later filter/merge."""
         return ScheduleBatch(
             reqs=list(self.reqs), forward_mode=self.forward_mode, decoding_reqs=self.decoding_reqs,
-            return_logprob=self.return_logprob, tree_cache=self.tree_cache, device=self.device,
+            return_logprob=self.return_logprob, ledger=self.ledger, tree_cache=self.tree_cache, device=self.device,
             input_logprob_counts=self.input_logprob_counts,
         )
 
@@ -440,44 +437,23 @@ class ScheduleBatch:
     def is_empty(self) -> bool:
         return len(self.reqs) == 0
 
-    # ---- memory ----------------------------------------------------------------------------
-    def _evict_tree_cache_if_needed(self, num_tokens: int) -> None:
-        available = self.token_to_kv_pool_allocator.available_size()
-        if available < num_tokens:
-            self.tree_cache.evict(num_tokens - available)
+    # ---- memory (all through the ledger) -------------------------------------------------------
+    @property
+    def req_to_token_pool(self):
+        """The rows (read, and written where the ledger's reservations go)."""
+        return self.ledger.req_to_token_pool
 
     def alloc_token_slots(self, num_tokens: int) -> torch.Tensor:
-        self._evict_tree_cache_if_needed(num_tokens)
-        out = self.token_to_kv_pool_allocator.alloc(num_tokens)
-        if out is None:
-            raise RuntimeError(f"KV cache out of memory: need {num_tokens} slots. {self._mem_report()}")
-        return out
-
-    def _alloc_paged(self, prefix_lens: List[int], seq_lens: List[int], last_locs: List[int]) -> torch.Tensor:
-        ps = self.token_to_kv_pool_allocator.page_size
-        need = sum(-(-s // ps) - -(-p // ps) for p, s in zip(prefix_lens, seq_lens)) * ps
-        self._evict_tree_cache_if_needed(need)
-        out = self.token_to_kv_pool_allocator.alloc_extend(prefix_lens, seq_lens, last_locs)
-        if out is None:
-            raise RuntimeError(f"KV cache out of memory: need {need} slots. {self._mem_report()}")
-        return out
+        return self.ledger.alloc_slots(num_tokens)
 
     def alloc_slots_after(self, prefix_lens: List[int], seq_lens: List[int]) -> torch.Tensor:
         """Slots for tokens prefix_len..seq_len-1 of each request, whose row already holds the
         slots before them (speculative drafts after the decode token): concatenated."""
-        if self.token_to_kv_pool_allocator.page_size == 1:
-            return self.alloc_token_slots(sum(s - p for p, s in zip(prefix_lens, seq_lens)))
-        return self._alloc_paged(prefix_lens, seq_lens, self._last_locs(prefix_lens))
-
-    def _mem_report(self) -> str:
-        return (
-            f"available={self.token_to_kv_pool_allocator.available_size()}, "
-            f"evictable={self.tree_cache.evictable_size()}, protected={self.tree_cache.protected_size()}"
-        )
+        return self.ledger.reserve(prefix_lens, seq_lens, self._last_locs(prefix_lens))
 
     def _last_locs(self, prefix_lens: List[int]) -> List[int]:
         """Slot of each request's token prefix_len-1 (-1 if none): paged alloc continues its page."""
-        if self.token_to_kv_pool_allocator.page_size == 1:
+        if self.ledger.page_size == 1:
             return [-1] * len(prefix_lens)
         req_to_token = self.req_to_token_pool.req_to_token_cpu
         return [int(req_to_token[r.req_pool_idx, p - 1]) if p > 0 else -1 for r, p in zip(self.reqs, prefix_lens)]
@@ -493,7 +469,7 @@ class ScheduleBatch:
                 r.forward_entry_time = now
         new_rows = [r for r in reqs if r.req_pool_idx is None]
         if new_rows:
-            rows = self.req_to_token_pool.alloc(len(new_rows))
+            rows = self.ledger.alloc_rows(len(new_rows))
             if rows is None:
                 raise RuntimeError("req_to_token_pool is full; max_running_requests is too large")
             for r, row in zip(new_rows, rows):
@@ -507,17 +483,14 @@ class ScheduleBatch:
         if cached:
             self.req_to_token_pool.write_spans([r.req_pool_idx for r, _ in cached], [0] * len(cached),
                                                [p for _, p in cached], torch.cat([r.prefix_indices for r, _ in cached]))
-        if self.token_to_kv_pool_allocator.page_size == 1:
-            out_cache_loc = self.alloc_token_slots(self.extend_num_tokens)
-        else:
-            out_cache_loc = self._alloc_paged(self.prefix_lens, self.seq_lens_cpu, self._last_locs(self.prefix_lens))
+        out_cache_loc = self.ledger.reserve(self.prefix_lens, self.seq_lens_cpu, self._last_locs(self.prefix_lens))
         self.req_to_token_pool.write_spans([r.req_pool_idx for r in reqs], self.prefix_lens, self.extend_lens,
                                            out_cache_loc)
         for r in reqs:
             # Only prefix hits beyond what this request computed itself count as cached.
             r.count_cached_tokens(max(len(r.prefix_indices) - r.already_computed, 0))
             r.already_computed = len(r.fill_ids)
-            r.kv_committed_len = len(r.fill_ids)
+            self.ledger.advance(r, len(r.fill_ids))
             r.check_invariants()
         new_tokens = itertools.chain.from_iterable(r.fill_ids[p:] for r, p in zip(reqs, self.prefix_lens))
         self.input_ids = torch.tensor(list(new_tokens), dtype=torch.int64)
@@ -567,7 +540,7 @@ class ScheduleBatch:
     def new_tokens_next_decode(self, indices: Optional[List[int]] = None) -> int:
         """Slots the next decode step needs (whole new pages when page_size > 1; with
         speculative decoding, room for each request's drafts too)."""
-        ps = self.token_to_kv_pool_allocator.page_size
+        ps = self.ledger.page_size
         if self.spec_overlap:
             reqs = self.reqs if indices is None else [self.reqs[i] for i in indices]
             return spec_overlap.new_slots_needed(reqs, self.spec_max_drafts, self.req_to_token_pool.req_to_token.shape[1], ps)
@@ -580,9 +553,7 @@ class ScheduleBatch:
         return sum(ps for n in lens if n % ps == 0)
 
     def check_decode_mem(self, indices: Optional[List[int]] = None) -> bool:
-        num_tokens = self.new_tokens_next_decode(indices)
-        self._evict_tree_cache_if_needed(num_tokens)
-        return self.token_to_kv_pool_allocator.available_size() >= num_tokens
+        return self.ledger.make_room(self.new_tokens_next_decode(indices))
 
     def prepare_for_decode(self) -> None:
         """One new slot per request, written at req_to_token[row, seq_len]; seq_lens += 1."""
@@ -593,16 +564,12 @@ class ScheduleBatch:
         self.output_ids = None
         bs = len(self.reqs)
         locs_before = self.seq_lens_cpu  # the new token's position in the row
-        if self.token_to_kv_pool_allocator.page_size == 1:
-            self.out_cache_loc = self.alloc_token_slots(bs)
-        else:
-            new_lens = [s + 1 for s in locs_before]
-            self.out_cache_loc = self._alloc_paged(locs_before, new_lens, self._last_locs(locs_before))
+        self.out_cache_loc = self.ledger.reserve(locs_before, [s + 1 for s in locs_before], self._last_locs(locs_before))
         self.req_to_token_pool.write((self.req_pool_indices, self.seq_lens), self.out_cache_loc)
         self.seq_lens = self.seq_lens + 1
         self.seq_lens_cpu = [s + 1 for s in self.seq_lens_cpu]
         for r in self.reqs:
-            r.kv_committed_len += 1
+            self.ledger.advance(r, r.kv_committed_len + 1)
         self.check_invariants()
 
     def check_invariants(self) -> None:
@@ -613,16 +580,7 @@ class ScheduleBatch:
     def release_req(self, req: Req) -> None:
         """Free everything a running request holds that the tree does not (retract / preempt).
         Its prefix stays in the tree, unlocked (evictable)."""
-        row = req.req_pool_idx
-        seq_len = spec_overlap.held_len(req)
-        page_size = self.token_to_kv_pool_allocator.page_size
-        # Slots of the locked tree prefix stay in the tree; everything after is private.
-        protected = 0 if self.tree_cache.disable else len(req.prefix_indices) // page_size * page_size
-        slots = self.req_to_token_pool.req_to_token_cpu[row, protected:seq_len].to(torch.int64)
-        self.token_to_kv_pool_allocator.free(slots)
-        self.req_to_token_pool.free(row)
-        if req.last_node is not None:
-            self.tree_cache.dec_lock_ref(req.last_node)
+        self.ledger.release(req)
         req.reset_for_retract()
 
     def retract_decode(self) -> tuple:
@@ -643,7 +601,7 @@ class ScheduleBatch:
             self.release_req(req)
             retracted.append(req)
             # The tree part just unlocked is evictable now; use it for the remaining requests.
-            self._evict_tree_cache_if_needed(len(order) * RETRACT_DECODE_STEPS)
+            self.ledger.make_room(len(order) * RETRACT_DECODE_STEPS)
         self.filter_batch(keep_indices=sorted(order))
         decoded = sum(len(r.output_ids) for r in self.reqs)
         max_new = sum(r.clipped_max_new_tokens() for r in self.reqs)

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import random
 from collections import defaultdict
-from contextlib import contextmanager
 from enum import Enum, auto
 from typing import Callable, Dict, List, Optional
 
 import torch
 
 from radixserve.managers.schedule_batch import Req, ScheduleBatch
+from radixserve.mem_cache.kv_ledger import KVLedger
 from radixserve.mem_cache.radix_cache import RadixCache, TreeNode
 
 # In-batch prefix caching (SGLang): a request whose cached prefix is short but which shares a
@@ -180,8 +180,7 @@ class PrefillAdder:
     def __init__(
         self,
         page_size: int,
-        tree_cache,
-        token_to_kv_pool_allocator,
+        ledger: KVLedger,
         running_batch: Optional[ScheduleBatch],
         new_token_ratio: float,
         rem_input_tokens: int,
@@ -191,8 +190,8 @@ class PrefillAdder:
         policy: Optional[SchedulePolicy] = None,
     ):
         self.page_size = page_size
-        self.tree_cache = tree_cache
-        self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
+        self.ledger = ledger
+        self.tree_cache = ledger.tree_cache  # (read: prefix matching)
         self.running_batch = running_batch
         self.new_token_ratio = new_token_ratio
         self.rem_input_tokens = rem_input_tokens - mixed_with_decode_tokens
@@ -214,12 +213,12 @@ class PrefillAdder:
 
     @property
     def rem_total_tokens(self) -> float:
-        avail = self.token_to_kv_pool_allocator.available_size() + self.tree_cache.evictable_size()
+        avail = self.ledger.budget()
         return avail - self.rem_total_token_offset
 
     @property
     def cur_rem_tokens(self) -> float:
-        avail = self.token_to_kv_pool_allocator.available_size() + self.tree_cache.evictable_size()
+        avail = self.ledger.budget()
         return avail - self.cur_rem_token_offset
 
     def ceil_paged_tokens(self, tokens: int) -> int:
@@ -257,14 +256,9 @@ class PrefillAdder:
         self._update_prefill_budget(0, req.extend_input_len, 0 if truncated else self._max_new(req))
         return req if truncated else None
 
-    @contextmanager
     def _lock_node(self, last_node):
         # Locked, the matched prefix is not evictable: rem_total_tokens sees the true budget.
-        self.tree_cache.inc_lock_ref(last_node)
-        try:
-            yield
-        finally:
-            self.tree_cache.dec_lock_ref(last_node)
+        return self.ledger.locked(last_node)
 
     def add_one_req(self, req: Req, has_chunked_req: bool = False) -> AddReqResult:
         total_tokens = req.extend_input_len + self._max_new(req)
@@ -285,7 +279,7 @@ class PrefillAdder:
                 prefix_len, input_tokens = len(req.prefix_indices), self.ceil_paged_tokens(req.extend_input_len)
             if self.rem_chunk_tokens is None or input_tokens <= self.rem_chunk_tokens:
                 self.can_run_list.append(req)
-                self.tree_cache.inc_lock_ref(req.last_node)
+                self.ledger.lock(req.last_node)
                 self._update_prefill_budget(prefix_len, input_tokens, self._max_new(req))
             else:
                 trunc_len = self.rem_chunk_tokens // self.page_size * self.page_size
@@ -295,14 +289,14 @@ class PrefillAdder:
                 req.fill_ids = req.fill_ids[: len(req.prefix_indices) + trunc_len]
                 self.can_run_list.append(req)
                 self.new_chunked_req = req
-                self.tree_cache.inc_lock_ref(req.last_node)
+                self.ledger.lock(req.last_node)
                 self._update_prefill_budget(prefix_len, trunc_len, 0)
         return self.budget_state()
 
     def _load_back(self, req: Req) -> bool:
         """HiCache: load the request's host hit into fresh device slots; they extend its cached
         prefix (counted as tier host in prepare_for_extend). False: the device has no room."""
-        new_indices, last_node = self.tree_cache.init_load_back(req.last_host_node, req.host_hit_length)
+        new_indices, last_node = self.ledger.load_back(req.last_host_node, req.host_hit_length)
         if len(new_indices) < req.host_hit_length:
             return False
         req.prefix_indices = torch.cat([req.prefix_indices, new_indices])

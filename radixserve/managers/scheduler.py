@@ -36,7 +36,8 @@ from radixserve.managers.scheduler_profiler import SchedulerProfiler
 from radixserve.managers.schedule_policy import NewTokenRatio, PrefillAdder, SchedulePolicy
 from radixserve.managers.scheduler_stats import SchedulerStats
 from radixserve.managers.scheduler_update_weights import SchedulerUpdateWeights, WeightsUpdateGroupJoined
-from radixserve.mem_cache.base_prefix_cache import BasePrefixCache, check_pages_conserved, check_pools_idle
+from radixserve.mem_cache.base_prefix_cache import BasePrefixCache
+from radixserve.mem_cache.kv_ledger import KVLedger
 from radixserve.mem_cache.chunk_cache import ChunkCache
 from radixserve.mem_cache.hiradix_cache import HiRadixCache
 from radixserve.mem_cache.radix_cache import RadixCache
@@ -85,6 +86,9 @@ class Scheduler:
         self.page_size = args.page_size
         self.req_to_token_pool, self.token_to_kv_pool_allocator = tp_worker.get_memory_pool()
         self.tree_cache: BasePrefixCache = self._make_tree_cache()
+        # The one owner of KV: rows, slots and tree locks (everything below asks it).
+        self.ledger = KVLedger(self.req_to_token_pool, self.token_to_kv_pool_allocator, self.tree_cache,
+                               kv_pool=tp_worker.get_kv_pool())
         self.policy = SchedulePolicy(
             args.schedule_policy, self.tree_cache, args.enable_priority_scheduling,
             args.schedule_low_priority_values_first, args.seed,
@@ -97,7 +101,7 @@ class Scheduler:
         # while this thread schedules the next batch; results are processed one iteration late.
         self.enable_overlap = args.overlap_schedule_enabled(self.device)
         self.overlap_worker = TpModelWorkerClient(
-            tp_worker, self.max_running_requests, self.chunked_prefill_size, self.context_len,
+            tp_worker, self.max_running_requests, self.chunked_prefill_size, self.context_len, self.ledger,
         ) if self.enable_overlap else None
         # Overlap: sampling-state changes are queued on the forward thread, behind the forwards in flight.
         self.forward_thread = self.overlap_worker.forward_thread if self.overlap_worker else None
@@ -105,7 +109,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.spec_worker = create_speculative_worker(args, tp_worker)  # --speculative-algorithm; None: off
 
-        self.output_processor = (EmbeddingOutputProcessor if args.is_embedding else SchedulerOutputProcessor)(self.tree_cache, self.token_to_kv_pool_allocator, self.send_fn, args.stream_interval, self.stats)
+        self.output_processor = (EmbeddingOutputProcessor if args.is_embedding else SchedulerOutputProcessor)(self.tree_cache, self.ledger, self.send_fn, args.stream_interval, self.stats)
         self.grammar_backend = create_grammar_backend(args, self.tokenizer, self.vocab_size, self.model_config.eos_token_ids)
         # Structured output: requests wait here while their grammar compiles (seed 000).
         self.grammar_queue = GrammarQueue(args, self.grammar_backend, self._reject_bad_grammar, tp_rank, tp_size)
@@ -141,7 +145,7 @@ class Scheduler:
         if args.disable_radix_cache:
             return ChunkCache(self.req_to_token_pool, self.token_to_kv_pool_allocator)
         if args.enable_hierarchical_cache:  # HiCache: a host tier under the device pool
-            return HiRadixCache.from_server_args(*self.tp_worker.get_memory_pool(), self.tp_worker.model_runner.token_to_kv_pool, args)
+            return HiRadixCache.from_server_args(*self.tp_worker.get_memory_pool(), self.tp_worker.get_kv_pool(), args)
         return RadixCache(self.req_to_token_pool, self.token_to_kv_pool_allocator, page_size=self.page_size,
                           eviction_policy=args.radix_eviction_policy)
 
@@ -149,8 +153,7 @@ class Scheduler:
         return self._new_batch([])
 
     def _new_batch(self, reqs: List[Req], chunked_req: Optional[Req] = None) -> ScheduleBatch:
-        return ScheduleBatch.init_new(reqs, self.req_to_token_pool, self.token_to_kv_pool_allocator, self.tree_cache,
-                                      self.vocab_size, self.device, chunked_req, self.forward_thread,
+        return ScheduleBatch.init_new(reqs, self.ledger, self.vocab_size, self.device, chunked_req, self.forward_thread,
                                       self.spec_worker.max_drafts if self.spec_worker is not None else 0,
                                       spec_overlap=self.spec_worker is not None and self.enable_overlap)
 
@@ -419,7 +422,7 @@ class Scheduler:
 
         self.policy.calc_priority(self.waiting_queue)
         adder = PrefillAdder(
-            self.page_size, self.tree_cache, self.token_to_kv_pool_allocator, self.running_batch,
+            self.page_size, self.ledger, self.running_batch,
             self.new_token_ratio.value, self.max_prefill_tokens, self.chunked_prefill_size,
             mixed_with_decode_tokens=running_bs if self.is_mixed_chunk else 0,
             priority_scheduling_preemption_threshold=self.server_args.priority_scheduling_preemption_threshold,
@@ -547,9 +550,7 @@ class Scheduler:
         if self.has_work() or self.waiting_on_peer():
             logger.warning("Cache not flushed because there are pending requests.")
             return False
-        self.tree_cache.reset()
-        self.token_to_kv_pool_allocator.clear()
-        self.req_to_token_pool.clear()
+        self.ledger.clear()
         self.grammar_queue.reset()
         if self.spec_worker is not None:  # SGLang's flush clears the n-gram store too
             self.spec_worker.clear_cache_pool()
@@ -592,7 +593,7 @@ class Scheduler:
 
     def check_memory(self) -> None:
         """Raises MemoryLeakError (which ends the process) if a slot or a row was lost."""
-        check_pools_idle(self.tree_cache, self.token_to_kv_pool_allocator, self.req_to_token_pool, self.max_total_num_tokens)
+        self.ledger.check_idle(self.max_total_num_tokens)
 
     def check_slot_conservation(self) -> None:
         """--test-check-memory, after every step (see check_pages_conserved)."""
@@ -602,5 +603,4 @@ class Scheduler:
         for disagg in (self.disagg_prefill, self.disagg_decode):
             if disagg is not None:
                 live += disagg.live_reqs()
-        check_pages_conserved(self.tree_cache, self.token_to_kv_pool_allocator, self.req_to_token_pool,
-                              [r for r in live if r.req_pool_idx is not None and not r.finished()])
+        self.ledger.check_conserved([r for r in live if r.req_pool_idx is not None and not r.finished()])

@@ -127,22 +127,21 @@ class EmbeddingOutputProcessor(SchedulerOutputProcessor):
     request at its last chunk (its KV goes to the tree), reports BatchEmbeddingOutput."""
 
     def process_batch_result(self, batch: ScheduleBatch, result: EmbeddingBatchResult) -> None:
-        self.allocator.free_group_begin()
-        for i, req in enumerate(batch.reqs):
-            if req.finished():
-                continue
-            if isinstance(req, EmbeddingReq):
-                req.add_pooled_part(result.embeddings[i])
-            elif req.to_finish is None:  # a generate request driven straight into this scheduler
-                req.to_finish = FINISH_ABORT(NOT_A_GENERATION_SERVER, status_code=400, err_type="BadRequestError")
-            if req.pending_chunks > 0:
-                req.pending_chunks -= 1  # a middle chunk: the prompt goes on in the next forward
-                continue
-            req.check_finished()  # max_new_tokens 0: FINISH_LENGTH, or the abort it was given
-            if isinstance(req, EmbeddingReq) and not req.finished_reason.is_error:
-                req.finish_embedding()
-            self.tree_cache.cache_finished_req(req)
-        self.allocator.free_group_end()
+        with self.ledger.free_group():
+            for i, req in enumerate(batch.reqs):
+                if req.finished():
+                    continue
+                if isinstance(req, EmbeddingReq):
+                    req.add_pooled_part(result.embeddings[i])
+                elif req.to_finish is None:  # a generate request driven straight into this scheduler
+                    req.to_finish = FINISH_ABORT(NOT_A_GENERATION_SERVER, status_code=400, err_type="BadRequestError")
+                if req.pending_chunks > 0:
+                    req.pending_chunks -= 1  # a middle chunk: the prompt goes on in the next forward
+                    continue
+                req.check_finished()  # max_new_tokens 0: FINISH_LENGTH, or the abort it was given
+                if isinstance(req, EmbeddingReq) and not req.finished_reason.is_error:
+                    req.finish_embedding()
+                self.tree_cache.cache_finished_req(req)
         self.stream_output(batch.reqs)
 
     def stream_output(self, reqs: List[Req]) -> None:

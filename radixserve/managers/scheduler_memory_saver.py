@@ -132,7 +132,5 @@ class SchedulerMemorySaver:
     def _flush_radix_cache(self) -> None:
         """flush_cache's resets (it refuses while requests wait; retracted ones hold no KV)."""
         s = self.sched
-        s.tree_cache.reset()
-        s.token_to_kv_pool_allocator.clear()
-        s.req_to_token_pool.clear()
+        s.ledger.clear()
         s.new_token_ratio.reset()

@@ -29,6 +29,7 @@ from typing import Any, List, Optional
 
 import torch
 
+from radixserve.mem_cache.kv_ledger import held_len  # positions of a row that hold its slots
 from radixserve.model_executor.forward_batch import ForwardMode
 
 
@@ -60,11 +61,6 @@ class SpecOverlapInput:
 def reserve_target(req: Any, max_drafts: int, row_width: int) -> int:
     """Positions with slots a request needs before its next step: S + 2k + 1 (module docstring)."""
     return min(req.seqlen() + 2 * max_drafts + 1, row_width)
-
-
-def held_len(req: Any) -> int:
-    """Positions of the request's row that hold its slots."""
-    return max(req.kv_committed_len, req.kv_allocated_len)
 
 
 def new_slots_needed(reqs: List[Any], max_drafts: int, row_width: int, page_size: int) -> int:

@@ -140,6 +140,12 @@ class BasePrefixCache(ABC):
     def pretty_print(self) -> str:
         """Print the cache's contents and return the text."""
 
+    def init_load_back(self, last_host_node: Any, host_hit_length: int) -> "tuple[torch.Tensor, Any]":
+        """HiCache: bring a host hit (host_hit_length tokens ending at last_host_node) back to the
+        device; returns the new device slots and the node they end at. Without a host tier
+        there is no host hit: no slots, and the node itself."""
+        return torch.empty((0,), dtype=torch.int64), last_host_node
+
     def check_other_tiers(self, thorough: bool = True) -> None:
         """Raise MemoryLeakError if a slot of a tier beyond the device pool (HiCache's host
         pool) is lost (thorough: or held twice, page by page); nothing to check here."""

@@ -48,6 +48,10 @@ class TpModelWorker:
         r = self.model_runner
         return r.req_to_token_pool, r.token_to_kv_pool_allocator
 
+    def get_kv_pool(self):
+        """The K/V buffers (the ledger moves a tree verify's KV; HiCache copies to the host)."""
+        return self.model_runner.token_to_kv_pool
+
     # ---- weight updates (SGLang's TpModelWorker: a request in, (success, message) out) ----------
     def update_weights_from_disk(self, recv_req: UpdateWeightFromDiskReqInput) -> Tuple[bool, str]:
         return self.model_runner.update_weights_from_disk(recv_req.model_path, recv_req.load_format)

@@ -82,6 +82,9 @@ class SimModelWorker:
     def get_memory_pool(self):
         return self.req_to_token_pool, self.token_to_kv_pool_allocator
 
+    def get_kv_pool(self):
+        return None  # no K/V buffers: nothing is computed
+
     @staticmethod
     def to_host(t: torch.Tensor) -> Tuple[torch.Tensor, None]:
         return t, None  # already on the host: nothing to wait for

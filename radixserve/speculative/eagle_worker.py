@@ -98,7 +98,7 @@ class EAGLEWorker:
         prefix_lens = [s - 1 for s in batch.seq_lens_cpu]  # L
         out, paths, hidden = run_tree_verify_step(self.target_worker, batch, worker_batch, drafts, capture_hidden=True)
         if scratch is not None:
-            batch.token_to_kv_pool_allocator.free(scratch)
+            batch.ledger.free_slots(scratch)
         features = [[s] + [s + j for j in path] for s, path in zip(drafts.starts, paths)]
         self._extend_after_verify(batch, prefix_lens, out.token_ids, hidden, features)
         return result_of(out, drafts.num_drafts)
@@ -181,11 +181,8 @@ class EAGLEWorker:
         return TreeDrafts(tokens, SpecTree(parents)), scratch
 
     def _alloc_scratch(self, batch: Any, n: int) -> torch.Tensor:
-        alloc = batch.token_to_kv_pool_allocator
-        ps = alloc.page_size
-        slots = alloc.alloc(-(-n // ps) * ps)
-        assert slots is not None, "the KV pool has no room for the draft tree (check_decode_mem reserved it)"
-        return slots.to(torch.int64)
+        ps = batch.ledger.page_size  # (check_decode_mem made room for the draft tree)
+        return batch.ledger.alloc_slots(-(-n // ps) * ps).to(torch.int64)
 
     def _expand(self, batch: Any, nodes: Dict[int, List[_Node]], frontier: List[Tuple[int, int]],
                 slots: List[int]) -> Dict[int, List[int]]:

@@ -9,8 +9,8 @@ committed (the FutureMap's draft state):
     tokens     = the snapshot of prompt + output, then the tokens the step in flight committed
     seq_len    = len(tokens);  the last token goes at position seq_len - 1
     slots      = the request's window of reserved slots, from that position on
-                 (alloc_slots_after hands them out; `free` gives nothing back: the slots stay
-                 reserved for the request's next step, and go when it finishes)
+                 (alloc_slots_after hands them out; the view's ledger frees nothing: the slots
+                 stay reserved for the request's next step, and go when it finishes)
 
 The view never writes a req_to_token row: a request that finished while this step was in flight
 may have given its row to another one already.
@@ -24,25 +24,36 @@ from typing import Any, List, Optional
 
 import torch
 
+from radixserve.mem_cache.kv_ledger import KVLedger
 from radixserve.model_executor.forward_batch import ForwardMode, ModelWorkerBatch
 
 
 class ReservedSlots:
-    """The allocator a DecodeView's workers see: `alloc` hands out the batch's spare reserved
-    slots (EAGLE's scratch for its tree forwards), `free` keeps them reserved."""
+    """The ledger a DecodeView's workers see (KVLedger's operations a speculative step uses):
+    `alloc_slots` hands out the batch's spare reserved slots (EAGLE's scratch for its tree
+    forwards), `free_slots` and `commit` keep them reserved (the scheduler's ledger frees them
+    when the request finishes), `move_kv` goes to the scheduler's ledger."""
 
     page_size = 1  # slots here are single positions of reserved pages
 
-    def __init__(self, spare: torch.Tensor):
+    def __init__(self, spare: torch.Tensor, ledger: Optional[KVLedger] = None):
         self.spare = spare
+        self.ledger = ledger  # the scheduler's KVLedger
 
-    def alloc(self, n: int) -> torch.Tensor:
+    def alloc_slots(self, n: int) -> torch.Tensor:
         assert n <= len(self.spare), f"{n} scratch slots wanted, {len(self.spare)} reserved"
         out, self.spare = self.spare[:n], self.spare[n:]
         return out
 
-    def free(self, slots: torch.Tensor) -> None:
+    def free_slots(self, slots: torch.Tensor) -> None:
         """Nothing to do: rejected drafts' slots are the ones the next step writes."""
+
+    def commit(self, req: ReqView, kept: int, held: Optional[int] = None) -> None:
+        """The view's request keeps `kept` tokens' KV; nothing goes back (see free_slots)."""
+        req.kv_committed_len = kept
+
+    def move_kv(self, tgt: torch.Tensor, src: torch.Tensor) -> None:
+        self.ledger.move_kv(tgt, src)
 
 
 @dataclass
@@ -80,7 +91,7 @@ class DecodeView:
     out_cache_loc: torch.Tensor
     req_pool_indices: torch.Tensor
     req_to_token_pool: Any  # read by nobody that writes (see the module docstring)
-    token_to_kv_pool_allocator: ReservedSlots
+    ledger: ReservedSlots
     sampling_info: Any
     return_logprob: bool
     top_logprobs_nums: List[int]
@@ -99,12 +110,12 @@ class DecodeView:
         return torch.cat([self.slots(i, p, s) for i, (p, s) in enumerate(zip(prefix_lens, seq_lens))])
 
 
-def decode_view(inp: Any, pending: List[List[int]], worker_batch: ModelWorkerBatch, req_to_token_pool: Any,
+def decode_view(inp: Any, pending: List[List[int]], worker_batch: ModelWorkerBatch, ledger: KVLedger,
                 return_logprob: bool, top_logprobs_nums: List[int], verify_width: int) -> DecodeView:
     """The step's DecodeView: `inp` is the scheduler's SpecOverlapInput, pending[i] the tokens the
     step in flight committed for request i (empty when the scheduler had them already),
     verify_width the slots a verify uses at most (1 + drafts verified); the rest of each
-    request's reserved slots past it are spare (ReservedSlots)."""
+    request's reserved slots past it are spare (ReservedSlots); `ledger` is the scheduler's."""
     reqs, lens, last, offsets = [], [], [], []
     for i, snap in enumerate(inp.reqs):
         output = snap.output_ids + pending[i]
@@ -121,8 +132,8 @@ def decode_view(inp: Any, pending: List[List[int]], worker_batch: ModelWorkerBat
     return DecodeView(
         reqs=reqs, seq_lens_cpu=lens, seq_lens=torch.tensor(lens, dtype=torch.int64),
         input_ids=torch.tensor(last, dtype=torch.int64), out_cache_loc=inp.windows[rows, offs],
-        req_pool_indices=worker_batch.req_pool_indices, req_to_token_pool=req_to_token_pool,
-        token_to_kv_pool_allocator=ReservedSlots(inp.windows[spare_mask]),
+        req_pool_indices=worker_batch.req_pool_indices, req_to_token_pool=ledger.req_to_token_pool,
+        ledger=ReservedSlots(inp.windows[spare_mask], ledger),
         sampling_info=worker_batch.sampling_info, return_logprob=return_logprob, top_logprobs_nums=top_logprobs_nums,
         windows=inp.windows, window_starts=[n - 1 for n in inp.known_lens],
     )

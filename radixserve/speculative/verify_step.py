@@ -100,7 +100,7 @@ def run_tree_verify_step(target_worker: TpModelWorker, batch: Any, worker_batch:
                                            batch.return_logprob, batch.top_logprobs_nums if batch.return_logprob else None))
     tgt, src = accepted_kv_moves(drafts, paths, verify_batch.out_cache_loc)
     if len(tgt):
-        target_worker.model_runner.token_to_kv_pool.move_kv_cache(tgt, src)
+        batch.ledger.move_kv(tgt, src)
     commit(batch, drafts, out)
     return out, paths, out_logits.hidden_states
 
@@ -156,22 +156,13 @@ def verify_batch_of(batch: Any, worker_batch: ModelWorkerBatch, drafts: List[Lis
 
 def commit(batch: Any, spec: ChainVerifyInput, out: ChainVerifyOutput) -> None:
     """KV of the accepted tokens stays, the rejected drafts' slots go back now; seq_lens and
-    the sampling state follow the committed tokens."""
-    rows = batch.req_to_token_pool.req_to_token_cpu
-    ps = batch.token_to_kv_pool_allocator.page_size
-    freed, new_lens = [], []
+    the sampling state follow the committed tokens (the ledger frees the whole pages past the
+    last kept token, up to the last draft's)."""
+    new_lens = []
     for i, (req, k, a) in enumerate(zip(batch.reqs, spec.num_drafts, out.accept_lens)):
         kept = batch.seq_lens_cpu[i] + a  # L + 1 + a
-        end = batch.seq_lens_cpu[i] + k
-        # Paged: the rest of the page of the last kept token stays the request's (the next
-        # step's tokens fill it); only whole pages past it go back.
-        first_free = -(-kept // ps) * ps
-        if first_free < end:
-            freed.append(rows[req.req_pool_idx, first_free:end].to(torch.int64))
-        req.kv_committed_len = kept
+        batch.ledger.commit(req, kept, held=batch.seq_lens_cpu[i] + k)
         new_lens.append(kept)
-    if freed:
-        batch.token_to_kv_pool_allocator.free(torch.cat(freed))
     batch.seq_lens_cpu = new_lens
     batch.seq_lens = torch.tensor(new_lens, dtype=torch.int64, device=batch.seq_lens.device)
     batch.output_ids = torch.tensor([t[-1] for t in out.token_ids], dtype=torch.int64)

@@ -14,6 +14,7 @@ from radixserve.managers.schedule_batch import Req
 from radixserve.managers.schedule_policy import AddReqResult, PrefillAdder
 from radixserve.mem_cache.base_prefix_cache import MemoryLeakError
 from radixserve.mem_cache.hiradix_cache import HiRadixCache
+from radixserve.mem_cache.kv_ledger import KVLedger
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from radixserve.mem_cache.memory_pool_host import MHATokenToKVPoolHost
 from radixserve.sampling_params import SamplingParams
@@ -268,7 +269,7 @@ def test_the_storage_seam_is_called_and_its_pages_are_matched_as_storage_hits():
 
 # ---- the PrefillAdder's load-back accounting ---------------------------------------------------
 def _adder(cache: HiRadixCache, rem_input_tokens: int) -> PrefillAdder:
-    return PrefillAdder(1, cache, cache.token_to_kv_pool_allocator, None, 0.5, rem_input_tokens, None)
+    return PrefillAdder(1, KVLedger(cache.req_to_token_pool, cache.token_to_kv_pool_allocator, cache), None, 0.5, rem_input_tokens, None)
 
 
 def _req(ids: List[int], max_new: int = 4) -> Req:

@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from radixserve.engine import Engine
 from radixserve.lora.lora import LoRAAdapter
+from radixserve.mem_cache.kv_ledger import KVLedger
 from radixserve.lora.lora_config import LoRAConfig, LoRAError
 from radixserve.server_args import ServerArgs
 from radixserve.tiny_model import get_tiny_model_path
@@ -276,7 +277,7 @@ def _admission_round(running_adapters: List[Optional[str]], waiting_adapters: Li
     policy = SchedulePolicy("fcfs", cache)
     policy.max_loras_per_batch = limit
     running = ScheduleBatch(reqs=[req(f"r{i}", a) for i, a in enumerate(running_adapters)], tree_cache=cache)
-    adder = PrefillAdder(1, cache, alloc, running, 0.7, rem_input_tokens=10000, rem_chunk_tokens=None, policy=policy)
+    adder = PrefillAdder(1, KVLedger(cache.req_to_token_pool, alloc, cache), running, 0.7, rem_input_tokens=10000, rem_chunk_tokens=None, policy=policy)
     waiting = [req(f"w{i}", a) for i, a in enumerate(waiting_adapters)]
     adder.add_waiting_reqs(waiting, lambda bs: 100, try_preemption=False, has_chunked_req=False)
     return [r.rid for r in adder.can_run_list]

@@ -6,6 +6,7 @@ from __future__ import annotations
 from radixserve.engine import Engine
 from radixserve.managers.schedule_batch import Req, ScheduleBatch
 from radixserve.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
+from radixserve.mem_cache.kv_ledger import KVLedger
 from radixserve.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from radixserve.mem_cache.radix_cache import RadixCache
 from radixserve.sampling_params import SamplingParams
@@ -94,7 +95,7 @@ def test_prefill_adder_budgets_and_chunking():
     cache, alloc = _cache(size=1000)
     empty = ScheduleBatch(reqs=[], tree_cache=cache)
     # input budget: the second request no longer fits max_prefill_tokens
-    adder = PrefillAdder(1, cache, alloc, empty, 0.7, rem_input_tokens=100, rem_chunk_tokens=None)
+    adder = PrefillAdder(1, KVLedger(cache.req_to_token_pool, alloc, cache), empty, 0.7, rem_input_tokens=100, rem_chunk_tokens=None)
     r1, r2 = _req("1", list(range(10, 70))), _req("2", list(range(200, 260)))
     for r in (r1, r2):
         r.init_next_round_input(cache)
@@ -102,13 +103,13 @@ def test_prefill_adder_budgets_and_chunking():
     assert adder.add_one_req(r2) == AddReqResult.OTHER
     assert adder.can_run_list == [r1]
     # chunk budget: the request is truncated into a chunk
-    adder = PrefillAdder(1, cache, alloc, empty, 0.7, rem_input_tokens=10000, rem_chunk_tokens=40)
+    adder = PrefillAdder(1, KVLedger(cache.req_to_token_pool, alloc, cache), empty, 0.7, rem_input_tokens=10000, rem_chunk_tokens=40)
     r3 = _req("3", list(range(10, 110)))
     r3.init_next_round_input(cache)
     adder.add_one_req(r3)
     assert adder.new_chunked_req is r3 and r3.extend_input_len == 40 and len(r3.fill_ids) == 40
     # total budget: input + reserved output must fit free + evictable tokens
-    adder = PrefillAdder(1, cache, alloc, empty, 0.7, rem_input_tokens=10000, rem_chunk_tokens=None)
+    adder = PrefillAdder(1, KVLedger(cache.req_to_token_pool, alloc, cache), empty, 0.7, rem_input_tokens=10000, rem_chunk_tokens=None)
     r4 = _req("4", list(range(10, 900)), max_new=200)
     r4.init_next_round_input(cache)
     assert adder.add_one_req(r4) == AddReqResult.NO_TOKEN
@@ -117,7 +118,7 @@ def test_prefill_adder_budgets_and_chunking():
 def test_running_requests_reserve_decode_space():
     cache, alloc = _cache(size=1000)
     running = ScheduleBatch(reqs=[_req(str(i), [1, 2, 3], max_new=100) for i in range(5)], tree_cache=cache)
-    adder = PrefillAdder(1, cache, alloc, running, new_token_ratio=0.5, rem_input_tokens=10000, rem_chunk_tokens=None)
+    adder = PrefillAdder(1, KVLedger(cache.req_to_token_pool, alloc, cache), running, new_token_ratio=0.5, rem_input_tokens=10000, rem_chunk_tokens=None)
     assert adder.rem_total_tokens == 1000 - 5 * 100 * 0.5
 
 

@@ -64,7 +64,7 @@ def test_slots_are_reserved_for_any_length_the_step_in_flight_leaves():
     # speculative prefill commits one, but the view takes any count up to k + 1).
     wb = ModelWorkerBatch(forward_mode=ForwardMode.DECODE, input_ids=inp.input_ids, req_pool_indices=batch.req_pool_indices,
                           seq_lens=batch.seq_lens, out_cache_loc=batch.out_cache_loc, seq_lens_cpu=batch.seq_lens_cpu)
-    view = decode_view(inp, [[], [7, 8, 9]], wb, batch.req_to_token_pool, False, [0, 0], verify_width=1 + k)
+    view = decode_view(inp, [[], [7, 8, 9]], wb, SimpleNamespace(req_to_token_pool=pool), False, [0, 0], verify_width=1 + k)
     assert view.seq_lens_cpu == [11, 8] and view.input_ids.tolist() == [4, 9]
     assert view.reqs[1].output_ids == [7, 8, 9]
     # the last token goes at position seq_len - 1, its drafts after it: all reserved slots
@@ -72,6 +72,6 @@ def test_slots_are_reserved_for_any_length_the_step_in_flight_leaves():
     drafts = view.alloc_slots_after([11, 8], [11 + k, 8 + k])
     assert drafts.tolist() == rows[0, 11:13].tolist() + rows[1, 8:10].tolist()
     # past the verify: the spare reserved slots (EAGLE's scratch); freeing keeps them reserved
-    spare = view.token_to_kv_pool_allocator.alloc(2)
+    spare = view.ledger.alloc_slots(2)
     assert set(spare.tolist()) <= set(rows[:, :16].flatten().tolist()) - set(drafts.tolist())
-    view.token_to_kv_pool_allocator.free(drafts)
+    view.ledger.free_slots(drafts)

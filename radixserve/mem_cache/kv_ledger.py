@@ -1,0 +1,208 @@
+"""The KV ledger: the one owner of KV memory (DESIGN.md, "Memory: three levels").
+
+Everything that allocates, frees or locks KV goes through here: a request's row in the
+request-to-token table (L2), the slots of its tokens (L3), and the lock on its matched prefix
+in the tree (L1). A request's row holds, in order:
+
+    [0, len(prefix_indices))       the matched prefix: the tree's slots, locked (lock_ref > 0)
+    [.., kv_committed_len)         slots whose KV was computed for its tokens (private)
+    [.., kv_allocated_len)         slots reserved ahead (speculation in the overlap loop)
+
+Operations (SGLang's vocabulary): `match` / `load_back` (HiCache) find and lock a prefix;
+`reserve` hands out slots (prefill chunks, decode steps, speculative windows); `commit(req,
+kept)` keeps the first `kept` tokens' KV and frees the whole pages past it; `release(req)`
+gives back all a retracted or dropped request holds that the tree does not. `budget()` is what
+the PrefillAdder admits against; `check_idle` / `check_conserved` are slot conservation.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator, List, Optional, Protocol, Tuple
+
+import torch
+
+from radixserve.mem_cache.base_prefix_cache import (
+    BasePrefixCache, CacheReq, check_pages_conserved, check_pools_idle,
+)
+from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from radixserve.mem_cache.radix_cache import TreeNode
+
+
+class LedgerReq(Protocol):
+    """The fields of a request (managers/schedule_batch.py's Req) the ledger reads and writes."""
+
+    req_pool_idx: Optional[int]  # its row (None: holds none)
+    kv_committed_len: int  # positions of the row whose KV was computed
+    kv_allocated_len: int  # positions of the row with slots reserved ahead (0: none)
+    prefix_indices: torch.Tensor  # the tree's slots at the start of the row (locked)
+    last_node: Optional[TreeNode]  # where the lock on the prefix is (None: holds no lock)
+
+
+def held_len(req: LedgerReq) -> int:
+    """Positions of a request's row that hold its slots (committed, or reserved ahead)."""
+    return max(req.kv_committed_len, req.kv_allocated_len)
+
+
+class KVLedger:
+    """Rows, slots and tree locks: the only code that allocates, frees or locks KV."""
+
+    def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator,
+                 tree_cache: BasePrefixCache, kv_pool: Optional[MHATokenToKVPool] = None):
+        self.req_to_token_pool = req_to_token_pool
+        self.allocator = allocator
+        self.tree_cache = tree_cache
+        self.kv_pool = kv_pool  # the K/V buffers (None: a simulated worker has none)
+
+    @property
+    def page_size(self) -> int:
+        return self.allocator.page_size
+
+    @property
+    def row_width(self) -> int:
+        return self.req_to_token_pool.max_context_len
+
+    # ---- the budget ---------------------------------------------------------------------------
+    def available_size(self) -> int:
+        return self.allocator.available_size()
+
+    def budget(self) -> int:
+        """Slots a new request may take: free ones and the tree's evictable ones."""
+        return self.allocator.available_size() + self.tree_cache.evictable_size()
+
+    def free_rows(self) -> int:
+        return self.req_to_token_pool.available_size()
+
+    def make_room(self, num_tokens: int) -> bool:
+        """Evict from the tree until `num_tokens` slots are free; False if it cannot."""
+        available = self.allocator.available_size()
+        if available < num_tokens:
+            self.tree_cache.evict(num_tokens - available)
+        return self.allocator.available_size() >= num_tokens
+
+    def mem_report(self) -> str:
+        return (f"available={self.allocator.available_size()}, "
+                f"evictable={self.tree_cache.evictable_size()}, protected={self.tree_cache.protected_size()}")
+
+    # ---- match and lock (L1) ----------------------------------------------------------------------
+    def lock(self, node: TreeNode) -> None:
+        """The prefix ending at `node` may not be evicted while a request uses it."""
+        self.tree_cache.inc_lock_ref(node)
+
+    def unlock(self, node: TreeNode) -> None:
+        self.tree_cache.dec_lock_ref(node)
+
+    @contextmanager
+    def locked(self, node: TreeNode) -> Iterator[None]:
+        self.lock(node)
+        try:
+            yield
+        finally:
+            self.unlock(node)
+
+    def load_back(self, last_host_node: TreeNode, host_hit_length: int) -> Tuple[torch.Tensor, TreeNode]:
+        """HiCache: device slots for a host hit (BasePrefixCache.init_load_back)."""
+        return self.tree_cache.init_load_back(last_host_node, host_hit_length)
+
+    # ---- rows (L2) -------------------------------------------------------------------------------
+    def alloc_rows(self, n: int) -> Optional[List[int]]:
+        return self.req_to_token_pool.alloc(n)
+
+    def free_row(self, row: int) -> None:
+        self.req_to_token_pool.free(row)
+
+    def row(self, req: LedgerReq) -> torch.Tensor:
+        """The request's row of slot indices (host copy)."""
+        return self.req_to_token_pool.req_to_token_cpu[req.req_pool_idx]
+
+    # ---- slots (L3): reserve ------------------------------------------------------------------------
+    def alloc_slots(self, num_tokens: int) -> torch.Tensor:
+        """`num_tokens` slots (page_size 1, or whole pages of scratch); raises when out of memory."""
+        self.make_room(num_tokens)
+        out = self.allocator.alloc(num_tokens)
+        if out is None:
+            raise RuntimeError(f"KV cache out of memory: need {num_tokens} slots. {self.mem_report()}")
+        return out
+
+    def _paged_need(self, prefix_lens: List[int], seq_lens: List[int]) -> int:
+        ps = self.page_size
+        return sum(-(-s // ps) - -(-p // ps) for p, s in zip(prefix_lens, seq_lens)) * ps
+
+    def try_alloc_extend(self, prefix_lens: List[int], seq_lens: List[int], last_locs: List[int]) -> Optional[torch.Tensor]:
+        """Slots for positions prefix_len .. seq_len-1 of each request (a paged alloc continues the
+        page of last_locs[i]), concatenated; None when the pool (after eviction) has no room."""
+        self.make_room(self._paged_need(prefix_lens, seq_lens))
+        return self.allocator.alloc_extend(prefix_lens, seq_lens, last_locs)
+
+    def reserve(self, prefix_lens: List[int], seq_lens: List[int], last_locs: List[int]) -> torch.Tensor:
+        """try_alloc_extend, raising when out of memory (a prefill chunk, a decode step, a window)."""
+        if self.page_size == 1:
+            return self.alloc_slots(sum(s - p for p, s in zip(prefix_lens, seq_lens)))
+        out = self.try_alloc_extend(prefix_lens, seq_lens, last_locs)
+        if out is None:
+            need = self._paged_need(prefix_lens, seq_lens)
+            raise RuntimeError(f"KV cache out of memory: need {need} slots. {self.mem_report()}")
+        return out
+
+    def free_slots(self, slots: torch.Tensor) -> None:
+        """Scratch slots that no row holds (EAGLE's tree forwards)."""
+        self.allocator.free(slots)
+
+    @contextmanager
+    def free_group(self) -> Iterator[None]:
+        """Frees inside are batched into one (the output processor's per-batch loop)."""
+        self.allocator.free_group_begin()
+        try:
+            yield
+        finally:
+            self.allocator.free_group_end()
+
+    def move_kv(self, tgt: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy the K/V of slots `src` into slots `tgt` (a tree verify's accepted branch)."""
+        self.kv_pool.move_kv_cache(tgt, src)
+
+    # ---- commit and release ----------------------------------------------------------------------
+    def advance(self, req: LedgerReq, committed: int) -> None:
+        """The request's KV now covers its first `committed` tokens (a prefill chunk or a decode
+        step ran; slots reserved past them stay reserved)."""
+        req.kv_committed_len = committed
+
+    def commit(self, req: LedgerReq, kept: int, held: Optional[int] = None) -> None:
+        """The request keeps the KV of its first `kept` tokens; its slots past them, up to `held`
+        (default: all it holds), go back. Paged: the rest of the last kept token's page stays
+        (the next tokens fill it); only whole pages past it go."""
+        held = held_len(req) if held is None else held
+        ps = self.page_size
+        first_free = -(-kept // ps) * ps
+        if first_free < held:
+            self.allocator.free(self.row(req)[first_free:held].to(torch.int64))
+        req.kv_committed_len, req.kv_allocated_len = kept, 0
+
+    def release(self, req: LedgerReq) -> None:
+        """Everything a request holds that the tree does not (retract, preempt, a failed PD
+        transfer): its private slots, its row, the lock on its prefix. The prefix stays in the
+        tree, unlocked (evictable)."""
+        # Slots of the locked tree prefix stay in the tree; everything after is private.
+        ps = self.page_size
+        protected = 0 if self.tree_cache.disable else len(req.prefix_indices) // ps * ps
+        self.allocator.free(self.row(req)[protected:held_len(req)].to(torch.int64))
+        self.req_to_token_pool.free(req.req_pool_idx)
+        if req.last_node is not None:
+            self.unlock(req.last_node)
+        req.req_pool_idx = None
+        req.kv_committed_len = req.kv_allocated_len = 0
+
+    def clear(self) -> None:
+        """flush_cache / release_memory_occupation: every slot and row free, the tree empty."""
+        self.tree_cache.reset()
+        self.allocator.clear()
+        self.req_to_token_pool.clear()
+
+    # ---- invariants ------------------------------------------------------------------------------
+    def check_idle(self, max_total_num_tokens: int) -> None:
+        """No request running: every slot free or in the tree, unlocked; every row free."""
+        check_pools_idle(self.tree_cache, self.allocator, self.req_to_token_pool, max_total_num_tokens)
+
+    def check_conserved(self, live_reqs: List[CacheReq]) -> None:
+        """--test-check-memory: every page free, in the tree, or held by one live request."""
+        check_pages_conserved(self.tree_cache, self.allocator, self.req_to_token_pool, live_reqs)
