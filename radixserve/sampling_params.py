@@ -15,6 +15,7 @@ MAX_INT_PARAM = 2**31 - 1
 MAX_N = 128
 MAX_STOPS = 64
 MAX_STOP_REGEX_CHARS = 1024  # the scheduler matches every stop regex after every token
+MAX_STOP_STR_BYTES = 1024  # the scheduler decodes this many bytes' worth of tokens after every token
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range: +-100 already bans or forces a token
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty")
 _INT_FIELDS = ("max_new_tokens", "min_new_tokens", "top_k", "n", "sampling_seed", "stream_interval")
@@ -161,6 +162,11 @@ class SamplingParams:
                 error = unicode_error(text, name)
                 if error is not None:
                     raise ValueError(error)
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        for stop in stops:
+            if isinstance(stop, str) and len(stop.encode("utf-8", "surrogatepass")) > MAX_STOP_STR_BYTES:
+                raise ValueError(f"stop takes strings of at most {MAX_STOP_STR_BYTES} bytes (UTF-8), got "
+                                 f"{len(stop.encode('utf-8', 'surrogatepass'))}.")
         regexes = [self.stop_regex] if isinstance(self.stop_regex, str) else list(self.stop_regex or [])
         for pattern in regexes:
             if isinstance(pattern, str) and len(pattern) > MAX_STOP_REGEX_CHARS:

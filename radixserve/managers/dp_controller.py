@@ -152,6 +152,8 @@ class DataParallelController:
             values = [s.get(key) for s in states]
             if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
                 merged[key] = sum(values) if key in _SUMMED else sum(values) / len(values)
+            elif key.endswith("_counts") and all(isinstance(v, list) and len(v) == len(values[0]) for v in values):
+                merged[key] = [sum(c) for c in zip(*values)]  # a histogram's buckets: every replica's
             else:
                 merged[key] = values[0]
         merged["dp_size"] = self.dp_size

@@ -70,6 +70,7 @@ class SchedulerOutputProcessor:
                     # The prompt enters the tree now, so requests behind it can share it.
                     self.tree_cache.cache_unfinished_req(req)
         self.stream_output(batch.reqs)
+        self.answer_health_checks()  # a batch's results: the loop and the forward pass move
 
     def process_batch_result_decode(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
         next_ids = result.next_token_ids.tolist()
@@ -86,6 +87,7 @@ class SchedulerOutputProcessor:
                     if not self._is_stale(req):
                         self.append_token(req, next_ids[i], result, i)
         self.stream_output(batch.reqs)
+        self.answer_health_checks()  # a batch's results: the loop and the forward pass move
 
     def _count_spec_step(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
         """A speculative decode step: each request's verify, drafts and accepted drafts into its
@@ -244,7 +246,6 @@ class SchedulerOutputProcessor:
             req.send_token_offset = n
         if out.rids:
             self.send_fn(out)
-        self.answer_health_checks()
 
     def answer_health_checks(self) -> None:
         """Results were just processed: the loop and the forward pass move, so the probes waiting

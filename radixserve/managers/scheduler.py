@@ -271,8 +271,8 @@ class Scheduler:
         """Rank 0 reads the socket; with --tp-size > 1 it broadcasts what it got, so every
         rank schedules the same batches (only rank 0 talks to the outside)."""
         reqs = self.recv_fn() if self.tp_rank == 0 else None
-        if self.tp_rank == 0 and self.weight_updater.join_done():  # every rank agrees on it now
-            reqs = list(reqs or []) + [WeightsUpdateGroupJoined()]
+        if self.tp_rank == 0 and self.weight_updater.join_done():  # every rank agrees on it now,
+            reqs = [WeightsUpdateGroupJoined()] + list(reqs or [])  # before an update to that group
         return broadcast_pyobj(reqs) if self.tp_size > 1 else reqs
 
     def process_input_requests(self, recv_reqs: List[Any]) -> None:

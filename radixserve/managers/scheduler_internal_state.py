@@ -99,5 +99,7 @@ class SchedulerInternalState:
             return SetInternalStateReqOutput(False, problem, self.current(), recv.query_id)
         for name, value in recv.server_args.items():
             setattr(self.sched, name, value)  # read by the next get_new_batch_prefill
+        # derived at start from chunked_prefill_size: chunking turned on now can mix with decode too
+        self.sched.is_mixed_chunk = self.sched.server_args.enable_mixed_chunk and self.sched.chunked_prefill_size is not None
         self.sched.running_batch.batch_is_full = False  # a higher limit may admit requests again
         return SetInternalStateReqOutput(True, "", self.current(), recv.query_id)

@@ -88,6 +88,8 @@ class SchedulerUpdateWeights:
     def update_weights_from_distributed(self, recv: UpdateWeightsFromDistributedReqInput) -> UpdateWeightsFromDistributedReqOutput:
         if self._pp_stages():
             return UpdateWeightsFromDistributedReqOutput(False, PP_REFUSAL, recv.query_id)
+        if self._joining(recv.group_name):
+            return UpdateWeightsFromDistributedReqOutput(False, self._joining(recv.group_name), recv.query_id)
         self.settle()
         success, message = self.scheduler.tp_worker.update_weights_from_distributed(recv)
         return UpdateWeightsFromDistributedReqOutput(success, self._after_update(success, message, recv.flush_cache), recv.query_id)
@@ -110,6 +112,12 @@ class SchedulerUpdateWeights:
         self._join = (future, recv)
         return None
 
+    def _joining(self, group_name: str) -> Optional[str]:
+        """Why a group cannot be used yet: its join has not been answered (every rank agreed)."""
+        if self._join is not None and self._join[1].group_name == group_name:
+            return f"The group {group_name!r} is still being joined; wait for /init_weights_update_group's answer."
+        return None
+
     def join_done(self) -> bool:
         """Rank 0, every turn of the loop: whether the join has ended (then it sends the note)."""
         return self._join is not None and self._join[0].done()
@@ -122,6 +130,8 @@ class SchedulerUpdateWeights:
         return InitWeightsUpdateGroupReqOutput(success, message, recv.query_id)
 
     def destroy_weights_update_group(self, recv: DestroyWeightsUpdateGroupReqInput) -> DestroyWeightsUpdateGroupReqOutput:
+        if self._joining(recv.group_name):
+            return DestroyWeightsUpdateGroupReqOutput(False, self._joining(recv.group_name), recv.query_id)
         success, message = self.scheduler.tp_worker.destroy_weights_update_group(recv)
         return DestroyWeightsUpdateGroupReqOutput(success, message, recv.query_id)
 

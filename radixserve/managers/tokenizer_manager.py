@@ -252,9 +252,10 @@ class TokenizerManager:
         if self.draining:
             return "The server is shutting down."
         age = time.monotonic() - min(self.last_heartbeat.values())
-        # A weight update's load holds the scheduler's loop (generation waits, as documented):
-        # a busy scheduler, not a dead one; a dead process still reports through dead_reason.
-        if age > self.server_args.health_check_timeout and not self.weight_updates.model_update_lock.writing:
+        # An update from disk holds the scheduler's loop while it reads the checkpoint (generation
+        # waits, as documented): a busy scheduler, not a dead one; a dead process still reports
+        # through dead_reason. (A distributed update waits on a trainer: no grace there.)
+        if age > self.server_args.health_check_timeout and not self.weight_updates.loading_from_disk:
             return f"The scheduler has not reported for {age:.0f} s (--health-check-timeout)."
         return None
 

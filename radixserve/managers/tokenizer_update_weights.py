@@ -47,11 +47,6 @@ class RWLock:
         self._writer = False
         self._waiting_writers = 0
 
-    @property
-    def writing(self) -> bool:
-        """Whether a writer (a weight update) holds the lock now."""
-        return self._writer
-
     @asynccontextmanager
     async def reader_lock(self) -> AsyncIterator[None]:
         async with self._cond:
@@ -89,6 +84,7 @@ class TokenizerUpdateWeights:
     def __init__(self, tm: Any):
         self.tm = tm
         self.model_update_lock = RWLock()
+        self.loading_from_disk = False
         tm.frontend.weight_version = tm.server_args.weight_version
 
     def set_weight_version(self, version: str) -> None:
@@ -97,7 +93,11 @@ class TokenizerUpdateWeights:
         self.tm.frontend.weight_version = version
 
     async def update_weights_from_disk(self, obj: UpdateWeightFromDiskReqInput) -> Tuple[bool, str, int]:
-        out = await self._locked_update(obj)
+        self.loading_from_disk = True  # /health: the scheduler's loop is reading a checkpoint, not hung
+        try:
+            out = await self._locked_update(obj)
+        finally:
+            self.loading_from_disk = False
         if out.success:  # SGLang's: the server now serves this checkpoint
             self.tm.server_args.model_path = self.tm.model_path = obj.model_path
         return out.success, self._versioned(out, obj.weight_version), out.num_paused_requests

@@ -48,11 +48,14 @@ def check_w8a8(quantization: str, config: ModelConfig, device: str) -> bool:
 
 def use_w8a8(model: nn.Module) -> int:
     """Before loading: every linear layer whose input width whole Q8_0 blocks cut quantizes its
-    checkpoint rows at load (the embedding and the LM head stay as loaded). Returns how many."""
+    checkpoint rows at load. The embedding, the LM head and the MoE routers and expert gates stay
+    as loaded, as in SGLang: a router's rounded logits would pick other experts. Returns how many."""
     from radixserve.layers.linear import LinearBase
+    from radixserve.layers.moe import TopKRouter
     from radixserve.layers.quantization.w8a8_int8 import W8A8Int8LinearMethod, can_quantize
 
-    layers = [m for m in model.modules() if isinstance(m, LinearBase) and can_quantize(m.in_features)]
+    layers = [m for m in model.modules() if isinstance(m, LinearBase) and not isinstance(m, TopKRouter)
+              and m.out_features > 1 and can_quantize(m.in_features)]
     for layer in layers:
         layer.use_quant_method(W8A8Int8LinearMethod())
     return len(layers)

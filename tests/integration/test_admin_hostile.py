@@ -84,7 +84,7 @@ CASES: List[Case] = [
     Case("release: tags a string", "/release_memory_occupation", {"tags": "kv_cache"}, 400, "tags"),
     Case("pause: unknown mode", "/pause_generation", {"mode": "sideways"}, 400, "sideways"),
     Case("pause: mode a number", "/pause_generation", {"mode": 5}, 400, "mode"),
-    Case("profile: stop without start", "/stop_profile", None, 400, "not"),
+    Case("profile: stop without start", "/stop_profile", None, 400, "not in progress"),
     Case("profile: GPU on a CPU", "/start_profile", {"activities": ["GPU"]}, 400, "GPU"),
     Case("profile: unknown activity", "/start_profile", {"activities": ["DISK"]}, 400, "DISK"),
     Case("profile: output_dir /etc", "/start_profile", {"output_dir": "/etc", "activities": ["CPU"]}, 400, "output_dir"),

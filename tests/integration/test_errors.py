@@ -254,6 +254,7 @@ HOSTILE = [
     case("POST", GEN, gen({"stop_token_ids": "abc"}), 400, "sampling_params.stop_token_ids", id="gen-stop_token_ids-string"),
     case("POST", GEN, gen({"stop_regex": "[a-"}), 400, "not a valid regular expression", id="gen-stop_regex-bracket"),
     case("POST", GEN, gen({"stop_regex": "x" * 5000}), 400, "stop_regex takes patterns of at most 1024 characters", id="gen-stop_regex-huge"),
+    case("POST", GEN, gen({"stop": ["x" * 2000]}), 400, "stop takes strings of at most 1024 bytes", id="gen-stop-huge"),
     case("POST", GEN, gen({"stop_regex": ["a"] * 65}), 400, "stop_regex takes at most 64 entries", id="gen-stop_regex-too-many"),
     case("POST", GEN, gen({"stop_regex": 5}), 400, "sampling_params.stop_regex", id="gen-stop_regex-number"),
     case("POST", GEN, gen({"logit_bias": {"abc": 1}}), 400, "logit_bias keys must be token ids", id="gen-logit_bias-key-not-a-number"),

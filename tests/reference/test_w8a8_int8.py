@@ -121,3 +121,18 @@ def test_weight_update_from_disk_is_quantized_too(tmp_path):
         assert ok, message
         got = greedy(engine)
     assert got[0] == want_b[0] and max(abs(x - y) for x, y in zip(got[1], want_b[1])) < 1e-4
+
+
+def test_moe_routers_stay_as_loaded(tmp_path):
+    """SGLang's rule: the routers are not quantized (a router's rounded logits would pick other
+    experts); the attention projections of the same model are."""
+    from test_qwen3_moe import make_moe_dir
+
+    from radixserve.layers.moe import TopKRouter
+
+    runner = make_runner(make_moe_dir(str(tmp_path / "moe")), max_total_tokens=1024, max_running_requests=4,
+                         quantization="w8a8_int8")
+    routers = [m for m in runner.model.modules() if isinstance(m, TopKRouter)]
+    assert routers and not any(isinstance(m.quant_method, W8A8Int8LinearMethod) for m in routers)
+    qkv = runner.model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv.quant_method, W8A8Int8LinearMethod)

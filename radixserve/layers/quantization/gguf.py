@@ -148,7 +148,7 @@ def quant_matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     a tile of rows at a time, so the float32 matrix never exists whole."""
     if w.qtype in kernel_types():
         ops = cpu_kernels.get()
-        if x.shape[0] >= PREFILL_MIN_ROWS:
+        if x.shape[0] >= PREFILL_MIN_ROWS and ops.has_bf16_gemm():  # oneDNN's bf16 needs AVX512_BF16 to be fast
             return dequantized_bf16_matmul(ops, x, w)
         return ops.quant_linear(x, w.data, w.qtype, w.cols)
     out = x.new_empty(x.shape[0], w.shape[0])

@@ -8,8 +8,8 @@ float16 scale per 32 values, d = amax / 127, q = round(w / d), byte for byte wha
 `llama-quantize` and the gguf package write), and GGUFLinearMethod keeps and multiplies those
 blocks: activations quantized per 32 values in the decode path, the dequantized-to-bf16 tile with
 oneDNN at prefill sizes. The scales are finer than SGLang's (per 32 values, not per row and per
-token), for 1.06 bytes a weight instead of 1. The embedding and the LM head stay as loaded, as in
-SGLang.
+token), for 1.06 bytes a weight instead of 1. The embedding, the LM head and the MoE routers
+(and a shared expert's one-output gate) stay as loaded, as in SGLang.
 """
 
 from __future__ import annotations
