@@ -351,6 +351,8 @@ def test_the_server_serves_while_a_join_waits_for_its_trainer(http, dirs, refere
         joining, result = join_in_background(1, timeout=6)  # nobody listens there
         time.sleep(1)
         assert generate(http, PROMPTS[0])["output_ids"] == want_a  # answered during the join
+        r = http.post("/update_weights_from_distributed", json={"names": [], "dtypes": [], "shapes": []})
+        assert r.status_code == 400 and "still being joined" in r.json()["message"], r.text
         assert joining.is_alive()
         joining.join(60)
         r = result[0]

@@ -71,3 +71,29 @@ def test_the_overlap_loops_future_map_bounds_the_chunk_size():
     assert "at least 16 (the page size)" in internal_state_problem({"chunked_prefill_size": 15}, normal)
     pp = RunTimeLimits(pool_rows=16, page_size=1, context_len=4096, overlap_max_chunks=None, pipeline_parallel=True)
     assert "--pp-size" in internal_state_problem({"max_running_requests": 4}, pp)
+
+
+def test_chunking_turned_on_at_run_time_mixes_with_decode_as_at_start():
+    """--enable-mixed-chunk is derived from chunked_prefill_size at start: a server started without
+    chunking that gets a chunk size now mixes its chunks with decode, as one started with it."""
+    engine = Engine(max_total_tokens=4096, chunked_prefill_size=-1, enable_mixed_chunk=True,
+                    disable_overlap_schedule=True)
+    assert not engine.scheduler.is_mixed_chunk
+    engine.set_internal_state({"chunked_prefill_size": 256})
+    assert engine.scheduler.is_mixed_chunk
+
+
+def test_dp_merges_every_replicas_histogram_buckets():
+    """A histogram's bucket counts (e.g. grammar_compilation_time_counts) add up across
+    replicas, as its _sum and _count do, so the merged histogram is consistent."""
+    from types import SimpleNamespace
+
+    from radixserve.managers.dp_controller import DataParallelController
+    from radixserve.protocol import GetInternalStateReqOutput
+
+    replies = [GetInternalStateReqOutput({"grammar_compilation_time_counts": [1, 0, 2], "note": "a"}, "q"),
+               GetInternalStateReqOutput({"grammar_compilation_time_counts": [0, 3, 1], "note": "b"}, "q")]
+    ctl = SimpleNamespace(dp_size=2, num_dispatched=[1, 1])
+    merged = DataParallelController.merge(ctl, replies).internal_state
+    assert merged["grammar_compilation_time_counts"] == [1, 3, 3]
+    assert merged["note"] == "a"
