@@ -19,6 +19,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from processes import free_port  # noqa: E402,F401  (the tests here import it from conftest)
+from triton_import import import_triton_interpreted  # noqa: E402
+
+import_triton_interpreted()  # before anything here imports triton (see tests/triton_import.py)
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_TOTAL_TOKENS = 6000
