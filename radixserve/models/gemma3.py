@@ -28,6 +28,7 @@ from radixserve.layers.logits_processor import LogitsProcessor, LogitsProcessorO
 from radixserve.layers.radix_attention import RadixAttention
 from radixserve.layers.rotary_embedding import RotaryEmbedding
 from radixserve.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from radixserve.models.llama import LlamaForCausalLM
 from radixserve.models.model_config import LoadError, ModelConfig
 from radixserve.models.weight_utils import NamedWeight, load_named_weights
 
@@ -149,14 +150,7 @@ class Gemma3Model(nn.Module):
 
 
 class Gemma3ForCausalLM(nn.Module):
-    # checkpoint name -> (our fused parameter, shard id)
-    stacked_params_mapping = [
-        (".qkv_proj", ".q_proj", "q"),
-        (".qkv_proj", ".k_proj", "k"),
-        (".qkv_proj", ".v_proj", "v"),
-        (".gate_up_proj", ".gate_proj", 0),
-        (".gate_up_proj", ".up_proj", 1),
-    ]
+    stacked_params_mapping = LlamaForCausalLM.stacked_params_mapping  # the same fused q|k|v and gate|up
 
     def __init__(self, config: ModelConfig):
         super().__init__()
