@@ -28,7 +28,7 @@ from radixserve.managers.schedule_policy import configure_lora_admission
 from radixserve.managers.scheduler_pause import expects_progress
 from radixserve.managers.scheduler_stats import SchedulerStats
 from radixserve.protocol import (
-    ContinueGenerationReqInput, ProfileReq, ProfileReqType,
+    ContinueGenerationReqInput, ExpertDistributionReq, ExpertDistributionReqType, ProfileReq, ProfileReqType,
     AbortReq, BatchEmbeddingOutput, BatchTokenIDOutput, EmbeddingReqInput, FlushCacheReqInput, FlushCacheReqOutput,
     GenerateReqInput, DestroyWeightsUpdateGroupReqInput, GetWeightsByNameReqInput, InitWeightsUpdateGroupReqInput,
     UpdateWeightFromDiskReqInput, UpdateWeightsFromDistributedReqInput, UpdateWeightsFromTensorReqInput,
@@ -287,6 +287,17 @@ class Engine:
 
     def stop_profile(self) -> None:
         check_reply(self._control(ProfileReq(ProfileReqType.STOP_PROFILE)))
+
+    def start_expert_distribution_record(self) -> None:
+        """Count the tokens each MoE layer routes to each expert (layers/expert_distribution.py)."""
+        check_reply(self._control(ExpertDistributionReq(ExpertDistributionReqType.START_RECORD)))
+
+    def stop_expert_distribution_record(self) -> None:
+        check_reply(self._control(ExpertDistributionReq(ExpertDistributionReqType.STOP_RECORD)))
+
+    def dump_expert_distribution_record(self) -> Dict[str, Any]:
+        """{"path", "logical_count" [layers][experts], "num_forward_passes"}; the file holds the same."""
+        return check_reply(self._control(ExpertDistributionReq(ExpertDistributionReqType.DUMP_RECORD))).record
 
     def set_internal_state(self, server_args: Dict[str, Any]) -> Dict[str, Any]:
         """SGLang's /set_internal_state: change max_running_requests / chunked_prefill_size now;

@@ -519,6 +519,28 @@ class ContinueGenerationReqOutput:
     query_id: str = ""
 
 
+class ExpertDistributionReqType(Enum):
+    START_RECORD = 1
+    STOP_RECORD = 2
+    DUMP_RECORD = 3
+
+
+@dataclass
+class ExpertDistributionReq:
+    """SGLang's /start_expert_distribution_record, /stop_... and /dump_... (layers/expert_distribution.py)."""
+
+    action: ExpertDistributionReqType = ExpertDistributionReqType.START_RECORD
+    query_id: str = ""
+
+
+@dataclass
+class ExpertDistributionReqOutput:
+    success: bool = True
+    message: str = ""
+    record: Optional[Dict[str, Any]] = None  # the dump: path, logical_count [layers][experts], num_forward_passes
+    query_id: str = ""
+
+
 class ProfileReqType(Enum):
     START_PROFILE = 1
     STOP_PROFILE = 2

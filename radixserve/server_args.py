@@ -140,6 +140,7 @@ class ServerArgs:
 
     # Parallelism (torch.distributed: gloo on CPU, NCCL on GPU)
     tp_size: int = 1
+    ep_size: int = 1  # expert parallelism: groups of the TP ranks that each hold whole experts (MoE models)
     dp_size: int = 1
     nnodes: int = 1  # machines the TP ranks span (rank r runs on node r // (tp_size // nnodes))
     node_rank: int = 0  # this machine; only node 0 serves HTTP
@@ -222,6 +223,8 @@ class ServerArgs:
             raise ValueError(f"--node-rank must be in [0, --nnodes), got {self.node_rank}")
         if self.tp_size < 1:
             raise ValueError(f"--tp-size must be >= 1, got {self.tp_size}")
+        if self.ep_size < 1 or self.tp_size % self.ep_size:
+            raise ValueError(f"--ep-size must divide --tp-size (experts are placed on the TP ranks), got {self.ep_size}")
         if self.stream_interval < 1:
             raise ValueError("--stream-interval must be >= 1")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size <= 0:
@@ -505,6 +508,7 @@ FLAG_HELP = {
     "dp_size": "data parallelism: number of model replicas (each with --tp-size ranks) behind one server",
     "load_balance_method": "how --dp-size routes requests: round_robin or shortest_queue",
     "tp_size": "tensor parallelism: number of ranks (processes) that split every layer",
+    "ep_size": "expert parallelism (MoE models): split the TP ranks into this many groups, each holding whole experts (must divide --tp-size)",
     "pp_size": "pipeline parallelism: number of stages (each with --tp-size ranks) the layers are split over",
     "pp_partition": "decoder layers per pipeline stage, comma-separated (e.g. 3,1); default: an even split",
     "pp_max_micro_batch_size": "requests per pipeline micro-batch (default: --max-running-requests // --pp-size)",

@@ -1200,7 +1200,8 @@ inline void round_row_bf16(const float* src, uint16_t* dst, int64_t n) {  // nea
 }
 
 // x [M, H] float32; w13 [E][2I/16][H/2][16][2] and w2 [E][H/16][I/2][16][2] (pack_bf16_weight of
-// each expert, stacked); topk_weights [M, k] float32 and topk_ids [M, k] int. Returns [M, H] float32.
+// each expert, stacked); topk_weights [M, k] float32 and topk_ids [M, k] int, -1 for a pair to skip
+// (an expert another --ep-size rank holds). Returns [M, H] float32.
 at::Tensor fused_moe_bf16(const at::Tensor& x_in, const at::Tensor& w13, const at::Tensor& w2,
                           const at::Tensor& topk_weights_in, const at::Tensor& topk_ids_in, int64_t inter) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "fused_moe_bf16: float32 x [M, H]");
@@ -1224,12 +1225,14 @@ at::Tensor fused_moe_bf16(const at::Tensor& x_in, const at::Tensor& w13, const a
   std::vector<float> pair_weight(P);
   const float* twp = tw.data_ptr<float>();
   for (int64_t p = 0; p < P; ++p) {
-    TORCH_CHECK(idp[p] >= 0 && idp[p] < E, "fused_moe_bf16: expert id ", idp[p], " outside [0, ", E, ")");
-    ++offset[idp[p] + 1];
+    TORCH_CHECK(idp[p] >= -1 && idp[p] < E, "fused_moe_bf16: expert id ", idp[p], " outside [-1, ", E, ")");
+    if (idp[p] >= 0) ++offset[idp[p] + 1];
   }
   for (int64_t e = 0; e < E; ++e) offset[e + 1] += offset[e];
+  const int64_t used = offset[E];  // pairs of this rank's experts, grouped in [0, used)
   std::vector<int64_t> fill(offset.begin(), offset.end() - 1);
   for (int64_t p = 0; p < P; ++p) {
+    if (idp[p] < 0) continue;
     const int64_t s = fill[idp[p]]++;
     pair_token[s] = p / topk;
     pair_weight[s] = twp[p];
@@ -1242,12 +1245,12 @@ at::Tensor fused_moe_bf16(const at::Tensor& x_in, const at::Tensor& w13, const a
   std::vector<uint16_t> xs(P * H), act(P * inter);
   std::vector<float> h13(P * 2 * inter);
   const float* xp = x.data_ptr<float>();
-  at::parallel_for(0, P, 16, [&](int64_t s0, int64_t s1) {
+  at::parallel_for(0, used, 16, [&](int64_t s0, int64_t s1) {
     for (int64_t s = s0; s < s1; ++s) round_row_bf16(xp + pair_token[s] * H, xs.data() + s * H, H);
   });
   moe_grouped_gemm(xs.data(), H, reinterpret_cast<const uint16_t*>(w13.data_ptr()), w13.size(1), k2_13, chunks,
                    h13.data(), 2 * inter);
-  at::parallel_for(0, P, 16, [&](int64_t s0, int64_t s1) {
+  at::parallel_for(0, used, 16, [&](int64_t s0, int64_t s1) {
     std::vector<float> a(inter);
     for (int64_t s = s0; s < s1; ++s) {
       const float* g = h13.data() + s * 2 * inter;

@@ -85,6 +85,38 @@ def stage_layers(num_layers: int) -> Tuple[int, int]:
     return get_pp_indices(num_layers, _PP.rank, _PP.size, _PP.partition)
 
 
+@dataclass(frozen=True)
+class MoEParallel:
+    """How this rank's MoE layers split their experts (SGLang's moe_ep / moe_tp groups, --ep-size).
+    The TP ranks form ep_size groups of tp_size = TP size / ep_size neighbours; group g holds the
+    whole experts [g * E / ep_size, (g + 1) * E / ep_size), and within a group each rank keeps a
+    1 / tp_size slice of every one of them. Tokens need no exchange: hidden states are the same on
+    every TP rank (after each all-reduce), so each rank runs its experts on the tokens routed to
+    them and the TP all-reduce that follows sums the partial outputs (all-gather + reduce-scatter,
+    with the gather already done)."""
+
+    ep_size: int = 1
+    ep_rank: int = 0
+    tp_size: int = 1
+    tp_rank: int = 0
+
+
+_MOE_EP_SIZE = 1
+
+
+def set_moe_ep_size(ep_size: int) -> None:
+    """--ep-size, once at start-up (after the TP group), before the model is built."""
+    global _MOE_EP_SIZE
+    if ep_size < 1 or _TP.size % ep_size:
+        raise ValueError(f"--ep-size {ep_size} must divide --tp-size {_TP.size}")
+    _MOE_EP_SIZE = ep_size
+
+
+def get_moe_parallel() -> MoEParallel:
+    moe_tp = _TP.size // _MOE_EP_SIZE
+    return MoEParallel(_MOE_EP_SIZE, _TP.rank // moe_tp, moe_tp, _TP.rank % moe_tp)
+
+
 def set_tp_group(rank: int, size: int, group: Any = None) -> None:
     global _TP
     _TP = TPGroup(rank, size, group)

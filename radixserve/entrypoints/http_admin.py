@@ -9,6 +9,9 @@ scheduler_memory_saver.py, scheduler_pause.py, scheduler_profiler.py and schedul
     GET|POST /start_profile              {"num_steps": 5, "activities": ["CPU"], "output_dir": ...} -> "Start profiling.\\n"
     GET|POST /stop_profile                                   -> "Stop profiling. This will take some time.\\n"
     GET|POST /clear_hicache_storage_backend                  -> "Hierarchical cache storage backend cleared.\\n"
+    GET|POST /start_expert_distribution_record               -> "Start recording the expert distribution.\\n"
+    GET|POST /stop_expert_distribution_record                -> "Stop recording the expert distribution.\\n"
+    GET|POST /dump_expert_distribution_record                -> {"path": ..., "logical_count": [[...]], "num_forward_passes": N}
     POST|PUT /set_internal_state  {"server_args": {"max_running_requests": 8}}
                                   -> {"updated": true, "server_args": {"max_running_requests": 8, "chunked_prefill_size": 2048}}
 
@@ -29,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from radixserve.managers.scheduler_profiler import default_profile_dir
 from radixserve.managers.tokenizer_manager import RequestError, TokenizerManager
+from radixserve.protocol import ExpertDistributionReqType
 from radixserve.sampling_params import MAX_INT_PARAM
 
 
@@ -121,6 +125,22 @@ def add_admin_routes(app: FastAPI, tm: TokenizerManager) -> None:
     async def stop_profile() -> PlainTextResponse:
         await admin.stop_profile()
         return PlainTextResponse("Stop profiling. This will take some time.\n")
+
+    @app.api_route("/start_expert_distribution_record", methods=["GET", "POST"])
+    async def start_expert_distribution_record() -> PlainTextResponse:
+        """Count the tokens each MoE layer routes to each expert (EPLB's input); 400 without experts."""
+        await admin.expert_distribution(ExpertDistributionReqType.START_RECORD)
+        return PlainTextResponse("Start recording the expert distribution.\n")
+
+    @app.api_route("/stop_expert_distribution_record", methods=["GET", "POST"])
+    async def stop_expert_distribution_record() -> PlainTextResponse:
+        await admin.expert_distribution(ExpertDistributionReqType.STOP_RECORD)
+        return PlainTextResponse("Stop recording the expert distribution.\n")
+
+    @app.api_route("/dump_expert_distribution_record", methods=["GET", "POST"])
+    async def dump_expert_distribution_record() -> JSONResponse:
+        """The counts so far, also saved (SGLang's file: a torch.save'd {"logical_count": [layers, experts]})."""
+        return JSONResponse(await admin.expert_distribution(ExpertDistributionReqType.DUMP_RECORD))
 
     @app.api_route("/clear_hicache_storage_backend", methods=["GET", "POST"])
     async def clear_hicache_storage_backend() -> PlainTextResponse:

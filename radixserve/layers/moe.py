@@ -13,7 +13,13 @@ layers are (activations stay float32), and stacked, so that the C++ MoE kernel
 reference and as the path everywhere else.
 
 Tensor parallelism splits every expert's intermediate dimension (w13 by rows, w2 by columns) and
-all-reduces the output, as RowParallelLinear does.
+all-reduces the output, as RowParallelLinear does. With --ep-size the TP ranks are split into
+groups that each hold whole experts instead (parallel_state.MoEParallel): a rank's expert ids are
+local, the router's ids of other ranks' experts become -1 and are skipped, and the same all-reduce
+sums the ranks' partial outputs.
+
+While /start_expert_distribution_record is on, each layer adds its routed (token, expert) pairs to
+the model's ExpertDistributionRecorder (layers/expert_distribution.py), for EPLB.
 """
 
 from __future__ import annotations
@@ -24,8 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixserve.distributed.parallel_state import get_tp_group, tensor_model_parallel_all_reduce
+from radixserve.distributed.parallel_state import get_moe_parallel, get_tp_group, tensor_model_parallel_all_reduce
 from radixserve.layers import cpu_kernels
+from radixserve.layers.expert_distribution import ExpertDistributionRecorder
 from radixserve.layers.activation import SiluAndMul
 from radixserve.layers.linear import (
     LinearBase,
@@ -58,15 +65,24 @@ class TopKRouter(LinearBase):
 class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
-        tp = get_tp_group()
-        if intermediate_size % tp.size:
-            raise ValueError(f"moe_intermediate_size {intermediate_size} is not divisible by --tp-size {tp.size}")
-        self.tp_rank, self.tp_size = tp.rank, tp.size
-        self.num_experts = num_experts
-        self.inter = intermediate_size // tp.size  # this rank's share
+        moe = get_moe_parallel()
+        if num_experts % moe.ep_size:
+            raise ValueError(f"{num_experts} experts are not divisible by --ep-size {moe.ep_size}")
+        if intermediate_size % moe.tp_size:
+            raise ValueError(f"moe_intermediate_size {intermediate_size} is not divisible by --tp-size / --ep-size {moe.tp_size}")
+        self.tp_rank, self.tp_size = moe.tp_rank, moe.tp_size  # the split of each expert
+        self.reduce_results = get_tp_group().size > 1
+        self.ep_size = moe.ep_size
+        self.num_experts = num_experts  # the model's
+        self.num_local_experts = num_experts // moe.ep_size  # this rank's (all of them without EP)
+        self.expert_start = moe.ep_rank * self.num_local_experts  # the global id of local expert 0
+        self.inter = intermediate_size // moe.tp_size  # this rank's share
         self.hidden_size = hidden_size
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden_size), requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.inter), requires_grad=False)
+        self.w13_weight = nn.Parameter(torch.empty(self.num_local_experts, 2 * self.inter, hidden_size), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(self.num_local_experts, hidden_size, self.inter), requires_grad=False)
+        # Set by the model runner: the recorder and this layer's row in it
+        self.expert_recorder: Optional[ExpertDistributionRecorder] = None
+        self.moe_layer_index = 0
         # The CPU's bf16 mode (pack_cpu_weights): each expert's two matrices packed for the C++ GEMM
         # (float32 activations), the stacked parameters freed.
         self.weight_packed: Optional[List[Tuple[PackedWeight, PackedWeight]]] = None
@@ -77,13 +93,13 @@ class FusedMoE(nn.Module):
 
     def pack_cpu_weight(self) -> bool:
         packed = [(pack_cpu_weight(self.w13_weight.data[e]), pack_cpu_weight(self.w2_weight.data[e]))
-                  for e in range(self.num_experts)]
+                  for e in range(self.num_local_experts)]
         if any(p is None for pair in packed for p in pair):
             return False
         self.w13_packed = torch.stack([a.data for a, _ in packed])
         self.w2_packed = torch.stack([b.data for _, b in packed])
         self.weight_packed = [(PackedWeight(self.w13_packed[e], 2 * self.inter), PackedWeight(self.w2_packed[e], self.hidden_size))
-                              for e in range(self.num_experts)]
+                              for e in range(self.num_local_experts)]
         dtype = self.w13_weight.dtype
         self.w13_weight = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
@@ -99,8 +115,12 @@ class FusedMoE(nn.Module):
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: Tuple[int, str]) -> None:
         """shard_id: (expert, "w1" | "w3" | "w2"), a checkpoint's gate / up / down projection of
-        that expert; this rank keeps its slice of the intermediate dimension."""
+        that expert (its global id); this rank keeps its own experts, and its slice of their
+        intermediate dimension."""
         expert, which = shard_id
+        expert -= self.expert_start
+        if not 0 <= expert < self.num_local_experts:
+            return  # another expert-parallel rank's
         n, start = self.inter, self.tp_rank * self.inter
         if which == "w2":
             part, dst = loaded.narrow(1, start, n), param.data[expert]
@@ -112,12 +132,17 @@ class FusedMoE(nn.Module):
         dst.copy_(part)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        if self.expert_recorder is not None:
+            self.expert_recorder.record(self.moe_layer_index, topk_ids)
+        if self.ep_size > 1:  # local ids; another rank's experts -1 (skipped)
+            local = topk_ids - self.expert_start
+            topk_ids = torch.where((local >= 0) & (local < self.num_local_experts), local, -1)
         ops = self._moe_kernel(x)
         if ops is not None:
             out = ops.fused_moe_bf16(x, self.w13_packed, self.w2_packed, topk_weights, topk_ids, self.inter)
         else:
             out = self.forward_loop(x, topk_weights, topk_ids)
-        if self.tp_size > 1:
+        if self.reduce_results:
             out = tensor_model_parallel_all_reduce(out)
         return out
 
@@ -130,15 +155,16 @@ class FusedMoE(nn.Module):
 
     def forward_loop(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """The experts one at a time over their tokens (this rank's partial sum, not all-reduced):
-        the reference of the MoE kernel, and the path wherever that kernel cannot run."""
+        the reference of the MoE kernel, and the path wherever that kernel cannot run. Pairs with
+        expert id -1 (another expert-parallel rank's) are skipped."""
         out = torch.zeros_like(x)
         flat_ids = topk_ids.flatten()
-        order = torch.argsort(flat_ids, stable=True)  # (token, k) pairs grouped by expert
-        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        order = torch.argsort(flat_ids, stable=True)  # (token, k) pairs grouped by expert, the -1s first
+        counts = torch.bincount(flat_ids + 1, minlength=self.num_local_experts + 1).tolist()
         tokens = order // topk_ids.shape[1]
         weights = topk_weights.flatten()[order]
-        start = 0
-        for expert, n in enumerate(counts):
+        start = counts[0]
+        for expert, n in enumerate(counts[1:]):
             if n == 0:
                 continue
             idx = tokens[start : start + n]

@@ -26,7 +26,7 @@ from radixserve.managers.scheduler_memory_saver import parse_memory_tags
 from radixserve.managers.scheduler_profiler import activities_problem
 from radixserve.model_executor.memory_saver import GPU_MEMORY_ALL_TYPES
 from radixserve.protocol import (
-    ClearHiCacheReqInput, ContinueGenerationReqInput, PauseGenerationReqInput, ProfileReq, ProfileReqType, ReleaseMemoryOccupationReqInput,
+    ClearHiCacheReqInput, ContinueGenerationReqInput, ExpertDistributionReq, ExpertDistributionReqType, PauseGenerationReqInput, ProfileReq, ProfileReqType, ReleaseMemoryOccupationReqInput,
     ResumeMemoryOccupationReqInput, SetInternalStateReq,
 )
 
@@ -114,6 +114,12 @@ class TokenizerAdmin:
 
     async def stop_profile(self) -> str:
         return await self._call(ProfileReq(ProfileReqType.STOP_PROFILE))
+
+    async def expert_distribution(self, action: ExpertDistributionReqType) -> Dict[str, Any]:
+        """Start / stop / dump the expert distribution record; the dump's record (else {})."""
+        if self.tm.dead_reason is not None:
+            raise RequestError(self.tm.dead_reason, 503, "ServiceUnavailable")
+        return check_reply(await self.tm.communicator(ExpertDistributionReq(action))).record or {}
 
     async def clear_hicache_storage(self) -> str:
         return await self._call(ClearHiCacheReqInput())

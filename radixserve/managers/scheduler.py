@@ -32,6 +32,7 @@ from radixserve.managers.scheduler_lora import SchedulerLoRA
 from radixserve.managers.scheduler_memory_saver import SchedulerMemorySaver
 from radixserve.managers.scheduler_pause import GenerationPause
 from radixserve.managers.scheduler_pp import SchedulerPP
+from radixserve.managers.scheduler_expert_distribution import SchedulerExpertDistribution
 from radixserve.managers.scheduler_profiler import SchedulerProfiler
 from radixserve.managers.schedule_policy import NewTokenRatio, PrefillAdder, SchedulePolicy
 from radixserve.managers.scheduler_stats import SchedulerStats
@@ -136,6 +137,7 @@ class Scheduler:
             *self.generation_pause.dispatch_entries(), *self.memory_saver.dispatch_entries(), *self.profiler.dispatch_entries(),
             *self.embedding.dispatch_entries(), *SchedulerLoRA(self).dispatch_entries(), *SchedulerHiCache(self).dispatch_entries(),
             *SchedulerInternalState(self).dispatch_entries(),  # /set_internal_state
+            *SchedulerExpertDistribution(self.tp_worker.expert_recorder).dispatch_entries(),  # EPLB's record
         ])
         logger.info("Scheduler ready (pid %d): max_total_num_tokens=%d, max_running_requests=%d, context_len=%d, page_size=%d",
                     os.getpid(), self.max_total_num_tokens, self.max_running_requests, self.context_len, self.page_size)

@@ -13,12 +13,14 @@ from radixserve.distributed.parallel_state import (
     all_reduce_min,
     broadcast_from_first_rank,
     init_distributed_environment,
+    set_moe_ep_size,
     stage_layers,
 )
 from radixserve.layers.attention.base_attn_backend import AttentionBackend
 from radixserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from radixserve.layers.cpu_weight_only import convert_to_weight_only, resolve_kv_cache_dtype, weight_only_available
 from radixserve.layers.logits_processor import LogitsProcessorOutput
+from radixserve.layers.expert_distribution import ExpertDistributionRecorder
 from radixserve.layers.moe import FusedMoE
 from radixserve.layers.pooler import EmbeddingPoolerOutput, Pooler, PoolingConfig
 from radixserve.layers.sampler import Sampler, SamplerOutput
@@ -83,6 +85,7 @@ class ModelRunner:
         if tp_size > 1 or server_args.pp_size > 1:  # --pp-size: this stage's TP group and the stages' group
             init_distributed_environment(tp_rank, tp_size, server_args.dist_init_addr, self.device, pp_rank,
                                          server_args.pp_size, server_args.pp_partition_list(), server_args.watchdog_timeout)
+        set_moe_ep_size(server_args.ep_size)  # --ep-size: which experts this rank's MoE layers hold
         torch.manual_seed(server_args.seed)
         # --quantization: the GGUF types the linear layers keep in their blocks (layers/quantization/)
         self.gguf_block_types = gguf_block_types(server_args.quantization, model_config, self.dtype, self.device)
@@ -94,6 +97,7 @@ class ModelRunner:
             convert_to_weight_only(self.model)
         self.activation_dtype = torch.float32 if self.weight_only else self.dtype
         self.lora_manager = self.init_lora_manager()
+        self.expert_recorder = ExpertDistributionRecorder.for_model(self.model, FusedMoE)
         self.weight_updater = ModelWeightUpdater(self)  # weight updates without a restart
         self.kv_cache_dtype = resolve_kv_cache_dtype(server_args.kv_cache_dtype, self.activation_dtype, self.weight_only)
         # Both attention backends apply a sliding window (serving_context_len keeps the cap for one that would not).

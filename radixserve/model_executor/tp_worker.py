@@ -43,6 +43,8 @@ class TpModelWorker:
         self.max_total_num_tokens = self.model_runner.max_total_num_tokens
         self.max_running_requests = self.model_runner.max_running_requests
         self.context_len = self.model_runner.context_len
+        # SGLang's expert distribution recorder (EPLB's input); None for a model without experts
+        self.expert_recorder = self.model_runner.expert_recorder
 
     def get_memory_pool(self):
         r = self.model_runner

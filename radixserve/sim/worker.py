@@ -44,6 +44,7 @@ class SimModelWorker:
         self.cost_model = CostModel(model_config, device, server_args.tp_size, dtype_bytes)
         self.context_len = model_config.serving_context_len(server_args.context_length)
         self.page_size = server_args.page_size
+        self.expert_recorder = None  # no experts are routed in a simulation
         if server_args.max_total_tokens:
             max_tokens = server_args.max_total_tokens
         elif device.name == "cpu":  # ModelRunner on CPU: a byte budget, not a memory fraction

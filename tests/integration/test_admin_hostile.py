@@ -85,6 +85,8 @@ CASES: List[Case] = [
     Case("pause: unknown mode", "/pause_generation", {"mode": "sideways"}, 400, "sideways"),
     Case("pause: mode a number", "/pause_generation", {"mode": 5}, 400, "mode"),
     Case("profile: stop without start", "/stop_profile", None, 400, "not in progress"),
+    Case("experts: start on a model without", "/start_expert_distribution_record", None, 400, "no experts"),
+    Case("experts: dump on a model without", "/dump_expert_distribution_record", None, 400, "no experts"),
     Case("profile: GPU on a CPU", "/start_profile", {"activities": ["GPU"]}, 400, "GPU"),
     Case("profile: unknown activity", "/start_profile", {"activities": ["DISK"]}, 400, "DISK"),
     Case("profile: output_dir /etc", "/start_profile", {"output_dir": "/etc", "activities": ["CPU"]}, 400, "output_dir"),

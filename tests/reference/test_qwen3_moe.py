@@ -91,18 +91,19 @@ def test_decoder_sparse_step_keeps_dense_layers_between(tmp_path):
     assert max((a - b).abs().max().item() for a, b in zip(ours, ref)) <= TOL
 
 
-def _tp_rank(rank: int, addr: str, model_dir: str, out_path: str) -> None:
+def _tp_rank(rank: int, addr: str, model_dir: str, out_path: str, ep_size: int = 1, dtype: str = "float32") -> None:
     from radixserve.distributed.parallel_state import destroy_distributed_environment
     from radixserve.model_executor.model_runner import ModelRunner
     from radixserve.server_args import ServerArgs
 
-    args = ServerArgs(model_path=model_dir, dtype="float32", device="cpu", max_total_tokens=2048,
-                      max_running_requests=8, tp_size=2, dist_init_addr=addr)
+    args = ServerArgs(model_path=model_dir, dtype=dtype, device="cpu", max_total_tokens=2048,
+                      max_running_requests=8, tp_size=2, ep_size=ep_size, dist_init_addr=addr)
     runner = ModelRunner(ModelConfig.from_pretrained(model_dir), args, rank, 2)
     experts = runner.model.model.layers[0].mlp.experts
     logits = _driver_logits(runner)
-    if rank == 0:
-        torch.save({"logits": logits, "w13": tuple(experts.w13_weight.shape)}, out_path)
+    shape = tuple((experts.w13_packed if experts.w13_packed is not None else experts.w13_weight).shape)
+    torch.save({"logits": logits, "w13": shape, "kernel": experts._moe_kernel(torch.zeros(1, 64)) is not None},
+               f"{out_path}.{rank}")
     destroy_distributed_environment()
 
 
@@ -111,10 +112,42 @@ def test_tensor_parallel_2_splits_every_expert(moe_dir, tmp_path):
     out = tmp_path / "tp2.pt"
     addr = f"127.0.0.1:{free_port()}"
     run_processes([ctx.Process(target=_tp_rank, args=(r, addr, moe_dir, str(out))) for r in range(2)])
-    res = torch.load(out)
+    res = torch.load(f"{out}.0")
     assert res["w13"] == (8, 32, 64)  # each rank: half of each expert's 2 x 32 intermediate rows
     for a, b in zip(res["logits"], _reference(load_hf(moe_dir))):
         assert (a - b).abs().max().item() <= TOL
+
+
+def _run_ep2(moe_dir: str, out: Path, dtype: str) -> list:
+    ctx = mp.get_context("spawn")
+    addr = f"127.0.0.1:{free_port()}"
+    run_processes([ctx.Process(target=_tp_rank, args=(r, addr, moe_dir, str(out), 2, dtype)) for r in range(2)])
+    return [torch.load(f"{out}.{r}") for r in range(2)]
+
+
+def test_expert_parallel_2_places_whole_experts(moe_dir, tmp_path):
+    """--tp-size 2 --ep-size 2: each rank holds 4 of the 8 experts whole (not half of each), and
+    the logits are still transformers'."""
+    ranks = _run_ep2(moe_dir, tmp_path / "ep2.pt", "float32")
+    ref = _reference(load_hf(moe_dir))
+    for res in ranks:
+        assert res["w13"] == (4, 64, 64)
+        for a, b in zip(res["logits"], ref):
+            assert (a - b).abs().max().item() <= TOL
+
+
+def test_expert_parallel_2_on_the_moe_kernel_matches_tensor_parallel(moe_dir, tmp_path):
+    """The CPU's bf16 mode: EP's rank-local experts on the C++ MoE kernel (the pairs of the other
+    rank's experts skipped) against one rank holding all of them."""
+    ranks = _run_ep2(moe_dir, tmp_path / "ep2bf16.pt", "bfloat16")
+    if not ranks[0]["kernel"]:
+        pytest.skip("no AVX512_BF16 here: the experts run on the torch loop (the float32 test covers EP there)")
+    runner = make_runner(moe_dir, dtype="bfloat16")
+    assert runner.model.model.layers[0].mlp.experts.w13_packed.shape[0] == 8
+    one = _driver_logits(runner)
+    assert ranks[0]["w13"][0] == 4
+    for a, b in zip(ranks[0]["logits"], one):
+        assert (a - b).abs().max().item() <= 2e-2 * b.abs().max().item()
 
 
 def test_the_engine_serves_it(moe_dir):
@@ -196,3 +229,51 @@ def test_a_weight_update_naming_the_stacked_experts_is_refused(moe_dir):
     with pytest.raises(LoadError, match="no such expert"):
         runner.model.load_weights([("model.layers.1.mlp.experts.0.gate_proj.weight", torch.zeros(32, 64), "update")],
                                   require_all=False)
+
+
+def _hf_expert_counts(hf, seqs: list, top_k: int) -> torch.Tensor:
+    """[sparse layers, experts]: how often each layer's router picks each expert over seqs."""
+    counts = None
+    for seq in seqs:
+        with torch.no_grad():
+            out = hf(torch.tensor([seq]), output_router_logits=True)
+        layers = [torch.bincount(logits.reshape(len(seq), -1).topk(top_k, dim=-1).indices.flatten(),
+                                 minlength=logits.shape[-1]) for logits in out.router_logits]
+        c = torch.stack(layers)
+        counts = c if counts is None else counts + c
+    return counts
+
+
+def test_expert_distribution_record_counts_the_routers_choices(moe_dir, tmp_path, monkeypatch):
+    """SGLang's /start_expert_distribution_record ... /dump: the dump's logical_count is, per MoE
+    layer and expert, the (token, expert) pairs of every token the model ran while recording:
+    the prompts and each generated token but the last, as transformers' routers pick them. Not
+    counted before the start or after the stop; the dump is also SGLang's file."""
+    monkeypatch.setenv("SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR", str(tmp_path))
+    engine = Engine(moe_dir, dtype="float32", skip_tokenizer_init=True, disable_radix_cache=True)
+    params = {"max_new_tokens": 4, "temperature": 0}
+    try:
+        engine.generate(input_ids=[[1, 2, 3]], sampling_params=params, progress=False)  # before the start
+        engine.start_expert_distribution_record()
+        outs = engine.generate(input_ids=PROMPTS, sampling_params=params, progress=False)
+        engine.stop_expert_distribution_record()
+        engine.generate(input_ids=[[7, 8, 9]], sampling_params=params, progress=False)  # after the stop
+        record = engine.dump_expert_distribution_record()
+    finally:
+        engine.shutdown()
+    seqs = [p + o["output_ids"][:-1] for p, o in zip(PROMPTS, outs)]
+    expected = _hf_expert_counts(load_hf(moe_dir), seqs, CONFIG["num_experts_per_tok"])
+    got = torch.tensor(record["logical_count"])
+    assert got.shape == (2, CONFIG["num_experts"])  # the two sparse layers
+    assert torch.equal(got, expected), (got, expected)
+    saved = torch.load(record["path"])
+    assert Path(record["path"]).parent == tmp_path and torch.equal(saved["logical_count"], got)
+
+
+def test_expert_distribution_record_is_refused_without_experts():
+    engine = Engine(None, skip_tokenizer_init=True)  # the embedded tiny model: no experts
+    try:
+        with pytest.raises(ValueError, match="no experts"):
+            engine.start_expert_distribution_record()
+    finally:
+        engine.shutdown()

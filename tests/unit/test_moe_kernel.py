@@ -113,3 +113,22 @@ def test_bad_expert_ids_are_refused(ops, moe):
     ids[1, 3] = E
     with pytest.raises(RuntimeError, match="outside"):
         ops.fused_moe_bf16(x, moe.w13_packed, moe.w2_packed, weights, ids, INTER)
+
+
+@pytest.mark.parametrize("m", [1, 16, 300])
+def test_pairs_of_another_ranks_experts_are_skipped(ops, moe, m):
+    """--ep-size marks the pairs routed to another rank's experts -1: the kernel and the loop
+    both leave them out, which is the same as giving them weight 0 (and is cheaper)."""
+    x, weights, ids = _route(m, True, seed=40 + m)
+    other = ids % 2 == 1  # as if the odd experts lived on another rank
+    assert other.any() and (~other).any()
+    skipped = torch.where(other, -1, ids)
+    zeroed = torch.where(other, torch.zeros_like(weights), weights)
+    y = ops.fused_moe_bf16(x, moe.w13_packed, moe.w2_packed, weights, skipped, INTER)
+    ref = ops.fused_moe_bf16(x, moe.w13_packed, moe.w2_packed, zeroed, ids, INTER)
+    assert _close(y, ref), (y - ref).abs().max().item()
+    assert _close(moe.forward_loop(x, weights, skipped), ref)
+    full = ops.fused_moe_bf16(x, moe.w13_packed, moe.w2_packed, weights, ids, INTER)
+    assert not _close(y, full)  # the skipped pairs did count before
+    none = torch.full_like(ids, -1)
+    assert torch.equal(ops.fused_moe_bf16(x, moe.w13_packed, moe.w2_packed, weights, none, INTER), torch.zeros_like(x))
