@@ -18,13 +18,18 @@ groups that each hold whole experts instead (parallel_state.MoEParallel): a rank
 local, the router's ids of other ranks' experts become -1 and are skipped, and the same all-reduce
 sums the ranks' partial outputs.
 
+A GGUF file's experts can stay in their blocks (--quantization gguf / auto in the CPU's bf16 mode:
+keep_gguf_blocks before loading): each local expert then holds its gate, up and down matrices as
+the file's QuantizedWeights (or float tensors for the file's F16/BF16 ones), multiplied by the
+GGUF kernels (layers/quantization/gguf.py), and memory is about the file's size.
+
 While /start_expert_distribution_record is on, each layer adds its routed (token, expert) pairs to
 the model's ExpertDistributionRecorder (layers/expert_distribution.py), for EPLB.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +38,8 @@ from torch import nn
 from radixserve.distributed.parallel_state import get_moe_parallel, get_tp_group, tensor_model_parallel_all_reduce
 from radixserve.layers import cpu_kernels
 from radixserve.layers.expert_distribution import ExpertDistributionRecorder
+from radixserve.layers.quantization import QuantizedWeight
+from radixserve.layers.quantization.gguf import quant_matmul
 from radixserve.layers.activation import SiluAndMul
 from radixserve.layers.linear import (
     LinearBase,
@@ -90,8 +97,27 @@ class FusedMoE(nn.Module):
         # them): the MoE kernel's operands.
         self.w13_packed: Optional[torch.Tensor] = None
         self.w2_packed: Optional[torch.Tensor] = None
+        # keep_gguf_blocks: each local expert's {"w1", "w3", "w2"} as the file gives them
+        self.expert_blocks: Optional[List[Dict[str, ExpertMatrix]]] = None
+
+    def keep_gguf_blocks(self) -> None:
+        """Before loading a GGUF file: the experts' tensors stay as the file's blocks; the float
+        stacks the layer was built with are dropped (never filled, so never resident)."""
+        self.expert_blocks = [{} for _ in range(self.num_local_experts)]
+        self.w13_weight = nn.Parameter(torch.empty(0), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(0), requires_grad=False)
+
+    def weight_storage(self) -> List[torch.Tensor]:
+        """The tensors holding the experts beyond the layer's parameters (release/resume frees them
+        too): the bf16 mode's packed stacks, or the GGUF blocks."""
+        out = [t for t in (self.w13_packed, self.w2_packed) if t is not None]
+        for blocks in self.expert_blocks or ():
+            out += [w.data if isinstance(w, QuantizedWeight) else w for w in blocks.values()]
+        return out
 
     def pack_cpu_weight(self) -> bool:
+        if self.expert_blocks is not None:
+            return False  # multiplied in the file's blocks
         packed = [(pack_cpu_weight(self.w13_weight.data[e]), pack_cpu_weight(self.w2_weight.data[e]))
                   for e in range(self.num_local_experts)]
         if any(p is None for pair in packed for p in pair):
@@ -122,6 +148,10 @@ class FusedMoE(nn.Module):
         if not 0 <= expert < self.num_local_experts:
             return  # another expert-parallel rank's
         n, start = self.inter, self.tp_rank * self.inter
+        if self.expert_blocks is not None:
+            return self._load_expert_matrix(expert, which, loaded.narrow(1, start, n) if which == "w2" else loaded.narrow(0, start, n))
+        if isinstance(loaded, QuantizedWeight):
+            raise WeightShapeError(f"expert {expert} {which}: GGUF blocks for a layer built for float weights")
         if which == "w2":
             part, dst = loaded.narrow(1, start, n), param.data[expert]
         else:
@@ -131,6 +161,16 @@ class FusedMoE(nn.Module):
             raise WeightShapeError(f"expert {expert} {which}: expected shape {tuple(dst.shape)}, got {tuple(part.shape)}")
         dst.copy_(part)
 
+    def _load_expert_matrix(self, expert: int, which: str, part: "ExpertMatrix") -> None:
+        want = (self.hidden_size, self.inter) if which == "w2" else (self.inter, self.hidden_size)
+        if tuple(part.shape) != want:
+            raise WeightShapeError(f"expert {expert} {which}: expected shape {want}, got {tuple(part.shape)}")
+        if isinstance(part, QuantizedWeight):  # a rank's slice is a view: its own bytes, not the whole tensor's
+            part = QuantizedWeight(part.qtype, part.data.contiguous().clone(), part.cols)
+        else:  # the file's F16 / BF16 / F32 experts: float32, as the GGUF linear method keeps them
+            part = part.detach().to(torch.float32, copy=True).contiguous()
+        self.expert_blocks[expert][which] = part
+
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         if self.expert_recorder is not None:
             self.expert_recorder.record(self.moe_layer_index, topk_ids)
@@ -138,7 +178,9 @@ class FusedMoE(nn.Module):
             local = topk_ids - self.expert_start
             topk_ids = torch.where((local >= 0) & (local < self.num_local_experts), local, -1)
         ops = self._moe_kernel(x)
-        if ops is not None:
+        if self.expert_blocks is not None:
+            out = self.forward_blocks(x, topk_weights, topk_ids)
+        elif ops is not None:
             out = ops.fused_moe_bf16(x, self.w13_packed, self.w2_packed, topk_weights, topk_ids, self.inter)
         else:
             out = self.forward_loop(x, topk_weights, topk_ids)
@@ -155,19 +197,9 @@ class FusedMoE(nn.Module):
 
     def forward_loop(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """The experts one at a time over their tokens (this rank's partial sum, not all-reduced):
-        the reference of the MoE kernel, and the path wherever that kernel cannot run. Pairs with
-        expert id -1 (another expert-parallel rank's) are skipped."""
+        the reference of the MoE kernel, and the path wherever that kernel cannot run."""
         out = torch.zeros_like(x)
-        flat_ids = topk_ids.flatten()
-        order = torch.argsort(flat_ids, stable=True)  # (token, k) pairs grouped by expert, the -1s first
-        counts = torch.bincount(flat_ids + 1, minlength=self.num_local_experts + 1).tolist()
-        tokens = order // topk_ids.shape[1]
-        weights = topk_weights.flatten()[order]
-        start = counts[0]
-        for expert, n in enumerate(counts[1:]):
-            if n == 0:
-                continue
-            idx = tokens[start : start + n]
+        for expert, idx, weights in self._expert_groups(topk_weights, topk_ids):
             if self.weight_packed is not None:  # float32 activations, bf16 weights: the C++ GEMM
                 p13, p2 = self.weight_packed[expert]
                 gate, up = linear(x[idx], None, p13).chunk(2, dim=-1)
@@ -176,9 +208,42 @@ class FusedMoE(nn.Module):
                 w13, w2 = self.w13_weight[expert], self.w2_weight[expert]
                 gate, up = F.linear(x[idx].to(w13.dtype), w13).chunk(2, dim=-1)
                 y = F.linear(F.silu(gate) * up, w2).to(x.dtype)
-            out.index_add_(0, idx, y * weights[start : start + n, None].to(x.dtype))
-            start += n
+            out.index_add_(0, idx, y * weights[:, None].to(x.dtype))
         return out
+
+    def forward_blocks(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """The experts in a GGUF file's blocks, one at a time over their tokens (float32 activations,
+        as the GGUF linear layers)."""
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        x32 = x.float()
+        for expert, idx, weights in self._expert_groups(topk_weights, topk_ids):
+            m = self.expert_blocks[expert]
+            xe = x32[idx].contiguous()
+            h = (F.silu(_expert_matmul(xe, m["w1"])) * _expert_matmul(xe, m["w3"])).contiguous()
+            out.index_add_(0, idx, _expert_matmul(h, m["w2"]) * weights[:, None])
+        return out.to(x.dtype)
+
+    def _expert_groups(self, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> Iterator[Tuple[int, torch.Tensor, torch.Tensor]]:
+        """(local expert, its tokens, their routing weights) for each expert the batch hits: one
+        sort of the (token, k) pairs, a Python step per expert, never per token. Pairs with
+        expert id -1 (another expert-parallel rank's) are skipped."""
+        flat_ids = topk_ids.flatten()
+        order = torch.argsort(flat_ids, stable=True)  # (token, k) pairs grouped by expert, the -1s first
+        counts = torch.bincount(flat_ids + 1, minlength=self.num_local_experts + 1).tolist()
+        tokens = order // topk_ids.shape[1]
+        weights = topk_weights.flatten()[order]
+        start = counts[0]
+        for expert, n in enumerate(counts[1:]):
+            if n:
+                yield expert, tokens[start : start + n], weights[start : start + n]
+            start += n
+
+
+ExpertMatrix = Union[QuantizedWeight, torch.Tensor]
+
+
+def _expert_matmul(x: torch.Tensor, w: ExpertMatrix) -> torch.Tensor:
+    return quant_matmul(x, w) if isinstance(w, QuantizedWeight) else F.linear(x, w)
 
 
 class SharedExpert(nn.Module):

@@ -47,7 +47,8 @@ _BLOCK = {
     "ffn_gate_inp": "mlp.gate",  # qwen3moe: the router
 }
 # qwen3moe: every expert's projection stacked in one tensor [experts, rows, cols] (numpy order),
-# handed on as each expert's own HF tensor (mlp.experts.<e>.<proj>.weight), dequantized.
+# handed on as each expert's own HF tensor (mlp.experts.<e>.<proj>.weight): dequantized, or in its
+# blocks where its type is in block_types (FusedMoE.keep_gguf_blocks).
 _EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _STACKED = "mlp.experts.<e>."  # stands for the expert index in hf_name's answer
 
@@ -97,6 +98,18 @@ def gguf_block_tensors(config: ModelConfig, block_types: FrozenSet[int]) -> Iter
             yield hf_name(t.name, config.hf_config.get("gguf_architecture"))
 
 
+def gguf_block_experts(config: ModelConfig, block_types: FrozenSet[int]) -> bool:
+    """Whether the file's experts stay in their blocks (some stacked expert tensor has a type in
+    block_types): the MoE layers to switch to FusedMoE.keep_gguf_blocks before loading."""
+    return bool(block_types) and any(int(t.tensor_type) in block_types and _expert_part(t.name)
+                                     for t in open_gguf(config.gguf_file).tensors)
+
+
+def _expert_part(gguf_name: str) -> bool:
+    m = _BLOCK_RE.match(gguf_name)
+    return bool(m) and m.group(2) in _EXPERTS
+
+
 def gguf_weights(config: ModelConfig, dtype: torch.dtype, keep: Optional[Callable[[str], bool]] = None,
                  block_types: FrozenSet[int] = frozenset()) -> Iterator[NamedWeight]:
     """(HF name, tensor in dtype or QuantizedWeight, file) for every tensor of config.gguf_file.
@@ -139,7 +152,7 @@ def _iterate(reader: Any, config: ModelConfig, dtype: torch.dtype, path: str,
         if name is None or (keep is not None and not keep(name)):
             continue
         if _STACKED in name:
-            yield from _expert_tensors(t, name, dtype, path)
+            yield from _expert_tensors(t, name, dtype, path, int(t.tensor_type) in block_types)
             continue
         if int(t.tensor_type) in block_types and (_LINEAR_RE.match(t.name) or t.name in _VOCAB):
             # The file's blocks, copied out of the memory map: [rows, row bytes], rows as the HF
@@ -164,13 +177,21 @@ def _iterate(reader: Any, config: ModelConfig, dtype: torch.dtype, path: str,
         yield name, tensor, path
 
 
-def _expert_tensors(t: Any, stacked_name: str, dtype: torch.dtype, path: str) -> Iterator[NamedWeight]:
-    """A stacked expert tensor as each expert's [rows, cols] tensor, dequantized one expert at a
-    time (a float32 copy of the whole stack would be the layer's size x 2-8)."""
+def _expert_tensors(t: Any, stacked_name: str, dtype: torch.dtype, path: str, blocks: bool) -> Iterator[NamedWeight]:
+    """A stacked expert tensor as each expert's [rows, cols] tensor: its blocks (blocks=True; the
+    layer copies what it keeps), or dequantized one expert at a time (a float32 copy of the whole
+    stack would be the layer's size x 2-8)."""
     import gguf
 
     for e in range(t.data.shape[0]):
+        name = stacked_name.replace(_STACKED, f"mlp.experts.{e}.")
+        if blocks:
+            with warnings.catch_warnings():  # a read-only view of the memory map, copied by the layer
+                warnings.simplefilter("ignore", UserWarning)
+                data = torch.from_numpy(t.data[e])
+            yield name, QuantizedWeight(int(t.tensor_type), data, int(t.shape[0])), path
+            continue
         arr = gguf.quants.dequantize(t.data[e], t.tensor_type)
         if not arr.flags.writeable:
             arr = arr.copy()
-        yield stacked_name.replace(_STACKED, f"mlp.experts.{e}."), torch.from_numpy(arr).to(dtype), path
+        yield name, torch.from_numpy(arr).to(dtype), path

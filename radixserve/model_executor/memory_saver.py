@@ -30,6 +30,7 @@ from typing import Any, Dict, Iterable, List, Optional
 import torch
 
 from radixserve.layers.linear import PackedWeight
+from radixserve.layers.moe import FusedMoE
 from radixserve.layers.quantization import GGUFLinearMethod
 
 GPU_MEMORY_TYPE_KV_CACHE = "kv_cache"
@@ -163,6 +164,7 @@ class MemorySaverAdapter:
         out += [s.data for m in model.modules() if isinstance(getattr(m, "quant_method", None), GGUFLinearMethod)
                 for s in m.quant_method.ordered]  # GGUF weights kept in their blocks
         out += [p.gguf_blocks.data for p in model.parameters() if getattr(p, "gguf_blocks", None) is not None]
+        out += [t for m in model.modules() if isinstance(m, FusedMoE) for t in m.weight_storage()]  # packed / GGUF experts
         return out
 
     # ---- release / resume -------------------------------------------------------------------

@@ -17,8 +17,9 @@ from torch import nn
 
 from radixserve.distributed.parallel_state import get_pp_group
 from radixserve.layers.cpu_weight_only import weight_only_available
+from radixserve.layers.moe import FusedMoE
 from radixserve.layers.quantization import GGUFLinearMethod, kernel_types
-from radixserve.model_executor.gguf_loader import gguf_block_tensors, gguf_weights
+from radixserve.model_executor.gguf_loader import gguf_block_experts, gguf_block_tensors, gguf_weights
 from radixserve.models.llama import is_stage_weight
 from radixserve.models.model_config import LoadError, ModelConfig
 from radixserve.models.qwen3_moe import is_sparse_layer, num_experts
@@ -104,6 +105,9 @@ def get_model(config: ModelConfig, load_format: str, dtype: torch.dtype, device:
         layer = model.get_submodule(param_name_for(name, model.stacked_params_mapping)[0].rsplit(".", 1)[0])
         if not isinstance(layer.quant_method, GGUFLinearMethod):  # a fused layer: once for its parts
             layer.use_quant_method(GGUFLinearMethod())
+    if load_format != "dummy" and config.gguf_file and gguf_block_experts(config, block_types):
+        for moe in (m for m in model.modules() if isinstance(m, FusedMoE)):
+            moe.keep_gguf_blocks()  # the experts too: the file's size in memory, not bf16's
     if w8a8:
         logger.info("--quantization w8a8_int8: %d linear layers quantized to Q8_0 blocks as they load", use_w8a8(model))
     # Cast before loading: the (still untouched) float32 parameters are never filled, so a

@@ -277,3 +277,22 @@ def test_expert_distribution_record_is_refused_without_experts():
             engine.start_expert_distribution_record()
     finally:
         engine.shutdown()
+
+
+def test_release_frees_the_packed_experts_and_resume_restores_them(moe_dir):
+    """In the CPU's bf16 mode the experts live in the MoE kernel's packed stacks (not parameters):
+    /release_memory_occupation frees those too, and the answers after the resume are the same."""
+    engine = Engine(moe_dir, dtype="bfloat16", skip_tokenizer_init=True)
+    params = {"max_new_tokens": 6, "temperature": 0}
+    try:
+        experts = engine.scheduler.tp_worker.model_runner.model.model.layers[0].mlp.experts
+        if experts.w13_packed is None:
+            pytest.skip("no AVX512_BF16 here: the experts stay parameters (released as every parameter is)")
+        before = engine.generate(input_ids=PROMPTS, sampling_params=params, progress=False)
+        engine.release_memory_occupation()
+        assert experts.w13_packed.untyped_storage().nbytes() == 0 and experts.w2_packed.untyped_storage().nbytes() == 0
+        engine.resume_memory_occupation()
+        after = engine.generate(input_ids=PROMPTS, sampling_params=params, progress=False)
+    finally:
+        engine.shutdown()
+    assert [o["output_ids"] for o in after] == [o["output_ids"] for o in before]

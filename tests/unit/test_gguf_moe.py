@@ -21,7 +21,7 @@ from radixserve.layers.moe import SparseMoeBlock
 from radixserve.model_executor.gguf_loader import hf_name
 from radixserve.models.model_config import ModelConfig
 
-from test_gguf import TOL, KVDriver, make_runner
+from test_gguf import TOL, KVDriver, make_runner, torch_fallback  # noqa: F401 (a fixture)
 
 CONFIG = dict(vocab_size=320, hidden_size=128, intermediate_size=192, moe_intermediate_size=64, num_hidden_layers=3,
               num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
@@ -148,3 +148,87 @@ def test_transformers_reads_the_same_file(tmp_path):
         ref = torch.cat([theirs(torch.tensor([p])).logits[0] for p in PROMPTS])
     assert ref.std() > 1.0
     assert (out - ref).abs().max().item() <= TOL, (out - ref).abs().max().item()
+
+
+def _expert_block_bytes(path: Path) -> int:
+    """Bytes of the file's quantized stacked-expert tensors (what the MoE layers keep in blocks)."""
+    from radixserve.models.model_config import GGUFIndex
+
+    kept = {Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
+    return sum(t.data.nbytes for t in GGUFIndex(str(path)).tensors if t.tensor_type in kept and "_exps." in t.name)
+
+
+def test_qwen3moe_gguf_experts_kept_in_blocks_match_transformers(tmp_path, torch_fallback):
+    """--quantization gguf on an MoE file: the experts stay in the file's blocks (the Q8_0 gate
+    projections as QuantizedWeight, the F16 / BF16 ones as float32), the float stacks the layer
+    was built with are never filled, the bytes held are the file's, and the logits are still
+    transformers' on the dequantized weights."""
+    from radixserve.layers.moe import FusedMoE
+    from radixserve.layers.quantization import QuantizedWeight
+
+    path = tmp_path / "qwen3moe.gguf"
+    hf = write_qwen3moe(path, mlp_only_layers=[1])
+    runner = make_runner(str(path), max_total_tokens=1024, max_running_requests=4, dtype="float32", quantization="gguf")
+    moes = [m for m in runner.model.modules() if isinstance(m, FusedMoE)]
+    assert len(moes) == 2 and all(m.w13_weight.numel() == 0 and m.w2_weight.numel() == 0 for m in moes)
+    for m in moes:
+        assert len(m.expert_blocks) == 8
+        for e in m.expert_blocks:
+            assert isinstance(e["w1"], QuantizedWeight) and e["w1"].qtype == Q.Q8_0
+            assert isinstance(e["w3"], torch.Tensor) and isinstance(e["w2"], torch.Tensor)
+    held = sum(e["w1"].data.nbytes for m in moes for e in m.expert_blocks)
+    assert held == _expert_block_bytes(path)
+    out = _logits(runner, PROMPTS)
+    with torch.no_grad():
+        ref = torch.cat([hf(torch.tensor([p])).logits[0] for p in PROMPTS])
+    assert (out - ref).abs().max().item() <= TOL, (out - ref).abs().max().item()
+
+
+def test_qwen3moe_gguf_experts_in_blocks_on_the_integer_kernel(tmp_path):
+    """The CPU's default (bf16 mode, the C++ integer kernel with 8-bit activations, as llama.cpp):
+    close to the float32 reference on the same file, not equal to it."""
+    from radixserve.layers.quantization.gguf import kernel_types
+
+    if Q.Q8_0 not in kernel_types():
+        pytest.skip("no AVX512-VNNI kernel here: the blocks run on the torch fallback (the test above)")
+    path = tmp_path / "qwen3moe.gguf"
+    write_qwen3moe(path, mlp_only_layers=[1])
+    blocks = make_runner(str(path), max_total_tokens=1024, max_running_requests=4, dtype="bfloat16")
+    assert blocks.model.model.layers[0].mlp.experts.expert_blocks is not None
+    ref = _logits(make_runner(str(path), max_total_tokens=1024, max_running_requests=4, dtype="float32"), PROMPTS)
+    out = _logits(blocks, PROMPTS)
+    rel = ((out - ref).norm() / ref.norm()).item()
+    assert 0 < rel <= 0.05, rel
+
+
+def test_qwen3moe_gguf_experts_in_blocks_update_from_disk_and_release_resume(tmp_path, torch_fallback):
+    """A weight update from another GGUF of the same model replaces the experts' blocks, and
+    release/resume frees and restores them (the experts' storage is among the weights released)."""
+    from radixserve import Engine
+
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    write_qwen3moe(a, mlp_only_layers=[1], seed=0)
+    write_qwen3moe(b, mlp_only_layers=[1], seed=1)
+    prompt = PROMPTS[1]
+
+    def greedy(engine):
+        out = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 6, "temperature": 0},
+                              return_logprob=True, progress=False)
+        return out["output_ids"], [v for v, _, _ in out["meta_info"]["output_token_logprobs"]]
+
+    kw = dict(dtype="float32", skip_tokenizer_init=True, max_total_tokens=1024, disable_overlap_schedule=True)
+    with Engine(str(b), quantization="none", **kw) as engine:
+        want_b = greedy(engine)
+    with Engine(str(a), quantization="gguf", **kw) as engine:
+        want_a = greedy(engine)
+        assert want_a[0] != want_b[0]
+        ok, message = engine.update_weights_from_disk(str(b))
+        assert ok, message
+        got_b = greedy(engine)
+        assert got_b[0] == want_b[0] and max(abs(x - y) for x, y in zip(got_b[1], want_b[1])) < 1e-4
+        experts = engine.scheduler.tp_worker.model_runner.model.model.layers[0].mlp.experts
+        storage = experts.expert_blocks[0]["w1"].data.untyped_storage()
+        engine.release_memory_occupation()
+        assert storage.nbytes() == 0  # really freed
+        engine.resume_memory_occupation()
+        assert greedy(engine) == got_b
