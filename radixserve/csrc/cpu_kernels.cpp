@@ -1286,6 +1286,7 @@ at::Tensor fused_moe_bf16(const at::Tensor&, const at::Tensor&, const at::Tensor
 
 void register_lora_kernels(pybind11::module_& m);  // lora_kernels.cpp
 void register_quant_kernels(pybind11::module_& m);  // quant_kernels.cpp
+void register_gdn_kernels(pybind11::module_& m);  // gdn_kernels.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention (writes out)", py::arg("out"), py::arg("q"),
@@ -1306,4 +1307,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("w13"), py::arg("w2"), py::arg("topk_weights"), py::arg("topk_ids"), py::arg("inter"));
   register_lora_kernels(m);
   register_quant_kernels(m);
+  register_gdn_kernels(m);
 }

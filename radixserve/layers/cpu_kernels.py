@@ -26,6 +26,7 @@ DISABLE_ENV = "RADIXSERVE_DISABLE_CPU_KERNELS"
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_kernels.cpp"
 SOURCES = [SOURCE, SOURCE.with_name("lora_kernels.cpp")]  # the segmented LoRA matmul (issue 28)
 SOURCES.append(SOURCE.with_name("quant_kernels.cpp"))  # GGUF-quantized linear layers (issue 38)
+SOURCES.append(SOURCE.with_name("gdn_kernels.cpp"))  # the GatedDeltaNet decode step (issue 41)
 
 
 def extension_name() -> str:

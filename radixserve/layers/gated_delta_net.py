@@ -1,4 +1,4 @@
-"""GatedDeltaNet linear attention (Qwen3-Next, Qwen3.5), in torch.
+"""GatedDeltaNet linear attention (Qwen3-Next, Qwen3.5), in torch (the decode step in C++ on the CPU).
 
 Per request and value head h the layer keeps a matrix state S [head_k_dim, head_v_dim]; each
 token t (q, k l2-normalized, q scaled by head_k_dim^-0.5) does
@@ -11,7 +11,9 @@ after a depthwise causal conv1d (kernel K, silu) over the concatenated q, k, v c
 states live in the MambaPool (mem_cache/mamba_pool.py), one slot per request: the conv state
 is the last K - 1 conv inputs, the temporal state is S.
 
-  decode   one recurrent step for the whole batch (tensor ops, no loop).
+  decode   one recurrent step for the whole batch: on the CPU the C++ kernel
+           (csrc/gdn_kernels.cpp: two passes over each state, updated in place in the pool),
+           else tensor ops (recurrent_gated_delta_step, the kernel's reference).
   extend   the chunked form of the same recurrence (chunks of CHUNK_SIZE tokens, the UT
            transform inside a chunk, a loop over chunks carrying S). The batch's requests are
            padded to one length and run together: a padded position has k = v = 0, beta = 0 and
@@ -32,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixserve.layers import cpu_kernels
 from radixserve.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 CHUNK_SIZE = 64
@@ -215,12 +218,16 @@ class GatedDeltaNet(nn.Module):
         beta = b.float().sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         slots = meta.state_slots
-        state = temporal_state[slots] * meta.has_initial_state[:, None, None, None]
-        if meta.is_decode:
-            out, state = recurrent_gated_delta_step(q, k, v, g, beta, state)
+        ops = cpu_kernels.kernels_for(q) if meta.is_decode and temporal_state.is_contiguous() else None
+        if ops is not None:  # the C++ step, the states updated in place in the pool
+            out = ops.gated_delta_decode(q, k, v, g, beta, temporal_state, slots, meta.has_initial_state)
         else:
-            out, state = self._extend(q, k, v, g, beta, state, meta)
-        temporal_state[slots] = state
+            state = temporal_state[slots] * meta.has_initial_state[:, None, None, None]
+            if meta.is_decode:
+                out, state = recurrent_gated_delta_step(q, k, v, g, beta, state)
+            else:
+                out, state = self._extend(q, k, v, g, beta, state, meta)
+            temporal_state[slots] = state
         out = self.norm.forward(out.to(hidden_states.dtype), z)
         return self.out_proj.forward(out.reshape(T, self.value_dim))
 

@@ -75,3 +75,45 @@ def test_the_conv_continues_from_its_saved_state():
     out = torch.cat([out, causal_conv1d(x[9:], conv_state, weight, meta)])
     assert torch.allclose(out, ref, atol=1e-6)
     assert torch.equal(conv_state[2], x[7:10])  # the last K - 1 inputs
+
+
+@pytest.mark.parametrize("B, H, dk, dv", [(1, 2, 8, 4), (5, 4, 128, 128), (3, 3, 64, 96)])
+def test_the_cpu_decode_kernel_is_the_recurrent_step_in_place(B, H, dk, dv):
+    """cpu_kernels.gated_delta_decode against recurrent_gated_delta_step: the outputs, the states
+    written back at the requests' slots (scattered, a fresh request starting from zeros over a
+    slot holding garbage), and every other slot untouched."""
+    from radixserve.layers import cpu_kernels
+
+    ops = cpu_kernels.get()
+    assert ops is not None, "the C++ CPU kernels did not build"
+    g = torch.Generator().manual_seed(B * 100 + dk)
+    q = l2norm(torch.randn(B, H, dk, generator=g)) * dk ** -0.5
+    k = l2norm(torch.randn(B, H, dk, generator=g))
+    v = torch.randn(B, H, dv, generator=g)
+    decay, beta = -torch.rand(B, H, generator=g), torch.rand(B, H, generator=g)
+    pool = torch.randn(2 * B + 3, H, dk, dv, generator=g)
+    slots = torch.randperm(2 * B + 3, generator=g)[:B]
+    has_initial = torch.tensor([b % 3 != 1 for b in range(B)])
+    before = pool.clone()
+    ref_state = before[slots] * has_initial[:, None, None, None]
+    ref_out, ref_state = recurrent_gated_delta_step(q, k, v, decay, beta, ref_state)
+    out = ops.gated_delta_decode(q, k, v, decay, beta, pool, slots, has_initial)
+    assert torch.allclose(out, ref_out, rtol=1e-5, atol=1e-5), (out - ref_out).abs().max()
+    assert torch.allclose(pool[slots], ref_state, rtol=1e-5, atol=1e-5)
+    others = torch.ones(pool.shape[0], dtype=torch.bool)
+    others[slots] = False
+    assert torch.equal(pool[others], before[others])
+
+
+def test_the_cpu_decode_kernel_refuses_bad_arguments():
+    from radixserve.layers import cpu_kernels
+
+    ops = cpu_kernels.get()
+    q = torch.zeros(2, 2, 8)
+    pool = torch.zeros(4, 2, 8, 4)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        ops.gated_delta_decode(q, q, torch.zeros(2, 2, 4), torch.zeros(2, 2), torch.zeros(2, 2), pool,
+                               torch.tensor([0, 4]), torch.tensor([True, True]))
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.gated_delta_decode(q.double(), q, torch.zeros(2, 2, 4), torch.zeros(2, 2), torch.zeros(2, 2), pool,
+                               torch.tensor([0, 1]), torch.tensor([True, True]))
