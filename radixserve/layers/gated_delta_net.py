@@ -22,7 +22,9 @@ is the last K - 1 conv inputs, the temporal state is S.
            the first one of a chunked prefill), from zeros otherwise.
 
 The output is RMS-normalized per head, gated by silu(z) (RMSNormGated), and projected back.
-Tensor parallelism is not split here (the model refuses --tp-size > 1).
+Tensor parallelism splits the heads: a rank keeps num_k_heads / tp key heads with their value
+heads, their projections' rows, their conv channels (of each of q, k and v), their decays, and
+their states in its own MambaPool; out_proj is row-parallel (its all-reduce joins the heads).
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixserve.distributed.parallel_state import get_tp_group
 from radixserve.layers import cpu_kernels
-from radixserve.layers.linear import ColumnParallelLinear, RowParallelLinear
+from radixserve.layers.linear import ColumnParallelLinear, RowParallelLinear, StackedColumnParallelLinear, rank_parts
 
 CHUNK_SIZE = 64
 
@@ -167,9 +170,27 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     return out.reshape(B, H, n * chunk_size, -1)[:, :, :L], state
 
 
+class ShardedConvWeight(nn.Module):
+    """The depthwise conv's weight [C, 1, K] (checkpoint name conv1d.weight, channels q | k | v):
+    a tensor-parallel rank keeps its heads' channels of each part."""
+
+    def __init__(self, part_sizes: List[int], kernel: int, tp_rank: int, tp_size: int):
+        super().__init__()
+        self.part_sizes, self.tp_rank, self.tp_size = part_sizes, tp_rank, tp_size
+        self.weight = nn.Parameter(torch.empty(sum(part_sizes) // tp_size, 1, kernel), requires_grad=False)
+        self.kernel_size = (kernel,)
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor) -> None:
+        part = torch.cat(rank_parts(loaded, self.part_sizes, self.tp_rank, self.tp_size))
+        if part.shape != param.shape:
+            raise ValueError(f"conv1d.weight: expected {sum(self.part_sizes)} channels of kernel {param.shape[-1]}, "
+                             f"got {tuple(loaded.shape)}")
+        param.data.copy_(part)
+
+
 class GatedDeltaNet(nn.Module):
     """A linear-attention token mixer; `layer_id` is its index among the model's linear layers
-    (its MambaPool layer)."""
+    (its MambaPool layer). Head counts and dims are this tensor-parallel rank's."""
 
     def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
                  conv_kernel: int, layer_id: int, eps: float = 1e-6, hidden_act: str = "silu"):
@@ -177,20 +198,33 @@ class GatedDeltaNet(nn.Module):
         if hidden_act != "silu":
             raise ValueError(f"unsupported linear-attention activation {hidden_act!r} (only silu)")
         assert num_v_heads % num_k_heads == 0, (num_v_heads, num_k_heads)
-        self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
+        tp = get_tp_group()
+        if num_k_heads % tp.size:
+            raise ValueError(f"{num_k_heads} linear-attention key heads are not divisible by --tp-size {tp.size}")
+        self.tp_rank, self.tp_size = tp.rank, tp.size
+        self.num_k_heads, self.num_v_heads = num_k_heads // tp.size, num_v_heads // tp.size
         self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
-        self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+        self.key_dim, self.value_dim = self.num_k_heads * head_k_dim, self.num_v_heads * head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.layer_id = layer_id
-        # Checkpoint layout: per key head [q | k | v of its value heads | z of its value heads].
-        self.in_proj_qkvz = ColumnParallelLinear(hidden_size, 2 * self.key_dim + 2 * self.value_dim)
+        full_key, full_value = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+        # Checkpoint layout: per key head [q | k | v of its value heads | z of its value heads]:
+        # a rank's rows are its key heads', contiguous.
+        self.in_proj_qkvz = ColumnParallelLinear(hidden_size, 2 * full_key + 2 * full_value)
         self.in_proj_ba = ColumnParallelLinear(hidden_size, 2 * num_v_heads)  # per key head [b... | a...]
-        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim, bias=False,
-                                padding=conv_kernel - 1)  # a holder of the checkpoint's weight [C, 1, K]
-        self.dt_bias = nn.Parameter(torch.ones(num_v_heads), requires_grad=False)
-        self.A_log = nn.Parameter(torch.zeros(num_v_heads), requires_grad=False)
+        self.conv1d = ShardedConvWeight([full_key, full_key, full_value], conv_kernel, tp.rank, tp.size)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads), requires_grad=False)
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads), requires_grad=False)
         self.norm = RMSNormGated(head_v_dim, eps)
-        self.out_proj = RowParallelLinear(self.value_dim, hidden_size)
+        self.out_proj = RowParallelLinear(full_value, hidden_size)
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor) -> None:
+        """dt_bias and A_log (one value per value head): this rank's heads."""
+        n = param.shape[0]
+        part = loaded.narrow(0, self.tp_rank * n, n) if loaded.shape[0] == n * self.tp_size else loaded
+        if part.shape != param.shape:
+            raise ValueError(f"expected {n * self.tp_size} values (one per value head), got {tuple(loaded.shape)}")
+        param.data.copy_(part)
 
     def project(self, hidden_states: torch.Tensor):
         """-> the conv's input [T, q | k | v channels], z [T, Hv, dv], b and a [T, Hv]. Qwen3-Next's
@@ -254,8 +288,9 @@ class Qwen3_5GatedDeltaNet(GatedDeltaNet):
         super().__init__(hidden_size, num_k_heads, num_v_heads, head_k_dim, head_v_dim, conv_kernel, layer_id, eps,
                          hidden_act)
         del self.in_proj_qkvz, self.in_proj_ba
-        self.in_proj_qkv = ColumnParallelLinear(hidden_size, self.conv_dim)
-        self.in_proj_z = ColumnParallelLinear(hidden_size, self.value_dim)
+        full_key, full_value = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+        self.in_proj_qkv = StackedColumnParallelLinear(hidden_size, [full_key, full_key, full_value])  # q | k | v
+        self.in_proj_z = ColumnParallelLinear(hidden_size, full_value)
         self.in_proj_b = ColumnParallelLinear(hidden_size, num_v_heads)
         self.in_proj_a = ColumnParallelLinear(hidden_size, num_v_heads)
 

@@ -138,6 +138,33 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.load_weight_rows(param, offset, loaded.narrow(0, self.tp_rank * size, size))
 
 
+def rank_parts(loaded: Any, part_sizes: List[int], tp_rank: int, tp_size: int) -> List[Any]:
+    """This rank's rows of each part of a checkpoint tensor that stacks several outputs (sizes
+    part_sizes, in order), each part split across the ranks."""
+    out, start = [], 0
+    for size in part_sizes:
+        n = size // tp_size
+        out.append(loaded.narrow(0, start + tp_rank * n, n))
+        start += size
+    return out
+
+
+class StackedColumnParallelLinear(ColumnParallelLinear):
+    """One checkpoint tensor holding several outputs one after the other (Qwen3.5's in_proj_qkv:
+    q | k | v of the linear attention), each split across the ranks: a rank keeps its slice of
+    every part, in the same order."""
+
+    def __init__(self, in_features: int, part_sizes: List[int], bias: bool = False):
+        self.part_sizes = part_sizes
+        super().__init__(in_features, sum(part_sizes), bias)
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+        offset = 0
+        for part in rank_parts(loaded, self.part_sizes, self.tp_rank, self.tp_size):
+            self.load_weight_rows(param, offset, part)
+            offset += part.shape[0]
+
+
 class QKVParallelLinear(ColumnParallelLinear):
     """q | k | v projections fused; split by attention heads across ranks."""
 

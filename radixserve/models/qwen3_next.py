@@ -22,10 +22,9 @@ from typing import Callable, Iterable, Iterator, List, Optional, Tuple, Type
 import torch
 from torch import nn
 
-from radixserve.distributed.parallel_state import get_tp_group
 from radixserve.layers.gated_delta_net import GatedDeltaNet, LinearAttnMetadata
 from radixserve.layers.layernorm import GemmaRMSNorm
-from radixserve.layers.linear import ColumnParallelLinear, RowParallelLinear
+from radixserve.layers.linear import QKVParallelLinear, RowParallelLinear
 from radixserve.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from radixserve.layers.moe import SparseMoeBlock
 from radixserve.layers.radix_attention import RadixAttention
@@ -65,7 +64,6 @@ def check_hybrid_server_args(args: ServerArgs, where: str) -> None:
         (args.disaggregation_mode != "null", "--disaggregation-mode", "the states are not transferred with the KV"),
         (args.enable_hierarchical_cache, "--enable-hierarchical-cache", "the host tier keeps no states"),
         (args.pp_size > 1, "--pp-size > 1", "the state pool is not split by stage"),
-        (args.tp_size > 1, "--tp-size > 1", "the linear-attention layers are not split across ranks"),
         (args.enable_lora or bool(args.lora_paths), "--enable-lora", "no adapters for the linear-attention layers"),
         (args.is_embedding, "--is-embedding", "not an embedding model"),
         (args.load_format == "dummy", "--load-format dummy", "its random weights are named as a Llama checkpoint's"),
@@ -79,17 +77,18 @@ def check_hybrid_server_args(args: ServerArgs, where: str) -> None:
 
 
 class Qwen3NextAttention(nn.Module):
-    """Full attention with an output gate; `layer_id` is its KV-pool layer."""
+    """Full attention with an output gate; `layer_id` is its KV-pool layer. q_proj's rows are per
+    head [q | gate]: fused with k and v as if q had twice the heads, so a tensor-parallel rank's
+    slice holds whole [q | gate] pairs (and KV heads are replicated where the ranks outnumber them)."""
 
     def __init__(self, config: ModelConfig, layer_id: int, rotary_emb: RotaryEmbedding):
         super().__init__()
         self.head_dim = d = config.head_dim
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         bias = config.attention_bias
-        self.q_proj = ColumnParallelLinear(config.hidden_size, 2 * self.num_heads * d, bias)  # per head [q | gate]
-        self.k_proj = ColumnParallelLinear(config.hidden_size, self.num_kv_heads * d, bias)
-        self.v_proj = ColumnParallelLinear(config.hidden_size, self.num_kv_heads * d, bias)
-        self.o_proj = RowParallelLinear(self.num_heads * d, config.hidden_size, bias)
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, d, 2 * config.num_attention_heads,
+                                          config.num_key_value_heads, bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads // 2, self.qkv_proj.num_kv_heads  # this rank's
+        self.o_proj = RowParallelLinear(config.num_attention_heads * d, config.hidden_size, bias)
         self.q_norm = GemmaRMSNorm(d, config.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(d, config.rms_norm_eps)
         self.rotary_emb = rotary_emb
@@ -97,10 +96,12 @@ class Qwen3NextAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch) -> torch.Tensor:
         T, d = hidden_states.shape[0], self.head_dim
-        q, gate = self.q_proj.forward(hidden_states).view(T, self.num_heads, 2 * d).split([d, d], dim=-1)
+        qg, k, v = self.qkv_proj.forward(hidden_states).split([2 * self.num_heads * d, self.num_kv_heads * d,
+                                                               self.num_kv_heads * d], dim=-1)
+        q, gate = qg.reshape(T, self.num_heads, 2 * d).split([d, d], dim=-1)
         q = self.q_norm.forward(q.contiguous())
-        k = self.k_norm.forward(self.k_proj.forward(hidden_states).view(T, self.num_kv_heads, d))
-        v = self.v_proj.forward(hidden_states)
+        k = self.k_norm.forward(k.reshape(T, self.num_kv_heads, d))
+        v = v.contiguous()
         q, k = self.rotary_emb.forward(positions, q, k)
         out = self.attn.forward(q, k, v, forward_batch)
         return self.o_proj.forward(out * torch.sigmoid(gate.reshape(T, -1)))
@@ -177,14 +178,15 @@ class Qwen3NextForCausalLM(nn.Module):
     gdn_class: Type[GatedDeltaNet] = GatedDeltaNet  # the linear layers' projections (Qwen3.5 has its own)
     # checkpoint name -> (our fused parameter, shard id): the dense MLPs' and the shared experts'
     stacked_params_mapping = [
+        (".qkv_proj", ".q_proj", "q"),
+        (".qkv_proj", ".k_proj", "k"),
+        (".qkv_proj", ".v_proj", "v"),
         (".gate_up_proj", ".gate_proj", 0),
         (".gate_up_proj", ".up_proj", 1),
     ]
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        if get_tp_group().size > 1:
-            raise LoadError(f"{config.model_path}: --tp-size > 1 is not supported for {config.architecture} yet")
         self.config = config
         self.model = Qwen3NextModel(config, self.make_mlp, self.gdn_class)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)

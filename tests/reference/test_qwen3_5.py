@@ -20,6 +20,7 @@ from test_qwen3_next import (  # noqa: F401  (collected here with this module's 
     randomize_,
     test_chunked_prefill_continues_from_the_saved_state,
     test_ragged_prefill_and_decode_match_transformers,
+    test_tensor_parallel_2_splits_the_heads,
     test_the_engine_greedy_matches_transformers,
 )
 

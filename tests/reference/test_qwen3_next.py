@@ -139,6 +139,56 @@ def test_chunked_prefill_continues_from_the_saved_state(next_dir, hf):
     assert max(errs) <= TOL, errs
 
 
+def _tp_rank(rank: int, addr: str, model_dir: str, out_path: str) -> None:
+    """One rank of --tp-size 2: a ragged prefill, a chunk continuing LONG, decode steps."""
+    from radixserve.distributed.parallel_state import destroy_distributed_environment
+
+    args = ServerArgs(model_path=model_dir, dtype="float32", device="cpu", max_total_tokens=2048,
+                      max_running_requests=8, tp_size=2, dist_init_addr=addr)
+    runner = ModelRunner(ModelConfig.from_pretrained(model_dir), args, rank, 2)
+    rows = runner.req_to_token_pool.alloc(2)
+    drv = KVDriver(runner, scatter_seed=1)
+    out = [drv.extend(rows, [0, 0], [LONG[:60], SHORT]).all_logits, drv.extend(rows[:1], [60], [LONG[60:]]).all_logits]
+    lens = [100, 30]
+    for t in range(3):
+        out.append(drv.decode(rows, lens, [20 + t, 30 + t]).next_token_logits)
+        lens = [n + 1 for n in lens]
+    gdn = next(layer.linear_attn for layer in runner.model.model.layers if layer.is_linear)
+    torch.save({"logits": out, "temporal": tuple(runner.req_to_token_pool.mamba_pool.temporal_state.shape),
+                "conv_dim": gdn.conv_dim, "heads": runner.model.model.layers[1].self_attn.num_heads}, f"{out_path}.{rank}")
+    destroy_distributed_environment()
+
+
+def test_tensor_parallel_2_splits_the_heads(next_dir, hf, tmp_path):
+    """--tp-size 2: each rank holds half of the linear-attention heads (their projections, conv
+    channels, decays and states) and half of the full-attention heads, and the logits of a ragged
+    prefill, a chunk that continues a linear-attention sequence and decode steps are still
+    transformers'."""
+    import multiprocessing as mp
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from processes import free_port, run_processes
+
+    out = tmp_path / "tp2.pt"
+    addr = f"127.0.0.1:{free_port()}"
+    ctx = mp.get_context("spawn")
+    run_processes([ctx.Process(target=_tp_rank, args=(r, addr, next_dir, str(out))) for r in range(2)])
+    la, lb = hf_logits(hf, LONG + [20, 21, 22]), hf_logits(hf, SHORT + [30, 31, 32])
+    ref = [torch.cat([la[:60], lb[:30]]), la[60:100]] + [torch.stack([la[100 + t], lb[30 + t]]) for t in range(3)]
+    cfg = CONFIG
+    for rank in range(2):
+        res = torch.load(f"{out}.{rank}")
+        heads = cfg["linear_num_value_heads"] // 2
+        assert res["temporal"][2:] == (heads, cfg["linear_key_head_dim"], cfg["linear_value_head_dim"])
+        assert res["conv_dim"] == (2 * cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"]
+                                   + cfg["linear_num_value_heads"] * cfg["linear_value_head_dim"]) // 2
+        assert res["heads"] == cfg["num_attention_heads"] // 2
+        errs = [_max_err(a, b) for a, b in zip(res["logits"], ref)]
+        assert max(errs) <= TOL, (rank, errs)
+
+
 def _greedy_reference(hf, prompt: List[int], ids: List[int]) -> torch.Tensor:
     return hf_logits(hf, prompt + ids)[len(prompt) - 1 : -1]
 
@@ -228,7 +278,6 @@ def test_state_pool_pairs_a_slot_with_each_row():
     (dict(speculative_algorithm="NGRAM"), "--speculative-algorithm"),
     (dict(enable_hierarchical_cache=True), "--enable-hierarchical-cache"),
     (dict(pp_size=2), "--pp-size > 1"),
-    (dict(tp_size=2), "--tp-size > 1"),
     (dict(enable_lora=True, lora_paths=[]), "--enable-lora"),
     (dict(disaggregation_mode="decode"), "--disaggregation-mode"),
     (dict(load_format="dummy"), "--load-format dummy"),
