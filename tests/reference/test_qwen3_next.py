@@ -139,12 +139,12 @@ def test_chunked_prefill_continues_from_the_saved_state(next_dir, hf):
     assert max(errs) <= TOL, errs
 
 
-def _tp_rank(rank: int, addr: str, model_dir: str, out_path: str) -> None:
+def _tp_rank(rank: int, addr: str, model_dir: str, out_path: str, ep_size: int) -> None:
     """One rank of --tp-size 2: a ragged prefill, a chunk continuing LONG, decode steps."""
     from radixserve.distributed.parallel_state import destroy_distributed_environment
 
     args = ServerArgs(model_path=model_dir, dtype="float32", device="cpu", max_total_tokens=2048,
-                      max_running_requests=8, tp_size=2, dist_init_addr=addr)
+                      max_running_requests=8, tp_size=2, ep_size=ep_size, dist_init_addr=addr)
     runner = ModelRunner(ModelConfig.from_pretrained(model_dir), args, rank, 2)
     rows = runner.req_to_token_pool.alloc(2)
     drv = KVDriver(runner, scatter_seed=1)
@@ -159,11 +159,12 @@ def _tp_rank(rank: int, addr: str, model_dir: str, out_path: str) -> None:
     destroy_distributed_environment()
 
 
-def test_tensor_parallel_2_splits_the_heads(next_dir, hf, tmp_path):
+@pytest.mark.parametrize("ep_size", [1, 2], ids=["tp2", "tp2_ep2"])
+def test_tensor_parallel_2_splits_the_heads(next_dir, hf, tmp_path, ep_size):
     """--tp-size 2: each rank holds half of the linear-attention heads (their projections, conv
-    channels, decays and states) and half of the full-attention heads, and the logits of a ragged
-    prefill, a chunk that continues a linear-attention sequence and decode steps are still
-    transformers'."""
+    channels, decays and states) and half of the full-attention heads (with --ep-size 2 also half
+    of the experts, whole), and the logits of a ragged prefill, a chunk that continues a
+    linear-attention sequence and decode steps are still transformers'."""
     import multiprocessing as mp
     import sys
     from pathlib import Path
@@ -174,7 +175,7 @@ def test_tensor_parallel_2_splits_the_heads(next_dir, hf, tmp_path):
     out = tmp_path / "tp2.pt"
     addr = f"127.0.0.1:{free_port()}"
     ctx = mp.get_context("spawn")
-    run_processes([ctx.Process(target=_tp_rank, args=(r, addr, next_dir, str(out))) for r in range(2)])
+    run_processes([ctx.Process(target=_tp_rank, args=(r, addr, next_dir, str(out), ep_size)) for r in range(2)])
     la, lb = hf_logits(hf, LONG + [20, 21, 22]), hf_logits(hf, SHORT + [30, 31, 32])
     ref = [torch.cat([la[:60], lb[:30]]), la[60:100]] + [torch.stack([la[100 + t], lb[30 + t]]) for t in range(3)]
     cfg = CONFIG
