@@ -12,8 +12,9 @@ states live in the MambaPool (mem_cache/mamba_pool.py), one slot per request: th
 is the last K - 1 conv inputs, the temporal state is S.
 
   decode   one recurrent step for the whole batch: on the CPU the C++ kernel
-           (csrc/gdn_kernels.cpp: two passes over each state, updated in place in the pool),
-           else tensor ops (recurrent_gated_delta_step, the kernel's reference).
+           (csrc/gdn_kernels.cpp: two passes over each state, updated in place in the pool), on
+           CUDA the Triton one (gdn_triton.py), else tensor ops (recurrent_gated_delta_step, the
+           kernels' reference).
   extend   the chunked form of the same recurrence (chunks of CHUNK_SIZE tokens, the UT
            transform inside a chunk, a loop over chunks carrying S). The batch's requests are
            padded to one length and run together: a padded position has k = v = 0, beta = 0 and
@@ -30,7 +31,7 @@ their states in its own MambaPool; out_proj is row-parallel (its all-reduce join
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -170,6 +171,23 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     return out.reshape(B, H, n * chunk_size, -1)[:, :, :L], state
 
 
+def decode_kernel(q: torch.Tensor) -> Optional[Callable[..., torch.Tensor]]:
+    """The fused decode step for q's device: the C++ kernel on the CPU, Triton's on CUDA (unless
+    RADIXSERVE_DISABLE_FUSED_KERNELS is set), else None (recurrent_gated_delta_step)."""
+    if q.is_cuda:
+        from radixserve.layers import fused
+
+        if not fused.ENABLED:
+            return None
+        try:
+            from radixserve.layers.gdn_triton import gated_delta_decode  # imports triton: GPUs only
+        except ImportError:  # no triton: the torch step serves
+            return None
+        return gated_delta_decode
+    ops = cpu_kernels.kernels_for(q)
+    return None if ops is None else ops.gated_delta_decode
+
+
 class ShardedConvWeight(nn.Module):
     """The depthwise conv's weight [C, 1, K] (checkpoint name conv1d.weight, channels q | k | v):
     a tensor-parallel rank keeps its heads' channels of each part."""
@@ -252,9 +270,9 @@ class GatedDeltaNet(nn.Module):
         beta = b.float().sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         slots = meta.state_slots
-        ops = cpu_kernels.kernels_for(q) if meta.is_decode and temporal_state.is_contiguous() else None
-        if ops is not None:  # the C++ step, the states updated in place in the pool
-            out = ops.gated_delta_decode(q, k, v, g, beta, temporal_state, slots, meta.has_initial_state)
+        step = decode_kernel(q) if meta.is_decode and temporal_state.is_contiguous() else None
+        if step is not None:  # the C++ / Triton step, the states updated in place in the pool
+            out = step(q, k, v, g, beta, temporal_state, slots, meta.has_initial_state)
         else:
             state = temporal_state[slots] * meta.has_initial_state[:, None, None, None]
             if meta.is_decode:
