@@ -77,32 +77,37 @@ def test_the_conv_continues_from_its_saved_state():
     assert torch.equal(conv_state[2], x[7:10])  # the last K - 1 inputs
 
 
+def check_decode_step_in_place(step, B: int, H: int, dk: int, dv: int, device: str = "cpu") -> None:
+    """A fused decode step (the C++ or the Triton kernel: step(q, k, v, g, beta, pool, slots,
+    has_initial) -> o) against recurrent_gated_delta_step: the outputs, the states written back at
+    the requests' slots (scattered, a fresh request starting from zeros over a slot holding
+    garbage), and every other slot untouched."""
+    g = torch.Generator().manual_seed(B * 100 + dk)
+    q = (l2norm(torch.randn(B, H, dk, generator=g)) * dk ** -0.5).to(device)
+    k = l2norm(torch.randn(B, H, dk, generator=g)).to(device)
+    v = torch.randn(B, H, dv, generator=g).to(device)
+    decay, beta = -torch.rand(B, H, generator=g).to(device), torch.rand(B, H, generator=g).to(device)
+    pool = torch.randn(2 * B + 3, H, dk, dv, generator=g).to(device)
+    slots = torch.randperm(2 * B + 3, generator=g)[:B].to(device)
+    has_initial = torch.tensor([b % 3 != 1 for b in range(B)], device=device)
+    before = pool.clone()
+    ref_state = before[slots] * has_initial[:, None, None, None]
+    ref_out, ref_state = recurrent_gated_delta_step(q, k, v, decay, beta, ref_state)
+    out = step(q, k, v, decay, beta, pool, slots, has_initial)
+    assert torch.allclose(out, ref_out, rtol=1e-5, atol=1e-5), (out - ref_out).abs().max()
+    assert torch.allclose(pool[slots], ref_state, rtol=1e-5, atol=1e-5)
+    others = torch.ones(pool.shape[0], dtype=torch.bool, device=device)
+    others[slots] = False
+    assert torch.equal(pool[others], before[others])
+
+
 @pytest.mark.parametrize("B, H, dk, dv", [(1, 2, 8, 4), (5, 4, 128, 128), (3, 3, 64, 96)])
 def test_the_cpu_decode_kernel_is_the_recurrent_step_in_place(B, H, dk, dv):
-    """cpu_kernels.gated_delta_decode against recurrent_gated_delta_step: the outputs, the states
-    written back at the requests' slots (scattered, a fresh request starting from zeros over a
-    slot holding garbage), and every other slot untouched."""
     from radixserve.layers import cpu_kernels
 
     ops = cpu_kernels.get()
     assert ops is not None, "the C++ CPU kernels did not build"
-    g = torch.Generator().manual_seed(B * 100 + dk)
-    q = l2norm(torch.randn(B, H, dk, generator=g)) * dk ** -0.5
-    k = l2norm(torch.randn(B, H, dk, generator=g))
-    v = torch.randn(B, H, dv, generator=g)
-    decay, beta = -torch.rand(B, H, generator=g), torch.rand(B, H, generator=g)
-    pool = torch.randn(2 * B + 3, H, dk, dv, generator=g)
-    slots = torch.randperm(2 * B + 3, generator=g)[:B]
-    has_initial = torch.tensor([b % 3 != 1 for b in range(B)])
-    before = pool.clone()
-    ref_state = before[slots] * has_initial[:, None, None, None]
-    ref_out, ref_state = recurrent_gated_delta_step(q, k, v, decay, beta, ref_state)
-    out = ops.gated_delta_decode(q, k, v, decay, beta, pool, slots, has_initial)
-    assert torch.allclose(out, ref_out, rtol=1e-5, atol=1e-5), (out - ref_out).abs().max()
-    assert torch.allclose(pool[slots], ref_state, rtol=1e-5, atol=1e-5)
-    others = torch.ones(pool.shape[0], dtype=torch.bool)
-    others[slots] = False
-    assert torch.equal(pool[others], before[others])
+    check_decode_step_in_place(ops.gated_delta_decode, B, H, dk, dv)
 
 
 def test_the_cpu_decode_kernel_refuses_bad_arguments():

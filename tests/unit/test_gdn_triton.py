@@ -18,7 +18,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from radixserve.layers import gdn_triton  # noqa: E402
-from radixserve.layers.gated_delta_net import decode_kernel, l2norm, recurrent_gated_delta_step  # noqa: E402
+from radixserve.layers.gated_delta_net import decode_kernel  # noqa: E402
+
+from test_gated_delta_net import check_decode_step_in_place  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("triton_interpreter")
 
@@ -29,23 +31,7 @@ def test_kernel_runs_under_the_interpreter():
 
 @pytest.mark.parametrize("B, H, dk, dv", [(1, 2, 8, 4), (3, 4, 16, 24), (2, 2, 128, 160)])
 def test_the_triton_decode_step_is_the_recurrent_step_in_place(B, H, dk, dv):
-    g = torch.Generator().manual_seed(B * 10 + dk)
-    q = (l2norm(torch.randn(B, H, dk, generator=g)) * dk ** -0.5).to(TEST_DEVICE)
-    k = l2norm(torch.randn(B, H, dk, generator=g)).to(TEST_DEVICE)
-    v = torch.randn(B, H, dv, generator=g).to(TEST_DEVICE)
-    decay, beta = -torch.rand(B, H, generator=g).to(TEST_DEVICE), torch.rand(B, H, generator=g).to(TEST_DEVICE)
-    pool = torch.randn(2 * B + 2, H, dk, dv, generator=g).to(TEST_DEVICE)
-    slots = torch.randperm(2 * B + 2, generator=g)[:B].to(TEST_DEVICE)
-    has_initial = torch.tensor([b % 2 == 0 for b in range(B)], device=TEST_DEVICE)
-    before = pool.clone()
-    ref_state = before[slots] * has_initial[:, None, None, None]
-    ref_out, ref_state = recurrent_gated_delta_step(q, k, v, decay, beta, ref_state)
-    out = gdn_triton.gated_delta_decode(q, k, v, decay, beta, pool, slots, has_initial)
-    assert torch.allclose(out, ref_out, rtol=1e-5, atol=1e-5), (out - ref_out).abs().max()
-    assert torch.allclose(pool[slots], ref_state, rtol=1e-5, atol=1e-5)
-    others = torch.ones(pool.shape[0], dtype=torch.bool, device=TEST_DEVICE)
-    others[slots] = False
-    assert torch.equal(pool[others], before[others])
+    check_decode_step_in_place(gdn_triton.gated_delta_decode, B, H, dk, dv, TEST_DEVICE)
 
 
 def test_the_layer_takes_the_triton_step_on_cuda_tensors_only():

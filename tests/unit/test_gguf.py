@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, Callable, List, Optional
 
 import gguf
 import numpy as np
@@ -205,16 +206,12 @@ def test_synthetic_gguf_kept_in_blocks_matches_transformers(arch, tmp_path, torc
     assert (out.all_logits - ref).abs().max().item() <= TOL
 
 
-def test_weights_kept_in_blocks_update_from_disk_and_release_resume(tmp_path, torch_fallback):
-    """Issue 38's "everything else keeps working" for GGUF blocks: a weight update from another
-    GGUF of the same model replaces the blocks (the answers become the new file's), and
-    release/resume frees and restores them (the answers come back)."""
+def check_update_from_disk_and_release_resume(a: Path, b: Path, prompt: List[int],
+                                             held: Optional[Callable[[Any], torch.Tensor]] = None) -> None:
+    """Serve GGUF file a kept in its blocks, update its weights from file b (the answers become b's,
+    as served dequantized), then release and resume the memory (the answers come back). held: a
+    tensor of the blocks, from the engine, which the release must really free."""
     from radixserve import Engine
-
-    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
-    write_synthetic("qwen2", a, seed=0)
-    write_synthetic("qwen2", b, seed=1)
-    prompt = [5, 17, 250, 3, 99, 42]
 
     def greedy(engine):
         out = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 6, "temperature": 0},
@@ -231,9 +228,21 @@ def test_weights_kept_in_blocks_update_from_disk_and_release_resume(tmp_path, to
         assert ok, message
         got_b = greedy(engine)
         assert got_b[0] == want_b[0] and max(abs(x - y) for x, y in zip(got_b[1], want_b[1])) < 1e-4
+        storage = held(engine).untyped_storage() if held is not None else None
         engine.release_memory_occupation()
+        assert storage is None or storage.nbytes() == 0  # really freed
         engine.resume_memory_occupation()
         assert greedy(engine) == got_b
+
+
+def test_weights_kept_in_blocks_update_from_disk_and_release_resume(tmp_path, torch_fallback):
+    """Issue 38's "everything else keeps working" for GGUF blocks: a weight update from another
+    GGUF of the same model replaces the blocks (the answers become the new file's), and
+    release/resume frees and restores them (the answers come back)."""
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    write_synthetic("qwen2", a, seed=0)
+    write_synthetic("qwen2", b, seed=1)
+    check_update_from_disk_and_release_resume(a, b, [5, 17, 250, 3, 99, 42])
 
 
 def test_quantized_weight_is_cut_at_whole_blocks():

@@ -21,7 +21,7 @@ from radixserve.layers.moe import SparseMoeBlock
 from radixserve.model_executor.gguf_loader import hf_name
 from radixserve.models.model_config import ModelConfig
 
-from test_gguf import TOL, KVDriver, make_runner, torch_fallback  # noqa: F401 (a fixture)
+from test_gguf import TOL, KVDriver, check_update_from_disk_and_release_resume, make_runner, torch_fallback  # noqa: F401 (a fixture)
 
 CONFIG = dict(vocab_size=320, hidden_size=128, intermediate_size=192, moe_intermediate_size=64, num_hidden_layers=3,
               num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
@@ -204,31 +204,11 @@ def test_qwen3moe_gguf_experts_in_blocks_on_the_integer_kernel(tmp_path):
 def test_qwen3moe_gguf_experts_in_blocks_update_from_disk_and_release_resume(tmp_path, torch_fallback):
     """A weight update from another GGUF of the same model replaces the experts' blocks, and
     release/resume frees and restores them (the experts' storage is among the weights released)."""
-    from radixserve import Engine
-
     a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
     write_qwen3moe(a, mlp_only_layers=[1], seed=0)
     write_qwen3moe(b, mlp_only_layers=[1], seed=1)
-    prompt = PROMPTS[1]
 
-    def greedy(engine):
-        out = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 6, "temperature": 0},
-                              return_logprob=True, progress=False)
-        return out["output_ids"], [v for v, _, _ in out["meta_info"]["output_token_logprobs"]]
+    def first_expert_blocks(engine) -> torch.Tensor:
+        return engine.scheduler.tp_worker.model_runner.model.model.layers[0].mlp.experts.expert_blocks[0]["w1"].data
 
-    kw = dict(dtype="float32", skip_tokenizer_init=True, max_total_tokens=1024, disable_overlap_schedule=True)
-    with Engine(str(b), quantization="none", **kw) as engine:
-        want_b = greedy(engine)
-    with Engine(str(a), quantization="gguf", **kw) as engine:
-        want_a = greedy(engine)
-        assert want_a[0] != want_b[0]
-        ok, message = engine.update_weights_from_disk(str(b))
-        assert ok, message
-        got_b = greedy(engine)
-        assert got_b[0] == want_b[0] and max(abs(x - y) for x, y in zip(got_b[1], want_b[1])) < 1e-4
-        experts = engine.scheduler.tp_worker.model_runner.model.model.layers[0].mlp.experts
-        storage = experts.expert_blocks[0]["w1"].data.untyped_storage()
-        engine.release_memory_occupation()
-        assert storage.nbytes() == 0  # really freed
-        engine.resume_memory_occupation()
-        assert greedy(engine) == got_b
+    check_update_from_disk_and_release_resume(a, b, PROMPTS[1], first_expert_blocks)
