@@ -48,11 +48,11 @@ class VocabParallelEmbedding(nn.Module):
         n = min(self.shard_size, self.num_embeddings - self.vocab_start)
         if isinstance(loaded, QuantizedWeight):  # kept in its blocks; the float table is freed
             rows = loaded.narrow(0, self.vocab_start, n)
-            param.gguf_blocks = QuantizedWeight(rows.qtype, rows.data.clone(), dim)
-            param.data = torch.empty(0, dim, dtype=param.dtype)
+            param.gguf_blocks = QuantizedWeight(rows.qtype, rows.data.to(param.device, copy=True), dim)
+            param.data = torch.empty(0, dim, dtype=param.dtype, device=param.device)
             return
         if param.numel() == 0:  # held in blocks until now (a weight update from another format)
-            param.data = torch.zeros(self.shard_size, dim, dtype=param.dtype)
+            param.data = torch.zeros(self.shard_size, dim, dtype=param.dtype, device=param.device)
             param.gguf_blocks = None
         _copy(param.data[:n], loaded[self.vocab_start : self.vocab_start + n])
 
