@@ -11,6 +11,7 @@ logprobs must agree to float32 error:
 - a STANDALONE draft that is itself a GGUF kept in blocks, over a GGUF target kept in blocks;
   an HF-directory draft under a --quantization gguf target (the draft's loader must not be given
   the target's `gguf`, which refuses a directory);
+- an EAGLE head over a GGUF target kept in blocks (the head shares its embedding and LM head);
 - NGRAM drafts over a GGUF target kept in blocks;
 - with the C++ integer kernel on (8-bit activations): speculation on gives the tokens of
   speculation off on the same quantized target (the verify batch and decode take the same
@@ -37,6 +38,7 @@ from radixserve.layers.quantization.w8a8_int8 import quantize_q8_0
 from radixserve.speculative.standalone_worker import draft_quantization
 from radixserve.tiny_model import get_tiny_model_path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # eagle_head
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "reference"))
 from lora_utils import write_adapter  # noqa: E402
 from test_gguf import write_synthetic  # noqa: E402
@@ -168,6 +170,25 @@ def test_standalone_draft_on_gguf_blocks(gguf_pair, draft, torch_fallback):
     assert all(m["spec_verify_ct"] > 0 for m in metas)
     if draft == "same_hf_dir":  # the target's own weights: every draft accepted
         assert all(m["spec_accept_length"] > 2.0 for m in metas)
+
+
+def test_eagle_head_on_gguf_blocks(gguf_pair, tmp_path, torch_fallback):
+    """An EAGLE head (an HF directory) takes the target's embedding and LM head, here held in
+    their blocks (dequantized rows looked up, the head multiplied in blocks)."""
+    from eagle_head import make_random_eagle_head
+    from radixserve.models.model_config import ModelConfig
+
+    target, _, _ = gguf_pair
+    head = make_random_eagle_head(ModelConfig.from_pretrained(str(target)).hf_config, str(tmp_path / "head"))
+    want = reference(target)
+    spec = dict(speculative_algorithm="EAGLE", speculative_draft_model_path=head, speculative_num_steps=3,
+                speculative_eagle_topk=2, speculative_num_draft_tokens=4)
+    with Engine(str(target), quantization="gguf", **GGUF_KW, **spec) as engine:
+        head_model = engine.scheduler.spec_worker.draft_runner.model
+        assert head_model.lm_head.weight.gguf_blocks is not None  # the target's, in blocks
+        got = greedy(engine)
+    assert_same(got, want, "EAGLE over blocks")
+    assert all(g["meta_info"]["spec_verify_ct"] > 0 for g in got)
 
 
 def test_ngram_on_gguf_blocks(gguf_pair, torch_fallback):
