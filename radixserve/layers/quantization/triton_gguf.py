@@ -200,7 +200,7 @@ def gguf_matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, cols: int) -> t
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    block_m = triton.next_power_of_2(m)
+    block_m = max(2, triton.next_power_of_2(m))  # 2: no 1-wide arange on the compiler side
     block_n, block_k = 32, 64 if block_m <= 4 else 32
     _gguf_matmul_kernel[(triton.cdiv(n, block_n),)](
         x, data, out, m, n, cols, x.stride(0), x.stride(1), data.stride(0), out.stride(0),
