@@ -106,13 +106,26 @@ def test_matmul_in_bf16(m):
 # ---------------------------------------------------------------------------- the dispatch
 
 
+class CountLaunches:
+    """kernel[grid](...) that records `name` first."""
+
+    def __init__(self, kernel, calls, name):
+        self.kernel, self.calls, self.name = kernel, calls, name
+
+    def __getitem__(self, grid):
+        self.calls.append(self.name)
+        return self.kernel[grid]
+
+
 @pytest.fixture
 def triton_dispatch(monkeypatch):
     """What a CUDA tensor decides on a GPU, for the CPU's tensors here; the Triton calls recorded."""
     calls = []
     matmul, dequantize = triton_gguf.gguf_matmul, triton_gguf.gguf_dequantize
     monkeypatch.setattr(quant_gguf, "on_triton_device", lambda t: True)
-    monkeypatch.setattr(triton_gguf, "gguf_matmul", lambda *a: calls.append("matmul") or matmul(*a))
+    monkeypatch.setattr(triton_gguf, "gguf_matmul", lambda x, *a: calls.append("matmul") or matmul(x, *a))
+    fused = triton_gguf._gguf_matmul_kernel
+    monkeypatch.setattr(triton_gguf, "_gguf_matmul_kernel", CountLaunches(fused, calls, "fused"))
     monkeypatch.setattr(triton_gguf, "gguf_dequantize", lambda *a, **kw: calls.append("dequantize") or dequantize(*a, **kw))
     return calls
 
@@ -143,13 +156,13 @@ def test_linear_method_dispatches_to_triton(triton_dispatch, no_cpu_kernels):
     y = method.apply(layer, on_device(x), on_device(bias)).cpu()
     w = torch.cat([torch.from_numpy(segs[0][1]), torch.from_numpy(segs[1][1]), plain])
     torch.testing.assert_close(y, x @ w.T + bias, rtol=1e-5, atol=1e-5)
-    assert triton_dispatch == ["matmul", "matmul"]
+    assert triton_dispatch == ["matmul", "fused", "matmul", "fused"]  # 6 rows of x: the fused kernel
 
     # the LM head's and the embedding's ways in: quant_matmul and QuantizedWeight.dequantize
     qw = QuantizedWeight(int(Q.Q5_1), on_device(make_weight(Q.Q5_1, 24, 64)[0]), 64)
     x2 = on_device(torch.randn(3, 64))
     torch.testing.assert_close(quant_matmul(x2, qw), x2 @ qw.dequantize().T, rtol=1e-5, atol=1e-5)
-    assert triton_dispatch[2:] == ["matmul", "dequantize"]
+    assert triton_dispatch[4:] == ["matmul", "fused", "dequantize"]
 
 
 def test_quant_matmul_refuses_a_type_without_a_triton_kernel(triton_dispatch, no_cpu_kernels):
@@ -178,8 +191,9 @@ def test_loader_keeps_the_triton_types_on_a_gpu(monkeypatch):
 @pytest.mark.skipif(ON_GPU, reason="the GPU run serves through the real device check (a served GPU model)")
 def test_synthetic_gguf_served_through_triton_matches_transformers(tmp_path, triton_dispatch):
     """End to end: every quantized linear layer, the LM head and the embedding of a synthetic GGUF
-    (Q8_0 / Q4_1 / Q5_0 / Q4_0 tensors) through the interpreted Triton kernels: transformers'
-    logits on the dequantized weights."""
+    (Q8_0 / Q4_1 / Q5_0 / Q4_0 tensors) through the interpreted Triton kernels, a prefill (the
+    dequantized tiles) then a decode step (the fused kernel): transformers' logits on the
+    dequantized weights."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "reference"))
     from hf_utils import KVDriver, make_runner
     from test_gguf import write_synthetic
@@ -189,8 +203,19 @@ def test_synthetic_gguf_served_through_triton_matches_transformers(tmp_path, tri
     runner = make_runner(str(path), max_total_tokens=1024, max_running_requests=4, quantization="gguf")
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (7, 12)]
-    out = KVDriver(runner).extend([0, 1], [0, 0], prompts)
+    driver = KVDriver(runner)
+    out = driver.extend([0, 1], [0, 0], prompts)  # 19 rows: dequantized tiles and the GEMM
     with torch.no_grad():
         ref = torch.cat([hf(torch.tensor([p])).logits[0] for p in prompts])
     assert (out.all_logits - ref).abs().max().item() <= 1e-4
-    assert triton_dispatch.count("matmul") >= 2 * 4 + 1 and "dequantize" in triton_dispatch  # layers, head; embedding
+    # per layer 5 block segments (q, k | o | gate | down; v and up are F16/BF16 floats), and the head
+    blocks = 2 * 5 + 1
+    assert triton_dispatch.count("matmul") == blocks and "fused" not in triton_dispatch
+    assert triton_dispatch.count("dequantize") >= blocks + 1  # their tiles, and the embedding's rows
+    triton_dispatch.clear()
+    nxt = [11, 200]
+    out = driver.decode([0, 1], [len(p) for p in prompts], nxt)  # 2 rows: the fused kernel
+    with torch.no_grad():
+        ref = torch.stack([hf(torch.tensor([p + [t]])).logits[0, -1] for p, t in zip(prompts, nxt)])
+    assert (out.next_token_logits - ref).abs().max().item() <= 1e-4
+    assert triton_dispatch.count("fused") == blocks and triton_dispatch.count("dequantize") == 1
