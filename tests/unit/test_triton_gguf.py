@@ -1,7 +1,8 @@
 """The GPU's GGUF kernels (radixserve/layers/quantization/triton_gguf.py, issue 38 item 5) under
 Triton's interpreter on the CPU (compiled on a GPU with RADIXSERVE_TEST_DEVICE=cuda), against the
 gguf package's dequantization of the same bytes (tests/unit/test_quant_kernels.py's weights: gguf's
-own quantization for the legacy types, random blocks with valid scales for the K-quants):
+own quantization for the legacy types, random blocks with valid scales for the K-quants, Q2_K and
+Q3_K included):
 
 - the dequantization kernel: every type, rows strided (a slice of wider rows);
 - x @ W^T in float32 (exact float32 products) for every type at M = 1, 5, 8 (the fused kernel) and
@@ -32,11 +33,30 @@ from gguf import GGMLQuantizationType as Q  # noqa: E402
 import radixserve.layers.quantization.gguf as quant_gguf  # noqa: E402
 from radixserve.layers.quantization import GGUFLinearMethod, QuantizedWeight, quant_matmul  # noqa: E402
 from radixserve.layers.quantization import triton_gguf  # noqa: E402
-from test_quant_kernels import K_QUANTS, make_weight, make_x  # noqa: E402
+import gguf  # noqa: E402
+import numpy as np  # noqa: E402
+import test_quant_kernels  # noqa: E402
+from test_quant_kernels import make_x  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("triton_interpreter")
 
-TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+K_QUANTS = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+
+
+def make_weight(qtype, n, k, seed=0):
+    """(GGUF bytes uint8 [n, row_bytes], gguf's dequantization float32 [n, k]): test_quant_kernels'
+    weights; Q2_K / Q3_K (no C++ kernel, so not there) as random blocks with valid fp16 fields."""
+    if qtype not in (Q.Q2_K, Q.Q3_K):
+        return test_quant_kernels.make_weight(qtype, n, k, seed)
+    rng = np.random.default_rng(seed)
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    nb = n * k // block
+    blocks = rng.integers(0, 256, size=(nb, type_size), dtype=np.uint8)
+    for at, scale in ((80, 2e-3), (82, 1e-2)) if qtype == Q.Q2_K else ((108, 2e-3),):  # d, dmin / d
+        blocks[:, at : at + 2] = (rng.uniform(0.5, 1.5, size=nb) * scale).astype(np.float16).view(np.uint8).reshape(nb, 2)
+    data = blocks.reshape(n, k // block * type_size)
+    return data, gguf.quants.dequantize(data, qtype).reshape(n, k)
 # K per block size: one that the fused kernel's K step (32 or 64) and the dequant kernel's (256)
 # do not divide where the type allows it (7 and 9 blocks of 32), and more than one step
 K_VALUES = {32: [32 * 7, 32 * 9], 256: [256, 256 * 3]}
@@ -166,9 +186,9 @@ def test_linear_method_dispatches_to_triton(triton_dispatch, no_cpu_kernels):
 
 
 def test_quant_matmul_refuses_a_type_without_a_triton_kernel(triton_dispatch, no_cpu_kernels):
-    qw = QuantizedWeight(int(Q.Q3_K), torch.zeros(2, 110, dtype=torch.uint8), 256)
-    with pytest.raises(ValueError, match="Q3_K blocks on a GPU: no Triton kernel"):
-        quant_matmul(torch.zeros(1, 256), qw)
+    qw = QuantizedWeight(int(Q.IQ4_NL), torch.zeros(2, 18, dtype=torch.uint8), 32)
+    with pytest.raises(ValueError, match="IQ4_NL blocks on a GPU: no Triton kernel"):
+        quant_matmul(torch.zeros(1, 32), qw)
 
 
 def test_loader_keeps_the_triton_types_on_a_gpu(monkeypatch):

@@ -40,9 +40,9 @@ FALLBACK_TILE_ROWS = 256  # rows dequantized at once by the torch fallback
 # Qwen2.5-1.5B's shapes: level at 64 rows, 1.3x at 128-256; benchmarks/cpu/quant_gemm.py)
 PREFILL_MIN_ROWS = 128
 PREFILL_TILE_BYTES = 4 << 20  # bf16 bytes of weight dequantized at once on that path
-# The ggml types triton_gguf.py multiplies (Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K): here, so a
-# loader can ask without importing triton
-TRITON_TYPES = frozenset({2, 3, 6, 7, 8, 12, 13, 14})
+# The ggml types triton_gguf.py multiplies (Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K Q4_K Q5_K Q6_K):
+# here, so a loader can ask without importing triton
+TRITON_TYPES = frozenset({2, 3, 6, 7, 8, 10, 11, 12, 13, 14})
 
 
 def on_triton_device(t: torch.Tensor) -> bool:

@@ -18,6 +18,9 @@ Both share one unpacking (_dequant_tile), written from the layouts of the gguf p
                    (its scale and min), byte 32 (s / 2) + j % 32, high nibble for odd s; d sc q - dmin m
   Q5_K  256  176   as Q4_K, qh @16 (bit s of byte j % 32), nibbles @48
   Q6_K  256  210   low nibbles @0, 2-bit highs @128, int8 scales @192 (one per 16 values), d @208; d sc (q - 32)
+  Q2_K  256   84   scales @0 (per 16 values: 4-bit scale, 4-bit min), 2-bit q @16, d @80, dmin @82; d sc q - dmin m
+  Q3_K  256  110   hmask @0, 2-bit q @32, 6-bit scales @96 (16 of them, packed), d @108; d (sc - 32) (q - 4 (1 - hbit))
+  (the 2-bit q of value j = 128 h + 32 s + l: bits 2s..2s+1 of byte 32 h + l; Q3_K's high bit: bit j / 32 of hmask[l])
 
 w8a8_int8 stores ggml Q8_0 rows (w8a8_int8.py), so it runs on the Q8_0 kernel.
 On the CPU these run only under Triton's interpreter (TRITON_INTERPRET=1, the unit tests); serving
@@ -40,6 +43,8 @@ TRITON_TYPES: Dict[int, Tuple[int, int]] = {
     6: (32, 22),  # Q5_0
     7: (32, 24),  # Q5_1
     8: (32, 34),  # Q8_0
+    10: (256, 84),  # Q2_K
+    11: (256, 110),  # Q3_K
     12: (256, 144),  # Q4_K
     13: (256, 176),  # Q5_K
     14: (256, 210),  # Q6_K
@@ -74,6 +79,12 @@ def _nibble_k(qs_ptr, j, mask):
     # a K-quant's 128 bytes: sub-block s = j / 32 in byte 32 (s / 2) + j % 32, high nibble for odd s
     s = j // 32
     return (_u8(qs_ptr + (s // 2) * 32 + j % 32, mask) >> ((s % 2) * 4)) & 0xF
+
+
+@triton.jit
+def _crumb(qs_ptr, j, mask):
+    # Q2_K/Q3_K's 64 bytes of 2-bit values: j = 128 h + 32 s + l is bits 2s..2s+1 of byte 32 h + l
+    return (_u8(qs_ptr + 32 * (j // 128) + j % 32, mask) >> (2 * ((j // 32) % 4))) & 3
 
 
 @triton.jit
@@ -124,6 +135,17 @@ def _dequant_tile(W, rn, rk, stride_wn, N, K, QTYPE: tl.constexpr, QK: tl.conste
         q = _nibble_k(blk + 48, j, mask) | (_bit(blk + 16 + j % 32, s, mask) << 4)
         sc, mn = _scale_min_k4(blk + 4, s, mask)
         w = (_f16(blk, mask) * sc) * q.to(tl.float32) - _f16(blk + 2, mask) * mn
+    elif QTYPE == 10:  # Q2_K
+        sc = _u8(blk + j // 16, mask)
+        q = _crumb(blk + 16, j, mask)
+        w = (_f16(blk + 80, mask) * (sc & 0xF).to(tl.float32)) * q.to(tl.float32) \
+            - _f16(blk + 82, mask) * (sc >> 4).to(tl.float32)
+    elif QTYPE == 11:  # Q3_K
+        i = j // 16  # its scale: a low nibble of bytes 0..7 and two high bits of bytes 8..11
+        lo = (_u8(blk + 96 + i % 8, mask) >> (4 * (i // 8))) & 0xF
+        hi = (_u8(blk + 104 + i % 4, mask) >> (2 * (i // 4))) & 3
+        q = _crumb(blk + 32, j, mask) - 4 * (1 - _bit(blk + j % 32, j // 32, mask))
+        w = (_f16(blk + 108, mask) * ((lo | (hi << 4)) - 32).to(tl.float32)) * q.to(tl.float32)
     else:  # Q6_K
         h = j // 128
         t = (j // 32) % 4
