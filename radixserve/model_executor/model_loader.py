@@ -79,8 +79,8 @@ def gguf_block_types(quantization: str, config: ModelConfig, dtype: torch.dtype,
     if quantization == "none" or not config.gguf_file:
         return frozenset()
     if device != "cpu":
-        # A GPU keeps the blocks only when asked (the Triton kernels, layers/quantization/triton_gguf.py;
-        # other types, Q2_K/Q3_K, are dequantized at load); auto dequantizes to --dtype, as before.
+        # A GPU keeps the blocks only when asked (the Triton kernels, layers/quantization/triton_gguf.py,
+        # take every type GGUF_QUANT_TYPES names); auto dequantizes to --dtype, as before.
         if quantization != "gguf":
             return frozenset()
         if not triton_available():
