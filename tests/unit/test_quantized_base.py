@@ -220,3 +220,22 @@ def test_draft_quantization_follows_the_draft_format():
     assert draft_quantization("gguf", gguf_cfg) == "gguf" and draft_quantization("gguf", hf_cfg) == "auto"
     assert draft_quantization("w8a8_int8", hf_cfg) == "w8a8_int8" and draft_quantization("w8a8_int8", gguf_cfg) == "auto"
     assert draft_quantization("none", gguf_cfg) == "none"
+
+
+# ---- release / resume ---------------------------------------------------------------------------
+
+
+def test_w8a8_int8_release_frees_the_blocks_and_resume_restores_them():
+    """(GGUF blocks: test_gguf.py.) A w8a8_int8 model's Q8_0 segments are freed by a release of
+    the weights and come back, byte for byte, on resume: the answers do not change."""
+    prompts = ["The quick brown fox", "1 2 3 4 5 1 2 3"]
+    with Engine(str(get_tiny_model_path()), quantization="w8a8_int8", dtype="float32", max_total_tokens=2048) as engine:
+        before = generate_text(engine, prompts)
+        segments = [s for m in quantized_layers(model_of(engine)) for s in m.quant_method.ordered]
+        assert segments and all(s.qtype == int(Q.Q8_0) for s in segments)
+        held = [s.data.clone() for s in segments]
+        engine.release_memory_occupation()
+        assert all(s.data.untyped_storage().nbytes() == 0 for s in segments)
+        engine.resume_memory_occupation()
+        assert all(torch.equal(s.data, h) for s, h in zip(segments, held))
+        assert_same(generate_text(engine, prompts), before, "after release/resume", atol=0)
