@@ -10,6 +10,7 @@ Q3_K included):
   multiple of the kernel's K step where the type allows it, N not a multiple of its row tile,
   x with a row stride wider than K and x transposed (column-major);
 - bf16 x stays bf16 out (both paths);
+- 9-64 rows of fp16 x take the tensor-core kernel (every type, x transposed too): fp16 out;
 - the dispatch: with on_triton_device true (what x.is_cuda decides on a GPU), GGUFLinearMethod,
   quant_matmul and QuantizedWeight.dequantize run these kernels and never the C++ ones, a
   synthetic GGUF model served with --quantization gguf gives transformers' logits on the
@@ -86,8 +87,8 @@ def test_dequantize_matches_gguf(qtype):
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
 
 
-def check_matmul(qtype, m, k, layout="contiguous", dtype=torch.float32, tol=1e-5):
-    data, w = make_weight(qtype, N, k)
+def check_matmul(qtype, m, k, layout="contiguous", dtype=torch.float32, tol=1e-5, n=N):
+    data, w = make_weight(qtype, n, k)
     x = torch.from_numpy(make_x(m, k))
     ref = x.double() @ torch.from_numpy(w).double().T
     xd = on_device(x).to(dtype)
@@ -96,7 +97,7 @@ def check_matmul(qtype, m, k, layout="contiguous", dtype=torch.float32, tol=1e-5
     elif layout == "transposed":
         xd = xd.t().contiguous().t()
     y = triton_gguf.gguf_matmul(xd, on_device(data), int(qtype), k)
-    assert y.dtype == dtype and tuple(y.shape) == (m, N)
+    assert y.dtype == dtype and tuple(y.shape) == (m, n)
     err = (y.double().cpu() - ref).abs().max().item() / ref.abs().max().item()
     assert err < tol, f"{qtype.name} M={m} K={k} {layout}: max error {err:.2e} of max |y|"
     if m >= 3:
@@ -116,6 +117,29 @@ def test_matmul_matches_gguf(qtype, m, monkeypatch):
 def test_matmul_takes_strided_x(layout, m):
     check_matmul(Q.Q4_K, m, 512, layout)
     check_matmul(Q.Q5_0, m, 32 * 7, layout)
+
+
+@pytest.mark.parametrize("m", [24, 64], ids=["mma-24", "mma-64"])
+@pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
+def test_tensor_core_kernel_in_fp16(qtype, m, monkeypatch):
+    """9-64 rows of half-precision x: the tensor-core kernel (never the dequantized tiles), the
+    weight rounded to fp16, float32 sums, fp16 out."""
+    monkeypatch.setattr(triton_gguf, "_dequantized_matmul", None)  # would raise if taken
+    for k in K_VALUES[256 if qtype in K_QUANTS else 32]:  # N = 72: more than one tile of 64 rows
+        check_matmul(qtype, m, k, dtype=torch.float16, tol=2e-3, n=72)
+    check_matmul(qtype, m, K_VALUES[256 if qtype in K_QUANTS else 32][-1], "transposed", torch.float16, tol=2e-3, n=72)
+
+
+def test_rows_choose_the_kernel():
+    x = lambda m, dtype: torch.empty(m, 32, dtype=dtype)  # noqa: E731
+    assert triton_gguf.takes_mma(x(16, torch.float16)) and not triton_gguf.takes_mma(x(16, torch.float32))
+    # bf16 only on a GPU (the interpreter's bf16 tl.dot is wrong)
+    assert triton_gguf.takes_mma(x(16, torch.bfloat16)) == (TEST_DEVICE == "cuda")
+
+
+@pytest.mark.parametrize("m", [2, 40, 100], ids=["fused", "mma", "tiles"])
+def test_matmul_in_half_precision_past_the_tensor_core_range(m):
+    check_matmul(Q.Q6_K, m, 512, dtype=torch.float16, tol=2e-3)
 
 
 @pytest.mark.parametrize("m", [2, 40])

@@ -2,10 +2,12 @@
 blocks, and the dequantization of a tile of rows.
 
 The design follows how vLLM / SGLang serve GGUF on CUDA (ggml's CUDA kernels there): few rows of
-x (decode) take a fused kernel that streams each weight block once, dequantizes it in registers
-and multiplies; many rows (prefill) dequantize a tile of output rows to x's dtype and let the
-vendor GEMM multiply (the weight is then read once per tile, the GEMM runs at tensor-core speed).
-Both share one unpacking (_dequant_tile), written from the layouts of the gguf package's
+x (decode, up to 8) take a fused kernel that streams each weight block once, dequantizes it in
+registers and multiplies in float32 (vLLM's MMVQ); up to 64 rows of fp16/bf16 x, a kernel that
+dequantizes a tile of blocks into registers and multiplies on the tensor cores (vLLM's MMQ range);
+more rows (prefill) dequantize a tile of output rows to x's dtype and let the vendor GEMM
+multiply (the weight is then read once per tile, the GEMM runs at its full speed).
+All share one unpacking (_dequant_tile), written from the layouts of the gguf package's
 `gguf/quants.py` (the same ones the C++ kernels unpack, csrc/quant_kernels.cpp):
 
   type  values/block  bytes  layout (offsets in the block)
@@ -53,6 +55,10 @@ TRITON_TYPES: Dict[int, Tuple[int, int]] = {
 # a dequantized tile and the vendor GEMM (compute bound: tensor cores), as vLLM's GGUF path does
 # (its mat-vec kernel up to a batch of 8, MMVQ_MAX_BATCH_SIZE).
 FUSED_MAX_ROWS = 8
+# Up to here (above FUSED_MAX_ROWS) half-precision x takes the tensor-core kernel: each program
+# dequantizes its tile of blocks into registers and multiplies with tl.dot (a decode batch of
+# 9-64 requests would otherwise dequantize the whole weight every step; vLLM's MMQ range).
+MMA_MAX_ROWS = 64
 DEQUANT_TILE_BYTES = 64 << 20  # bytes of a dequantized tile of weight rows on the prefill path
 
 
@@ -179,6 +185,25 @@ def _gguf_matmul_kernel(X, W, Out, M, N, K, stride_xm, stride_xk, stride_wn, str
 
 
 @triton.jit
+def _gguf_mma_kernel(X, W, Out, M, N, K, stride_xm, stride_xk, stride_wn, stride_om,
+                     QTYPE: tl.constexpr, QK: tl.constexpr, TYPE_SIZE: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # BLOCK_M (16-64) rows of x by BLOCK_N weight rows; the tile of weight rounded to x's dtype
+    # (as a dequantized model's would be), products on the tensor cores, sums in float32.
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(X + rm[:, None].to(tl.int64) * stride_xm + rk[None, :] * stride_xk,
+                    mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+        w = _dequant_tile(W, rn, rk, stride_wn, N, K, QTYPE, QK, TYPE_SIZE).to(x.dtype)
+        acc += tl.dot(x, tl.trans(w))
+    tl.store(Out + rm[:, None].to(tl.int64) * stride_om + rn[None, :], acc.to(Out.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
 def _gguf_dequant_kernel(W, Out, N, K, stride_wn, QTYPE: tl.constexpr, QK: tl.constexpr,
                          TYPE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -213,11 +238,14 @@ def gguf_dequantize(data: torch.Tensor, qtype: int, cols: int, dtype: torch.dtyp
 
 def gguf_matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, cols: int) -> torch.Tensor:
     """x [M, cols] (float32, bf16 or fp16; any strides) @ dequantize(data)^T -> [M, N] in x's dtype.
-    Few rows: the fused kernel, float32 products and sums; more: _dequantized_matmul."""
+    Few rows: the fused kernel, float32 products and sums; up to MMA_MAX_ROWS of half-precision x:
+    the tensor-core kernel; more: _dequantized_matmul."""
     qk, size = _geometry(data, qtype, cols)
     assert x.dim() == 2 and x.shape[1] == cols, (x.shape, cols)
     m, n = x.shape[0], data.shape[0]
     if m > FUSED_MAX_ROWS:
+        if m <= MMA_MAX_ROWS and takes_mma(x):
+            return _mma_matmul(x, data, qtype, cols, qk, size)
         return _dequantized_matmul(x, data, qtype, cols)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
@@ -227,6 +255,24 @@ def gguf_matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, cols: int) -> t
     _gguf_matmul_kernel[(triton.cdiv(n, block_n),)](
         x, data, out, m, n, cols, x.stride(0), x.stride(1), data.stride(0), out.stride(0),
         QTYPE=qtype, QK=qk, TYPE_SIZE=size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    return out
+
+
+def takes_mma(x: torch.Tensor) -> bool:
+    """fp16 x anywhere; bf16 only on a GPU: Triton's CPU interpreter multiplies bf16 tl.dot operands
+    as their raw 16-bit patterns (wrong answers), so an interpreted bf16 run takes the dequantized path."""
+    return x.dtype == torch.float16 or (x.dtype == torch.bfloat16 and x.is_cuda)
+
+
+def _mma_matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, cols: int, qk: int, size: int) -> torch.Tensor:
+    m, n = x.shape[0], data.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if n == 0:
+        return out
+    block_m, block_n, block_k = max(16, triton.next_power_of_2(m)), 64, 64
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _gguf_mma_kernel[grid](x, data, out, m, n, cols, x.stride(0), x.stride(1), data.stride(0), out.stride(0),
+                           QTYPE=qtype, QK=qk, TYPE_SIZE=size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
     return out
 
 
