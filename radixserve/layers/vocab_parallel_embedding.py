@@ -16,6 +16,7 @@ from radixserve.distributed.parallel_state import (
 from radixserve.layers import cpu_kernels
 from radixserve.layers.linear import PackedWeight, _copy, linear, pack_cpu_weight
 from radixserve.layers.quantization import QuantizedWeight, quant_matmul
+from radixserve.layers.quantization.gguf import on_triton_device
 
 
 def gguf_blocks(weight: torch.Tensor) -> Optional[QuantizedWeight]:
@@ -97,7 +98,10 @@ class ParallelLMHead(VocabParallelEmbedding):
     def get_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         blocks = gguf_blocks(self.weight)
         if blocks is not None:
-            logits = quant_matmul(hidden.reshape(-1, hidden.shape[-1]).float().contiguous(), blocks)
+            x = hidden.reshape(-1, hidden.shape[-1])
+            if not on_triton_device(x):  # the C++ kernels take float32 rows; a GPU multiplies in the
+                x = x.float().contiguous()  # hidden states' dtype, as its float LM head does
+            logits = quant_matmul(x, blocks)
             logits = F.pad(logits, (0, self.shard_size - logits.shape[-1]))  # the last rank's padding rows
             if self.tp_size > 1:
                 logits = tensor_model_parallel_all_gather(logits, dim=-1)

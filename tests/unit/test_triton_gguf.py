@@ -170,8 +170,8 @@ def triton_dispatch(monkeypatch):
     matmul, dequantize = triton_gguf.gguf_matmul, triton_gguf.gguf_dequantize
     monkeypatch.setattr(quant_gguf, "on_triton_device", lambda t: True)
     monkeypatch.setattr(triton_gguf, "gguf_matmul", lambda x, *a: calls.append("matmul") or matmul(x, *a))
-    fused = triton_gguf._gguf_matmul_kernel
-    monkeypatch.setattr(triton_gguf, "_gguf_matmul_kernel", CountLaunches(fused, calls, "fused"))
+    for kernel, name in (("_gguf_matmul_kernel", "fused"), ("_gguf_mma_kernel", "mma")):
+        monkeypatch.setattr(triton_gguf, kernel, CountLaunches(getattr(triton_gguf, kernel), calls, name))
     monkeypatch.setattr(triton_gguf, "gguf_dequantize", lambda *a, **kw: calls.append("dequantize") or dequantize(*a, **kw))
     return calls
 
@@ -209,6 +209,23 @@ def test_linear_method_dispatches_to_triton(triton_dispatch, no_cpu_kernels):
     x2 = on_device(torch.randn(3, 64))
     torch.testing.assert_close(quant_matmul(x2, qw), x2 @ qw.dequantize().T, rtol=1e-5, atol=1e-5)
     assert triton_dispatch[4:] == ["matmul", "fused", "dequantize"]
+
+
+def test_lm_head_in_blocks_multiplies_in_the_hidden_dtype(triton_dispatch, no_cpu_kernels):
+    """On a GPU the LM head's blocks multiply the hidden states as they are (fp16 here: the
+    tensor-core kernel), as the float LM head does, not a float32 copy of them."""
+    from radixserve.layers.vocab_parallel_embedding import ParallelLMHead
+
+    head = ParallelLMHead(72, 64)
+    head.weight.data = on_device(head.weight.data)
+    data, w = make_weight(Q.Q8_0, 72, 64, seed=4)
+    head.weight_loader(head.weight, QuantizedWeight(int(Q.Q8_0), torch.from_numpy(data), 64))
+    hidden = torch.randn(12, 64)
+    logits = head.get_logits(on_device(hidden).half())
+    assert logits.dtype == torch.float16 and tuple(logits.shape) == (12, 72)
+    ref = hidden.half().double() @ torch.from_numpy(w).double().T
+    assert (logits.double().cpu() - ref).abs().max().item() <= 2e-3 * ref.abs().max().item()
+    assert triton_dispatch == ["matmul", "mma"]
 
 
 def test_quant_matmul_refuses_a_type_without_a_triton_kernel(triton_dispatch, no_cpu_kernels):
