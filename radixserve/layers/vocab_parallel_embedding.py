@@ -16,7 +16,7 @@ from radixserve.distributed.parallel_state import (
 from radixserve.layers import cpu_kernels
 from radixserve.layers.linear import PackedWeight, _copy, linear, pack_cpu_weight
 from radixserve.layers.quantization import QuantizedWeight, quant_matmul
-from radixserve.layers.quantization.gguf import on_triton_device
+from radixserve.layers.quantization import gguf as quant_gguf
 
 
 def gguf_blocks(weight: torch.Tensor) -> Optional[QuantizedWeight]:
@@ -99,7 +99,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         blocks = gguf_blocks(self.weight)
         if blocks is not None:
             x = hidden.reshape(-1, hidden.shape[-1])
-            if not on_triton_device(x):  # the C++ kernels take float32 rows; a GPU multiplies in the
+            if not quant_gguf.on_triton_device(x):  # the C++ kernels take float32 rows; a GPU multiplies in the
                 x = x.float().contiguous()  # hidden states' dtype, as its float LM head does
             logits = quant_matmul(x, blocks)
             logits = F.pad(logits, (0, self.shard_size - logits.shape[-1]))  # the last rank's padding rows

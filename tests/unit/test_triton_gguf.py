@@ -12,9 +12,10 @@ Q3_K included):
 - bf16 x stays bf16 out (both paths);
 - 9-64 rows of fp16 x take the tensor-core kernel (every type, x transposed too): fp16 out;
 - the dispatch: with on_triton_device true (what x.is_cuda decides on a GPU), GGUFLinearMethod,
-  quant_matmul and QuantizedWeight.dequantize run these kernels and never the C++ ones, a
-  synthetic GGUF model served with --quantization gguf gives transformers' logits on the
-  dequantized weights, and the loader keeps exactly these types in blocks on a GPU."""
+  quant_matmul and QuantizedWeight.dequantize run these kernels and never the C++ ones, the LM
+  head in blocks multiplies fp16 hidden states as they are, a synthetic GGUF model served with
+  --quantization gguf gives transformers' logits on the dequantized weights (prefill and decode),
+  and the loader keeps exactly these types in blocks on a GPU."""
 
 import os
 
@@ -27,6 +28,8 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
+import gguf  # noqa: E402
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from gguf import GGMLQuantizationType as Q  # noqa: E402
@@ -34,8 +37,6 @@ from gguf import GGMLQuantizationType as Q  # noqa: E402
 import radixserve.layers.quantization.gguf as quant_gguf  # noqa: E402
 from radixserve.layers.quantization import GGUFLinearMethod, QuantizedWeight, quant_matmul  # noqa: E402
 from radixserve.layers.quantization import triton_gguf  # noqa: E402
-import gguf  # noqa: E402
-import numpy as np  # noqa: E402
 import test_quant_kernels  # noqa: E402
 from test_quant_kernels import make_x  # noqa: E402
 
