@@ -522,8 +522,10 @@ FLAG_HELP = {
     "quantization": "a GGUF file's quantized weights: gguf keeps the linear layers in the file's blocks (the C++ "
                     "integer kernel: activations quantized to 8 bits per block, as llama.cpp); none dequantizes "
                     "them at load to --dtype; auto: gguf in the CPU's bf16 mode where the kernel is built, else none "
-                    "(--dtype float32 is the exact reference); w8a8_int8 quantizes a safetensors checkpoint's "
-                    "linear layers to 8 bits at load (Q8_0 blocks on the same integer kernel; CPU)",
+                    "(--dtype float32 is the exact reference; on a GPU auto is none and gguf keeps Q4_0/Q4_1/Q5_0/"
+                    "Q5_1/Q8_0 and Q2_K..Q6_K in blocks for the Triton kernels); w8a8_int8 quantizes a safetensors "
+                    "checkpoint's linear layers to 8 bits at load (Q8_0 blocks on the same integer kernel, or "
+                    "Triton's Q8_0 kernel on a GPU)",
     "dtype": f"model dtype: {', '.join(DTYPES)}; auto: bf16 where the device has native bf16 (a CPU with AVX512_BF16 / AMX, a GPU with bf16 tensor cores), float32 checkpoints included (logged; float32 keeps them exact; the embedded tiny model stays float32); else float32 (a GPU keeps a float16 checkpoint's dtype). bf16 on a CPU with the C++ GEMM keeps the weights in bf16 and the activations in float32",
     "kv_cache_dtype": f"KV cache dtype: {', '.join(KV_CACHE_DTYPES)}; auto: the activations' dtype, except fp16 in the CPU's bf16 mode (bf16 weights, float32 activations; as llama.cpp's default)",
     "device": "cpu, cuda, or auto (cuda when available)",

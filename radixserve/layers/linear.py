@@ -84,7 +84,8 @@ class LinearBase(nn.Module):
         """Before loading: hold the weight `method`'s way (the float weight built with the layer is
         freed, never filled; [0, 0]: still a matrix to the loaders, which tell it from the bias by dim)."""
         self.quant_method = method
-        self.weight = nn.Parameter(torch.empty(0, 0, dtype=self.weight.dtype), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(0, 0, dtype=self.weight.dtype, device=self.weight.device),
+                                   requires_grad=False)  # its device: where the method puts the blocks
 
     def load_weight_rows(self, param: torch.Tensor, offset: int, loaded: Any) -> None:
         """Rows [offset, offset + rows) of the weight (or the bias) from this rank's slice of a

@@ -16,6 +16,7 @@ from radixserve.distributed.parallel_state import (
 from radixserve.layers import cpu_kernels
 from radixserve.layers.linear import PackedWeight, _copy, linear, pack_cpu_weight
 from radixserve.layers.quantization import QuantizedWeight, quant_matmul
+from radixserve.layers.quantization import gguf as quant_gguf
 
 
 def gguf_blocks(weight: torch.Tensor) -> Optional[QuantizedWeight]:
@@ -48,11 +49,11 @@ class VocabParallelEmbedding(nn.Module):
         n = min(self.shard_size, self.num_embeddings - self.vocab_start)
         if isinstance(loaded, QuantizedWeight):  # kept in its blocks; the float table is freed
             rows = loaded.narrow(0, self.vocab_start, n)
-            param.gguf_blocks = QuantizedWeight(rows.qtype, rows.data.clone(), dim)
-            param.data = torch.empty(0, dim, dtype=param.dtype)
+            param.gguf_blocks = QuantizedWeight(rows.qtype, rows.data.to(param.device, copy=True), dim)
+            param.data = torch.empty(0, dim, dtype=param.dtype, device=param.device)
             return
         if param.numel() == 0:  # held in blocks until now (a weight update from another format)
-            param.data = torch.zeros(self.shard_size, dim, dtype=param.dtype)
+            param.data = torch.zeros(self.shard_size, dim, dtype=param.dtype, device=param.device)
             param.gguf_blocks = None
         _copy(param.data[:n], loaded[self.vocab_start : self.vocab_start + n])
 
@@ -97,7 +98,10 @@ class ParallelLMHead(VocabParallelEmbedding):
     def get_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         blocks = gguf_blocks(self.weight)
         if blocks is not None:
-            logits = quant_matmul(hidden.reshape(-1, hidden.shape[-1]).float().contiguous(), blocks)
+            x = hidden.reshape(-1, hidden.shape[-1])
+            if not quant_gguf.on_triton_device(x):  # the C++ kernels take float32 rows; a GPU multiplies in the
+                x = x.float().contiguous()  # hidden states' dtype, as its float LM head does
+            logits = quant_matmul(x, blocks)
             logits = F.pad(logits, (0, self.shard_size - logits.shape[-1]))  # the last rank's padding rows
             if self.tp_size > 1:
                 logits = tensor_model_parallel_all_gather(logits, dim=-1)

@@ -19,6 +19,7 @@ from radixserve.distributed.parallel_state import get_pp_group
 from radixserve.layers.cpu_weight_only import weight_only_available
 from radixserve.layers.moe import FusedMoE
 from radixserve.layers.quantization import GGUFLinearMethod, kernel_types
+from radixserve.layers.quantization.gguf import TRITON_TYPES
 from radixserve.model_executor.gguf_loader import gguf_block_experts, gguf_block_tensors, gguf_weights
 from radixserve.models.llama import is_stage_weight
 from radixserve.models.model_config import LoadError, ModelConfig
@@ -42,9 +43,16 @@ def check_w8a8(quantization: str, config: ModelConfig, device: str) -> bool:
     if config.gguf_file:
         raise LoadError(f"--quantization w8a8_int8 quantizes a safetensors checkpoint; {config.gguf_file} is a GGUF "
                         "file, whose own blocks --quantization gguf keeps")
-    if device != "cpu":
-        raise LoadError("--quantization w8a8_int8 runs on the CPU only so far (the integer kernel is C++)")
+    if device != "cpu" and not triton_available():
+        raise LoadError("--quantization w8a8_int8 on a GPU needs triton (its Q8_0 kernel is Triton's there); pip install triton")
     return True
+
+
+def triton_available() -> bool:
+    """Whether triton can be imported (the GPU's GGUF kernels), without importing it."""
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
 
 
 def use_w8a8(model: nn.Module) -> int:
@@ -72,9 +80,14 @@ def gguf_block_types(quantization: str, config: ModelConfig, dtype: torch.dtype,
     if quantization == "none" or not config.gguf_file:
         return frozenset()
     if device != "cpu":
-        if quantization == "gguf":
-            raise LoadError("--quantization gguf runs on the CPU only so far; use --quantization none (dequantized at load)")
-        return frozenset()
+        # A GPU keeps the blocks only when asked (the Triton kernels, layers/quantization/triton_gguf.py,
+        # take every type GGUF_QUANT_TYPES names); auto dequantizes to --dtype, as before.
+        if quantization != "gguf":
+            return frozenset()
+        if not triton_available():
+            raise LoadError("--quantization gguf on a GPU needs triton (the GGUF kernels there are Triton's); "
+                            "pip install triton, or use --quantization none (dequantized at load)")
+        return TRITON_TYPES
     if quantization == "gguf":
         return kernel_types() or GGUF_QUANT_TYPES
     return kernel_types() if weight_only_available(dtype, device) else frozenset()

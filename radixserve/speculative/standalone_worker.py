@@ -53,8 +53,17 @@ def load_draft_runner(server_args: Any, target_worker: TpModelWorker) -> ModelRu
     # Its decode steps run eagerly: the target's memory budget reserves no graph pool for it.
     dtype = str(target_worker.model_runner.dtype).removeprefix("torch.")
     args = server_args.replace(model_path=path, speculative_algorithm=None, enable_lora=False, lora_paths=None,
-                               disable_cuda_graph=True, dtype=dtype)
+                               disable_cuda_graph=True, dtype=dtype,
+                               quantization=draft_quantization(server_args.quantization, config))
     return ModelRunner(config, args, shared_slots=target_worker.get_memory_pool())
+
+
+def draft_quantization(quantization: str, draft: ModelConfig) -> str:
+    """The target's --quantization where it applies to the draft's format, else auto: a GGUF
+    target's `gguf` would refuse an HF-directory draft, and `w8a8_int8` a GGUF draft."""
+    if (quantization == "gguf" and not draft.gguf_file) or (quantization == "w8a8_int8" and draft.gguf_file):
+        return "auto"
+    return quantization
 
 
 class STANDALONEWorker:

@@ -481,8 +481,9 @@ def test_smollm2_gguf_matches_transformers():
 
 
 def test_quantization_flag_is_checked():
-    """--quantization: an unknown method names the flag; gguf on a safetensors checkpoint, or on a
-    GPU (no kernel there yet), is refused in one line; auto never keeps blocks for float32."""
+    """--quantization: an unknown method names the flag; gguf on a safetensors checkpoint is
+    refused in one line; auto never keeps blocks for float32; a GPU keeps the Triton kernels'
+    types (tests/unit/test_triton_gguf.py)."""
     from radixserve.model_executor.model_loader import gguf_block_types
     from radixserve.server_args import ServerArgs
     from radixserve.tiny_model import get_tiny_model_path
@@ -494,8 +495,7 @@ def test_quantization_flag_is_checked():
         gguf_block_types("gguf", tiny, torch.float32, "cpu")
     assert gguf_block_types("auto", tiny, torch.bfloat16, "cpu") == frozenset()
     gguf_cfg = ModelConfig.from_pretrained(str(smollm2_gguf()))
-    with pytest.raises(LoadError, match="CPU only"):
-        gguf_block_types("gguf", gguf_cfg, torch.bfloat16, "cuda")
+    assert gguf_block_types("gguf", gguf_cfg, torch.bfloat16, "cuda") == quant_gguf.TRITON_TYPES
     assert gguf_block_types("auto", gguf_cfg, torch.float32, "cpu") == frozenset()  # the exact reference
     assert gguf_block_types("none", gguf_cfg, torch.bfloat16, "cpu") == frozenset()
     assert int(Q.Q4_1) in gguf_block_types("gguf", gguf_cfg, torch.bfloat16, "cpu")

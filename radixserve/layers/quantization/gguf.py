@@ -15,6 +15,10 @@ torch's oneDNN bf16 GEMM is faster: there the C++ kernel dequantizes a tile of o
 bf16 (~4 MB) at a time and oneDNN multiplies it with x rounded to bf16 (benchmarks/NOTES.md,
 issue 38 prefill: 1.3-1.5x at 256-512 rows; the accuracy against float32 is measured there).
 
+On a CUDA device (on_triton_device) the same blocks go to the Triton kernels instead
+(triton_gguf.py: a fused dequantize-matmul for few rows of x, a dequantized tile and the vendor
+GEMM for many), in x's own dtype; the types they take are TRITON_TYPES.
+
 The embedding and the LM head keep their blocks too (vocab_parallel_embedding.py): the LM head
 multiplies them as a linear layer does, the embedding dequantizes the rows it looks up. Memory
 after load is then about the file's size.""" 
@@ -36,6 +40,23 @@ FALLBACK_TILE_ROWS = 256  # rows dequantized at once by the torch fallback
 # Qwen2.5-1.5B's shapes: level at 64 rows, 1.3x at 128-256; benchmarks/cpu/quant_gemm.py)
 PREFILL_MIN_ROWS = 128
 PREFILL_TILE_BYTES = 4 << 20  # bf16 bytes of weight dequantized at once on that path
+# The ggml types triton_gguf.py multiplies (Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K Q4_K Q5_K Q6_K):
+# here, so a loader can ask without importing triton
+TRITON_TYPES = frozenset({2, 3, 6, 7, 8, 10, 11, 12, 13, 14})
+
+
+def on_triton_device(t: torch.Tensor) -> bool:
+    """Whether blocks / activations on t's device take the Triton kernels (a GPU) rather than the
+    C++ ones. One function, so a CPU test can send interpreted Triton kernels through the layer."""
+    return t.is_cuda
+
+
+@functools.lru_cache(maxsize=1)
+def triton_kernels() -> Any:
+    """triton_gguf, imported on first use (never on a CPU serving path: it imports triton)."""
+    from radixserve.layers.quantization import triton_gguf
+
+    return triton_gguf
 
 
 def block_geometry(qtype: int) -> Tuple[int, int]:
@@ -80,6 +101,8 @@ class QuantizedWeight:
 
     def dequantize(self) -> torch.Tensor:
         """float32 [rows, cols], by the gguf package's own dequantization."""
+        if on_triton_device(self.data):
+            return triton_kernels().gguf_dequantize(self.data, self.qtype, self.cols)
         import gguf
 
         # numpy reads a copy: .numpy() on the held blocks would pin their memory (release/resume
@@ -112,24 +135,29 @@ class GGUFLinearMethod(LinearMethodBase):
         self.ordered: List[Segment] = []
 
     def load_rows(self, layer: Any, param: torch.Tensor, offset: int, loaded: Any) -> None:
+        device = layer.weight.device  # the blocks live where the layer was built (a GPU's memory there)
         if isinstance(loaded, QuantizedWeight):
             if loaded.cols != layer.in_features:
                 raise ValueError(f"expected {layer.in_features} columns, got {loaded.cols}")
             data = loaded.data.contiguous()
             if data.untyped_storage().nbytes() != data.nbytes:  # a rank's slice: not the whole tensor's memory
                 data = data.clone()
-            seg = Segment(offset, loaded.shape[0], loaded.qtype, data)
+            seg = Segment(offset, loaded.shape[0], loaded.qtype, data.to(device))
         else:  # a plain tensor (an F16/F32 one of the file, or a weight update from safetensors)
             if loaded.dim() != 2 or loaded.shape[1] != layer.in_features:
                 raise ValueError(f"expected [rows, {layer.in_features}], got {tuple(loaded.shape)}")
-            seg = Segment(offset, loaded.shape[0], None, loaded.detach().to(torch.float32, copy=True).contiguous())
+            # float32 for the CPU kernels' float32 activations; the model's dtype on a GPU
+            dtype = layer.weight.dtype if on_triton_device(layer.weight) else torch.float32
+            seg = Segment(offset, loaded.shape[0], None, loaded.detach().to(device, dtype, copy=True).contiguous())
         if offset + seg.rows > layer.out_features:
             raise ValueError(f"rows {offset}..{offset + seg.rows} beyond the layer's {layer.out_features}")
         self.segments[offset] = seg
         self.ordered = sorted(self.segments.values(), key=lambda s: s.offset)
 
     def apply(self, layer: Any, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
+        x2 = x.reshape(-1, x.shape[-1])
+        if not on_triton_device(x2):  # the C++ kernels take float32 rows
+            x2 = x2.float().contiguous()
         parts = [self._matmul(s, x2) for s in self.ordered]
         y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         if bias is not None:
@@ -139,13 +167,18 @@ class GGUFLinearMethod(LinearMethodBase):
     @staticmethod
     def _matmul(seg: Segment, x: torch.Tensor) -> torch.Tensor:
         if seg.qtype is None:
-            return F.linear(x, seg.data)
+            return F.linear(x, seg.data if seg.data.dtype == x.dtype else seg.data.to(x.dtype))
         return quant_matmul(x, QuantizedWeight(seg.qtype, seg.data, x.shape[1]))
 
 
 def quant_matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     """float32 x [M, K] @ w^T: the C++ kernel where it takes w's type, else the torch fallback,
-    a tile of rows at a time, so the float32 matrix never exists whole."""
+    a tile of rows at a time, so the float32 matrix never exists whole. On a GPU: the Triton
+    kernels, in x's dtype."""
+    if on_triton_device(x):
+        if w.qtype not in TRITON_TYPES:  # the loader keeps only these in blocks on a GPU
+            raise ValueError(f"{type_name(w.qtype)} blocks on a GPU: no Triton kernel for them")
+        return triton_kernels().gguf_matmul(x, w.data, w.qtype, w.cols)
     if w.qtype in kernel_types():
         ops = cpu_kernels.get()
         if x.shape[0] >= PREFILL_MIN_ROWS and ops.has_bf16_gemm():  # oneDNN's bf16 needs AVX512_BF16 to be fast
