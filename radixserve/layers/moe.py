@@ -99,13 +99,15 @@ class FusedMoE(nn.Module):
         self.w2_packed: Optional[torch.Tensor] = None
         # keep_gguf_blocks: each local expert's {"w1", "w3", "w2"} as the file gives them
         self.expert_blocks: Optional[List[Dict[str, ExpertMatrix]]] = None
+        self.blocks_device: Optional[torch.device] = None
 
     def keep_gguf_blocks(self) -> None:
         """Before loading a GGUF file: the experts' tensors stay as the file's blocks; the float
         stacks the layer was built with are dropped (never filled, so never resident)."""
         self.expert_blocks = [{} for _ in range(self.num_local_experts)]
-        self.w13_weight = nn.Parameter(torch.empty(0), requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(0), requires_grad=False)
+        self.blocks_device = device = self.w13_weight.device  # where the blocks live (GPU: the Triton kernels')
+        self.w13_weight = nn.Parameter(torch.empty(0, device=device), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(0, device=device), requires_grad=False)
 
     def weight_storage(self) -> List[torch.Tensor]:
         """The tensors holding the experts beyond the layer's parameters (release/resume frees them
@@ -165,10 +167,11 @@ class FusedMoE(nn.Module):
         want = (self.hidden_size, self.inter) if which == "w2" else (self.inter, self.hidden_size)
         if tuple(part.shape) != want:
             raise WeightShapeError(f"expert {expert} {which}: expected shape {want}, got {tuple(part.shape)}")
+        device = self.blocks_device
         if isinstance(part, QuantizedWeight):  # a rank's slice is a view: its own bytes, not the whole tensor's
-            part = QuantizedWeight(part.qtype, part.data.contiguous().clone(), part.cols)
+            part = QuantizedWeight(part.qtype, part.data.to(device, copy=True).contiguous(), part.cols)
         else:  # the file's F16 / BF16 / F32 experts: float32, as the GGUF linear method keeps them
-            part = part.detach().to(torch.float32, copy=True).contiguous()
+            part = part.detach().to(device, torch.float32, copy=True).contiguous()
         self.expert_blocks[expert][which] = part
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
