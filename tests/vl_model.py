@@ -1,0 +1,85 @@
+"""A tiny random Qwen2.5-VL checkpoint for the tests, built by transformers 5 itself: its config
+(Qwen2_5_VLConfig with a small vision_config), its weights, the embedded model's tokenizer with
+Qwen's three vision tokens added and a chat template that places an image part, and the Qwen2-VL
+image processor (the Pillow backend) at a small patch size. Also images as data URLs."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from pathlib import Path
+from typing import Tuple
+
+import numpy as np
+import torch
+import transformers
+from PIL import Image
+
+from radixserve.tiny_model import TINY_MODEL_ASSETS
+
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>")
+IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}{%- else %}"
+    "{%- for part in message['content'] %}"
+    "{%- if part['type'] == 'text' %}{{- part['text'] }}"
+    "{%- elif part['type'] == 'image' or part['type'] == 'image_url' %}{{- '" + IMAGE_PLACEHOLDER + "' }}{%- endif %}"
+    "{%- endfor %}{%- endif %}{{- '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+# window_size 16 px = 2x2 merged patches of 4 px: the windowed blocks attend within small windows
+VISION = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+              temporal_patch_size=2, spatial_merge_size=2, window_size=16, fullatt_block_indexes=[1])
+TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+MIN_PIXELS, MAX_PIXELS = 8 * 8, 48 * 48  # images resize to at most 12x12 patches = 36 tokens
+
+
+def make_vl_model_dir(out_dir: str, seed: int = 0) -> str:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = transformers.PreTrainedTokenizerFast.from_pretrained(str(TINY_MODEL_ASSETS))
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", *VISION_TOKENS]})
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(str(out))
+    ids = tok.convert_tokens_to_ids(list(VISION_TOKENS))
+    vocab = -(-len(tok) // 8) * 8
+    config = transformers.Qwen2_5_VLConfig(
+        text_config=dict(TEXT, vocab_size=vocab, eos_token_id=[0, 2], bos_token_id=None, pad_token_id=0),
+        vision_config=VISION, vision_start_token_id=ids[0], vision_end_token_id=ids[1], image_token_id=ids[2],
+        video_token_id=ids[2], tie_word_embeddings=False)
+    config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+    torch.manual_seed(seed)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(config).float().eval()
+    with torch.no_grad():  # weights that make the logits far from uniform (no near-ties in greedy)
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                fan_in = p[0].numel()
+                p.normal_(0, fan_in ** -0.5)
+            elif "norm" in name or "ln_q" in name:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            else:
+                p.copy_(0.1 * torch.randn_like(p))
+    model.save_pretrained(str(out))
+    transformers.Qwen2VLImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2,
+                                          min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS).save_pretrained(str(out))
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 2]}))
+    return str(out)
+
+
+def random_image(seed: int, size: Tuple[int, int] = (40, 28)) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+
+
+def png_bytes(image: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def data_url(image: Image.Image) -> str:
+    return "data:image/png;base64," + base64.b64encode(png_bytes(image)).decode()
