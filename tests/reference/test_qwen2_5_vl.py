@@ -1,0 +1,165 @@
+"""Qwen2.5-VL with images against transformers, float32 (issue 46): a tiny random checkpoint that
+transformers 5 builds (tests/vl_model.py), the Engine's greedy tokens and logprobs equal to
+transformers' generate on the same images (within 1e-3), for one image, several images in one
+request, image requests batched with text-only ones, and a chunked prefill that splits an image.
+Then the cache path: the same image twice hits the radix cache and does not run the vision
+encoder again; a different image with the same text shares nothing from the image on."""
+
+from __future__ import annotations
+
+from typing import List, Sequence, Tuple
+
+import pytest
+import torch
+import transformers
+
+from vl_model import IMAGE_PLACEHOLDER, data_url, make_vl_model_dir, random_image
+
+from radixserve.engine import Engine
+
+TOL = 1e-3
+NEW = 6
+GREEDY = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def vl_dir(tmp_path_factory) -> str:
+    return make_vl_model_dir(str(tmp_path_factory.mktemp("qwen2_5_vl")))
+
+
+@pytest.fixture(scope="module")
+def hf(vl_dir):
+    model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(vl_dir, dtype=torch.float32).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(vl_dir)
+    return model, tok, transformers.AutoImageProcessor.from_pretrained(vl_dir)
+
+
+@pytest.fixture(scope="module")
+def engine(vl_dir):
+    e = Engine(model_path=vl_dir, dtype="float32", device="cpu")
+    yield e
+    e.shutdown()
+
+
+def hf_greedy(hf, prompt: str, images: Sequence) -> Tuple[List[int], List[float]]:
+    """transformers' greedy tokens and their logprobs: its own image processor, each image
+    placeholder expanded to the image's tokens here (patches / 4), independently of radixserve."""
+    model, tok, image_processor = hf
+    image_id = model.config.image_token_id
+    ids = tok.encode(prompt)
+    kwargs = {}
+    if images:
+        out = image_processor(images=list(images), return_tensors="pt")
+        counts = iter((out["image_grid_thw"].prod(-1) // 4).tolist())
+        ids = [x for t in ids for x in ([image_id] * next(counts) if t == image_id else [t])]
+        kwargs = dict(pixel_values=out["pixel_values"], image_grid_thw=out["image_grid_thw"])
+    inp = torch.tensor([ids])
+    with torch.no_grad():
+        gen = model.generate(input_ids=inp, mm_token_type_ids=(inp == image_id).int(), max_new_tokens=NEW,
+                             do_sample=False, output_logits=True, return_dict_in_generate=True, **kwargs)
+    tokens = gen.sequences[0, len(ids):].tolist()
+    return tokens, [torch.log_softmax(lg[0].float(), -1)[t].item() for lg, t in zip(gen.logits, tokens)]
+
+
+def assert_matches(result: dict, expected: Tuple[List[int], List[float]]) -> None:
+    tokens, logprobs = expected
+    assert result["output_ids"] == tokens
+    ours = [lp for lp, _, _ in result["meta_info"]["output_token_logprobs"]]
+    assert max(abs(a - b) for a, b in zip(ours, logprobs)) < TOL, (ours, logprobs)
+
+
+def model_of(engine: Engine):
+    return engine.scheduler.tp_worker.model_runner.model
+
+
+def test_one_image_matches_transformers_and_the_image_matters(engine, hf):
+    prompt = f"look {IMAGE_PLACEHOLDER} and say"
+    a, b = random_image(1), random_image(2)
+    ra = engine.generate(prompt, GREEDY, image_data=[data_url(a)], return_logprob=True)
+    rb = engine.generate(prompt, GREEDY, image_data=data_url(b), return_logprob=True)  # a lone image, not a list
+    assert_matches(ra, hf_greedy(hf, prompt, [a]))
+    assert_matches(rb, hf_greedy(hf, prompt, [b]))
+    # the image reaches the logits (else the test above would pass with the images ignored)
+    first = [r["meta_info"]["output_token_logprobs"][0][0] for r in (ra, rb)]
+    assert abs(first[0] - first[1]) > 1e-3
+
+
+def test_several_images_of_several_sizes_in_one_request(engine, hf):
+    prompt = f"{IMAGE_PLACEHOLDER} first, then {IMAGE_PLACEHOLDER} second, and {IMAGE_PLACEHOLDER}"
+    images = [random_image(3, (40, 28)), random_image(4, (20, 44)), random_image(5, (48, 48))]
+    result = engine.generate(prompt, GREEDY, image_data=[data_url(i) for i in images], return_logprob=True)
+    assert_matches(result, hf_greedy(hf, prompt, images))
+
+
+def test_image_requests_batched_with_text_only_requests(engine, hf):
+    prompts = [f"a {IMAGE_PLACEHOLDER} b", "only text here, no picture", f"{IMAGE_PLACEHOLDER}{IMAGE_PLACEHOLDER} two",
+               "more text"]
+    images = [[random_image(6)], None, [random_image(7, (16, 36)), random_image(8)], None]
+    results = engine.generate(prompts, GREEDY, image_data=[[data_url(i) for i in im] if im else None for im in images],
+                              return_logprob=True)
+    for prompt, im, result in zip(prompts, images, results):
+        assert_matches(result, hf_greedy(hf, prompt, im or []))
+
+
+def test_chunked_prefill_splits_an_image(vl_dir, hf):
+    """Chunks of 16 tokens: the 40x28 image's 20 tokens (and the 48x48 one's 36) fall across
+    chunk boundaries; each chunk takes its rows of the image's embedding, encoded once."""
+    prompt = f"see {IMAGE_PLACEHOLDER} and {IMAGE_PLACEHOLDER} now"
+    images = [random_image(9), random_image(10, (48, 48))]
+    e = Engine(model_path=vl_dir, dtype="float32", device="cpu", chunked_prefill_size=16)
+    try:
+        result = e.generate(prompt, GREEDY, image_data=[data_url(i) for i in images], return_logprob=True)
+        assert result["meta_info"]["prompt_tokens"] > 3 * 16  # several chunks
+        assert_matches(result, hf_greedy(hf, prompt, images))
+        assert model_of(e).images_encoded == 2  # not once per chunk
+    finally:
+        e.shutdown()
+
+
+def test_the_same_image_again_hits_the_prefix_cache_and_skips_the_encoder(engine, hf):
+    prompt = f"about {IMAGE_PLACEHOLDER} this picture, tell"
+    image = random_image(11)
+    engine.flush_cache()
+    model = model_of(engine)
+    before = model.images_encoded
+    first = engine.generate(prompt, GREEDY, image_data=[data_url(image)], return_logprob=True)
+    assert model.images_encoded == before + 1
+    # the same image again, as PNG bytes this time: the hash is of the pixels, not the URL
+    second = engine.generate(prompt, GREEDY, image_data=[image], return_logprob=True)
+    assert model.images_encoded == before + 1  # the encoder did not run again
+    prompt_len = first["meta_info"]["prompt_tokens"]
+    assert second["meta_info"]["cached_tokens"] >= prompt_len - 1
+    assert second["output_ids"] == first["output_ids"]
+    assert_matches(second, hf_greedy(hf, prompt, [image]))
+
+    # A different image (same size, same text): the prefix is shared up to the image only.
+    other = engine.generate(prompt, GREEDY, image_data=[data_url(random_image(12))], return_logprob=True)
+    text_before_image = len(engine.tokenizer.encode("about <|vision_start|>"))
+    assert other["meta_info"]["cached_tokens"] <= text_before_image
+    assert model.images_encoded == before + 2
+
+
+def test_the_embedding_cache_is_bounded_and_least_recently_used(engine):
+    """An encoder output evicted from the (tiny here) cache is recomputed, with the same answer;
+    the one used last stays."""
+    model = model_of(engine)
+    cache = model.mm_cache
+    saved = cache.max_bytes
+    images = [random_image(20 + i) for i in range(3)]
+    one = 20 * 64 * 4  # a 40x28 image's 20 rows of 64 float32
+    try:
+        engine.flush_cache()  # no radix prefix: every request needs its image's embedding
+        cache.clear()
+        cache.max_bytes = 2 * one
+        prompt = f"x {IMAGE_PLACEHOLDER} y"
+        runs = [engine.generate(prompt, GREEDY, image_data=[img])["output_ids"] for img in images]
+        assert len(cache) == 2 and cache.used_bytes <= cache.max_bytes
+        engine.flush_cache()
+        before = model.images_encoded
+        assert engine.generate(prompt, GREEDY, image_data=[images[2]])["output_ids"] == runs[2]
+        assert model.images_encoded == before  # the last one is still cached
+        engine.flush_cache()
+        assert engine.generate(prompt, GREEDY, image_data=[images[0]])["output_ids"] == runs[0]
+        assert model.images_encoded == before + 1  # the first was evicted: encoded again
+    finally:
+        cache.max_bytes = saved
