@@ -9,7 +9,7 @@ import base64
 import io
 import json
 from pathlib import Path
-from typing import Tuple
+from typing import List, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -83,3 +83,24 @@ def png_bytes(image: Image.Image) -> bytes:
 
 def data_url(image: Image.Image) -> str:
     return "data:image/png;base64," + base64.b64encode(png_bytes(image)).decode()
+
+
+def hf_greedy(hf, prompt: str, images: Sequence, max_new_tokens: int) -> Tuple[List[int], List[float]]:
+    """transformers' greedy tokens and their logprobs: its own image processor, each image
+    placeholder expanded to the image's tokens here (patches / 4), independently of radixserve.
+    hf: (Qwen2_5_VLForConditionalGeneration, its tokenizer, its image processor)."""
+    model, tok, image_processor = hf
+    image_id = model.config.image_token_id
+    ids = tok.encode(prompt)
+    kwargs = {}
+    if images:
+        out = image_processor(images=list(images), return_tensors="pt")
+        counts = iter((out["image_grid_thw"].prod(-1) // 4).tolist())
+        ids = [x for t in ids for x in ([image_id] * next(counts) if t == image_id else [t])]
+        kwargs = dict(pixel_values=out["pixel_values"], image_grid_thw=out["image_grid_thw"])
+    inp = torch.tensor([ids])
+    with torch.no_grad():
+        gen = model.generate(input_ids=inp, mm_token_type_ids=(inp == image_id).int(), max_new_tokens=max_new_tokens,
+                             do_sample=False, output_logits=True, return_dict_in_generate=True, **kwargs)
+    tokens = gen.sequences[0, len(ids):].tolist()
+    return tokens, [torch.log_softmax(lg[0].float(), -1)[t].item() for lg, t in zip(gen.logits, tokens)]

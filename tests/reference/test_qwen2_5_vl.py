@@ -14,6 +14,7 @@ import torch
 import transformers
 
 from vl_model import IMAGE_PLACEHOLDER, data_url, make_vl_model_dir, random_image
+from vl_model import hf_greedy as _hf_greedy
 
 from radixserve.engine import Engine
 
@@ -34,31 +35,15 @@ def hf(vl_dir):
     return model, tok, transformers.AutoImageProcessor.from_pretrained(vl_dir)
 
 
+def hf_greedy(hf, prompt: str, images: Sequence) -> Tuple[List[int], List[float]]:
+    return _hf_greedy(hf, prompt, images, NEW)
+
+
 @pytest.fixture(scope="module")
 def engine(vl_dir):
     e = Engine(model_path=vl_dir, dtype="float32", device="cpu")
     yield e
     e.shutdown()
-
-
-def hf_greedy(hf, prompt: str, images: Sequence) -> Tuple[List[int], List[float]]:
-    """transformers' greedy tokens and their logprobs: its own image processor, each image
-    placeholder expanded to the image's tokens here (patches / 4), independently of radixserve."""
-    model, tok, image_processor = hf
-    image_id = model.config.image_token_id
-    ids = tok.encode(prompt)
-    kwargs = {}
-    if images:
-        out = image_processor(images=list(images), return_tensors="pt")
-        counts = iter((out["image_grid_thw"].prod(-1) // 4).tolist())
-        ids = [x for t in ids for x in ([image_id] * next(counts) if t == image_id else [t])]
-        kwargs = dict(pixel_values=out["pixel_values"], image_grid_thw=out["image_grid_thw"])
-    inp = torch.tensor([ids])
-    with torch.no_grad():
-        gen = model.generate(input_ids=inp, mm_token_type_ids=(inp == image_id).int(), max_new_tokens=NEW,
-                             do_sample=False, output_logits=True, return_dict_in_generate=True, **kwargs)
-    tokens = gen.sequences[0, len(ids):].tolist()
-    return tokens, [torch.log_softmax(lg[0].float(), -1)[t].item() for lg, t in zip(gen.logits, tokens)]
 
 
 def assert_matches(result: dict, expected: Tuple[List[int], List[float]]) -> None:
