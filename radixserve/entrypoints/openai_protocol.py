@@ -180,7 +180,7 @@ class NamedToolChoice(BaseModel):
     function: Name
 
 
-UNSUPPORTED_MEDIA_PARTS = ("input_audio", "audio", "audio_url", "video", "video_url", "file")
+UNSUPPORTED_MEDIA_PARTS = ("input_audio", "audio", "audio_url", "video", "video_url")
 
 
 class ChatMessage(BaseModel):

@@ -322,6 +322,7 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
 
     # ---- weights --------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[NamedWeight], require_all: bool = True) -> None:
+        self.mm_cache.clear()  # a weight update: the cached encoder outputs are the old weights'
         vision_params = dict(self.visual.named_parameters())
         loaded = set()
 

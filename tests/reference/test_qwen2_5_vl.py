@@ -17,6 +17,7 @@ from vl_model import IMAGE_PLACEHOLDER, data_url, make_vl_model_dir, random_imag
 from vl_model import hf_greedy as _hf_greedy
 
 from radixserve.engine import Engine
+from radixserve.models.model_config import LoadError
 
 TOL = 1e-3
 NEW = 6
@@ -148,3 +149,43 @@ def test_the_embedding_cache_is_bounded_and_least_recently_used(engine):
         assert model.images_encoded == before + 1  # the first was evicted: encoded again
     finally:
         cache.max_bytes = saved
+
+
+@pytest.mark.parametrize("flags, what", [
+    (dict(speculative_algorithm="NGRAM"), "--speculative-algorithm"),
+    (dict(enable_hierarchical_cache=True), "--enable-hierarchical-cache"),
+])
+def test_what_does_not_combine_with_images_yet_is_refused_at_start(vl_dir, flags, what):
+    with pytest.raises(LoadError, match=f"a vision-language model does not run with {what} yet"):
+        Engine(model_path=vl_dir, dtype="float32", device="cpu", **flags)
+
+
+def test_mixed_chunks_an_image_request_decodes_while_others_prefill(vl_dir, hf):
+    """--enable-mixed-chunk: an image request's decode tokens ride in the forwards of other
+    requests' prefill chunks (a text one, another image one): there its token sits at its
+    position + its M-RoPE delta, the chunks' tokens at their own positions."""
+    e = Engine(model_path=vl_dir, dtype="float32", device="cpu", chunked_prefill_size=16, enable_mixed_chunk=True)
+    model = model_of(e)
+    modes = []
+    forward = model.forward
+
+    def spy(input_ids, positions, forward_batch, *a, **k):
+        modes.append((forward_batch.forward_mode.name, forward_batch.multimodal_inputs is not None))
+        return forward(input_ids, positions, forward_batch, *a, **k)
+
+    model.forward = spy
+    try:
+        prompts = [f"first {IMAGE_PLACEHOLDER} go", "a longer plain text prompt " * 4, f"then {IMAGE_PLACEHOLDER} late"]
+        images = [[random_image(13)], None, [random_image(14, (48, 48))]]
+        params = dict(sampling_params=dict(GREEDY, max_new_tokens=10), return_logprob=True)
+        states = e.submit(text=prompts[0], image_data=[data_url(images[0][0])], **params)
+        e.step()  # the first image request is decoding when the others arrive
+        states += e.submit(text=prompts[1], **params)
+        states += e.submit(text=prompts[2], image_data=[data_url(images[2][0])], **params)
+        while not all(s.finished for s in states):
+            e.step()
+        assert ("MIXED", True) in modes
+        for prompt, im, state in zip(prompts, images, states):
+            assert_matches(e.frontend.make_output(state), _hf_greedy(hf, prompt, im or [], 10))
+    finally:
+        e.shutdown()
