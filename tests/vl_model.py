@@ -1,5 +1,5 @@
-"""A tiny random Qwen2.5-VL checkpoint for the tests, built by transformers 5 itself: its config
-(Qwen2_5_VLConfig with a small vision_config), its weights, the embedded model's tokenizer with
+"""Tiny random Qwen2.5-VL and Qwen3-VL checkpoints for the tests, built by transformers 5 itself: the
+config (Qwen2_5_VLConfig / Qwen3VLConfig with a small vision_config), the weights, the embedded model's tokenizer with
 Qwen's three vision tokens added and a chat template that places an image part, and the Qwen2-VL
 image processor (the Pillow backend) at a small patch size. Also images as data URLs."""
 
@@ -35,10 +35,19 @@ VISION = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hi
 TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+# Qwen3-VL: a 4x4 learned position table, DeepStack from the first two of three blocks
+VISION_QWEN3 = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                    temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16,
+                    deepstack_visual_indexes=[0, 1])
+TEXT_QWEN3 = dict(TEXT, num_hidden_layers=3, head_dim=16)
+FAMILIES = {
+    "qwen2_5_vl": (transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration, TEXT, VISION),
+    "qwen3_vl": (transformers.Qwen3VLConfig, transformers.Qwen3VLForConditionalGeneration, TEXT_QWEN3, VISION_QWEN3),
+}
 MIN_PIXELS, MAX_PIXELS = 8 * 8, 48 * 48  # images resize to at most 12x12 patches = 36 tokens
 
 
-def make_vl_model_dir(out_dir: str, seed: int = 0) -> str:
+def make_vl_model_dir(out_dir: str, seed: int = 0, family: str = "qwen2_5_vl") -> str:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = transformers.PreTrainedTokenizerFast.from_pretrained(str(TINY_MODEL_ASSETS))
@@ -47,19 +56,20 @@ def make_vl_model_dir(out_dir: str, seed: int = 0) -> str:
     tok.save_pretrained(str(out))
     ids = tok.convert_tokens_to_ids(list(VISION_TOKENS))
     vocab = -(-len(tok) // 8) * 8
-    config = transformers.Qwen2_5_VLConfig(
-        text_config=dict(TEXT, vocab_size=vocab, eos_token_id=[0, 2], bos_token_id=None, pad_token_id=0),
-        vision_config=VISION, vision_start_token_id=ids[0], vision_end_token_id=ids[1], image_token_id=ids[2],
+    config_class, model_class, text, vision = FAMILIES[family]
+    config = config_class(
+        text_config=dict(text, vocab_size=vocab, eos_token_id=[0, 2], bos_token_id=None, pad_token_id=0),
+        vision_config=vision, vision_start_token_id=ids[0], vision_end_token_id=ids[1], image_token_id=ids[2],
         video_token_id=ids[2], tie_word_embeddings=False)
-    config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+    config.architectures = [model_class.__name__]
     torch.manual_seed(seed)
-    model = transformers.Qwen2_5_VLForConditionalGeneration(config).float().eval()
+    model = model_class(config).float().eval()
     with torch.no_grad():  # weights that make the logits far from uniform (no near-ties in greedy)
         for name, p in model.named_parameters():
             if p.dim() >= 2:
                 fan_in = p[0].numel()
                 p.normal_(0, fan_in ** -0.5)
-            elif "norm" in name or "ln_q" in name:
+            elif ("norm" in name or "ln_q" in name) and name.endswith("weight"):
                 p.copy_(1 + 0.1 * torch.randn_like(p))
             else:
                 p.copy_(0.1 * torch.randn_like(p))

@@ -86,16 +86,24 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, cfg: Dict[str, Any]) -> torch.Tenso
 
 
 class MRotaryEmbedding(RotaryEmbedding):
-    """M-RoPE (Qwen2-VL, Qwen2.5-VL): three position axes (time, height, width). The rotary
-    dimensions are split into mrope_section groups (of the half that rotate_half pairs up, the
-    same split in both halves); group i turns by axis i's position. For text the three axes
-    are equal and it is the ordinary rotary embedding, so 1-D positions take that path."""
+    """M-RoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): three position axes (time, height, width). Each
+    frequency of the half that rotate_half pairs up (the same in both halves) turns by one axis's
+    position: Qwen2.5-VL gives the axes consecutive groups of mrope_section frequencies;
+    Qwen3-VL (interleaved) takes them in turn, t h w t h w ..., until an axis has its share.
+    For text the three axes are equal and it is the ordinary rotary embedding, so 1-D
+    positions take that path."""
 
-    def __init__(self, head_dim: int, max_position: int, base: float, mrope_section: List[int]):
+    def __init__(self, head_dim: int, max_position: int, base: float, mrope_section: List[int],
+                 interleaved: bool = False):
         super().__init__(head_dim, max_position, base)
-        if sum(mrope_section) != self.rotary_dim // 2 or len(mrope_section) != 3:
-            raise ValueError(f"mrope_section {mrope_section} must be 3 numbers adding up to head_dim / 2 = {self.rotary_dim // 2}")
-        axis = torch.repeat_interleave(torch.arange(3), torch.tensor(mrope_section))
+        half = self.rotary_dim // 2
+        if sum(mrope_section) != half or len(mrope_section) != 3:
+            raise ValueError(f"mrope_section {mrope_section} must be 3 numbers adding up to head_dim / 2 = {half}")
+        if interleaved:  # transformers' Qwen3VLTextRotaryEmbedding: index j%3 of axis j%3, below 3 x its share
+            j = torch.arange(half)
+            axis = torch.where((j % 3 > 0) & (j < 3 * torch.tensor(mrope_section)[j % 3]), j % 3, 0)
+        else:
+            axis = torch.repeat_interleave(torch.arange(3), torch.tensor(mrope_section))
         self.register_buffer("mrope_axis", torch.cat([axis, axis]), persistent=False)  # [rotary_dim]: its axis
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:

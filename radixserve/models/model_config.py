@@ -42,7 +42,7 @@ _GGUF_MODEL_TYPES = {"qwen3moe": "qwen3_moe"}
 SERVED_AS_TEXT = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
 # Vision-language checkpoints served with their vision encoder (models/qwen2_5_vl.py): the
 # language model's entries are under text_config too; vision_config stays in hf_config.
-WITH_VISION = ("Qwen2_5_VLForConditionalGeneration",)
+WITH_VISION = ("Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")
 
 
 @dataclass

@@ -238,16 +238,19 @@ def check_vision_server_args(args: ServerArgs, where: str) -> None:
 class Qwen2_5_VLForConditionalGeneration(nn.Module):
     stacked_params_mapping = LlamaForCausalLM.stacked_params_mapping
     takes_images = True  # the model runner checks the server args (check_vision_server_args)
+    # what Qwen3-VL (models/qwen3_vl.py) sets otherwise
+    qkv_bias, qk_norm = True, False
+    mrope_interleaved, default_mrope_section = False, (16, 24, 24)
 
     def __init__(self, config: ModelConfig, mm_cache: Optional[MultimodalEmbeddingCache] = None):
         super().__init__()
         self.config = config
         hf = config.hf_config
-        self.visual = Qwen2_5_VisionTransformer(VisionConfig.from_dict(hf["vision_config"]))
-        self.model = LlamaModel(config, qkv_bias=True, qk_norm=False)
+        self.visual = self.make_visual(hf["vision_config"])
+        self.model = LlamaModel(config, qkv_bias=self.qkv_bias or config.attention_bias, qk_norm=self.qk_norm)
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
         mrope = MRotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
-                                 list(rope.get("mrope_section", [16, 24, 24])))
+                                 list(rope.get("mrope_section", self.default_mrope_section)), self.mrope_interleaved)
         for layer in self.model.layers:
             layer.self_attn.rotary_emb = mrope
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
@@ -257,30 +260,38 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
         self.mm_cache = mm_cache if mm_cache is not None else MultimodalEmbeddingCache()
         self.images_encoded = 0  # images the vision encoder has run on (the cache's misses that ran)
 
+    def make_visual(self, vision_config: dict) -> nn.Module:
+        return Qwen2_5_VisionTransformer(VisionConfig.from_dict(vision_config))
+
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch,
                 get_embedding: bool = False) -> LogitsProcessorOutput:
         mm: Optional[List[Optional[MultimodalInputs]]] = getattr(forward_batch, "multimodal_inputs", None)
+        deepstack = None
         if mm is None:  # text only: plain ids, 1-D positions (every M-RoPE axis the same)
             hidden = self.model.embed_tokens(input_ids)
         else:
             hidden = self.model.embed_tokens(input_ids.masked_fill(input_ids >= MM_PAD_BASE, 0))
             if forward_batch.forward_mode.is_extend():
-                hidden = self._merge_image_embeddings(hidden, mm, forward_batch)
+                hidden, deepstack = self._merge_image_embeddings(hidden, mm, forward_batch)
             positions = batch_mrope_positions(positions, mm, forward_batch)
         residual = None
-        for layer in self.model.layers:
+        for i, layer in enumerate(self.model.layers):
             hidden, residual = layer.forward(positions, hidden, residual, forward_batch)
+            if deepstack is not None and i < deepstack[1].shape[0]:  # Qwen3-VL: more of the image, early layers
+                hidden = hidden.index_add(0, deepstack[0], deepstack[1][i])
         hidden, _ = self.model.norm(hidden, residual)
         if get_embedding:
             return hidden
         return self.logits_processor(hidden, self.lm_head, forward_batch)
 
     # ---- images ---------------------------------------------------------------------------
-    def _merge_image_embeddings(self, hidden: torch.Tensor, mm: List[Optional[MultimodalInputs]],
-                                forward_batch) -> torch.Tensor:
+    def _merge_image_embeddings(self, hidden: torch.Tensor, mm: List[Optional[MultimodalInputs]], forward_batch
+                                ) -> Tuple[torch.Tensor, Optional[Tuple[torch.Tensor, torch.Tensor]]]:
         """The rows of this forward's tokens that are image tokens take the encoder's output; a
-        chunk may hold any part of an image (chunked prefill), or none of it (a cached prefix)."""
+        chunk may hold any part of an image (chunked prefill), or none of it (a cached prefix).
+        Also (those rows, [num_deepstack, rows, hidden]) where the encoder gives DeepStack
+        features (Qwen3-VL: the columns after the first hidden_size), else None."""
         spans: List[Tuple[int, MultimodalDataItem, int, int]] = []  # (row in batch, item, first, end row of item)
         start = 0
         for m, pre, ext in zip(mm, forward_batch.extend_prefix_lens_cpu, forward_batch.extend_seq_lens_cpu):
@@ -290,11 +301,15 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
                     spans.append((start + lo - pre, item, lo - item.offset, hi - item.offset))
             start += ext
         if not spans:
-            return hidden
+            return hidden, None
         embeddings = self.image_embeddings([s[1] for s in spans])
-        for row, item, a, b in spans:
-            hidden[row:row + b - a] = embeddings[item.hash][a:b].to(hidden.dtype)
-        return hidden
+        rows = torch.cat([torch.arange(row, row + b - a) for row, _, a, b in spans]).to(hidden.device)
+        image = torch.cat([embeddings[item.hash][a:b] for _, item, a, b in spans]).to(hidden.dtype)
+        width = hidden.shape[1]
+        hidden[rows] = image[:, :width]
+        if image.shape[1] == width:
+            return hidden, None
+        return hidden, (rows, image[:, width:].reshape(len(rows), -1, width).transpose(0, 1))
 
     def image_embeddings(self, items: Sequence[MultimodalDataItem]) -> Dict[int, torch.Tensor]:
         """Each item's encoder output by hash: from the cache, else one encoder run over all the

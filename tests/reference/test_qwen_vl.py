@@ -1,5 +1,5 @@
-"""Qwen2.5-VL with images against transformers, float32 (issue 46): a tiny random checkpoint that
-transformers 5 builds (tests/vl_model.py), the Engine's greedy tokens and logprobs equal to
+"""Qwen2.5-VL and Qwen3-VL with images against transformers, float32 (issue 46): tiny random
+checkpoints that transformers 5 builds (tests/vl_model.py; every test runs for both families), the Engine's greedy tokens and logprobs equal to
 transformers' generate on the same images (within 1e-3), for one image, several images in one
 request, image requests batched with text-only ones, and a chunked prefill that splits an image.
 Then the cache path: the same image twice hits the radix cache and does not run the vision
@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 
-from vl_model import IMAGE_PLACEHOLDER, data_url, make_vl_model_dir, random_image
+from vl_model import FAMILIES, IMAGE_PLACEHOLDER, data_url, make_vl_model_dir, random_image
 from vl_model import hf_greedy as _hf_greedy
 
 from radixserve.engine import Engine
@@ -24,14 +24,14 @@ NEW = 6
 GREEDY = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def vl_dir(tmp_path_factory) -> str:
-    return make_vl_model_dir(str(tmp_path_factory.mktemp("qwen2_5_vl")))
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def vl_dir(request, tmp_path_factory) -> str:
+    return make_vl_model_dir(str(tmp_path_factory.mktemp(request.param)), family=request.param)
 
 
 @pytest.fixture(scope="module")
 def hf(vl_dir):
-    model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(vl_dir, dtype=torch.float32).eval()
+    model = transformers.AutoModelForImageTextToText.from_pretrained(vl_dir, dtype=torch.float32).eval()
     tok = transformers.AutoTokenizer.from_pretrained(vl_dir)
     return model, tok, transformers.AutoImageProcessor.from_pretrained(vl_dir)
 
@@ -132,13 +132,14 @@ def test_the_embedding_cache_is_bounded_and_least_recently_used(engine):
     cache = model.mm_cache
     saved = cache.max_bytes
     images = [random_image(20 + i) for i in range(3)]
-    one = 20 * 64 * 4  # a 40x28 image's 20 rows of 64 float32
+    prompt = f"x {IMAGE_PLACEHOLDER} y"
     try:
         engine.flush_cache()  # no radix prefix: every request needs its image's embedding
         cache.clear()
+        runs = [engine.generate(prompt, GREEDY, image_data=[images[0]])["output_ids"]]
+        one = cache.used_bytes  # one image's embedding (same size for all three)
         cache.max_bytes = 2 * one
-        prompt = f"x {IMAGE_PLACEHOLDER} y"
-        runs = [engine.generate(prompt, GREEDY, image_data=[img])["output_ids"] for img in images]
+        runs += [engine.generate(prompt, GREEDY, image_data=[img])["output_ids"] for img in images[1:]]
         assert len(cache) == 2 and cache.used_bytes <= cache.max_bytes
         engine.flush_cache()
         before = model.images_encoded
