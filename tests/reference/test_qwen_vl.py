@@ -190,3 +190,20 @@ def test_mixed_chunks_an_image_request_decodes_while_others_prefill(vl_dir, hf):
             assert_matches(e.frontend.make_output(state), _hf_greedy(hf, prompt, im or [], 10))
     finally:
         e.shutdown()
+
+
+def test_overlap_loop_and_penalties_with_images(vl_dir, hf, engine):
+    """The overlap loop (the default on CUDA) serves an image request as the plain loop does;
+    a repetition penalty over a prompt with images counts its text tokens only (the pad values
+    are not vocabulary ids)."""
+    prompt = f"over {IMAGE_PLACEHOLDER} lap"
+    image = random_image(15)
+    e = Engine(model_path=vl_dir, dtype="float32", device="cpu", disable_overlap_schedule=False)
+    try:
+        assert_matches(e.generate(prompt, GREEDY, image_data=[image], return_logprob=True),
+                       hf_greedy(hf, prompt, [image]))
+    finally:
+        e.shutdown()
+    penalized = engine.generate(prompt, dict(GREEDY, repetition_penalty=1.5), image_data=[image])
+    assert penalized["meta_info"]["finish_reason"]["type"] == "length"
+    assert len(penalized["output_ids"]) == NEW
