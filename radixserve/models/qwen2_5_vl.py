@@ -145,9 +145,6 @@ class Qwen2_5_VisionTransformer(nn.Module):
         self.patch_embed = PatchEmbed(cfg)
         self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
         self.merger = PatchMerger(cfg.out_hidden_size, cfg.hidden_size, cfg.spatial_merge_size)
-        quarter = cfg.head_dim // 2  # the rotary turns row and column by these frequencies, a half each
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, quarter, 2, dtype=torch.float) / quarter))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     @property
     def merge_unit(self) -> int:
@@ -163,7 +160,8 @@ class Qwen2_5_VisionTransformer(nn.Module):
             for _ in range(t):
                 cu_full.append(cu_full[-1] + h * w)
         x = self._to_windows(self.patch_embed(pixels), window_index)
-        freqs = rotary_positions(grids, self.cfg.spatial_merge_size).to(device)[..., None].float() * self.inv_freq
+        rows_cols = rotary_positions(grids, self.cfg.spatial_merge_size).to(device)
+        freqs = rows_cols[..., None] * vision_inv_freq(self.cfg, device)
         freqs = self._to_windows(freqs.flatten(1), window_index)  # [N, head_dim / 2]: rows' then columns'
         emb = torch.cat([freqs, freqs], dim=-1)
         cos, sin = emb.cos().unsqueeze(1), emb.sin().unsqueeze(1)
@@ -174,6 +172,13 @@ class Qwen2_5_VisionTransformer(nn.Module):
     def _to_windows(self, x: torch.Tensor, window_index: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
         return x.reshape(n // self.merge_unit, self.merge_unit, -1)[window_index].reshape(n, -1)
+
+
+def vision_inv_freq(cfg, device) -> torch.Tensor:
+    """The 2-D rotary's frequencies, float32 whatever the model's dtype (a buffer would be cast):
+    a patch's row turns the first quarter of each half of the head, its column the second."""
+    quarter = cfg.head_dim // 2
+    return 1.0 / (cfg.rope_theta ** (torch.arange(0, quarter, 2, dtype=torch.float32, device=device) / quarter))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve.models.model_config import LoadError
-from radixserve.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration, VisionAttention, rotary_positions
+from radixserve.models.qwen2_5_vl import (
+    Qwen2_5_VLForConditionalGeneration,
+    VisionAttention,
+    rotary_positions,
+    vision_inv_freq,
+)
 
 
 @dataclass
@@ -120,14 +125,13 @@ class Qwen3_VisionTransformer(nn.Module):
         self.merger = Qwen3VisionPatchMerger(cfg, postshuffle=False)
         self.deepstack_merger_list = nn.ModuleList(
             Qwen3VisionPatchMerger(cfg, postshuffle=True) for _ in cfg.deepstack_visual_indexes)
-        quarter = cfg.head_dim // 2
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, quarter, 2, dtype=torch.float) / quarter))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, pixels: torch.Tensor, grids: Sequence[Tuple[int, int, int]]) -> torch.Tensor:
         """-> [sum of patches / merge_unit, out_hidden_size * (1 + DeepStack levels)]."""
-        x = self.patch_embed(pixels) + self._position_embeddings(grids).to(pixels.dtype)
-        freqs = rotary_positions(grids, self.cfg.spatial_merge_size).to(x.device)[..., None].float() * self.inv_freq
+        x = self.patch_embed(pixels)
+        x = x + self._position_embeddings(grids).to(x.dtype)
+        rows_cols = rotary_positions(grids, self.cfg.spatial_merge_size).to(x.device)
+        freqs = rows_cols[..., None] * vision_inv_freq(self.cfg, x.device)
         emb = torch.cat([freqs.flatten(1)] * 2, dim=-1)
         cos, sin = emb.cos().unsqueeze(1), emb.sin().unsqueeze(1)
         cu = [0]

@@ -207,3 +207,18 @@ def test_overlap_loop_and_penalties_with_images(vl_dir, hf, engine):
     penalized = engine.generate(prompt, dict(GREEDY, repetition_penalty=1.5), image_data=[image])
     assert penalized["meta_info"]["finish_reason"]["type"] == "length"
     assert len(penalized["output_ids"]) == NEW
+
+
+def test_bfloat16_serves_images(vl_dir, hf):
+    """bf16 weights (on the CPU: the C++ GEMM's bf16 LM, the vision encoder in float32): an image
+    request runs, and its first token's logprob stays near transformers' float32 one."""
+    prompt = f"half {IMAGE_PLACEHOLDER} precision"
+    image = random_image(16)
+    e = Engine(model_path=vl_dir, dtype="bfloat16", device="cpu")
+    try:
+        result = e.generate(prompt, GREEDY, image_data=[image], return_logprob=True)
+    finally:
+        e.shutdown()
+    tokens, logprobs = hf_greedy(hf, prompt, [image])
+    assert len(result["output_ids"]) == NEW and result["output_ids"][0] == tokens[0]
+    assert abs(result["meta_info"]["output_token_logprobs"][0][0] - logprobs[0]) < 0.1
