@@ -7,6 +7,7 @@ serving; the text-only server refuses images with one line."""
 from __future__ import annotations
 
 import base64
+from concurrent.futures import ThreadPoolExecutor
 import sys
 from pathlib import Path
 
@@ -121,3 +122,20 @@ def test_video_audio_and_miscounted_images_are_refused_with_one_line(vl_http):
 def test_a_text_model_refuses_images(http):
     r = http.post("/v1/chat/completions", json=chat_body({"type": "image_url", "image_url": {"url": data_url(random_image(1))}}))
     assert r.status_code == 400 and "takes text only" in r.json()["error"]["message"], r.text
+
+
+def test_dp_replicas_each_encode_their_own_images(vl, vl_http):
+    """--dp-size 2 (round robin): the replicas encode the images of the requests they get (ViT
+    data parallel); each answer is the one-replica server's answer for that image."""
+    _, model_dir, _ = vl
+    bodies = [chat_body({"type": "image_url", "image_url": {"url": data_url(random_image(40 + i))}}) for i in range(4)]
+    expected = [vl_http.post("/v1/chat/completions", json=b).json()["choices"][0]["message"]["content"] for b in bodies]
+    srv = ServerProcess("--model-path", model_dir, "--dtype", "float32", "--max-total-tokens", "3000",
+                        "--dp-size", "2", "--load-balance-method", "round_robin")
+    try:
+        with srv.client() as c, ThreadPoolExecutor(4) as pool:
+            replies = list(pool.map(lambda b: c.post("/v1/chat/completions", json=b), bodies))
+        assert [r.status_code for r in replies] == [200] * 4, [r.text for r in replies]
+        assert [r.json()["choices"][0]["message"]["content"] for r in replies] == expected
+    finally:
+        assert srv.stop() == 0, srv.read_log()[-3000:]
