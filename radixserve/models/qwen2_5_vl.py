@@ -194,8 +194,8 @@ def rotary_positions(grids: Sequence[Tuple[int, int, int]], merge: int) -> torch
     for t, h, w in grids:
         hpos, wpos = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
         shape = (h // merge, merge, w // merge, merge)
-        pos = torch.stack([hpos.reshape(shape).transpose(1, 2).flatten(), wpos.reshape(shape).transpose(1, 2).flatten()], -1)
-        out.append(pos.repeat(t, 1))
+        in_blocks = [p.reshape(shape).transpose(1, 2).flatten() for p in (hpos, wpos)]
+        out.append(torch.stack(in_blocks, -1).repeat(t, 1))
     return torch.cat(out)
 
 
