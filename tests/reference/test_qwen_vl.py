@@ -22,6 +22,8 @@ from radixserve.models.model_config import LoadError
 TOL = 1e-3
 NEW = 6
 GREEDY = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
+# a small KV pool: the tests hold two engines at a time, on a machine shared with other jobs
+SMALL = dict(device="cpu", max_total_tokens=4096)
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -42,7 +44,7 @@ def hf_greedy(hf, prompt: str, images: Sequence) -> Tuple[List[int], List[float]
 
 @pytest.fixture(scope="module")
 def engine(vl_dir):
-    e = Engine(model_path=vl_dir, dtype="float32", device="cpu")
+    e = Engine(model_path=vl_dir, dtype="float32", **SMALL)
     yield e
     e.shutdown()
 
@@ -92,7 +94,7 @@ def test_chunked_prefill_splits_an_image(vl_dir, hf):
     chunk boundaries; each chunk takes its rows of the image's embedding, encoded once."""
     prompt = f"see {IMAGE_PLACEHOLDER} and {IMAGE_PLACEHOLDER} now"
     images = [random_image(9), random_image(10, (48, 48))]
-    e = Engine(model_path=vl_dir, dtype="float32", device="cpu", chunked_prefill_size=16)
+    e = Engine(model_path=vl_dir, dtype="float32", **SMALL, chunked_prefill_size=16)
     try:
         result = e.generate(prompt, GREEDY, image_data=[data_url(i) for i in images], return_logprob=True)
         assert result["meta_info"]["prompt_tokens"] > 3 * 16  # several chunks
@@ -158,14 +160,14 @@ def test_the_embedding_cache_is_bounded_and_least_recently_used(engine):
 ])
 def test_what_does_not_combine_with_images_yet_is_refused_at_start(vl_dir, flags, what):
     with pytest.raises(LoadError, match=f"a vision-language model does not run with {what} yet"):
-        Engine(model_path=vl_dir, dtype="float32", device="cpu", **flags)
+        Engine(model_path=vl_dir, dtype="float32", **SMALL, **flags)
 
 
 def test_mixed_chunks_an_image_request_decodes_while_others_prefill(vl_dir, hf):
     """--enable-mixed-chunk: an image request's decode tokens ride in the forwards of other
     requests' prefill chunks (a text one, another image one): there its token sits at its
     position + its M-RoPE delta, the chunks' tokens at their own positions."""
-    e = Engine(model_path=vl_dir, dtype="float32", device="cpu", chunked_prefill_size=16, enable_mixed_chunk=True)
+    e = Engine(model_path=vl_dir, dtype="float32", **SMALL, chunked_prefill_size=16, enable_mixed_chunk=True)
     model = model_of(e)
     modes = []
     forward = model.forward
@@ -198,7 +200,7 @@ def test_overlap_loop_and_penalties_with_images(vl_dir, hf, engine):
     are not vocabulary ids)."""
     prompt = f"over {IMAGE_PLACEHOLDER} lap"
     image = random_image(15)
-    e = Engine(model_path=vl_dir, dtype="float32", device="cpu", disable_overlap_schedule=False)
+    e = Engine(model_path=vl_dir, dtype="float32", **SMALL, disable_overlap_schedule=False)
     try:
         assert_matches(e.generate(prompt, GREEDY, image_data=[image], return_logprob=True),
                        hf_greedy(hf, prompt, [image]))
@@ -214,7 +216,7 @@ def test_bfloat16_serves_images(vl_dir, hf):
     request runs, and its first token's logprob stays near transformers' float32 one."""
     prompt = f"half {IMAGE_PLACEHOLDER} precision"
     image = random_image(16)
-    e = Engine(model_path=vl_dir, dtype="bfloat16", device="cpu")
+    e = Engine(model_path=vl_dir, dtype="bfloat16", **SMALL)
     try:
         result = e.generate(prompt, GREEDY, image_data=[image], return_logprob=True)
     finally:
