@@ -34,6 +34,8 @@ from radixserve.protocol import (
     UpdateWeightFromDiskReqInput, UpdateWeightsFromDistributedReqInput, UpdateWeightsFromTensorReqInput,
     LoadLoRAAdapterReqInput, LoRAUpdateOutput, UnloadLoRAAdapterReqInput,
 )
+from radixserve.multimodal.image_loader import MediaLimits
+from radixserve.multimodal.processor import build_multimodal_processor
 from radixserve.server_args import ServerArgs
 
 SamplingArg = Optional[Union[Dict[str, Any], List[Dict[str, Any]]]]
@@ -55,6 +57,8 @@ class Engine:
         self.frontend.weight_version = self.server_args.weight_version
         configure_lora_admission(self.scheduler, self.server_args)
         self.frontend.lora_names = set(self.server_args.lora_paths) if self.server_args.enable_lora else None
+        self.frontend.mm_processor = build_multimodal_processor(self.scheduler.model_config.model_path,
+                                                                MediaLimits.from_server_args(self.server_args))
         self.embeddings = EmbeddingFrontend(self.frontend, self.scheduler.model_config.hidden_size)
 
     def _drain_inbox(self) -> List[Any]:
@@ -76,18 +80,22 @@ class Engine:
         return_text_in_logprobs: bool = False,
         progress: bool = True,
         lora_path: Optional[Union[str, List[Optional[str]]]] = None,
+        image_data: Optional[Any] = None,
     ) -> Union[Dict[str, Any], List[Dict[str, Any]], Iterator[Dict[str, Any]]]:
         """SGLang-shaped results, the same as POST /generate's: {"text", "output_ids",
         "meta_info": {...}}; a list for a list of prompts or n > 1; with stream=True an
         iterator of such dicts with the text so far. A request the front end refuses raises
         ValueError; one the scheduler refuses or aborts (queue full, invalid grammar, an
         internal error) comes back with finish_reason {"type": "abort", "status_code", ...},
-        where HTTP would answer that status, so one bad prompt does not lose a batch's results."""
+        where HTTP would answer that status, so one bad prompt does not lose a batch's results.
+        image_data: a model that takes images: one per image placeholder of the prompt (a data
+        URL, a path under allowed_local_media_path, bytes or a PIL image), a list of them, or
+        one such entry per prompt of a batch."""
         obj = GenerateReqInput(
             text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
             return_logprob=return_logprob, logprob_start_len=logprob_start_len,
             top_logprobs_num=top_logprobs_num, return_text_in_logprobs=return_text_in_logprobs,
-            stream=stream, priority=priority, lora_path=lora_path,
+            stream=stream, priority=priority, lora_path=lora_path, image_data=image_data,
         )
         self._check_not_paused()
         states = self.submit(obj)

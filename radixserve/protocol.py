@@ -38,6 +38,8 @@ class TokenizedGenerateReqInput:
     # /health_generate's probe (SGLang marks it by its rid; a field no HTTP body can set cannot
     # be faked by a client's rid)
     is_health_check: bool = False
+    # images (multimodal.MultimodalInputs): input_ids hold each image's pad values (pad_input_ids)
+    mm_inputs: Any = None
 
 
 def is_health_check_generate_req(obj: Any) -> bool:
@@ -239,6 +241,11 @@ class GenerateReqInput:
     bootstrap_room: Optional[Any] = None
     lora_path: Optional[Any] = None  # an adapter name (str), or one per prompt of a batch; None = base
     is_health_check: bool = False  # set by /health_generate only (not a field of the HTTP body)
+    # Images, one per image placeholder of the prompt, in order: a data URL, a file path or URL,
+    # (offline) bytes or a PIL image; a list of such lists for a batch. SGLang's field.
+    image_data: Optional[Any] = None
+    # Where each image came from, for error messages (the chat route names the message part)
+    image_labels: Optional[List[str]] = None
 
 
 @dataclass

@@ -132,6 +132,14 @@ class ServerArgs:
     lora_target_modules: Optional[List[str]] = None  # None: every module --lora-paths target; "all"
     max_loaded_loras: Optional[int] = None
 
+    # Images in (issue 46, radixserve/multimodal/): where an image may come from, its limits,
+    # and the encoder outputs kept by image hash
+    allowed_local_media_path: Optional[str] = None
+    enable_media_url_fetch: bool = False
+    max_image_pixels: int = 4096 * 4096
+    max_image_bytes: int = 20 * 1024 * 1024
+    mm_embedding_cache_mb: int = 512
+
     # PD disaggregation (seed 001 §8): this server prefills or decodes; sglang-router in front
     disaggregation_mode: str = "null"  # "null" (unified), "prefill" or "decode"
     disaggregation_bootstrap_port: int = 8998  # prefill: the handshake socket decode servers connect to
@@ -191,6 +199,13 @@ class ServerArgs:
 
     def check(self) -> None:
         """Reject inconsistent settings with a message that names the flag."""
+        for name in ("max_image_pixels", "max_image_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.mm_embedding_cache_mb < 0:
+            raise ValueError("--mm-embedding-cache-mb must be >= 0")
+        if self.allowed_local_media_path is not None and not os.path.isdir(self.allowed_local_media_path):
+            raise ValueError(f"--allowed-local-media-path {self.allowed_local_media_path!r} is not a directory")
         _choice("--load-format", self.load_format, LOAD_FORMATS)
         _choice("--quantization", self.quantization, QUANTIZATION_METHODS)
         _choice("--dtype", self.dtype, DTYPES)
@@ -581,6 +596,11 @@ FLAG_HELP = {
     "max_lora_rank": "largest LoRA rank served; default: the largest of --lora-paths",
     "lora_target_modules": "modules LoRA may target (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj, or all); default: those of --lora-paths",
     "max_loaded_loras": "most LoRA adapters kept in host memory; none = no limit",
+    "allowed_local_media_path": "images: a directory whose files a request may name (a path or file:// URL); none = no local files",
+    "enable_media_url_fetch": "images: let requests name http(s) URLs, which the server fetches (off: data URLs and allowed files only)",
+    "max_image_pixels": "images: largest width x height taken (checked before decoding); larger is a 400",
+    "max_image_bytes": "images: largest encoded image taken; larger is a 400",
+    "mm_embedding_cache_mb": "images: MB of vision-encoder outputs kept by image hash (least recently used out first)",
     "disaggregation_mode": "PD disaggregation: null (prefill and decode here), prefill, or decode; put sglang-router --pd-disaggregation in front",
     "disaggregation_bootstrap_port": "prefill server: port of the handshake socket decode servers connect to (give it to the router after the prefill URL)",
     "disaggregation_transfer_backend": "how KV moves from prefill to decode: mooncake (Mooncake transfer engine, TCP or RDMA) or fake (through ZeroMQ)",

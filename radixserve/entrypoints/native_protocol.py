@@ -73,6 +73,11 @@ class GenerateRequest(BaseModel):
     bootstrap_room: Optional[Union[StrictInt, List[StrictInt]]] = None
     # --enable-lora: the adapter (its --lora-paths name), one per prompt for a batch; None = base
     lora_path: Optional[Union[StrictStr, List[Optional[StrictStr]]]] = None
+    # a model that takes images: one per image placeholder of the prompt (a data URL, a file
+    # under --allowed-local-media-path, an http(s) URL with --enable-media-url-fetch), or a list
+    # of such lists (or nulls) for a batch
+    image_data: Optional[Union[StrictStr, List[Optional[Union[StrictStr, List[StrictStr]]]]]] = Field(
+        None, description="Images: data URLs (or allowed files / URLs), one per image placeholder of the prompt.")
 
     def to_input(self) -> GenerateReqInput:
         return GenerateReqInput(**self.model_dump())  # session_params becomes a dict, as it arrived

@@ -180,6 +180,9 @@ class NamedToolChoice(BaseModel):
     function: Name
 
 
+UNSUPPORTED_MEDIA_PARTS = ("input_audio", "audio", "audio_url", "video", "video_url")
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
@@ -191,13 +194,20 @@ class ChatMessage(BaseModel):
 
     @field_validator("content")
     @classmethod
-    def _text_parts_only(cls, content: Any) -> Any:
-        """This server serves text models: a part must be {"type": "text", "text": "..."} (the
-        chat template would drop an image part without a word)."""
+    def _text_and_image_parts_only(cls, content: Any) -> Any:
+        """A part is {"type": "text", "text": "..."} or {"type": "image_url", "image_url": {"url":
+        "..."}} (a model that takes no images refuses the latter when the request is served)."""
         for i, part in enumerate(content if isinstance(content, list) else []):
-            if part.get("type") != "text":
-                raise ValueError(f"part {i} has type {part.get('type')!r}: only text parts "
-                                 f"({{\"type\": \"text\", \"text\": ...}}) are supported")
+            kind = part.get("type")
+            if kind == "image_url":
+                image = part.get("image_url")
+                if not isinstance(image.get("url") if isinstance(image, dict) else image, str):
+                    raise ValueError(f"part {i} is an image_url part without a string `image_url.url`")
+                continue
+            if kind in UNSUPPORTED_MEDIA_PARTS:
+                raise ValueError(f"part {i} has type {kind!r}: video and audio input are not supported (images are)")
+            if kind != "text":
+                raise ValueError(f"part {i} has type {kind!r}: only text and image_url parts are supported")
             if not isinstance(part.get("text"), str):
                 raise ValueError(f"part {i} is a text part without a string `text`")
         return content

@@ -135,6 +135,22 @@ def finish_reason_of(reason: Optional[Dict[str, Any]], output: ChatOutput) -> Op
     return "tool_calls" if r == "stop" and output.tool_calls else r
 
 
+def _chat_images(messages: List[Dict[str, Any]]) -> Tuple[List[str], List[str]]:
+    """(each image_url part's URL, where it is: "messages[i].content[j]"), in prompt order; the
+    parts become {"type": "image"} for the template (transformers' convention), which places the
+    model's image placeholder there."""
+    urls, labels = [], []
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            if part.get("type") == "image_url":
+                image = part["image_url"]
+                urls.append(image["url"] if isinstance(image, dict) else image)
+                labels.append(f"messages[{i}].content[{j}]")
+                content[j] = {"type": "image"}
+    return urls, labels
+
+
 def _template_messages(req: ChatCompletionRequest) -> List[Dict[str, Any]]:
     """Messages for the chat template. Earlier assistant tool calls get their arguments as
     objects: templates (Qwen, Llama) serialize them themselves."""
@@ -166,8 +182,9 @@ async def serve_chat(tm: TokenizerManager, req: ChatCompletionRequest, raw_reque
         raise RequestError("top_logprobs needs logprobs set to true.")
     choice = req.effective_tool_choice()
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and choice != "none" else None
-    input_ids = await tm.apply_chat_template(_template_messages(req), tools=tools,
-                                             template_kwargs=req.chat_template_kwargs)
+    messages = _template_messages(req)
+    image_urls, image_labels = _chat_images(messages)
+    input_ids = await tm.apply_chat_template(messages, tools=tools, template_kwargs=req.chat_template_kwargs)
     max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     sp = req.sampling_params(max_new)
     sp["json_schema"] = req.grammar_json_schema()
@@ -183,6 +200,7 @@ async def serve_chat(tm: TokenizerManager, req: ChatCompletionRequest, raw_reque
         top_logprobs_num=req.top_logprobs or 0, return_text_in_logprobs=True, stream=req.stream,
         priority=req.priority, **bootstrap_fields(req),
         lora_path=lora_path_of_model(tm, None if pd else req.model),  # model: "adapter" / "base:adapter"
+        image_data=image_urls or None, image_labels=image_labels or None,
     )
     created = int(time.time())
     cid = f"chatcmpl-{uuid.uuid4().hex}"

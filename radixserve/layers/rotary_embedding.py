@@ -6,7 +6,7 @@ C++ kernel (radixserve.layers.cpu_kernels); the torch code is the fallback and t
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -83,3 +83,34 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, cfg: Dict[str, Any]) -> torch.Tenso
     is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return torch.where(is_medium, smoothed, scaled)
 
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """M-RoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): three position axes (time, height, width). Each
+    frequency of the half that rotate_half pairs up (the same in both halves) turns by one axis's
+    position: Qwen2.5-VL gives the axes consecutive groups of mrope_section frequencies;
+    Qwen3-VL (interleaved) takes them in turn, t h w t h w ..., until an axis has its share.
+    For text the three axes are equal and it is the ordinary rotary embedding, so 1-D
+    positions take that path."""
+
+    def __init__(self, head_dim: int, max_position: int, base: float, mrope_section: List[int],
+                 interleaved: bool = False):
+        super().__init__(head_dim, max_position, base)
+        half = self.rotary_dim // 2
+        if sum(mrope_section) != half or len(mrope_section) != 3:
+            raise ValueError(f"mrope_section {mrope_section} must be 3 numbers adding up to head_dim / 2 = {half}")
+        if interleaved:  # transformers' Qwen3VLTextRotaryEmbedding: index j%3 of axis j%3, below 3 x its share
+            j = torch.arange(half)
+            axis = torch.where((j % 3 > 0) & (j < 3 * torch.tensor(mrope_section)[j % 3]), j % 3, 0)
+        else:
+            axis = torch.repeat_interleave(torch.arange(3), torch.tensor(mrope_section))
+        self.register_buffer("mrope_axis", torch.cat([axis, axis]), persistent=False)  # [rotary_dim]: its axis
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T] (text: every axis the same) or [3, T]."""
+        if positions.dim() == 1:
+            return super().forward(positions, q, k)
+        index = self.mrope_axis.view(1, 1, -1).expand(1, positions.shape[1], -1)
+        cos = self.cos_cached[positions].gather(0, index)[0].unsqueeze(1)  # [T, 1, rotary_dim]
+        sin = self.sin_cached[positions].gather(0, index)[0].unsqueeze(1)
+        return _apply(q, cos, sin, self.rotary_dim), _apply(k, cos, sin, self.rotary_dim)

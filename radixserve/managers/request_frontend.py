@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from radixserve.managers.session import SessionError, SessionStore
+from radixserve.multimodal.mm_inputs import MultimodalInputError
 from radixserve.protocol import LOGPROB_KEYS, SPEC_KEYS, BatchStrOutput, GenerateReqInput, TokenizedGenerateReqInput
 from radixserve.sampling_params import (
     MAX_INT_PARAM,
@@ -128,6 +129,8 @@ class RequestFrontend:
         self.sessions = SessionStore()
         self.weight_version = "default"  # reported in every meta_info (set by weight updates)
         self.lora_names: Optional[set] = None  # --enable-lora: the adapters a request may name
+        # a model that takes images: multimodal.processor's (None: text only, images refused)
+        self.mm_processor: Any = None
 
     # ---- intake ---------------------------------------------------------------------------
     def encode(self, text: str) -> List[int]:
@@ -244,13 +247,14 @@ class RequestFrontend:
             except SessionError as e:
                 raise RequestError(str(e)) from None
             ids_list = [ids]
+        ids_list, mm_list = self._process_images(obj, ids_list, is_batch, return_logprobs)
 
         reqs: List[TokenizedGenerateReqInput] = []
         parents: Dict[str, str] = {}
         batch_rids: set = set()  # two outputs of one batch could not share one request state
-        for text, ids, sp_dict, rid, ret_lp, bootstrap, lora_path in zip(
-                texts, ids_list, sp_dicts, rids, return_logprobs, bootstraps, lora_paths):
-            error = input_ids_error(ids, self.context_len, self.vocab_size)
+        for text, ids, sp_dict, rid, ret_lp, bootstrap, lora_path, mm in zip(
+                texts, ids_list, sp_dicts, rids, return_logprobs, bootstraps, lora_paths, mm_list):
+            error = input_ids_error(ids if mm is None else mm.unpadded(ids), self.context_len, self.vocab_size)
             if error is not None:
                 raise RequestError(error)
             sp = self.make_sampling_params(sp_dict)
@@ -278,11 +282,40 @@ class RequestFrontend:
                     return_logprob=bool(ret_lp), logprob_start_len=obj.logprob_start_len,
                     top_logprobs_num=obj.top_logprobs_num, stream=bool(obj.stream), priority=obj.priority,
                     bootstrap_host=bootstrap[0], bootstrap_port=bootstrap[1], bootstrap_room=bootstrap[2],
-                    lora_path=lora_path, is_health_check=obj.is_health_check,
+                    lora_path=lora_path, is_health_check=obj.is_health_check, mm_inputs=mm,
                 ))
                 if n > 1:
                     parents[sub_rid] = base
         return reqs, parents, session_id
+
+    def _process_images(self, obj: GenerateReqInput, ids_list: List[List[int]], is_batch: bool,
+                        return_logprobs: List[bool]) -> Tuple[List[List[int]], List[Any]]:
+        """(the prompts' ids with their images' placeholders expanded and padded, each prompt's
+        MultimodalInputs or None). Images are decoded and processed here, off the event loop."""
+        images = _images_per_prompt(obj.image_data, len(ids_list), is_batch)
+        if all(i is None for i in images):
+            return ids_list, [None] * len(ids_list)
+        if self.mm_processor is None:
+            raise RequestError("This model takes text only: it cannot be sent images (image_data, image_url parts).")
+        if obj.session_params is not None:
+            raise RequestError("A request with images cannot continue a session yet.")
+        if obj.logprob_start_len >= 0 and any(return_logprobs):
+            raise RequestError("Input logprobs (logprob_start_len >= 0) are not served for prompts with images.")
+        out_ids, out_mm = [], []
+        for p, (ids, imgs) in enumerate(zip(ids_list, images)):
+            if not imgs:
+                out_ids.append(ids)
+                out_mm.append(None)
+                continue
+            labels = obj.image_labels if obj.image_labels is not None and not is_batch else [
+                f"image_data[{p}][{i}]" if is_batch else f"image_data[{i}]" for i in range(len(imgs))]
+            try:
+                ids, mm = self.mm_processor.process(ids, imgs, labels)
+            except MultimodalInputError as e:
+                raise RequestError(str(e)) from None
+            out_ids.append(ids)
+            out_mm.append(mm)
+        return out_ids, out_mm
 
     def check_lora_path(self, lora_path: Any) -> None:
         """A request's adapter must be one the server has loaded (400 naming it otherwise)."""
@@ -421,3 +454,15 @@ def validation_message(e: Exception, where: str) -> str:
             parts.append(f"{where}.{loc}: {err.get('msg')}" if loc else f"{where}: {err.get('msg')}")
         return "; ".join(parts)
     return str(e)
+
+
+def _images_per_prompt(image_data: Any, num: int, is_batch: bool) -> List[Optional[List[Any]]]:
+    """image_data as one list of images per prompt (None: none): a single prompt takes one
+    image or a list; a batch, one such entry per prompt."""
+    if image_data is None:
+        return [None] * num
+    if not is_batch:
+        return [image_data if isinstance(image_data, list) else [image_data]]
+    if not isinstance(image_data, list) or len(image_data) != num:
+        raise RequestError(f"image_data must have one entry (an image, a list of them, or null) for each of the {num} prompts.")
+    return [None if d is None else (d if isinstance(d, list) else [d]) for d in image_data]

@@ -120,8 +120,11 @@ class Req:
         bootstrap_port: Optional[int] = None,
         bootstrap_room: Optional[int] = None,
         lora_path: Optional[str] = None,
+        multimodal_inputs: Any = None,
     ):
         self.rid = rid
+        # images (multimodal.MultimodalInputs): origin_input_ids hold their pad values
+        self.multimodal_inputs = multimodal_inputs
         self.lora_path = lora_path  # --enable-lora: the adapter's name; None = the base model
         self.origin_input_text = origin_input_text
         self.origin_input_ids = list(origin_input_ids)
@@ -210,6 +213,7 @@ class Req:
             eos_token_ids=set(eos_token_ids), vocab_size=vocab_size, tokenizer=tokenizer,
             bootstrap_host=recv.bootstrap_host, bootstrap_port=recv.bootstrap_port, bootstrap_room=recv.bootstrap_room,
             lora_path=getattr(recv, "lora_path", None),
+            multimodal_inputs=getattr(recv, "mm_inputs", None),
         )
 
     # ---- state ---------------------------------------------------------------------------
@@ -671,4 +675,11 @@ class ScheduleBatch:
             input_logprob_positions=self.input_logprob_positions if extend else None,
             input_logprob_token_ids=self.input_logprob_token_ids if extend else None,
             lora_paths=[r.lora_path for r in self.reqs],
+            multimodal_inputs=self.multimodal_inputs(),
         )
+
+    def multimodal_inputs(self) -> Optional[List[Any]]:
+        """Each request's images for the model (their M-RoPE positions in decode too); None
+        when no request has any, which keeps text batches as they were."""
+        mm = [r.multimodal_inputs for r in self.reqs]
+        return mm if any(m is not None for m in mm) else None

@@ -332,7 +332,9 @@ class Scheduler:
         """The front end has validated the request; the scheduler checks its input again (it
         is also driven directly), sets max_new_tokens to the room left in the context when the
         request gave none, and refuses work beyond --max-queued-requests."""
-        error = input_ids_error(req.origin_input_ids, self.context_len, self.vocab_size)
+        mm = req.multimodal_inputs  # its images' pad values stand for vocabulary ids here
+        ids = req.origin_input_ids if mm is None else mm.unpadded(req.origin_input_ids)
+        error = input_ids_error(ids, self.context_len, self.vocab_size)
         if error is not None:
             return error, 400
         sp = req.sampling_params

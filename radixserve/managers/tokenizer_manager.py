@@ -25,6 +25,8 @@ from radixserve.managers.metrics import TokenizerMetrics
 from radixserve.managers.request_frontend import ReqState, RequestError, RequestFrontend, is_single
 from radixserve.managers.session import SessionError
 from radixserve.managers.tokenizer_update_weights import TokenizerUpdateWeights
+from radixserve.multimodal.image_loader import MediaLimits
+from radixserve.multimodal.processor import build_multimodal_processor
 from radixserve.protocol import (
     AbortReq,
     BatchEmbeddingOutput,
@@ -98,6 +100,8 @@ class TokenizerManager:
         self.vocab_size: int = model_info["vocab_size"]
         self.frontend = RequestFrontend(self.tokenizer, self.context_len, self.vocab_size, load_sampling_defaults(server_args))
         self.frontend.lora_names = set(server_args.lora_paths) if server_args.enable_lora else None
+        # images: the model's own image processor, run in the tokenize executor (off the loop)
+        self.frontend.mm_processor = build_multimodal_processor(self.model_path, MediaLimits.from_server_args(server_args))
         self.embeddings = EmbeddingFrontend(self.frontend, model_info.get("hidden_size"))
         self.weight_updates = TokenizerUpdateWeights(self)  # update_weights_* and weight_version
         self.rid_to_state: Dict[str, ReqState] = self.frontend.rid_to_state

@@ -193,6 +193,7 @@ class CudaGraphRunner:
             and 0 < batch.batch_size <= self.max_bs
             and not batch.capture_all_logits
             and (positions is None or positions.numel() == 0)
+            and getattr(batch, "multimodal_inputs", None) is None  # M-RoPE deltas: eager
         )
 
     @torch.inference_mode()

@@ -73,6 +73,8 @@ class ModelWorkerBatch:
     capture_hidden_states: bool = False
     spec_hidden_states: Optional[torch.Tensor] = None
     pp_proxy_tensors: Any = None  # --pp-size, a stage after the first: the previous stage's hidden states
+    # Images (multimodal.MultimodalInputs), one per request (None: text); None when no request has any
+    multimodal_inputs: Optional[List[Any]] = None
 
     @property
     def batch_size(self) -> int:
@@ -104,6 +106,7 @@ class ForwardBatch:
     capture_hidden_states: bool = False
     spec_hidden_states: Optional[torch.Tensor] = None
     pp_proxy_tensors: Any = None  # --pp-size, a stage after the first: models.llama.PPProxyTensors
+    multimodal_inputs: Optional[List[Any]] = None  # see ModelWorkerBatch
 
     @classmethod
     def init_new(cls, batch: ModelWorkerBatch, model_runner: Any) -> "ForwardBatch":
@@ -140,6 +143,7 @@ class ForwardBatch:
             capture_hidden_states=batch.capture_hidden_states,
             spec_hidden_states=None if batch.spec_hidden_states is None else batch.spec_hidden_states.to(device),
             pp_proxy_tensors=batch.pp_proxy_tensors,
+            multimodal_inputs=batch.multimodal_inputs,
         )
         # A batch a CUDA graph will replay needs none of the eager metadata.
         graph_runner = getattr(model_runner, "cuda_graph_runner", None)

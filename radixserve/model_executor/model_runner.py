@@ -32,6 +32,7 @@ from radixserve.model_executor.forward_batch import ForwardBatch, ModelWorkerBat
 from radixserve.model_executor.model_loader import check_w8a8, get_model, gguf_block_types
 from radixserve.model_executor.weight_updater import ModelWeightUpdater
 from radixserve.models.model_config import LoadError, ModelConfig
+from radixserve.models.qwen2_5_vl import check_vision_server_args
 from radixserve.models.qwen3_next import check_hybrid_server_args
 from radixserve.models.registry import MODEL_REGISTRY
 from radixserve.server_args import ServerArgs
@@ -80,6 +81,8 @@ class ModelRunner:
         self.is_hybrid = hasattr(MODEL_REGISTRY.get(model_config.architecture), "mamba_state_shape")
         if self.is_hybrid:
             check_hybrid_server_args(server_args, model_config.model_path or model_config.architecture)
+        if getattr(MODEL_REGISTRY.get(model_config.architecture), "takes_images", False):
+            check_vision_server_args(server_args, model_config.model_path or model_config.architecture)
         if self.device == "cpu":
             share_cpu_cores(server_args.dp_size * tp_size * server_args.pp_size // server_args.nnodes)
         if tp_size > 1 or server_args.pp_size > 1:  # --pp-size: this stage's TP group and the stages' group
@@ -91,6 +94,8 @@ class ModelRunner:
         self.gguf_block_types = gguf_block_types(server_args.quantization, model_config, self.dtype, self.device)
         self.model = get_model(model_config, server_args.load_format, self.dtype, self.device, server_args.seed,
                                self.gguf_block_types, check_w8a8(server_args.quantization, model_config, self.device))
+        if getattr(self.model, "mm_cache", None) is not None:  # a model that takes images: its encoder outputs
+            self.model.mm_cache.max_bytes = server_args.mm_embedding_cache_mb * 1024 * 1024
         # bf16 on a CPU with the C++ GEMM: bf16 weights, float32 activations (cpu_weight_only.py)
         self.weight_only = weight_only_available(self.dtype, self.device)
         if self.weight_only:

@@ -11,6 +11,8 @@ from radixserve.models.llama import LlamaForCausalLM, MistralForCausalLM
 from radixserve.models.llama_eagle import LlamaForCausalLMEagle
 from radixserve.models.model_config import LoadError
 from radixserve.models.qwen2 import Qwen2ForCausalLM
+from radixserve.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
+from radixserve.models.qwen3_vl import Qwen3VLForConditionalGeneration
 from radixserve.models.qwen3 import Qwen3ForCausalLM
 from radixserve.models.qwen3_moe import Qwen3MoeForCausalLM
 from radixserve.models.qwen3_5 import (
@@ -34,6 +36,9 @@ MODEL_REGISTRY: Dict[str, Type[nn.Module]] = {
     # the released Qwen3.5 checkpoints (vision-language), served as their language model
     "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,
     "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeForConditionalGeneration,
+    # served with its vision encoder: images in (radixserve/multimodal/)
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
+    "Qwen3VLForConditionalGeneration": Qwen3VLForConditionalGeneration,
     "LlamaForCausalLMEagle": LlamaForCausalLMEagle,  # a draft head (--speculative-algorithm EAGLE)
 }
 

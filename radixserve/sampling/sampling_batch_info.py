@@ -298,6 +298,9 @@ def _dense_from_ids(ids_per_row: List[List[int]], vocab_size: int, device: str, 
     if tokens.numel():
         lengths = torch.tensor([len(r) for r in ids_per_row], dtype=torch.int64, device=device)
         rows = torch.repeat_interleave(torch.arange(b, device=device), lengths)
+        # an image's pad values (multimodal/mm_inputs.py) are ids above the vocabulary: not tokens
+        in_vocab = tokens < vocab_size
+        rows, tokens = rows[in_vocab], tokens[in_vocab]
         index = rows * vocab_size + tokens
         counts.scatter_add_(0, index, torch.ones_like(index, dtype=torch.float32))
     counts = counts.view(b, vocab_size)
