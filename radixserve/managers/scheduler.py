@@ -361,7 +361,7 @@ class Scheduler:
                 self._release_aborted_chunked_req(self.chunked_req)
                 self.chunked_req = None
             else:
-                self.tree_cache.cache_unfinished_req(self.chunked_req, chunked=True)
+                self.ledger.cache_unfinished_req(self.chunked_req, chunked=True)
 
         # 2. Merge the last prefill batch into the running batch (PD prefill: not the requests
         # whose KV is on its way to a decode server).
@@ -541,7 +541,7 @@ class Scheduler:
 
     def _release_aborted_chunked_req(self, req: Req) -> None:
         """A request aborted between two chunks: cache its chunk, then let everything go."""
-        self.tree_cache.cache_unfinished_req(req, chunked=True)
+        self.ledger.cache_unfinished_req(req, chunked=True)
         self._empty_batch().release_req(req)
         reason, req.to_finish = req.to_finish, None
         self.output_processor.finish(req, reason)
@@ -578,7 +578,7 @@ class Scheduler:
             num_running_reqs=self.running_batch.batch_size(),
             disaggregation_mode=self.disaggregation_mode.value,
             num_disagg_queue_reqs=len(self.disagg_prefill or self.disagg_decode or ()),
-            available_tokens=self.token_to_kv_pool_allocator.available_size(),
+            available_tokens=self.ledger.available_size(),
             evictable_tokens=self.tree_cache.evictable_size(),
             protected_tokens=self.tree_cache.protected_size(),
             **self.generation_pause.internal_state(), **self.memory_saver.internal_state(),

@@ -24,8 +24,7 @@ def init_disaggregation(s: Any) -> Tuple[DisaggregationMode, Optional[PrefillDis
     backend = create_transfer_backend(args.disaggregation_transfer_backend, kv_pool, local_ip(args.host))
     kv_manager = KVManager(mode, backend, args.host, args.disaggregation_bootstrap_port, args.disaggregation_timeout)
     if mode == DisaggregationMode.PREFILL:
-        prefill = PrefillDisaggregation(kv_manager, s.tree_cache, s.req_to_token_pool.req_to_token_cpu,
-                                        s.output_processor, args.disaggregation_timeout)
+        prefill = PrefillDisaggregation(kv_manager, s.ledger, s.output_processor, args.disaggregation_timeout)
         return mode, prefill, None, kv_manager
     decode = DecodeDisaggregation(kv_manager, s.ledger, s.output_processor, args.disaggregation_timeout)
     return mode, None, decode, kv_manager

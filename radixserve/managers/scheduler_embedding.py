@@ -141,7 +141,7 @@ class EmbeddingOutputProcessor(SchedulerOutputProcessor):
                 req.check_finished()  # max_new_tokens 0: FINISH_LENGTH, or the abort it was given
                 if isinstance(req, EmbeddingReq) and not req.finished_reason.is_error:
                     req.finish_embedding()
-                self.tree_cache.cache_finished_req(req)
+                self.ledger.cache_finished_req(req)
         self.stream_output(batch.reqs)
 
     def stream_output(self, reqs: List[Req]) -> None:

@@ -65,7 +65,7 @@ class SchedulerLoRA:
         except LoRAError as e:
             return self._reply(recv, str(e))
         # The name may be loaded again with other weights: its cached prefixes must not match.
-        self.scheduler.tree_cache.evict_extra_key(recv.lora_name)
+        self.scheduler.ledger.evict_extra_key(recv.lora_name)
         return self._reply(recv, None)
 
     def _live_reqs(self) -> Iterable[Any]:

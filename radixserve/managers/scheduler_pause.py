@@ -115,7 +115,7 @@ class GenerationPause:
         for r in reqs:
             r.finished_reason, r.to_finish = r.to_finish or FINISH_ABORT(ABORT_MESSAGE), None
             r.grammar = None
-            s.tree_cache.cache_finished_req(r)
+            s.ledger.cache_finished_req(r)
         s.running_batch = s._empty_batch()
         s.output_processor.stream_output(reqs)
         return len(reqs)

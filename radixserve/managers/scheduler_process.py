@@ -70,7 +70,7 @@ class SchedulerMetricsLogger:
     def token_usage(self) -> float:
         s = self.sched
         total = s.max_total_num_tokens
-        used = total - s.token_to_kv_pool_allocator.available_size() - s.tree_cache.evictable_size()
+        used = total - s.ledger.available_size() - s.tree_cache.evictable_size()
         return used / total if total else 0.0
 
     def cache_hit_rate(self) -> float:

@@ -58,7 +58,7 @@ def alloc_draft_slots(batch: Any, num_drafts: List[int]) -> List[torch.Tensor]:
         locs = flat[offset : offset + k].to(torch.int64)
         offset += k
         if not isinstance(batch, DecodeView):
-            batch.req_to_token_pool.write((req.req_pool_idx, slice(p + 1, p + 1 + k)), locs)
+            batch.ledger.write_row(req, p + 1, locs)
         out.append(locs)
     return out
 
