@@ -286,8 +286,7 @@ class Req:
         self.prefix_indices = torch.empty(0, dtype=torch.int64)
         self.last_node = None
         self.extend_input_len = 0
-        self.req_pool_idx = None
-        self.kv_committed_len = self.kv_allocated_len = 0
+        self.req_pool_idx = None  # (the ledger's release gave its row and lengths back)
         self.pending_chunks = 0
         self.retraction_count += 1
 

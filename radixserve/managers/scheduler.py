@@ -15,7 +15,7 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from radixserve.constrained.factory import create_grammar_backend
 from radixserve.distributed.parallel_state import broadcast_pyobj, destroy_distributed_environment
@@ -27,7 +27,7 @@ from radixserve.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch
 from radixserve.managers.scheduler_disagg import init_disaggregation
 from radixserve.managers.scheduler_embedding import EmbeddingOutputProcessor, SchedulerEmbedding
 from radixserve.managers.scheduler_hicache import SchedulerHiCache
-from radixserve.managers.scheduler_internal_state import SchedulerInternalState
+from radixserve.managers.scheduler_internal_state import SETTABLE_AT_RUN_TIME, SchedulerInternalState
 from radixserve.managers.scheduler_lora import SchedulerLoRA
 from radixserve.managers.scheduler_memory_saver import SchedulerMemorySaver
 from radixserve.managers.scheduler_pause import GenerationPause
@@ -42,6 +42,7 @@ from radixserve.mem_cache.chunk_cache import ChunkCache
 from radixserve.mem_cache.hiradix_cache import HiRadixCache
 from radixserve.mem_cache.radix_cache import RadixCache
 from radixserve.model_executor.tp_worker import GenerationBatchResult, TpModelWorker
+from radixserve.model_executor.worker_protocol import ModelWorker
 from radixserve.models.model_config import ModelConfig
 from radixserve.protocol import (
     AbortReq, BatchTokenizedGenerateReqInput, FlushCacheReqInput, FlushCacheReqOutput, GetInternalStateReq,
@@ -70,7 +71,7 @@ class Scheduler:
         send_fn: Callable[[Any], None] = lambda obj: None,
         tp_rank: int = 0,
         tp_size: int = 1,
-        tp_worker: Optional[TpModelWorker] = None,  # injected (the simulator's duck-typed one); None: load the model
+        tp_worker: Optional[ModelWorker] = None,  # injected (the simulator's SimModelWorker); None: load the model
     ):
         self.server_args = args = server_args
         self.tp_rank, self.tp_size = tp_rank, tp_size
@@ -115,17 +116,18 @@ class Scheduler:
         self.grammar_queue = GrammarQueue(args, self.grammar_backend, self._reject_bad_grammar, tp_rank, tp_size)
         self.embedding = SchedulerEmbedding(args, tp_worker, self._validate_request, self._enqueue, self.output_processor.finish)
         self.waiting_queue: List[Req] = []
-        self.running_batch: ScheduleBatch = self._empty_batch()
+        self.running_batch: ScheduleBatch = self.empty_batch()
         self.last_batch: Optional[ScheduleBatch] = None
         self.chunked_req: Optional[Req] = None
         self.forward_ct = 0
         self.new_token_ratio = NewTokenRatio(args.schedule_conservativeness)
         # PD disaggregation (seed 001 §8): the prefill or decode server's queues over one KVManager.
-        self.disaggregation_mode, self.disagg_prefill, self.disagg_decode, self.kv_manager = init_disaggregation(self)
-        self.pp = SchedulerPP(self) if args.pp_size > 1 else None  # --pp-size: micro-batches in flight (seed 001 §27)
+        self.disaggregation_mode, self.disagg_prefill, self.disagg_decode, self.kv_manager = init_disaggregation(args, self.ledger, self.output_processor)
+        self.pp = SchedulerPP(self, args, tp_worker) if args.pp_size > 1 else None  # --pp-size: micro-batches in flight (seed 001 §27)
 
-        self.weight_updater = SchedulerUpdateWeights(self)  # weight updates without a restart
-        self.generation_pause, self.memory_saver, self.profiler = GenerationPause(self), SchedulerMemorySaver(self), SchedulerProfiler(self)
+        self.weight_updater = SchedulerUpdateWeights(tp_worker, self, self.forward_thread, self.tree_cache, args.pp_size)  # weight updates without a restart
+        self.generation_pause, self.memory_saver, self.profiler = GenerationPause(self), SchedulerMemorySaver(tp_worker.memory_saver(), self, args), SchedulerProfiler(tp_rank, lambda: self.forward_ct)
+        self.hicache = SchedulerHiCache(args, self.tree_cache, tp_rank, tp_size)  # its storage tier, /clear_hicache_storage_backend
         self._dispatcher = TypeBasedDispatcher([
             (TokenizedGenerateReqInput, self.handle_generate_request),
             (BatchTokenizedGenerateReqInput, self.handle_batch_generate_request),
@@ -134,8 +136,11 @@ class Scheduler:
             (GetInternalStateReq, self.get_internal_state),
             *self.weight_updater.dispatch_entries(),
             *self.generation_pause.dispatch_entries(), *self.memory_saver.dispatch_entries(), *self.profiler.dispatch_entries(),
-            *self.embedding.dispatch_entries(), *SchedulerLoRA(self).dispatch_entries(), *SchedulerHiCache(self).dispatch_entries(),
-            *SchedulerInternalState(self).dispatch_entries(),  # /set_internal_state
+            *self.embedding.dispatch_entries(), *SchedulerLoRA(tp_worker.lora_manager, self.ledger, self.forward_thread, self.live_reqs).dispatch_entries(), *self.hicache.dispatch_entries(),
+            *SchedulerInternalState(SchedulerInternalState.limits_of(
+                self.max_running_requests, self.page_size, self.context_len, self.chunked_prefill_size,
+                self.enable_overlap, self.pp is not None), self.settable_state, self.apply_internal_state,
+            ).dispatch_entries(),  # /set_internal_state
         ])
         logger.info("Scheduler ready (pid %d): max_total_num_tokens=%d, max_running_requests=%d, context_len=%d, page_size=%d",
                     os.getpid(), self.max_total_num_tokens, self.max_running_requests, self.context_len, self.page_size)
@@ -149,7 +154,7 @@ class Scheduler:
         return RadixCache(self.req_to_token_pool, self.token_to_kv_pool_allocator, page_size=self.page_size,
                           eviction_policy=args.radix_eviction_policy)
 
-    def _empty_batch(self) -> ScheduleBatch:
+    def empty_batch(self) -> ScheduleBatch:
         return self._new_batch([])
 
     def _new_batch(self, reqs: List[Req], chunked_req: Optional[Req] = None) -> ScheduleBatch:
@@ -210,7 +215,7 @@ class Scheduler:
             and batch is not None and batch.forward_mode.is_extend()
             and self.last_batch is not None and self.last_batch.forward_mode.is_extend()
         ) or (
-            batch is not None and self._results_pending()
+            batch is not None and self.results_pending()
             and (batch.forward_mode.is_decode() or batch.forward_mode.is_mixed())
             and any(r.grammar is not None for r in batch.reqs)
         )
@@ -222,7 +227,7 @@ class Scheduler:
             self.output_processor.process_batch_result(*item)
             self.stats.process_s += time.perf_counter() - t0
 
-    def _results_pending(self) -> bool:
+    def results_pending(self) -> bool:
         return (self.overlap_worker is not None and bool(self.overlap_worker.result_queue)) or (self.pp is not None and self.pp.has_work())
 
     def on_idle(self) -> None:
@@ -234,14 +239,25 @@ class Scheduler:
             self.last_batch is not None and self.last_batch.forward_mode is not None
             and self.last_batch.forward_mode.is_extend() and not self.last_batch.is_empty()
         )
-        return bool(self.waiting_queue or len(self.grammar_queue) or self._results_pending()) or (
+        return bool(self.waiting_queue or len(self.grammar_queue) or self.results_pending()) or (
             not self.running_batch.is_empty() or self.chunked_req is not None or last_prefill_to_merge
         )
+
+    def live_reqs(self) -> Iterator[Req]:
+        """Every request this scheduler holds: waiting, running, in the last batch (a prefill not
+        merged yet, or the overlap loop's batch in flight), compiling its grammar, chunked."""
+        yield from self.waiting_queue
+        yield from self.running_batch.reqs
+        if self.last_batch is not None:
+            yield from self.last_batch.reqs
+        yield from (r for r in self.grammar_queue if hasattr(r, "lora_path"))
+        if self.chunked_req is not None:
+            yield self.chunked_req
 
     def batch_coming(self) -> bool:
         """A batch runs or will run now, so its results come soon (a health check waits for them;
         a grammar still compiling alone does not count: it may take long)."""
-        return bool(self.waiting_queue or self._results_pending()) or (
+        return bool(self.waiting_queue or self.results_pending()) or (
             not self.running_batch.is_empty() or self.chunked_req is not None)
 
     def waiting_on_peer(self) -> bool:
@@ -345,7 +361,7 @@ class Scheduler:
         req.grammar = None
         self.output_processor.finish(req, FINISH_ABORT(message, status_code=400, err_type="BadRequestError"))
 
-    def _requeue(self, req: Req) -> None:
+    def requeue(self, req: Req) -> None:
         """A retracted or preempted request goes back to the waiting queue, outputs kept."""
         if req.grammar is not None:
             req.grammar.reset_to(req.output_ids)  # the matcher follows the output_ids kept
@@ -382,7 +398,7 @@ class Scheduler:
         if self.generation_pause.hold_batches() or self.memory_saver.hold_batches():  # paused, or memory released
             return None
         # 3. Prefill first; 4. otherwise decode.
-        idle = not self.waiting_queue and self.running_batch.is_empty() and self.chunked_req is None and not self._results_pending()
+        idle = not self.waiting_queue and self.running_batch.is_empty() and self.chunked_req is None and not self.results_pending()
         for req in self.grammar_queue.pop_ready(scheduler_idle=idle):
             self._enqueue(req)
         new_batch = self.get_new_batch_prefill()
@@ -436,7 +452,7 @@ class Scheduler:
                                has_chunked_req=self.chunked_req is not None)
         for r in adder.preempt_list:
             self.stats.num_preempted_reqs += 1
-            self._requeue(r)
+            self.requeue(r)
         can_run_list = adder.can_run_list
         if not can_run_list:
             return None
@@ -460,7 +476,7 @@ class Scheduler:
                 new_batch.mix_with_running(self.running_batch)
                 new_batch.decoding_reqs = self.running_batch.reqs
             batch_is_full = self.running_batch.batch_is_full
-            self.running_batch = self._empty_batch()
+            self.running_batch = self.empty_batch()
             self.running_batch.batch_is_full = batch_is_full
         return new_batch
 
@@ -479,7 +495,7 @@ class Scheduler:
             logger.info("KV cache pool is full. Retract requests. #retracted_reqs: %d, #new_token_ratio: %.4f",
                         len(retracted), self.new_token_ratio.value)
             for req in retracted:
-                self._requeue(req)
+                self.requeue(req)
         else:
             self.new_token_ratio.step()
         if batch.batch_size() < initial_bs:
@@ -542,7 +558,7 @@ class Scheduler:
     def _release_aborted_chunked_req(self, req: Req) -> None:
         """A request aborted between two chunks: cache its chunk, then let everything go."""
         self.ledger.cache_unfinished_req(req, chunked=True)
-        self._empty_batch().release_req(req)
+        self.empty_batch().release_req(req)
         reason, req.to_finish = req.to_finish, None
         self.output_processor.finish(req, reason)
 
@@ -564,6 +580,17 @@ class Scheduler:
 
     def get_internal_state(self, recv: GetInternalStateReq) -> GetInternalStateReqOutput:
         return GetInternalStateReqOutput(self.internal_state(), recv.query_id)
+
+    def settable_state(self) -> Dict[str, Any]:
+        return {name: getattr(self, name) for name in SETTABLE_AT_RUN_TIME}
+
+    def apply_internal_state(self, values: Dict[str, Any]) -> None:
+        """/set_internal_state's checked values (scheduler_internal_state.py)."""
+        for name, value in values.items():
+            setattr(self, name, value)  # read by the next get_new_batch_prefill
+        # derived at start from chunked_prefill_size: chunking turned on now can mix with decode too
+        self.is_mixed_chunk = self.server_args.enable_mixed_chunk and self.chunked_prefill_size is not None
+        self.running_batch.batch_is_full = False  # a higher limit may admit requests again
 
     def internal_state(self) -> Dict[str, Any]:
         return dict(

@@ -29,7 +29,7 @@ import dataclasses
 import logging
 import time
 from collections import deque
-from typing import Any, Deque, List, Optional, Tuple
+from typing import Any, Deque, List, Optional, Protocol, Tuple
 
 import torch
 
@@ -37,11 +37,16 @@ from radixserve.distributed.parallel_state import (
     destroy_distributed_environment, get_pp_group, pp_commit_sends, pp_recv_pyobj, pp_send_pyobj, stage_layers,
 )
 from radixserve.managers.grammar import GrammarQueue
+from radixserve.managers.output_processor import SchedulerOutputProcessor
 from radixserve.managers.schedule_batch import ScheduleBatch
+from radixserve.managers.scheduler_profiler import SchedulerProfiler
+from radixserve.managers.scheduler_stats import SchedulerStats
 from radixserve.mem_cache.chunk_cache import ChunkCache
 from radixserve.mem_cache.kv_ledger import KVLedger
 from radixserve.model_executor.forward_batch import ModelWorkerBatch
 from radixserve.model_executor.tp_worker import GenerationBatchResult, TpModelWorker
+from radixserve.model_executor.worker_protocol import ModelWorker
+from radixserve.server_args import ServerArgs
 from radixserve.protocol import AbortReq, PPBatchMessage, PPBatchResult, PPKeepAlive, PPStop
 
 logger = logging.getLogger(__name__)
@@ -104,16 +109,40 @@ def proxy_to(proxy: Any, device: Any) -> Any:
                                residual=None if res is None else res.to(device))
 
 
+class PPLoop(Protocol):
+    """What the first stage's loop drives of the Scheduler: it runs the Scheduler's batch selection
+    once per micro-batch slot, over that slot's running and last batch (swapped in and out), and
+    launches and processes the micro-batches itself."""
+
+    running_batch: ScheduleBatch
+    last_batch: Optional[ScheduleBatch]
+    max_running_requests: int
+    forward_ct: int
+    stats: SchedulerStats
+    profiler: SchedulerProfiler
+    grammar_backend: Any  # None: no structured output
+    ledger: KVLedger
+    output_processor: SchedulerOutputProcessor
+
+    def get_next_batch_to_run(self) -> Optional[ScheduleBatch]: ...
+
+    def empty_batch(self) -> ScheduleBatch: ...
+
+    def on_idle(self) -> None: ...
+
+    def abort_request(self, recv: AbortReq) -> None: ...
+
+
 class SchedulerPP:
     """The first stage's loop: Scheduler.run_step calls run_step (one micro-batch slot per call)."""
 
-    def __init__(self, scheduler: Any):
-        self.sched = s = scheduler
-        args = s.server_args
+    def __init__(self, loop: PPLoop, args: ServerArgs, worker: ModelWorker):
+        self.sched = s = loop
+        self.worker = worker
         self.pp_size = args.pp_size
-        self.transport = getattr(s.tp_worker, "pp_transport", None) or GlooTransport()
+        self.transport = worker.pp_transport or GlooTransport()
         self.pp_loop_size = args.pp_size + args.pp_async_batch_depth
-        self.running_mbs: List[ScheduleBatch] = [s._empty_batch() for _ in range(self.pp_loop_size)]
+        self.running_mbs: List[ScheduleBatch] = [s.empty_batch() for _ in range(self.pp_loop_size)]
         self.last_mbs: List[Optional[ScheduleBatch]] = [None] * self.pp_loop_size
         self.inflight: Deque[Tuple[int, ScheduleBatch]] = deque()  # (slot, batch), in launch order
         self.mb_id = 0
@@ -178,7 +207,7 @@ class SchedulerPP:
             wb.token_bitmask = s.grammar_backend.fill_token_bitmask(batch.reqs, GrammarQueue.fail_request)
         rows = None if wb.forward_mode.is_decode() else req_to_token_rows(s.ledger.rows_cpu, wb)
         t0 = time.perf_counter()
-        proxy = s.tp_worker.forward_batch_generation(wb, skip_sample=True).logits_output
+        proxy = self.worker.forward_batch_generation(wb, skip_sample=True).logits_output
         t1 = time.perf_counter()
         self.busy.add(t0, t1)
         s.stats.forward_s += t1 - t0
