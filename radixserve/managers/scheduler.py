@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 from radixserve.constrained.factory import create_grammar_backend
 from radixserve.distributed.parallel_state import broadcast_pyobj, destroy_distributed_environment
 from radixserve.hf_transformers_utils import get_tokenizer, resolve_model_path
+from radixserve.managers.batch_runner import select_batch_runner
 from radixserve.managers.grammar import GrammarQueue
 from radixserve.managers.output_processor import SchedulerOutputProcessor
 from radixserve.managers.overlap import TpModelWorkerClient
@@ -115,6 +116,7 @@ class Scheduler:
         # Structured output: requests wait here while their grammar compiles (seed 000).
         self.grammar_queue = GrammarQueue(args, self.grammar_backend, self._reject_bad_grammar, tp_rank, tp_size)
         self.embedding = SchedulerEmbedding(args, tp_worker, self._validate_request, self._enqueue, self.output_processor.finish)
+        self.batch_runner = select_batch_runner(tp_worker, self.embedding, self.spec_worker, self.overlap_worker, self.grammar_backend)
         self.waiting_queue: List[Req] = []
         self.running_batch: ScheduleBatch = self.empty_batch()
         self.last_batch: Optional[ScheduleBatch] = None
@@ -510,24 +512,8 @@ class Scheduler:
         self.forward_ct += 1
         self.profiler.on_forward()
         self.stats.count_batch(batch.forward_mode)
-        worker_batch = batch.get_model_worker_batch()
-        if self.embedding.enabled:  # --is-embedding: prefill only, pooled hidden states, nothing sampled
-            return self.embedding.run_batch(worker_batch)
-        if self.grammar_backend is not None:
-            # This forward's grammar mask, filled now on this thread (the matchers have seen
-            # every earlier token: see is_disable_overlap_for_batch).
-            worker_batch.token_bitmask = self.grammar_backend.fill_token_bitmask(batch.reqs, GrammarQueue.fail_request)
-        if self.spec_worker is not None:  # decode: drafts + one verify forward (speculative/factory.py)
-            if self.overlap_worker is not None:  # ... on the forward thread (managers/spec_overlap.py)
-                batch.output_ids = self.overlap_worker.launch_spec(self.spec_worker, batch, worker_batch)
-                return None
-            return self.spec_worker.forward_batch(batch, worker_batch)
-        if self.overlap_worker is not None:
-            batch.output_ids = self.overlap_worker.launch(batch, worker_batch)
-            return None
-        result = self.tp_worker.forward_batch_generation(worker_batch)
-        batch.output_ids = result.next_token_ids
-        return result
+        # embedding / speculative / overlap / plain, grammar mask or not: chosen at start (batch_runner.py)
+        return self.batch_runner(batch, batch.get_model_worker_batch())
 
     # ---- abort / flush / state ------------------------------------------------------------------------
     def abort_request(self, recv: AbortReq) -> None:
