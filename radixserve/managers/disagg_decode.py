@@ -80,7 +80,7 @@ class DecodePreallocQueue:
             self.ledger.free_row(rows[0])
             return False
         req.req_pool_idx = rows[0]
-        self.ledger.req_to_token_pool.write((req.req_pool_idx, slice(0, n)), slots)
+        self.ledger.write_row(req, 0, slots)
         req.fill_ids = list(req.origin_input_ids)
         req.prefix_indices = torch.empty(0, dtype=torch.int64)
         req.last_node = None

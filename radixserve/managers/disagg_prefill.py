@@ -18,7 +18,7 @@ from radixserve.disaggregation.conn import KVManager, KVSender
 from radixserve.disaggregation.utils import FirstToken, KVPoll
 from radixserve.managers.output_processor import SchedulerOutputProcessor
 from radixserve.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH, Req
-from radixserve.mem_cache.base_prefix_cache import BasePrefixCache
+from radixserve.mem_cache.kv_ledger import KVLedger
 from radixserve.model_executor.tp_worker import GenerationBatchResult
 
 logger = logging.getLogger(__name__)
@@ -64,11 +64,10 @@ class PrefillBootstrapQueue:
 class PrefillDisaggregation:
     """The prefill server's two queues and what it does with a prefilled request."""
 
-    def __init__(self, kv_manager: KVManager, tree_cache: BasePrefixCache, req_to_token: object,
-                 output_processor: SchedulerOutputProcessor, timeout: float):
+    def __init__(self, kv_manager: KVManager, ledger: KVLedger, output_processor: SchedulerOutputProcessor,
+                 timeout: float):
         self.kv_manager = kv_manager
-        self.tree_cache = tree_cache
-        self.req_to_token = req_to_token
+        self.ledger = ledger  # the request's row (read: its slots to send), its KV to the tree
         self.output_processor = output_processor
         self.bootstrap_queue = PrefillBootstrapQueue(kv_manager, timeout)
         self.inflight_queue: List[Req] = []  # SGLang's disagg_prefill_inflight_queue
@@ -105,7 +104,7 @@ class PrefillDisaggregation:
             if req.output_top_logprobs_val:
                 first.top_logprobs_val = list(req.output_top_logprobs_val[-1])
                 first.top_logprobs_idx = list(req.output_top_logprobs_idx[-1])
-        slots = self.req_to_token[req.req_pool_idx, : len(req.origin_input_ids)]
+        slots = self.ledger.row(req)[: len(req.origin_input_ids)]
         sender.send(slots, req.origin_input_ids, first)
         self.inflight_queue.append(req)
 
@@ -123,7 +122,7 @@ class PrefillDisaggregation:
                 continue
             req.disagg_kv_sender.clear()
             req.to_finish, req.finished_reason = None, reason
-            self.tree_cache.cache_finished_req(req)
+            self.ledger.cache_finished_req(req)
             done.append(req)
         self.inflight_queue = keep
         if done:

@@ -68,7 +68,7 @@ class SchedulerOutputProcessor:
                     continue
                 if id(req) not in decoding:
                     # The prompt enters the tree now, so requests behind it can share it.
-                    self.tree_cache.cache_unfinished_req(req)
+                    self.ledger.cache_unfinished_req(req)
         self.stream_output(batch.reqs)
         self.answer_health_checks()  # a batch's results: the loop and the forward pass move
 
@@ -123,7 +123,7 @@ class SchedulerOutputProcessor:
         if req.kv_allocated_len:  # a prefill's end, its first decode step prepared (spec_overlap.py)
             self.ledger.commit(req, req.kv_committed_len)
         req.grammar = None  # release the matcher
-        self.tree_cache.cache_finished_req(req)
+        self.ledger.cache_finished_req(req)
         return True
 
     def append_tokens(self, req: Req, tokens: List[int], result: GenerationBatchResult, i: int) -> bool:
@@ -140,7 +140,7 @@ class SchedulerOutputProcessor:
             return False
         self.ledger.commit(req, kept)  # rejected or dropped drafts' slots, and those reserved ahead
         req.grammar = None
-        self.tree_cache.cache_finished_req(req)
+        self.ledger.cache_finished_req(req)
         return True
 
     def _add_token(self, req: Req, token: int, result: GenerationBatchResult, i: int) -> None:

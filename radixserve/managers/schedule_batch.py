@@ -256,7 +256,8 @@ class Req:
 
     def init_next_round_input(self, tree_cache: Any = None) -> None:
         """fill_ids = everything so far; match the longest cached prefix (at least one token
-        is always left to compute, since its logits give the next token)."""
+        is always left to compute, since its logits give the next token). `tree_cache`: what
+        answers match_prefix (the scheduler's KVLedger, or a prefix cache itself)."""
         self.fill_ids = self.origin_input_ids + self.output_ids
         self.last_host_node, self.host_hit_length = None, 0
         self.loaded_host_tokens = self.loaded_storage_tokens = 0
@@ -289,8 +290,7 @@ class Req:
         self.prefix_indices = torch.empty(0, dtype=torch.int64)
         self.last_node = None
         self.extend_input_len = 0
-        self.req_pool_idx = None
-        self.kv_committed_len = self.kv_allocated_len = 0
+        self.req_pool_idx = None  # (the ledger's release gave its row and lengths back)
         self.pending_chunks = 0
         self.retraction_count += 1
 
@@ -442,11 +442,6 @@ class ScheduleBatch:
         return len(self.reqs) == 0
 
     # ---- memory (all through the ledger) -------------------------------------------------------
-    @property
-    def req_to_token_pool(self):
-        """The rows (read, and written where the ledger's reservations go)."""
-        return self.ledger.req_to_token_pool
-
     def alloc_token_slots(self, num_tokens: int) -> torch.Tensor:
         return self.ledger.alloc_slots(num_tokens)
 
@@ -457,10 +452,7 @@ class ScheduleBatch:
 
     def _last_locs(self, prefix_lens: List[int]) -> List[int]:
         """Slot of each request's token prefix_len-1 (-1 if none): paged alloc continues its page."""
-        if self.ledger.page_size == 1:
-            return [-1] * len(prefix_lens)
-        req_to_token = self.req_to_token_pool.req_to_token_cpu
-        return [int(req_to_token[r.req_pool_idx, p - 1]) if p > 0 else -1 for r, p in zip(self.reqs, prefix_lens)]
+        return self.ledger.last_locs(self.reqs, prefix_lens)
 
     # ---- extend ------------------------------------------------------------------------------
     def prepare_for_extend(self) -> None:
@@ -485,11 +477,10 @@ class ScheduleBatch:
         # The cached prefix goes into the row first (a paged alloc reads the last prefix slot).
         cached = [(r, p) for r, p in zip(reqs, self.prefix_lens) if p > 0]
         if cached:
-            self.req_to_token_pool.write_spans([r.req_pool_idx for r, _ in cached], [0] * len(cached),
-                                               [p for _, p in cached], torch.cat([r.prefix_indices for r, _ in cached]))
+            self.ledger.write_spans([r.req_pool_idx for r, _ in cached], [0] * len(cached),
+                                    [p for _, p in cached], torch.cat([r.prefix_indices for r, _ in cached]))
         out_cache_loc = self.ledger.reserve(self.prefix_lens, self.seq_lens_cpu, self._last_locs(self.prefix_lens))
-        self.req_to_token_pool.write_spans([r.req_pool_idx for r in reqs], self.prefix_lens, self.extend_lens,
-                                           out_cache_loc)
+        self.ledger.write_spans([r.req_pool_idx for r in reqs], self.prefix_lens, self.extend_lens, out_cache_loc)
         for r in reqs:
             # Only prefix hits beyond what this request computed itself count as cached.
             r.count_cached_tokens(max(len(r.prefix_indices) - r.already_computed, 0))
@@ -547,7 +538,7 @@ class ScheduleBatch:
         ps = self.ledger.page_size
         if self.spec_overlap:
             reqs = self.reqs if indices is None else [self.reqs[i] for i in indices]
-            return spec_overlap.new_slots_needed(reqs, self.spec_max_drafts, self.req_to_token_pool.req_to_token.shape[1], ps)
+            return spec_overlap.new_slots_needed(reqs, self.spec_max_drafts, self.ledger.row_width, ps)
         lens = self.seq_lens_cpu if indices is None else [self.seq_lens_cpu[i] for i in indices]
         if ps == 1:
             return len(lens) * (1 + self.spec_max_drafts)
@@ -569,7 +560,7 @@ class ScheduleBatch:
         bs = len(self.reqs)
         locs_before = self.seq_lens_cpu  # the new token's position in the row
         self.out_cache_loc = self.ledger.reserve(locs_before, [s + 1 for s in locs_before], self._last_locs(locs_before))
-        self.req_to_token_pool.write((self.req_pool_indices, self.seq_lens), self.out_cache_loc)
+        self.ledger.write_at(self.req_pool_indices, self.seq_lens, self.out_cache_loc)
         self.seq_lens = self.seq_lens + 1
         self.seq_lens_cpu = [s + 1 for s in self.seq_lens_cpu]
         for r in self.reqs:

@@ -315,14 +315,14 @@ class PrefillAdder:
         for req in waiting_queue:
             slots_full = len(self.can_run_list) >= num_allocatable(running_batch.batch_size())
             if slots_full or running_batch.batch_is_full:
-                req.init_next_round_input(self.tree_cache)
+                req.init_next_round_input(self.ledger)
                 if not (try_preemption and self.preempt_to_schedule(req, need_slot=slots_full)):
                     running_batch.batch_is_full = True
                     return
                 running_batch.batch_is_full = False
             if not self.lora_fits(req):
                 return  # nothing overtakes it: the slots free up as running requests finish
-            req.init_next_round_input(self.tree_cache)
+            req.init_next_round_input(self.ledger)
             res = self.add_one_req(req, has_chunked_req=has_chunked_req)
             if res == AddReqResult.NO_TOKEN and try_preemption and req not in self.can_run_list:
                 if self.preempt_to_schedule(req, need_slot=False):

@@ -15,11 +15,12 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from radixserve.constrained.factory import create_grammar_backend
 from radixserve.distributed.parallel_state import broadcast_pyobj, destroy_distributed_environment
 from radixserve.hf_transformers_utils import get_tokenizer, resolve_model_path
+from radixserve.managers.batch_runner import select_batch_runner
 from radixserve.managers.grammar import GrammarQueue
 from radixserve.managers.output_processor import SchedulerOutputProcessor
 from radixserve.managers.overlap import TpModelWorkerClient
@@ -27,7 +28,7 @@ from radixserve.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch
 from radixserve.managers.scheduler_disagg import init_disaggregation
 from radixserve.managers.scheduler_embedding import EmbeddingOutputProcessor, SchedulerEmbedding
 from radixserve.managers.scheduler_hicache import SchedulerHiCache
-from radixserve.managers.scheduler_internal_state import SchedulerInternalState
+from radixserve.managers.scheduler_internal_state import SETTABLE_AT_RUN_TIME, SchedulerInternalState
 from radixserve.managers.scheduler_lora import SchedulerLoRA
 from radixserve.managers.scheduler_memory_saver import SchedulerMemorySaver
 from radixserve.managers.scheduler_pause import GenerationPause
@@ -43,6 +44,7 @@ from radixserve.mem_cache.chunk_cache import ChunkCache
 from radixserve.mem_cache.hiradix_cache import HiRadixCache
 from radixserve.mem_cache.radix_cache import RadixCache
 from radixserve.model_executor.tp_worker import GenerationBatchResult, TpModelWorker
+from radixserve.model_executor.worker_protocol import ModelWorker
 from radixserve.models.model_config import ModelConfig
 from radixserve.protocol import (
     AbortReq, BatchTokenizedGenerateReqInput, FlushCacheReqInput, FlushCacheReqOutput, GetInternalStateReq,
@@ -71,7 +73,7 @@ class Scheduler:
         send_fn: Callable[[Any], None] = lambda obj: None,
         tp_rank: int = 0,
         tp_size: int = 1,
-        tp_worker: Optional[TpModelWorker] = None,  # injected (the simulator's duck-typed one); None: load the model
+        tp_worker: Optional[ModelWorker] = None,  # injected (the simulator's SimModelWorker); None: load the model
     ):
         self.server_args = args = server_args
         self.tp_rank, self.tp_size = tp_rank, tp_size
@@ -115,18 +117,20 @@ class Scheduler:
         # Structured output: requests wait here while their grammar compiles (seed 000).
         self.grammar_queue = GrammarQueue(args, self.grammar_backend, self._reject_bad_grammar, tp_rank, tp_size)
         self.embedding = SchedulerEmbedding(args, tp_worker, self._validate_request, self._enqueue, self.output_processor.finish)
+        self.batch_runner = select_batch_runner(tp_worker, self.embedding, self.spec_worker, self.overlap_worker, self.grammar_backend)
         self.waiting_queue: List[Req] = []
-        self.running_batch: ScheduleBatch = self._empty_batch()
+        self.running_batch: ScheduleBatch = self.empty_batch()
         self.last_batch: Optional[ScheduleBatch] = None
         self.chunked_req: Optional[Req] = None
         self.forward_ct = 0
         self.new_token_ratio = NewTokenRatio(args.schedule_conservativeness)
         # PD disaggregation (seed 001 §8): the prefill or decode server's queues over one KVManager.
-        self.disaggregation_mode, self.disagg_prefill, self.disagg_decode, self.kv_manager = init_disaggregation(self)
-        self.pp = SchedulerPP(self) if args.pp_size > 1 else None  # --pp-size: micro-batches in flight (seed 001 §27)
+        self.disaggregation_mode, self.disagg_prefill, self.disagg_decode, self.kv_manager = init_disaggregation(args, self.ledger, self.output_processor)
+        self.pp = SchedulerPP(self, args, tp_worker) if args.pp_size > 1 else None  # --pp-size: micro-batches in flight (seed 001 §27)
 
-        self.weight_updater = SchedulerUpdateWeights(self)  # weight updates without a restart
-        self.generation_pause, self.memory_saver, self.profiler = GenerationPause(self), SchedulerMemorySaver(self), SchedulerProfiler(self)
+        self.weight_updater = SchedulerUpdateWeights(tp_worker, self, self.forward_thread, self.tree_cache, args.pp_size)  # weight updates without a restart
+        self.generation_pause, self.memory_saver, self.profiler = GenerationPause(self), SchedulerMemorySaver(tp_worker.memory_saver(), self, args), SchedulerProfiler(tp_rank, lambda: self.forward_ct)
+        self.hicache = SchedulerHiCache(args, self.tree_cache, tp_rank, tp_size)  # its storage tier, /clear_hicache_storage_backend
         self._dispatcher = TypeBasedDispatcher([
             (TokenizedGenerateReqInput, self.handle_generate_request),
             (BatchTokenizedGenerateReqInput, self.handle_batch_generate_request),
@@ -135,9 +139,12 @@ class Scheduler:
             (GetInternalStateReq, self.get_internal_state),
             *self.weight_updater.dispatch_entries(),
             *self.generation_pause.dispatch_entries(), *self.memory_saver.dispatch_entries(), *self.profiler.dispatch_entries(),
-            *self.embedding.dispatch_entries(), *SchedulerLoRA(self).dispatch_entries(), *SchedulerHiCache(self).dispatch_entries(),
-            *SchedulerInternalState(self).dispatch_entries(),  # /set_internal_state
-            *SchedulerExpertDistribution(self.tp_worker.expert_recorder).dispatch_entries(),  # EPLB's record
+            *self.embedding.dispatch_entries(), *SchedulerLoRA(tp_worker.lora_manager, self.ledger, self.forward_thread, self.live_reqs).dispatch_entries(), *self.hicache.dispatch_entries(),
+            *SchedulerInternalState(SchedulerInternalState.limits_of(
+                self.max_running_requests, self.page_size, self.context_len, self.chunked_prefill_size,
+                self.enable_overlap, self.pp is not None), self.settable_state, self.apply_internal_state,
+            ).dispatch_entries(),  # /set_internal_state
+            *SchedulerExpertDistribution(tp_worker.expert_recorder).dispatch_entries(),  # EPLB's record
         ])
         logger.info("Scheduler ready (pid %d): max_total_num_tokens=%d, max_running_requests=%d, context_len=%d, page_size=%d",
                     os.getpid(), self.max_total_num_tokens, self.max_running_requests, self.context_len, self.page_size)
@@ -151,7 +158,7 @@ class Scheduler:
         return RadixCache(self.req_to_token_pool, self.token_to_kv_pool_allocator, page_size=self.page_size,
                           eviction_policy=args.radix_eviction_policy)
 
-    def _empty_batch(self) -> ScheduleBatch:
+    def empty_batch(self) -> ScheduleBatch:
         return self._new_batch([])
 
     def _new_batch(self, reqs: List[Req], chunked_req: Optional[Req] = None) -> ScheduleBatch:
@@ -212,7 +219,7 @@ class Scheduler:
             and batch is not None and batch.forward_mode.is_extend()
             and self.last_batch is not None and self.last_batch.forward_mode.is_extend()
         ) or (
-            batch is not None and self._results_pending()
+            batch is not None and self.results_pending()
             and (batch.forward_mode.is_decode() or batch.forward_mode.is_mixed())
             and any(r.grammar is not None for r in batch.reqs)
         )
@@ -224,7 +231,7 @@ class Scheduler:
             self.output_processor.process_batch_result(*item)
             self.stats.process_s += time.perf_counter() - t0
 
-    def _results_pending(self) -> bool:
+    def results_pending(self) -> bool:
         return (self.overlap_worker is not None and bool(self.overlap_worker.result_queue)) or (self.pp is not None and self.pp.has_work())
 
     def on_idle(self) -> None:
@@ -236,14 +243,25 @@ class Scheduler:
             self.last_batch is not None and self.last_batch.forward_mode is not None
             and self.last_batch.forward_mode.is_extend() and not self.last_batch.is_empty()
         )
-        return bool(self.waiting_queue or len(self.grammar_queue) or self._results_pending()) or (
+        return bool(self.waiting_queue or len(self.grammar_queue) or self.results_pending()) or (
             not self.running_batch.is_empty() or self.chunked_req is not None or last_prefill_to_merge
         )
+
+    def live_reqs(self) -> Iterator[Req]:
+        """Every request this scheduler holds: waiting, running, in the last batch (a prefill not
+        merged yet, or the overlap loop's batch in flight), compiling its grammar, chunked."""
+        yield from self.waiting_queue
+        yield from self.running_batch.reqs
+        if self.last_batch is not None:
+            yield from self.last_batch.reqs
+        yield from (r for r in self.grammar_queue if hasattr(r, "lora_path"))
+        if self.chunked_req is not None:
+            yield self.chunked_req
 
     def batch_coming(self) -> bool:
         """A batch runs or will run now, so its results come soon (a health check waits for them;
         a grammar still compiling alone does not count: it may take long)."""
-        return bool(self.waiting_queue or self._results_pending()) or (
+        return bool(self.waiting_queue or self.results_pending()) or (
             not self.running_batch.is_empty() or self.chunked_req is not None)
 
     def waiting_on_peer(self) -> bool:
@@ -349,7 +367,7 @@ class Scheduler:
         req.grammar = None
         self.output_processor.finish(req, FINISH_ABORT(message, status_code=400, err_type="BadRequestError"))
 
-    def _requeue(self, req: Req) -> None:
+    def requeue(self, req: Req) -> None:
         """A retracted or preempted request goes back to the waiting queue, outputs kept."""
         if req.grammar is not None:
             req.grammar.reset_to(req.output_ids)  # the matcher follows the output_ids kept
@@ -365,7 +383,7 @@ class Scheduler:
                 self._release_aborted_chunked_req(self.chunked_req)
                 self.chunked_req = None
             else:
-                self.tree_cache.cache_unfinished_req(self.chunked_req, chunked=True)
+                self.ledger.cache_unfinished_req(self.chunked_req, chunked=True)
 
         # 2. Merge the last prefill batch into the running batch (PD prefill: not the requests
         # whose KV is on its way to a decode server).
@@ -386,7 +404,7 @@ class Scheduler:
         if self.generation_pause.hold_batches() or self.memory_saver.hold_batches():  # paused, or memory released
             return None
         # 3. Prefill first; 4. otherwise decode.
-        idle = not self.waiting_queue and self.running_batch.is_empty() and self.chunked_req is None and not self._results_pending()
+        idle = not self.waiting_queue and self.running_batch.is_empty() and self.chunked_req is None and not self.results_pending()
         for req in self.grammar_queue.pop_ready(scheduler_idle=idle):
             self._enqueue(req)
         new_batch = self.get_new_batch_prefill()
@@ -440,7 +458,7 @@ class Scheduler:
                                has_chunked_req=self.chunked_req is not None)
         for r in adder.preempt_list:
             self.stats.num_preempted_reqs += 1
-            self._requeue(r)
+            self.requeue(r)
         can_run_list = adder.can_run_list
         if not can_run_list:
             return None
@@ -464,7 +482,7 @@ class Scheduler:
                 new_batch.mix_with_running(self.running_batch)
                 new_batch.decoding_reqs = self.running_batch.reqs
             batch_is_full = self.running_batch.batch_is_full
-            self.running_batch = self._empty_batch()
+            self.running_batch = self.empty_batch()
             self.running_batch.batch_is_full = batch_is_full
         return new_batch
 
@@ -483,7 +501,7 @@ class Scheduler:
             logger.info("KV cache pool is full. Retract requests. #retracted_reqs: %d, #new_token_ratio: %.4f",
                         len(retracted), self.new_token_ratio.value)
             for req in retracted:
-                self._requeue(req)
+                self.requeue(req)
         else:
             self.new_token_ratio.step()
         if batch.batch_size() < initial_bs:
@@ -498,24 +516,8 @@ class Scheduler:
         self.forward_ct += 1
         self.profiler.on_forward()
         self.stats.count_batch(batch.forward_mode)
-        worker_batch = batch.get_model_worker_batch()
-        if self.embedding.enabled:  # --is-embedding: prefill only, pooled hidden states, nothing sampled
-            return self.embedding.run_batch(worker_batch)
-        if self.grammar_backend is not None:
-            # This forward's grammar mask, filled now on this thread (the matchers have seen
-            # every earlier token: see is_disable_overlap_for_batch).
-            worker_batch.token_bitmask = self.grammar_backend.fill_token_bitmask(batch.reqs, GrammarQueue.fail_request)
-        if self.spec_worker is not None:  # decode: drafts + one verify forward (speculative/factory.py)
-            if self.overlap_worker is not None:  # ... on the forward thread (managers/spec_overlap.py)
-                batch.output_ids = self.overlap_worker.launch_spec(self.spec_worker, batch, worker_batch)
-                return None
-            return self.spec_worker.forward_batch(batch, worker_batch)
-        if self.overlap_worker is not None:
-            batch.output_ids = self.overlap_worker.launch(batch, worker_batch)
-            return None
-        result = self.tp_worker.forward_batch_generation(worker_batch)
-        batch.output_ids = result.next_token_ids
-        return result
+        # embedding / speculative / overlap / plain, grammar mask or not: chosen at start (batch_runner.py)
+        return self.batch_runner(batch, batch.get_model_worker_batch())
 
     # ---- abort / flush / state ------------------------------------------------------------------------
     def abort_request(self, recv: AbortReq) -> None:
@@ -545,8 +547,8 @@ class Scheduler:
 
     def _release_aborted_chunked_req(self, req: Req) -> None:
         """A request aborted between two chunks: cache its chunk, then let everything go."""
-        self.tree_cache.cache_unfinished_req(req, chunked=True)
-        self._empty_batch().release_req(req)
+        self.ledger.cache_unfinished_req(req, chunked=True)
+        self.empty_batch().release_req(req)
         reason, req.to_finish = req.to_finish, None
         self.output_processor.finish(req, reason)
 
@@ -569,6 +571,17 @@ class Scheduler:
     def get_internal_state(self, recv: GetInternalStateReq) -> GetInternalStateReqOutput:
         return GetInternalStateReqOutput(self.internal_state(), recv.query_id)
 
+    def settable_state(self) -> Dict[str, Any]:
+        return {name: getattr(self, name) for name in SETTABLE_AT_RUN_TIME}
+
+    def apply_internal_state(self, values: Dict[str, Any]) -> None:
+        """/set_internal_state's checked values (scheduler_internal_state.py)."""
+        for name, value in values.items():
+            setattr(self, name, value)  # read by the next get_new_batch_prefill
+        # derived at start from chunked_prefill_size: chunking turned on now can mix with decode too
+        self.is_mixed_chunk = self.server_args.enable_mixed_chunk and self.chunked_prefill_size is not None
+        self.running_batch.batch_is_full = False  # a higher limit may admit requests again
+
     def internal_state(self) -> Dict[str, Any]:
         return dict(
             self.get_stats().to_dict(),
@@ -582,7 +595,7 @@ class Scheduler:
             num_running_reqs=self.running_batch.batch_size(),
             disaggregation_mode=self.disaggregation_mode.value,
             num_disagg_queue_reqs=len(self.disagg_prefill or self.disagg_decode or ()),
-            available_tokens=self.token_to_kv_pool_allocator.available_size(),
+            available_tokens=self.ledger.available_size(),
             evictable_tokens=self.tree_cache.evictable_size(),
             protected_tokens=self.tree_cache.protected_size(),
             **self.generation_pause.internal_state(), **self.memory_saver.internal_state(),

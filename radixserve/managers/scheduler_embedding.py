@@ -26,6 +26,7 @@ from radixserve.layers.pooler import PoolingConfig
 from radixserve.managers.embedding_frontend import NOT_A_GENERATION_SERVER, NOT_AN_EMBEDDING_SERVER
 from radixserve.managers.output_processor import SchedulerOutputProcessor
 from radixserve.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch
+from radixserve.model_executor.worker_protocol import EmbeddingWorker
 from radixserve.model_executor.forward_batch import ModelWorkerBatch
 from radixserve.protocol import BatchEmbeddingOutput, BatchTokenizedEmbeddingReqInput, TokenizedEmbeddingReqInput
 from radixserve.sampling_params import SamplingParams
@@ -80,14 +81,14 @@ class SchedulerEmbedding:
     def __init__(
         self,
         server_args: ServerArgs,
-        tp_worker: Any,
+        tp_worker: EmbeddingWorker,
         validate: Callable[[Req], Optional[Tuple[str, int]]],
         enqueue: Callable[[Req], None],
         finish: Callable[[Req, Any], None],
     ):
         self.enabled = server_args.is_embedding
         self.tp_worker = tp_worker
-        self.pooling: PoolingConfig = tp_worker.model_runner.pooler.config if self.enabled else PoolingConfig()
+        self.pooling: PoolingConfig = tp_worker.pooling_config() if self.enabled else PoolingConfig()
         self.vocab_size = tp_worker.model_config.vocab_size
         self.validate, self.enqueue, self.finish = validate, enqueue, finish
 
@@ -141,7 +142,7 @@ class EmbeddingOutputProcessor(SchedulerOutputProcessor):
                 req.check_finished()  # max_new_tokens 0: FINISH_LENGTH, or the abort it was given
                 if isinstance(req, EmbeddingReq) and not req.finished_reason.is_error:
                     req.finish_embedding()
-                self.tree_cache.cache_finished_req(req)
+                self.ledger.cache_finished_req(req)
         self.stream_output(batch.reqs)
 
     def stream_output(self, reqs: List[Req]) -> None:

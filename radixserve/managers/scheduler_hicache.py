@@ -18,11 +18,13 @@ import os
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from radixserve.hf_transformers_utils import resolve_model_path
+from radixserve.mem_cache.base_prefix_cache import BasePrefixCache
 from radixserve.mem_cache.storage import (
     HiCacheStorageController, PrefetchTimeout, create_storage_backend, storage_namespace,
 )
 from radixserve.mem_cache.storage.tier import DEFAULT_PREFETCH_THRESHOLD, HiCacheStorageTier
 from radixserve.protocol import ClearHiCacheReqInput, ClearHiCacheReqOutput
+from radixserve.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
@@ -33,14 +35,11 @@ TIER_KEYS = ("prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_pe
 
 
 class SchedulerHiCache:
-    def __init__(self, scheduler: Any):
-        self.scheduler = scheduler
+    def __init__(self, args: ServerArgs, tree_cache: BasePrefixCache, tp_rank: int, tp_size: int):
         self.controller: Optional[HiCacheStorageController] = None
         self.tier: Optional[HiCacheStorageTier] = None
-        args = scheduler.server_args
-        tree_cache = scheduler.tree_cache
         if args.hicache_storage_backend is not None and hasattr(tree_cache, "set_storage"):
-            self.controller, self.tier = build_storage_tier(args, tree_cache, scheduler.tp_rank, scheduler.tp_size)
+            self.controller, self.tier = build_storage_tier(args, tree_cache, tp_rank, tp_size)
             tree_cache.set_storage(self.tier)
 
     def dispatch_entries(self) -> List[Tuple[type, Callable[[Any], Any]]]:

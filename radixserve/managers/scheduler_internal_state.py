@@ -76,30 +76,31 @@ def internal_state_problem(updates: Dict[str, Any], limits: RunTimeLimits) -> Op
 
 
 class SchedulerInternalState:
-    """The scheduler's handler of SetInternalStateReq (every TP rank applies the same update)."""
+    """The scheduler's handler of SetInternalStateReq (every TP rank applies the same update):
+    `current` reads the settable values, `apply` sets them (Scheduler.apply_internal_state)."""
 
-    def __init__(self, scheduler: Any):
-        self.sched = s = scheduler
-        start_chunk = s.chunked_prefill_size or s.context_len
-        self.limits = RunTimeLimits(
-            pool_rows=s.max_running_requests, page_size=s.page_size, context_len=s.context_len,
-            overlap_max_chunks=_ceil_div(s.context_len, start_chunk) if s.enable_overlap else None,
-            pipeline_parallel=s.pp is not None,
+    def __init__(self, limits: RunTimeLimits, current: Callable[[], Dict[str, Any]],
+                 apply: Callable[[Dict[str, Any]], None]):
+        self.limits = limits
+        self.current = current
+        self.apply = apply
+
+    @classmethod
+    def limits_of(cls, max_running_requests: int, page_size: int, context_len: int, chunked_prefill_size: Optional[int],
+                  enable_overlap: bool, pipeline_parallel: bool) -> RunTimeLimits:
+        start_chunk = chunked_prefill_size or context_len
+        return RunTimeLimits(
+            pool_rows=max_running_requests, page_size=page_size, context_len=context_len,
+            overlap_max_chunks=_ceil_div(context_len, start_chunk) if enable_overlap else None,
+            pipeline_parallel=pipeline_parallel,
         )
 
     def dispatch_entries(self) -> List[Tuple[Type, Callable[[Any], Any]]]:
         return [(SetInternalStateReq, self.set_internal_state)]
 
-    def current(self) -> Dict[str, Any]:
-        return {name: getattr(self.sched, name) for name in SETTABLE_AT_RUN_TIME}
-
     def set_internal_state(self, recv: SetInternalStateReq) -> SetInternalStateReqOutput:
         problem = internal_state_problem(recv.server_args, self.limits)
         if problem is not None:
             return SetInternalStateReqOutput(False, problem, self.current(), recv.query_id)
-        for name, value in recv.server_args.items():
-            setattr(self.sched, name, value)  # read by the next get_new_batch_prefill
-        # derived at start from chunked_prefill_size: chunking turned on now can mix with decode too
-        self.sched.is_mixed_chunk = self.sched.server_args.enable_mixed_chunk and self.sched.chunked_prefill_size is not None
-        self.sched.running_batch.batch_is_full = False  # a higher limit may admit requests again
+        self.apply(recv.server_args)
         return SetInternalStateReqOutput(True, "", self.current(), recv.query_id)

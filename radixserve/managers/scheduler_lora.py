@@ -19,20 +19,28 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 from radixserve.lora.lora_config import LoRAError
+from radixserve.lora.lora_manager import LoRAManager
+from radixserve.managers.overlap import ForwardThread
+from radixserve.managers.schedule_batch import Req
+from radixserve.mem_cache.kv_ledger import KVLedger
 from radixserve.protocol import LoadLoRAAdapterReqInput, LoRAUpdateOutput, UnloadLoRAAdapterReqInput
 
 NOT_ENABLED = "LoRA is not enabled: start the server with --enable-lora"
 
 
 class SchedulerLoRA:
-    def __init__(self, scheduler: Any):
-        self.scheduler = scheduler
+    def __init__(self, lora_manager: Optional[LoRAManager], ledger: KVLedger, forward_thread: Optional[ForwardThread],
+                 live_reqs: Callable[[], Iterable[Req]]):
+        self.lora_manager = lora_manager  # None: --enable-lora is off
+        self.ledger = ledger  # an unloaded adapter's cached prefixes go
+        self.forward_thread = forward_thread  # the overlap loop's: unloading waits for its forwards
+        self.live_reqs = live_reqs  # every request the scheduler holds (Scheduler.live_reqs)
 
     def dispatch_entries(self) -> List[Tuple[type, Callable[[Any], Any]]]:
         return [(LoadLoRAAdapterReqInput, self.load_lora_adapter), (UnloadLoRAAdapterReqInput, self.unload_lora_adapter)]
 
     def _manager(self) -> Optional[Any]:
-        return getattr(getattr(self.scheduler.tp_worker, "model_runner", None), "lora_manager", None)
+        return self.lora_manager
 
     def _reply(self, recv: Any, error: Optional[str], in_use_by: int = 0) -> LoRAUpdateOutput:
         manager = self._manager()
@@ -54,26 +62,15 @@ class SchedulerLoRA:
         if manager is None:
             return self._reply(recv, NOT_ENABLED)
         # by id: the last batch may be the running batch itself
-        users = len({id(r) for r in self._live_reqs() if r.lora_path == recv.lora_name})
+        users = len({id(r) for r in self.live_reqs() if r.lora_path == recv.lora_name})
         if users:
             return self._reply(recv, f"LoRA adapter {recv.lora_name!r} is in use by {users} request(s)", users)
-        forward_thread = getattr(self.scheduler, "forward_thread", None)
-        if forward_thread is not None:
-            forward_thread.synchronize()
+        if self.forward_thread is not None:
+            self.forward_thread.synchronize()
         try:
             manager.unload_lora_adapter(recv.lora_name)
         except LoRAError as e:
             return self._reply(recv, str(e))
         # The name may be loaded again with other weights: its cached prefixes must not match.
-        self.scheduler.tree_cache.evict_extra_key(recv.lora_name)
+        self.ledger.evict_extra_key(recv.lora_name)
         return self._reply(recv, None)
-
-    def _live_reqs(self) -> Iterable[Any]:
-        s = self.scheduler
-        yield from s.waiting_queue
-        yield from s.running_batch.reqs
-        if s.last_batch is not None:
-            yield from s.last_batch.reqs
-        yield from (r for r in (getattr(s, "grammar_queue", None) or ()) if hasattr(r, "lora_path"))
-        if s.chunked_req is not None:
-            yield s.chunked_req

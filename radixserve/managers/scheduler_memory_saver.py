@@ -13,9 +13,15 @@ generation running, eagerly (SGLang's third tag). The memory itself: model_execu
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Dict, List, Optional, Tuple, Type
+from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple, Type
 
-from radixserve.managers.schedule_batch import FINISH_ABORT
+from radixserve.managers.grammar import GrammarQueue
+from radixserve.managers.output_processor import SchedulerOutputProcessor
+from radixserve.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch
+from radixserve.managers.schedule_policy import NewTokenRatio
+from radixserve.managers.scheduler_pause import GenerationPause
+from radixserve.mem_cache.kv_ledger import KVLedger
+from radixserve.server_args import ServerArgs
 from radixserve.model_executor.memory_saver import (
     GPU_MEMORY_ALL_TYPES, GPU_MEMORY_TYPE_KV_CACHE, GPU_MEMORY_TYPE_WEIGHTS, MemorySaverAdapter,
 )
@@ -42,11 +48,27 @@ def parse_memory_tags(tags: Optional[List[str]], default: List[str]) -> Tuple[Li
     return list(dict.fromkeys(tags)), None
 
 
+class MemorySaverLoop(Protocol):
+    """What a release asks of the Scheduler: that nothing runs or waits (after a pause settled it),
+    then a flush of the KV cache; while released, the waiting requests are answered 503."""
+
+    waiting_queue: List[Req]
+    grammar_queue: GrammarQueue
+    running_batch: ScheduleBatch
+    chunked_req: Optional[Req]
+    ledger: KVLedger
+    new_token_ratio: NewTokenRatio
+    output_processor: SchedulerOutputProcessor
+    generation_pause: GenerationPause
+
+    def waiting_on_peer(self) -> bool: ...
+
+
 class SchedulerMemorySaver:
-    def __init__(self, scheduler: Any):
-        self.sched = scheduler
-        runner = getattr(scheduler.tp_worker, "model_runner", None)  # None: the simulator's worker
-        self.adapter = MemorySaverAdapter(runner) if runner is not None else None
+    def __init__(self, adapter: Optional[MemorySaverAdapter], loop: MemorySaverLoop, server_args: ServerArgs):
+        self.sched = loop
+        self.adapter = adapter  # the worker's (None: the simulator's worker has nothing to release)
+        self.server_args = server_args
 
     @property
     def released_tags(self) -> List[str]:
@@ -112,9 +134,9 @@ class SchedulerMemorySaver:
         s = self.sched
         if self.adapter is None:
             return "This scheduler's worker has no model memory to release."
-        if s.disaggregation_mode.value != "null":
+        if self.server_args.disaggregation_mode != "null":
             return "release_memory_occupation is not supported with --disaggregation-mode (the KV transfer engine holds the pool)."
-        if s.server_args.pp_size > 1:
+        if self.server_args.pp_size > 1:
             return "release_memory_occupation is not supported with --pp-size > 1 yet (only the first stage would release)."
         already = [t for t in tags if t in self.adapter.released]
         if already:

@@ -20,7 +20,7 @@ A pause in a pause applies the new mode (in_place, then abort: everything ends).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Tuple, Type
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Protocol, Tuple, Type
 
 from radixserve.managers.scheduler_input_blocker import PAUSE_MODES, SchedulerInputBlocker
 from radixserve.protocol import (
@@ -28,14 +28,47 @@ from radixserve.protocol import (
 )
 
 if TYPE_CHECKING:
-    from radixserve.managers.schedule_batch import Req
+    from radixserve.managers.output_processor import SchedulerOutputProcessor
+    from radixserve.managers.schedule_batch import Req, ScheduleBatch
+    from radixserve.mem_cache.kv_ledger import KVLedger
 
 logger = logging.getLogger(__name__)
 
 ABORT_MESSAGE = "Aborted by pause_generation."
 
 
-def expects_progress(scheduler: Any) -> bool:
+class ProgressView(Protocol):
+    """What the idle poll and the watchdog read of the Scheduler (generation_pause: optional)."""
+
+    forward_ct: int
+
+    def has_work(self) -> bool: ...
+
+
+class PauseLoop(Protocol):
+    """What a pause does to the Scheduler's loop: it settles the batches in flight, then aborts
+    or retracts the running requests (the queues and batches are the Scheduler's own)."""
+
+    running_batch: "ScheduleBatch"
+    last_batch: Optional["ScheduleBatch"]
+    chunked_req: Optional["Req"]
+    ledger: "KVLedger"
+    output_processor: "SchedulerOutputProcessor"
+
+    def results_pending(self) -> bool: ...
+
+    def pop_and_process(self) -> None: ...
+
+    def get_next_batch_to_run(self) -> Optional["ScheduleBatch"]: ...
+
+    def abort_request(self, recv: AbortReq) -> None: ...
+
+    def empty_batch(self) -> "ScheduleBatch": ...
+
+    def requeue(self, req: "Req") -> None: ...
+
+
+def expects_progress(scheduler: ProgressView) -> bool:
     """Whether the loop should be making forward progress: it has work and is not paused
     (the idle poll and the watchdog of scheduler_process ask this)."""
     pause = getattr(scheduler, "generation_pause", None)
@@ -45,8 +78,8 @@ def expects_progress(scheduler: Any) -> bool:
 class GenerationPause:
     """The pause state (`engine_paused`, `mode`) and the input blocker of one scheduler."""
 
-    def __init__(self, scheduler: Any):
-        self.sched = scheduler
+    def __init__(self, loop: PauseLoop):
+        self.sched = loop
         self.input_blocker = SchedulerInputBlocker()
         self.engine_paused = False
         self.mode: str = ""
@@ -93,7 +126,7 @@ class GenerationPause:
         processed, the last prefill batch merged into the running batch and the chunked request
         stashed (get_next_batch_to_run's first steps), finished requests filtered out."""
         s = self.sched
-        while s._results_pending():
+        while s.results_pending():
             s.pop_and_process()
         self._settling = True
         try:
@@ -115,8 +148,8 @@ class GenerationPause:
         for r in reqs:
             r.finished_reason, r.to_finish = r.to_finish or FINISH_ABORT(ABORT_MESSAGE), None
             r.grammar = None
-            s.tree_cache.cache_finished_req(r)
-        s.running_batch = s._empty_batch()
+            s.ledger.cache_finished_req(r)
+        s.running_batch = s.empty_batch()
         s.output_processor.stream_output(reqs)
         return len(reqs)
 
@@ -129,7 +162,7 @@ class GenerationPause:
             s.chunked_req = None
         for r in reqs:
             s.running_batch.release_req(r)
-        s.running_batch = s._empty_batch()
+        s.running_batch = s.empty_batch()
         for r in reqs:
-            s._requeue(r)
+            s.requeue(r)
         return len(reqs)

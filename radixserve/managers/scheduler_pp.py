@@ -29,7 +29,7 @@ import dataclasses
 import logging
 import time
 from collections import deque
-from typing import Any, Deque, List, Optional, Tuple
+from typing import Any, Deque, List, Optional, Protocol, Tuple
 
 import torch
 
@@ -37,9 +37,16 @@ from radixserve.distributed.parallel_state import (
     destroy_distributed_environment, get_pp_group, pp_commit_sends, pp_recv_pyobj, pp_send_pyobj, stage_layers,
 )
 from radixserve.managers.grammar import GrammarQueue
+from radixserve.managers.output_processor import SchedulerOutputProcessor
 from radixserve.managers.schedule_batch import ScheduleBatch
+from radixserve.managers.scheduler_profiler import SchedulerProfiler
+from radixserve.managers.scheduler_stats import SchedulerStats
+from radixserve.mem_cache.chunk_cache import ChunkCache
+from radixserve.mem_cache.kv_ledger import KVLedger
 from radixserve.model_executor.forward_batch import ModelWorkerBatch
 from radixserve.model_executor.tp_worker import GenerationBatchResult, TpModelWorker
+from radixserve.model_executor.worker_protocol import ModelWorker
+from radixserve.server_args import ServerArgs
 from radixserve.protocol import AbortReq, PPBatchMessage, PPBatchResult, PPKeepAlive, PPStop
 
 logger = logging.getLogger(__name__)
@@ -84,13 +91,13 @@ def req_to_token_rows(req_to_token: torch.Tensor, wb: ModelWorkerBatch) -> torch
     return torch.cat(rows).cpu()
 
 
-def write_req_to_token(req_to_token_pool: Any, wb: ModelWorkerBatch, rows: Optional[torch.Tensor]) -> None:
+def write_req_to_token(ledger: KVLedger, wb: ModelWorkerBatch, rows: Optional[torch.Tensor]) -> None:
     """A later stage: make its req_to_token agree with the first stage's for this batch."""
     if rows is None:  # DECODE: one new slot per request, at position seq_len - 1
-        req_to_token_pool.write((wb.req_pool_indices, wb.seq_lens - 1), wb.out_cache_loc)
+        ledger.write_at(wb.req_pool_indices, wb.seq_lens - 1, wb.out_cache_loc)
         return
     n = len(wb.seq_lens_cpu)
-    req_to_token_pool.write_spans(wb.req_pool_indices.tolist(), [0] * n, wb.seq_lens_cpu, rows)
+    ledger.write_spans(wb.req_pool_indices.tolist(), [0] * n, wb.seq_lens_cpu, rows)
 
 
 def proxy_to(proxy: Any, device: Any) -> Any:
@@ -102,16 +109,40 @@ def proxy_to(proxy: Any, device: Any) -> Any:
                                residual=None if res is None else res.to(device))
 
 
+class PPLoop(Protocol):
+    """What the first stage's loop drives of the Scheduler: it runs the Scheduler's batch selection
+    once per micro-batch slot, over that slot's running and last batch (swapped in and out), and
+    launches and processes the micro-batches itself."""
+
+    running_batch: ScheduleBatch
+    last_batch: Optional[ScheduleBatch]
+    max_running_requests: int
+    forward_ct: int
+    stats: SchedulerStats
+    profiler: SchedulerProfiler
+    grammar_backend: Any  # None: no structured output
+    ledger: KVLedger
+    output_processor: SchedulerOutputProcessor
+
+    def get_next_batch_to_run(self) -> Optional[ScheduleBatch]: ...
+
+    def empty_batch(self) -> ScheduleBatch: ...
+
+    def on_idle(self) -> None: ...
+
+    def abort_request(self, recv: AbortReq) -> None: ...
+
+
 class SchedulerPP:
     """The first stage's loop: Scheduler.run_step calls run_step (one micro-batch slot per call)."""
 
-    def __init__(self, scheduler: Any):
-        self.sched = s = scheduler
-        args = s.server_args
+    def __init__(self, loop: PPLoop, args: ServerArgs, worker: ModelWorker):
+        self.sched = s = loop
+        self.worker = worker
         self.pp_size = args.pp_size
-        self.transport = getattr(s.tp_worker, "pp_transport", None) or GlooTransport()
+        self.transport = worker.pp_transport or GlooTransport()
         self.pp_loop_size = args.pp_size + args.pp_async_batch_depth
-        self.running_mbs: List[ScheduleBatch] = [s._empty_batch() for _ in range(self.pp_loop_size)]
+        self.running_mbs: List[ScheduleBatch] = [s.empty_batch() for _ in range(self.pp_loop_size)]
         self.last_mbs: List[Optional[ScheduleBatch]] = [None] * self.pp_loop_size
         self.inflight: Deque[Tuple[int, ScheduleBatch]] = deque()  # (slot, batch), in launch order
         self.mb_id = 0
@@ -174,9 +205,9 @@ class SchedulerPP:
         wb = batch.get_model_worker_batch()
         if s.grammar_backend is not None:  # the last stage applies it; the matchers have seen every token
             wb.token_bitmask = s.grammar_backend.fill_token_bitmask(batch.reqs, GrammarQueue.fail_request)
-        rows = None if wb.forward_mode.is_decode() else req_to_token_rows(s.req_to_token_pool.req_to_token_cpu, wb)
+        rows = None if wb.forward_mode.is_decode() else req_to_token_rows(s.ledger.rows_cpu, wb)
         t0 = time.perf_counter()
-        proxy = s.tp_worker.forward_batch_generation(wb, skip_sample=True).logits_output
+        proxy = self.worker.forward_batch_generation(wb, skip_sample=True).logits_output
         t1 = time.perf_counter()
         self.busy.add(t0, t1)
         s.stats.forward_s += t1 - t0
@@ -234,7 +265,8 @@ class PPStage:
     def __init__(self, server_args: Any, model_config: Any, tp_rank: int, pp_rank: int):
         self.server_args = server_args
         self.tp_worker = TpModelWorker(server_args, model_config, tp_rank, server_args.tp_size, pp_rank)
-        self.runner = self.tp_worker.model_runner
+        # Its rows mirror the first stage's (which owns requests and slots); no prefix sharing here.
+        self.ledger = KVLedger(*self.tp_worker.get_memory_pool(), ChunkCache(*self.tp_worker.get_memory_pool()))
         self.pp = get_pp_group()
         self.layer_range = stage_layers(model_config.num_hidden_layers)
         self.forward_ct = 0
@@ -254,8 +286,8 @@ class PPStage:
 
     def _pp_launch_batch(self, msg: PPBatchMessage) -> None:
         wb: ModelWorkerBatch = msg.worker_batch
-        write_req_to_token(self.runner.req_to_token_pool, wb, msg.req_to_token_rows)
-        wb.pp_proxy_tensors = proxy_to(msg.proxy, self.runner.device)  # _pp_recv_proxy_tensors
+        write_req_to_token(self.ledger, wb, msg.req_to_token_rows)
+        wb.pp_proxy_tensors = proxy_to(msg.proxy, self.tp_worker.device)  # _pp_recv_proxy_tensors
         t0 = time.perf_counter()
         result = self.tp_worker.forward_batch_generation(wb, skip_sample=not self.pp.is_last_rank)
         self.busy.add(t0, time.perf_counter())

@@ -21,12 +21,12 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Protocol
 
 from radixserve.managers.dp_controller import dp_port_args
 from radixserve.managers.process_utils import configure_process_logging, watch_parent
 from radixserve.managers.schedule_policy import configure_lora_admission
-from radixserve.managers.scheduler_pause import expects_progress
+from radixserve.managers.scheduler_pause import ProgressView, expects_progress
 from radixserve.protocol import BatchTokenIDOutput, GetInternalStateReqOutput, SchedulerHeartbeat, SchedulerLoad
 from radixserve.server_args import PortArgs, ServerArgs
 
@@ -52,11 +52,24 @@ def zmq_recv_drain(sock: Any) -> Callable[[], List[Any]]:
     return recv
 
 
+class MetricsView(Protocol):
+    """What the metrics logger reads of the Scheduler (it changes nothing)."""
+
+    max_total_num_tokens: int
+    forward_ct: int
+    ledger: Any  # the KVLedger (available_size)
+    tree_cache: Any  # (evictable_size)
+    stats: Any  # SchedulerStats
+    spec_worker: Any  # None: no speculative decoding
+    waiting_queue: List[Any]
+    running_batch: Any
+
+
 class SchedulerMetricsLogger:
     """Prefill / decode log lines like SGLang's, and the numbers /get_server_info adds
     (token usage, cache hit rate, generation throughput). Reads the scheduler; changes nothing."""
 
-    def __init__(self, scheduler: Any, decode_log_interval: int):
+    def __init__(self, scheduler: MetricsView, decode_log_interval: int):
         self.sched = scheduler
         self.decode_log_interval = decode_log_interval
         self.num_decode_steps = 0
@@ -70,7 +83,7 @@ class SchedulerMetricsLogger:
     def token_usage(self) -> float:
         s = self.sched
         total = s.max_total_num_tokens
-        used = total - s.token_to_kv_pool_allocator.available_size() - s.tree_cache.evictable_size()
+        used = total - s.ledger.available_size() - s.tree_cache.evictable_size()
         return used / total if total else 0.0
 
     def cache_hit_rate(self) -> float:
@@ -116,7 +129,7 @@ class SchedulerMetricsLogger:
         """(verify steps, tokens committed, drafts accepted, drafts proposed) since the last log
         line; None without speculation."""
         stats = self.sched.stats
-        if getattr(self.sched, "spec_worker", None) is None:
+        if self.sched.spec_worker is None:
             return None
         now = (stats.spec_verify_ct, stats.spec_num_accept_tokens, stats.spec_num_correct_drafts, stats.spec_num_proposed_drafts)
         delta, self.spec_seen = tuple(a - b for a, b in zip(now, self.spec_seen)), now
@@ -139,7 +152,7 @@ class Watchdog:
     """Seed 001 §30: while the scheduler has work, forward_ct must move within `timeout` s.
     Otherwise log every thread's stack and call `on_timeout` (the process exits non-zero)."""
 
-    def __init__(self, scheduler: Any, timeout: float, on_timeout: Callable[[], None], period: Optional[float] = None):
+    def __init__(self, scheduler: ProgressView, timeout: float, on_timeout: Callable[[], None], period: Optional[float] = None):
         self.sched = scheduler
         self.timeout = timeout
         self.on_timeout = on_timeout

@@ -63,8 +63,9 @@ def _all_threads_config() -> Any:
 
 
 class SchedulerProfiler:
-    def __init__(self, scheduler: Any):
-        self.sched = scheduler
+    def __init__(self, tp_rank: int, forward_ct: Callable[[], int]):
+        self.tp_rank = tp_rank  # (the trace's file name)
+        self.forward_ct = forward_ct  # the Scheduler's forward count: start_step / num_steps count it
         self.torch_profiler: Optional[torch.profiler.profile] = None
         self.output_dir = ""
         self.profile_id = ""
@@ -115,7 +116,7 @@ class SchedulerProfiler:
         self.record_shapes = bool(recv.record_shapes)
         self.num_steps = recv.num_steps
         if recv.start_step:
-            self.start_forward_ct = max(recv.start_step, self.sched.forward_ct + 1)
+            self.start_forward_ct = max(recv.start_step, self.forward_ct() + 1)
             return ProfileReqOutput(True, f"Profiling will start at step {self.start_forward_ct}; traces go to {self.output_dir}.")
         try:
             self.start_profile()
@@ -135,7 +136,7 @@ class SchedulerProfiler:
             experimental_config=_all_threads_config(),
         )
         self.torch_profiler.start()
-        ct = self.sched.forward_ct
+        ct = self.forward_ct()
         self.target_forward_ct = ct + self.num_steps if self.num_steps else None
         logger.info("Profiling starts (%s, %s). Traces will be saved to: %s (with profile id: %s)",
                     ", ".join(self.activities), f"{self.num_steps} steps" if self.num_steps else "until /stop_profile",
@@ -149,7 +150,7 @@ class SchedulerProfiler:
             return ProfileReqOutput(True, "Profiling stopped before it started: no trace.")
         prof, self.torch_profiler, self.target_forward_ct = self.torch_profiler, None, None
         dp = f"-DP-{self.dp_rank}" if self.dp_rank is not None else ""
-        path = os.path.join(self.output_dir, f"{self.profile_id}-TP-{self.sched.tp_rank}{dp}.trace.json.gz")
+        path = os.path.join(self.output_dir, f"{self.profile_id}-TP-{self.tp_rank}{dp}.trace.json.gz")
         try:
             prof.stop()
             prof.export_chrome_trace(path)
@@ -162,7 +163,7 @@ class SchedulerProfiler:
 
     def on_forward(self) -> None:
         """Each batch, before its forward (forward_ct counted): start at start_step, stop after num_steps."""
-        ct = self.sched.forward_ct
+        ct = self.forward_ct()
         if self.target_forward_ct is not None and ct > self.target_forward_ct:
             self.stop_profile()
         if self.start_forward_ct is not None and ct >= self.start_forward_ct:

@@ -20,7 +20,10 @@ import logging
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Protocol, Tuple
+
+from radixserve.managers.overlap import ForwardThread
+from radixserve.mem_cache.base_prefix_cache import BasePrefixCache
 
 from radixserve.protocol import (
     DestroyWeightsUpdateGroupReqInput,
@@ -50,11 +53,46 @@ class WeightsUpdateGroupJoined:
 PP_REFUSAL = "Weight updates with --pp-size > 1 are not supported yet (only the first pipeline stage would be updated)."
 
 
-class SchedulerUpdateWeights:
-    """`scheduler`: the Scheduler (its tp_worker, has_work, run_step, flush_cache)."""
+class SettleLoop(Protocol):
+    """What an update needs of the Scheduler's loop: run it until nothing is in flight, then flush."""
 
-    def __init__(self, scheduler: Any):
-        self.scheduler = scheduler
+    def has_work(self) -> bool: ...
+
+    def run_step(self) -> Optional[Any]: ...
+
+    def results_pending(self) -> bool: ...
+
+    def flush_cache(self) -> bool: ...
+
+
+class WeightsWorker(Protocol):
+    """The worker's weight-update methods (TpModelWorker's)."""
+
+    def update_weights_from_disk(self, recv: UpdateWeightFromDiskReqInput) -> Tuple[bool, str]: ...
+
+    def update_weights_from_tensor(self, recv: UpdateWeightsFromTensorReqInput) -> Tuple[bool, str]: ...
+
+    def update_weights_from_distributed(self, recv: UpdateWeightsFromDistributedReqInput) -> Tuple[bool, str]: ...
+
+    def join_weights_update_group(self, recv: InitWeightsUpdateGroupReqInput) -> Optional[str]: ...
+
+    def finish_weights_update_group_join(self, recv: InitWeightsUpdateGroupReqInput, error: Optional[str]) -> Tuple[bool, str]: ...
+
+    def destroy_weights_update_group(self, recv: DestroyWeightsUpdateGroupReqInput) -> Tuple[bool, str]: ...
+
+    def get_weights_by_name(self, recv: GetWeightsByNameReqInput) -> Optional[List[Any]]: ...
+
+
+class SchedulerUpdateWeights:
+    """Weight updates between two steps of the loop (`loop`: the Scheduler, seen through SettleLoop)."""
+
+    def __init__(self, worker: WeightsWorker, loop: SettleLoop, forward_thread: Optional[ForwardThread],
+                 tree_cache: BasePrefixCache, pp_size: int = 1):
+        self.worker = worker
+        self.loop = loop
+        self.forward_thread = forward_thread  # the overlap loop's: an update waits for its forwards
+        self.tree_cache = tree_cache  # (HiCache's storage tier: emptied after an update)
+        self.pp_size = pp_size
         # /init_weights_update_group's join in progress (its own thread) and its request: the
         # loop keeps serving while a trainer takes its time (at most the request's timeout)
         self._join: Optional[Tuple[Future, InitWeightsUpdateGroupReqInput]] = None
@@ -75,14 +113,14 @@ class SchedulerUpdateWeights:
         if self._pp_stages():
             return UpdateWeightFromDiskReqOutput(False, PP_REFUSAL, 0, recv.query_id)
         self.settle()
-        success, message = self.scheduler.tp_worker.update_weights_from_disk(recv)
+        success, message = self.worker.update_weights_from_disk(recv)
         return UpdateWeightFromDiskReqOutput(success, self._after_update(success, message, True), 0, recv.query_id)
 
     def update_weights_from_tensor(self, recv: UpdateWeightsFromTensorReqInput) -> UpdateWeightsFromTensorReqOutput:
         if self._pp_stages():
             return UpdateWeightsFromTensorReqOutput(False, PP_REFUSAL, recv.query_id)
         self.settle()
-        success, message = self.scheduler.tp_worker.update_weights_from_tensor(recv)
+        success, message = self.worker.update_weights_from_tensor(recv)
         return UpdateWeightsFromTensorReqOutput(success, self._after_update(success, message, recv.flush_cache), recv.query_id)
 
     def update_weights_from_distributed(self, recv: UpdateWeightsFromDistributedReqInput) -> UpdateWeightsFromDistributedReqOutput:
@@ -91,7 +129,7 @@ class SchedulerUpdateWeights:
         if self._joining(recv.group_name):
             return UpdateWeightsFromDistributedReqOutput(False, self._joining(recv.group_name), recv.query_id)
         self.settle()
-        success, message = self.scheduler.tp_worker.update_weights_from_distributed(recv)
+        success, message = self.worker.update_weights_from_distributed(recv)
         return UpdateWeightsFromDistributedReqOutput(success, self._after_update(success, message, recv.flush_cache), recv.query_id)
 
     def init_weights_update_group(self, recv: InitWeightsUpdateGroupReqInput) -> Optional[InitWeightsUpdateGroupReqOutput]:
@@ -103,7 +141,7 @@ class SchedulerUpdateWeights:
 
         def join() -> None:
             try:
-                future.set_result(self.scheduler.tp_worker.join_weights_update_group(recv))
+                future.set_result(self.worker.join_weights_update_group(recv))
             except BaseException as e:  # not expected (the join catches its own): an answer all the same
                 future.set_result(f"Failed to initialize custom process group: {type(e).__name__}: {e}.")
 
@@ -126,41 +164,41 @@ class SchedulerUpdateWeights:
         future, recv = self._join
         self._join = None
         error = future.result()  # another rank's join ends within the same timeout
-        success, message = self.scheduler.tp_worker.finish_weights_update_group_join(recv, error)
+        success, message = self.worker.finish_weights_update_group_join(recv, error)
         return InitWeightsUpdateGroupReqOutput(success, message, recv.query_id)
 
     def destroy_weights_update_group(self, recv: DestroyWeightsUpdateGroupReqInput) -> DestroyWeightsUpdateGroupReqOutput:
         if self._joining(recv.group_name):
             return DestroyWeightsUpdateGroupReqOutput(False, self._joining(recv.group_name), recv.query_id)
-        success, message = self.scheduler.tp_worker.destroy_weights_update_group(recv)
+        success, message = self.worker.destroy_weights_update_group(recv)
         return DestroyWeightsUpdateGroupReqOutput(success, message, recv.query_id)
 
     def get_weights_by_name(self, recv: GetWeightsByNameReqInput) -> GetWeightsByNameReqOutput:
-        return GetWeightsByNameReqOutput(self.scheduler.tp_worker.get_weights_by_name(recv), recv.query_id)
+        return GetWeightsByNameReqOutput(self.worker.get_weights_by_name(recv), recv.query_id)
 
     # ---- around an update ------------------------------------------------------------------------
     def _pp_stages(self) -> bool:
-        return self.scheduler.server_args.pp_size > 1
+        return self.pp_size > 1
 
     def settle(self) -> None:
         """Run the loop until nothing is in flight: no forward on the forward thread, no request
         admitted before the update still running. A step that launches nothing and leaves no
         result pending ends the wait (e.g. a paused scheduler keeps its requests as they are)."""
-        s = self.scheduler
-        while s.has_work():
-            if s.run_step() is None and not s._results_pending():
+        loop = self.loop
+        while loop.has_work():
+            if loop.run_step() is None and not loop.results_pending():
                 break
-        if s.forward_thread is not None:
-            s.forward_thread.synchronize()
+        if self.forward_thread is not None:
+            self.forward_thread.synchronize()
 
     def _after_update(self, success: bool, message: str, flush_cache: bool) -> str:
         if not success:
             logger.error("Weight update refused: %s", message)
             return message
-        storage = getattr(self.scheduler.tree_cache, "storage", None)  # HiCache's storage tier
+        storage = getattr(self.tree_cache, "storage", None)  # HiCache's storage tier
         if storage is not None:  # its pages hold KV of the old weights: never load them again
             storage.clear()
             storage.controller.clear()
-        if flush_cache and not self.scheduler.flush_cache():
+        if flush_cache and not self.loop.flush_cache():
             return message + " The cache was not flushed: requests still hold KV of the old weights."
         return message

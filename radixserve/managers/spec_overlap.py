@@ -10,7 +10,7 @@ long each request will be after N. So it prepares N+1 for every length N can lea
     N+1 writes KV at positions S'-1 .. S'-1+k  (the last token, then up to k drafts)
 
   * slots: each request's req_to_token row holds slots up to position S + 2k + 1
-    (req.kv_allocated_len), so whatever N commits, N+1 finds its slots already there; the
+    (req.kv_allocated_len, KVLedger.reserve_ahead), so whatever N commits, N+1 finds its slots already there; the
     slots a step does not use are used by the next one, and all go back when the request
     finishes or is retracted (at most 2k + 2 per request are reserved ahead);
   * the window: the row's slots of positions S-1 .. S+2k, copied at schedule time (a request
@@ -80,19 +80,14 @@ def prepare_decode(batch: Any) -> None:
     batch.forward_mode = ForwardMode.DECODE
     batch.input_ids, batch.output_ids = batch.output_ids, None
     k = batch.spec_max_drafts
-    width = batch.req_to_token_pool.max_context_len
-    bases = [held_len(r) for r in batch.reqs]
-    targets = [max(reserve_target(r, k, width), b) for r, b in zip(batch.reqs, bases)]
-    if any(t > b for t, b in zip(targets, bases)):
-        flat = batch.alloc_slots_after(bases, targets)
-        batch.req_to_token_pool.write_spans([r.req_pool_idx for r in batch.reqs], bases,
-                                            [t - b for b, t in zip(bases, targets)], flat)
-    for r, t in zip(batch.reqs, targets):
-        r.kv_allocated_len = t
+    ledger = batch.ledger
+    width = ledger.row_width
+    ledger.reserve_ahead(batch.reqs, [reserve_target(r, k, width) for r in batch.reqs])
+    targets = [r.kv_allocated_len for r in batch.reqs]
     known = [r.seqlen() for r in batch.reqs]
     positions = torch.tensor(known, dtype=torch.int64)[:, None] - 1 + torch.arange(2 * k + 2)
     # (on the host, as the verify step's other index tensors: the forward thread picks from it)
-    rows = batch.req_to_token_pool.req_to_token_cpu
+    rows = ledger.rows_cpu
     windows = rows[batch.req_pool_indices[:, None], positions.clamp(max=width - 1)].to(torch.int64)
     batch.seq_lens_cpu = known
     batch.seq_lens = torch.tensor(known, dtype=torch.int64)

@@ -23,7 +23,7 @@ from typing import Iterator, List, Optional, Protocol, Tuple
 import torch
 
 from radixserve.mem_cache.base_prefix_cache import (
-    BasePrefixCache, CacheReq, check_pages_conserved, check_pools_idle,
+    BasePrefixCache, CacheReq, MatchResult, check_pages_conserved, check_pools_idle,
 )
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from radixserve.mem_cache.radix_cache import TreeNode
@@ -80,11 +80,22 @@ class KVLedger:
             self.tree_cache.evict(num_tokens - available)
         return self.allocator.available_size() >= num_tokens
 
+    def evict_extra_key(self, extra_key: str) -> int:
+        """Free the unlocked prefixes cached under `extra_key` (an unloaded LoRA adapter's)."""
+        return self.tree_cache.evict_extra_key(extra_key)
+
     def mem_report(self) -> str:
         return (f"available={self.allocator.available_size()}, "
                 f"evictable={self.tree_cache.evictable_size()}, protected={self.tree_cache.protected_size()}")
 
     # ---- match and lock (L1) ----------------------------------------------------------------------
+    def match_prefix(self, key: List[int], extra_key: Optional[str] = None) -> MatchResult:
+        """The longest cached prefix of `key` under `extra_key` (a LoRA adapter; None: the base
+        model), with the host part HiCache could load back (`load_back`). Locks nothing."""
+        return self.tree_cache.match_prefix(key, extra_key)
+
+    match = match_prefix  # SGLang's short name; match_prefix lets a Req match on a cache or the ledger
+
     def lock(self, node: TreeNode) -> None:
         """The prefix ending at `node` may not be evicted while a request uses it."""
         self.tree_cache.inc_lock_ref(node)
@@ -115,6 +126,24 @@ class KVLedger:
         """The request's row of slot indices (host copy)."""
         return self.req_to_token_pool.req_to_token_cpu[req.req_pool_idx]
 
+    @property
+    def rows_cpu(self) -> torch.Tensor:
+        """The whole request-to-token table, host copy (read only: a batch's windows, PP's rows)."""
+        return self.req_to_token_pool.req_to_token_cpu
+
+    def write_spans(self, rows: List[int], starts: List[int], lens: List[int], slots: torch.Tensor) -> None:
+        """Row rows[i], positions starts[i] .. starts[i] + lens[i] - 1 get the next lens[i] slots
+        (a prefill's prefix and chunk, a later PP stage copying the first stage's rows)."""
+        self.req_to_token_pool.write_spans(rows, starts, lens, slots)
+
+    def write_at(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """Row rows[i], position positions[i] gets slots[i] (a decode step's new token)."""
+        self.req_to_token_pool.write((rows, positions), slots)
+
+    def write_row(self, req: LedgerReq, start: int, slots: torch.Tensor) -> None:
+        """The request's positions start .. start + len(slots) - 1 get `slots` (drafts, a PD transfer)."""
+        self.req_to_token_pool.write((req.req_pool_idx, slice(start, start + len(slots))), slots)
+
     # ---- slots (L3): reserve ------------------------------------------------------------------------
     def alloc_slots(self, num_tokens: int) -> torch.Tensor:
         """`num_tokens` slots (page_size 1, or whole pages of scratch); raises when out of memory."""
@@ -143,6 +172,24 @@ class KVLedger:
             need = self._paged_need(prefix_lens, seq_lens)
             raise RuntimeError(f"KV cache out of memory: need {need} slots. {self.mem_report()}")
         return out
+
+    def last_locs(self, reqs: List[LedgerReq], prefix_lens: List[int]) -> List[int]:
+        """Slot of each request's token prefix_len-1 (-1 if none): a paged reserve continues its page."""
+        if self.page_size == 1:
+            return [-1] * len(prefix_lens)
+        rows = self.rows_cpu
+        return [int(rows[r.req_pool_idx, p - 1]) if p > 0 else -1 for r, p in zip(reqs, prefix_lens)]
+
+    def reserve_ahead(self, reqs: List[LedgerReq], targets: List[int]) -> None:
+        """Each request holds slots for its first targets[i] positions (at least what it holds
+        now): the speculative overlap loop's window, reserved before the step's drafts are known."""
+        bases = [held_len(r) for r in reqs]
+        targets = [max(t, b) for t, b in zip(targets, bases)]
+        if any(t > b for t, b in zip(targets, bases)):
+            flat = self.reserve(bases, targets, self.last_locs(reqs, bases))
+            self.write_spans([r.req_pool_idx for r in reqs], bases, [t - b for b, t in zip(bases, targets)], flat)
+        for r, t in zip(reqs, targets):
+            r.kv_allocated_len = t
 
     def free_slots(self, slots: torch.Tensor) -> None:
         """Scratch slots that no row holds (EAGLE's tree forwards)."""
@@ -177,6 +224,14 @@ class KVLedger:
         if first_free < held:
             self.allocator.free(self.row(req)[first_free:held].to(torch.int64))
         req.kv_committed_len, req.kv_allocated_len = kept, 0
+
+    def cache_unfinished_req(self, req: CacheReq, chunked: bool = False) -> None:
+        """A prefill chunk ran: its KV goes into the tree, the request's lock moves to its end."""
+        self.tree_cache.cache_unfinished_req(req, chunked=chunked)
+
+    def cache_finished_req(self, req: CacheReq, is_insert: bool = True) -> None:
+        """A finished or aborted request: its KV goes into the tree (or back), its row and lock go."""
+        self.tree_cache.cache_finished_req(req, is_insert=is_insert)
 
     def release(self, req: LedgerReq) -> None:
         """Everything a request holds that the tree does not (retract, preempt, a failed PD

@@ -8,7 +8,10 @@ from typing import Any, List, Optional, Tuple
 import torch
 
 from radixserve.layers.logits_processor import LogitsProcessorOutput
+from radixserve.layers.pooler import PoolingConfig
+from radixserve.lora.lora_manager import LoRAManager
 from radixserve.model_executor.forward_batch import ForwardBatch, ModelWorkerBatch
+from radixserve.model_executor.memory_saver import MemorySaverAdapter
 from radixserve.model_executor.model_runner import ModelRunner
 from radixserve.models.model_config import ModelConfig
 from radixserve.protocol import (
@@ -33,6 +36,8 @@ class GenerationBatchResult:
 
 
 class TpModelWorker:
+    pp_transport = None  # --pp-size: the stages talk over torch.distributed (the simulator's worker brings its own)
+
     def __init__(self, server_args: ServerArgs, model_config: ModelConfig, tp_rank: int = 0, tp_size: int = 1,
                  pp_rank: int = 0):
         self.server_args = server_args
@@ -53,6 +58,23 @@ class TpModelWorker:
     def get_kv_pool(self):
         """The K/V buffers (the ledger moves a tree verify's KV; HiCache copies to the host)."""
         return self.model_runner.token_to_kv_pool
+
+    # ---- what features ask of the model (worker_protocol.py: nobody reaches into model_runner) ----
+    @property
+    def lora_manager(self) -> Optional[LoRAManager]:
+        return self.model_runner.lora_manager
+
+    def pooling_config(self) -> PoolingConfig:
+        """--is-embedding: how the model's pooler pools (CLS, mean, last token)."""
+        return self.model_runner.pooler.config
+
+    def embed_and_head(self) -> Tuple[torch.nn.Module, torch.nn.Module]:
+        """The token embedding and the LM head (EAGLE's head shares both)."""
+        model = self.model_runner.model
+        return model.model.embed_tokens, model.lm_head
+
+    def memory_saver(self) -> MemorySaverAdapter:
+        return MemorySaverAdapter(self.model_runner)
 
     # ---- weight updates (SGLang's TpModelWorker: a request in, (success, message) out) ----------
     def update_weights_from_disk(self, recv_req: UpdateWeightFromDiskReqInput) -> Tuple[bool, str]:

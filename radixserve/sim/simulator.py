@@ -198,7 +198,7 @@ class Simulator:
     def _token_usage(self) -> float:
         s = self.scheduler
         total = s.max_total_num_tokens
-        used = total - s.token_to_kv_pool_allocator.available_size() - s.tree_cache.evictable_size()
+        used = total - s.ledger.available_size() - s.tree_cache.evictable_size()
         return used / total if total else 0.0
 
 

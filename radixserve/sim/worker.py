@@ -86,6 +86,11 @@ class SimModelWorker:
     def get_kv_pool(self):
         return None  # no K/V buffers: nothing is computed
 
+    lora_manager = None  # no adapters: nothing is computed
+
+    def memory_saver(self) -> None:
+        return None  # nothing to release
+
     @staticmethod
     def to_host(t: torch.Tensor) -> Tuple[torch.Tensor, None]:
         return t, None  # already on the host: nothing to wait for

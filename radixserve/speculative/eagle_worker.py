@@ -37,7 +37,8 @@ import torch
 from radixserve.layers.attention.spec_tree import SpecTree, TokenPaths
 from radixserve.model_executor.forward_batch import ForwardBatch, ForwardMode, ModelWorkerBatch
 from radixserve.model_executor.model_runner import ModelRunner
-from radixserve.model_executor.tp_worker import GenerationBatchResult, TpModelWorker
+from radixserve.model_executor.tp_worker import GenerationBatchResult
+from radixserve.model_executor.worker_protocol import TargetWorker
 from radixserve.speculative.overlap_view import slots_of
 from radixserve.speculative.standalone_worker import load_draft_runner
 from radixserve.speculative.tree import TreeDrafts
@@ -64,15 +65,14 @@ class _Node:
 
 
 class EAGLEWorker:
-    def __init__(self, server_args: Any, target_worker: TpModelWorker, draft_runner: Optional[ModelRunner] = None):
+    def __init__(self, server_args: Any, target_worker: TargetWorker, draft_runner: Optional[ModelRunner] = None):
         self.target_worker = target_worker
         self.topk = server_args.speculative_eagle_topk
         self.num_steps = server_args.speculative_num_steps
         self.num_verify = server_args.speculative_num_draft_tokens - 1  # drafts verified per request
         self.draft_runner = draft_runner or load_draft_runner(server_args, target_worker)
         check_head(self.draft_runner.model_config, target_worker.model_config, server_args.speculative_draft_model_path)
-        target = target_worker.model_runner.model
-        self.draft_runner.model.set_embed_and_head(target.model.embed_tokens, target.lm_head)
+        self.draft_runner.model.set_embed_and_head(*target_worker.embed_and_head())
         # Slots a step takes past the decode token: the verified drafts and the tree's scratch.
         self.max_drafts = self.num_verify + (self.num_steps - 1) * self.topk
         self.verify_width = 1 + self.num_verify  # the rest of max_drafts is the tree's scratch

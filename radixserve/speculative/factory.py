@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
-from radixserve.model_executor.tp_worker import TpModelWorker
+from radixserve.model_executor.worker_protocol import TargetWorker
 from radixserve.speculative.eagle_worker import EAGLEWorker
 from radixserve.speculative.ngram_worker import NGRAMWorker
 from radixserve.speculative.standalone_worker import STANDALONEWorker
@@ -21,7 +21,7 @@ from radixserve.speculative.standalone_worker import STANDALONEWorker
 logger = logging.getLogger(__name__)
 
 
-def create_speculative_worker(server_args: Any, target_worker: TpModelWorker) -> Optional[Any]:
+def create_speculative_worker(server_args: Any, target_worker: TargetWorker) -> Optional[Any]:
     """The worker of --speculative-algorithm (None without it). ServerArgs refused the others;
     STANDALONE refuses a draft model whose vocabulary differs from the target's (ValueError)."""
     if server_args.speculative_algorithm is None:

@@ -23,7 +23,8 @@ from typing import Any, Dict, List
 
 from radixserve.layers.attention.spec_tree import SpecTree
 from radixserve.model_executor.forward_batch import ModelWorkerBatch
-from radixserve.model_executor.tp_worker import GenerationBatchResult, TpModelWorker
+from radixserve.model_executor.tp_worker import GenerationBatchResult
+from radixserve.model_executor.worker_protocol import TargetWorker
 from radixserve.speculative.draft_budget import DraftBudget
 from radixserve.speculative.ngram_cache import NgramCache
 from radixserve.speculative.spec_info import NgramVerifyInput
@@ -34,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 
 class NGRAMWorker:
-    def __init__(self, server_args: Any, target_worker: TpModelWorker):
+    def __init__(self, server_args: Any, target_worker: TargetWorker):
         self.target_worker = target_worker
         # SGLang's meaning: tokens per request in the verify forward, the verified token included.
         self.max_drafts = server_args.speculative_num_draft_tokens - 1

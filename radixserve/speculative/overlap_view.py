@@ -90,7 +90,6 @@ class DecodeView:
     input_ids: torch.Tensor
     out_cache_loc: torch.Tensor
     req_pool_indices: torch.Tensor
-    req_to_token_pool: Any  # read by nobody that writes (see the module docstring)
     ledger: ReservedSlots
     sampling_info: Any
     return_logprob: bool
@@ -132,7 +131,7 @@ def decode_view(inp: Any, pending: List[List[int]], worker_batch: ModelWorkerBat
     return DecodeView(
         reqs=reqs, seq_lens_cpu=lens, seq_lens=torch.tensor(lens, dtype=torch.int64),
         input_ids=torch.tensor(last, dtype=torch.int64), out_cache_loc=inp.windows[rows, offs],
-        req_pool_indices=worker_batch.req_pool_indices, req_to_token_pool=ledger.req_to_token_pool,
+        req_pool_indices=worker_batch.req_pool_indices,
         ledger=ReservedSlots(inp.windows[spare_mask], ledger),
         sampling_info=worker_batch.sampling_info, return_logprob=return_logprob, top_logprobs_nums=top_logprobs_nums,
         windows=inp.windows, window_starts=[n - 1 for n in inp.known_lens],
@@ -150,4 +149,4 @@ def slots_of(batch: Any, i: int, start: int, end: int) -> torch.Tensor:
     overlap loop from its reserved window (the row may be another request's by now)."""
     if isinstance(batch, DecodeView):
         return batch.slots(i, start, end)
-    return batch.req_to_token_pool.req_to_token_cpu[batch.reqs[i].req_pool_idx, start:end].to(torch.int64)
+    return batch.ledger.row(batch.reqs[i])[start:end].to(torch.int64)

@@ -28,7 +28,8 @@ import torch
 
 from radixserve.model_executor.forward_batch import ForwardBatch, ForwardMode, ModelWorkerBatch
 from radixserve.model_executor.model_runner import ModelRunner
-from radixserve.model_executor.tp_worker import GenerationBatchResult, TpModelWorker
+from radixserve.model_executor.tp_worker import GenerationBatchResult
+from radixserve.model_executor.worker_protocol import TargetWorker
 from radixserve.models.model_config import ModelConfig
 from radixserve.speculative.spec_info import ChainVerifyInput
 from radixserve.speculative.verify_step import alloc_draft_slots, can_draft, draft_room, run_verify_step
@@ -36,7 +37,7 @@ from radixserve.speculative.verify_step import alloc_draft_slots, can_draft, dra
 logger = logging.getLogger(__name__)
 
 
-def load_draft_runner(server_args: Any, target_worker: TpModelWorker) -> ModelRunner:
+def load_draft_runner(server_args: Any, target_worker: TargetWorker) -> ModelRunner:
     """The draft model on the target's device, with KV buffers for every slot of the target's
     pool. ValueError (one line) when its vocabulary or context differs from the target's."""
     path = server_args.speculative_draft_model_path
@@ -51,7 +52,7 @@ def load_draft_runner(server_args: Any, target_worker: TpModelWorker) -> ModelRu
     # The draft is an ordinary model of its own path (no adapters, no speculation of its own),
     # in the target's dtype (an EAGLE head takes the target's embeddings and hidden states).
     # Its decode steps run eagerly: the target's memory budget reserves no graph pool for it.
-    dtype = str(target_worker.model_runner.dtype).removeprefix("torch.")
+    dtype = str(target_worker.dtype).removeprefix("torch.")
     args = server_args.replace(model_path=path, speculative_algorithm=None, enable_lora=False, lora_paths=None,
                                disable_cuda_graph=True, dtype=dtype,
                                quantization=draft_quantization(server_args.quantization, config))
@@ -67,7 +68,7 @@ def draft_quantization(quantization: str, draft: ModelConfig) -> str:
 
 
 class STANDALONEWorker:
-    def __init__(self, server_args: Any, target_worker: TpModelWorker, draft_runner: Optional[ModelRunner] = None):
+    def __init__(self, server_args: Any, target_worker: TargetWorker, draft_runner: Optional[ModelRunner] = None):
         self.target_worker = target_worker
         self.draft_runner = draft_runner or load_draft_runner(server_args, target_worker)
         self.max_drafts = server_args.speculative_num_steps

@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from radixserve.distributed.parallel_state import get_tp_group
 from radixserve.model_executor.forward_batch import ForwardMode, ModelWorkerBatch
-from radixserve.model_executor.tp_worker import GenerationBatchResult, TpModelWorker
+from radixserve.model_executor.tp_worker import GenerationBatchResult
+from radixserve.model_executor.worker_protocol import TargetWorker
 from radixserve.speculative.overlap_view import DecodeView
 from radixserve.speculative.spec_info import ChainVerifyInput, ChainVerifyOutput
 from radixserve.speculative.tree import TreeDrafts, accepted_kv_moves, verify_tree
@@ -58,13 +59,13 @@ def alloc_draft_slots(batch: Any, num_drafts: List[int]) -> List[torch.Tensor]:
         locs = flat[offset : offset + k].to(torch.int64)
         offset += k
         if not isinstance(batch, DecodeView):
-            batch.req_to_token_pool.write((req.req_pool_idx, slice(p + 1, p + 1 + k)), locs)
+            batch.ledger.write_row(req, p + 1, locs)
         out.append(locs)
     return out
 
 
 # ---- the step ----------------------------------------------------------------------------------
-def run_verify_step(target_worker: TpModelWorker, batch: Any, worker_batch: ModelWorkerBatch,
+def run_verify_step(target_worker: TargetWorker, batch: Any, worker_batch: ModelWorkerBatch,
                     spec: ChainVerifyInput, draft_locs: Optional[List[torch.Tensor]] = None) -> GenerationBatchResult:
     """Verify `spec` (the drafts of a prepared DECODE `batch`) in one target forward and commit.
     Sets batch.output_ids to each request's last committed token. A batch without drafts runs
@@ -86,7 +87,7 @@ def run_verify_step(target_worker: TpModelWorker, batch: Any, worker_batch: Mode
     return result_of(out, spec.num_drafts)
 
 
-def run_tree_verify_step(target_worker: TpModelWorker, batch: Any, worker_batch: ModelWorkerBatch, drafts: TreeDrafts,
+def run_tree_verify_step(target_worker: TargetWorker, batch: Any, worker_batch: ModelWorkerBatch, drafts: TreeDrafts,
                          capture_hidden: bool = False) -> Tuple[ChainVerifyOutput, List[List[int]], Any]:
     """Verify token trees (tree.py) in one target forward under the tree mask and commit: the
     accepted branch's KV moved to its positions, then the chain's commit. Returns the committed
@@ -117,7 +118,7 @@ def rank0_outcome(outcome: Any) -> Any:
     return box[0]
 
 
-def verify_forward(target_worker: TpModelWorker, batch: Any, worker_batch: ModelWorkerBatch,
+def verify_forward(target_worker: TargetWorker, batch: Any, worker_batch: ModelWorkerBatch,
                    spec: ChainVerifyInput, draft_locs: List[torch.Tensor]) -> torch.Tensor:
     """One EXTEND forward of every request's last token and drafts (spec_info.py's layout);
     returns the logits at every position."""

@@ -14,7 +14,6 @@ from typing import Dict, List
 import pytest
 
 from radixserve.engine import Engine
-from radixserve.managers.scheduler_hicache import SchedulerHiCache
 from radixserve.protocol import ClearHiCacheReqInput
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -76,8 +75,8 @@ def test_a_restarted_engine_gets_its_prefixes_from_the_file_store(tmp_path, work
         sum(r["meta_info"]["cached_tokens_details"].values()) for r in results)
     second.scheduler.check_memory()  # host slots the storage tier filled are all accounted for
 
-    handler = SchedulerHiCache(second.scheduler)  # what POST /clear_hicache_storage_backend reaches
-    handler.controller, handler.tier = tier(second).controller, tier(second)
+    handler = second.scheduler.hicache  # what POST /clear_hicache_storage_backend reaches
+    assert handler.tier is tier(second)
     reply = handler.clear_hicache_storage(ClearHiCacheReqInput(query_id="q"))
     assert reply.success and reply.query_id == "q" and not list(tmp_path.glob("*.bin"))
     second.shutdown()
@@ -115,7 +114,7 @@ def test_a_second_engine_on_the_same_mooncake_master_gets_the_first_ones_prefixe
 
 def test_clearing_without_a_storage_tier_says_how_to_configure_one():
     engine = Engine(max_total_tokens=256, enable_hierarchical_cache=True)
-    reply = SchedulerHiCache(engine.scheduler).clear_hicache_storage(ClearHiCacheReqInput())
+    reply = engine.scheduler.hicache.clear_hicache_storage(ClearHiCacheReqInput())
     assert not reply.success and "--hicache-storage-backend" in reply.message
     engine.shutdown()
 

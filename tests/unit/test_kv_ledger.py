@@ -25,7 +25,7 @@ def _req(ledger: KVLedger, n: int) -> SimpleNamespace:
     req = SimpleNamespace(req_pool_idx=ledger.alloc_rows(1)[0], kv_committed_len=0, kv_allocated_len=0,
                           prefix_indices=torch.empty(0, dtype=torch.int64), last_node=None)
     slots = ledger.reserve([0], [n], [-1])
-    ledger.req_to_token_pool.write_spans([req.req_pool_idx], [0], [n], slots)
+    ledger.write_spans([req.req_pool_idx], [0], [n], slots)
     ledger.advance(req, n)
     return req
 
@@ -80,3 +80,39 @@ def test_lock_keeps_a_prefix_from_eviction():
         assert ledger.budget() == TOTAL - 8
         assert not ledger.make_room(TOTAL)
     assert ledger.make_room(TOTAL)
+
+
+def test_reserve_ahead_continues_the_last_page_and_records_the_reserved_length():
+    """The speculative overlap loop's window (managers/spec_overlap.py): slots for positions up to
+    the target, written into the row; the paged reserve fills the last held page first."""
+    ledger = _ledger()
+    a, b = _req(ledger, 6), _req(ledger, 8)
+    free = ledger.available_size()
+    ledger.reserve_ahead([a, b], [11, 5])  # b already holds more than its target: nothing for it
+    assert (a.kv_allocated_len, b.kv_allocated_len) == (11, 8)
+    assert ledger.available_size() == free - PS  # a's page 2 (tokens 8..11); tokens 6, 7 are in page 1
+    row = ledger.row(a)[:11].tolist()
+    assert row[6] == row[5] + 1 and row[7] == row[5] + 2  # the same page as token 5
+    assert len(set(row)) == 11
+    ledger.check_conserved([a, b])
+    ledger.commit(a, a.kv_committed_len)  # the window goes back, the committed pages stay
+    assert a.kv_allocated_len == 0 and ledger.available_size() == free
+    ledger.release(a)
+    ledger.release(b)
+    ledger.check_idle(TOTAL)
+
+
+def test_row_writes_and_match_go_through_the_ledger():
+    ledger = _ledger()
+    req = _req(ledger, 4)
+    slots = ledger.reserve([4], [6], ledger.last_locs([req], [4]))
+    ledger.write_row(req, 4, slots[:1])
+    ledger.write_at(torch.tensor([req.req_pool_idx]), torch.tensor([5]), slots[1:])
+    assert ledger.row(req)[4:6].tolist() == slots.tolist()
+    ledger.advance(req, 6)
+    req.origin_input_ids, req.output_ids, req.fill_ids = list(range(6)), [], list(range(6))
+    req.last_node = ledger.tree_cache.root_node
+    ledger.cache_finished_req(req)  # the row's KV into the tree, the row free
+    assert ledger.free_rows() == 4
+    match = ledger.match(list(range(6)))
+    assert match.device_indices.tolist() == ledger.rows_cpu[0, :4].tolist()  # whole pages only

@@ -38,3 +38,50 @@ def test_import_contracts_are_kept():
     )
     assert proc.returncode == 0, f"lint-imports failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
     assert "0 broken" in proc.stdout, proc.stdout
+
+
+# ---- issue 40: KV has one owner, the worker is a protocol --------------------------------------
+import ast  # noqa: E402
+
+PKG = REPO_ROOT / "radixserve"
+
+
+def _receiver(node: ast.AST) -> str:
+    """The last name of what an attribute is read from: `self.ledger.x` -> "ledger"."""
+    return node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
+
+
+def _attribute_uses(dirs: list, names: set, allowed_receivers: tuple = ()) -> list:
+    """`x.<name>` and getattr(x, "<name>") for each name in `names`, in the .py files under `dirs`,
+    unless x is one of `allowed_receivers`."""
+    hits = []
+    for d in dirs:
+        for path in sorted((PKG / d).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                name = obj = None
+                if isinstance(node, ast.Attribute) and node.attr in names:
+                    name, obj = node.attr, node.value
+                elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
+                      and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and node.args[1].value in names):
+                    name, obj = node.args[1].value, node.args[0]
+                if name is not None and _receiver(obj) not in allowed_receivers:
+                    hits.append(f"{path.relative_to(REPO_ROOT)}:{node.lineno} {name}")
+    return hits
+
+
+def test_managers_and_speculative_do_not_reach_into_the_model_runner():
+    """What they need of the model is a method of the worker's protocol (model_executor/worker_protocol.py)."""
+    assert _attribute_uses(["managers", "speculative"], {"model_runner"}) == []
+
+
+def test_only_the_ledger_touches_kv_pools_outside_mem_cache():
+    """Rows, slots and locks go through mem_cache/kv_ledger.py: the scheduler's side never names the
+    pools, the allocator, the tree's locks or its cache-finishing calls except on a ledger (the
+    Scheduler builds the ledger from the worker's pools: those two names are its own)."""
+    kv_names = {"req_to_token_pool", "token_to_kv_pool", "token_to_kv_pool_allocator", "inc_lock_ref", "dec_lock_ref",
+                "cache_finished_req", "cache_unfinished_req", "write_spans", "move_kv_cache", "free_group_begin",
+                "evict_extra_key", "init_load_back"}  # (match_prefix locks nothing: the policy's ordering reads the tree)
+    hits = [h for h in _attribute_uses(["managers", "speculative", "disaggregation", "lora", "entrypoints"], kv_names,
+                                       allowed_receivers=("ledger",))
+            if not (h.startswith("radixserve/managers/scheduler.py") and h.endswith(("req_to_token_pool", "token_to_kv_pool_allocator")))]
+    assert hits == [], hits

@@ -11,7 +11,9 @@ import torch
 
 from radixserve.managers import spec_overlap
 from radixserve.managers.overlap import FutureMap
-from radixserve.mem_cache.memory_pool import ReqToTokenPool
+from radixserve.mem_cache.chunk_cache import ChunkCache
+from radixserve.mem_cache.kv_ledger import KVLedger
+from radixserve.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from radixserve.model_executor.forward_batch import ForwardMode, ModelWorkerBatch
 from radixserve.speculative.overlap_view import decode_view
 
@@ -43,20 +45,19 @@ def test_slots_are_reserved_for_any_length_the_step_in_flight_leaves():
     k, width = 2, 64
     pool = ReqToTokenPool(2, width)
     rows = pool.req_to_token_cpu  # on the CPU: the one table
-    allocated = iter(range(1000, 2000))
     rows[0, :10] = torch.arange(10)  # request a: 10 tokens with KV, 11 known (the last has none)
     rows[1, :5] = torch.arange(100, 105)  # request b: prefill of 5 just launched (its token in flight)
     reqs = [_req("a", list(range(6)), list(range(5)), 0, kv=10), _req("b", list(range(5)), [], 1, kv=5)]
 
-    def alloc_slots_after(prefix_lens, seq_lens):
-        return torch.tensor([next(allocated) for p, s in zip(prefix_lens, seq_lens) for _ in range(s - p)])
-
+    allocator = TokenToKVPoolAllocator(1000, page_size=1)
+    ledger = KVLedger(pool, allocator, ChunkCache(pool, allocator))
     batch = SimpleNamespace(reqs=reqs, spec_max_drafts=k, output_ids=torch.tensor([4, -3]),
-                            req_to_token_pool=pool, req_pool_indices=torch.tensor([0, 1]),
-                            alloc_slots_after=alloc_slots_after)
+                            ledger=ledger, req_pool_indices=torch.tensor([0, 1]))
     assert spec_overlap.new_slots_needed(reqs, k, width, page_size=1) == (11 + 2 * k + 1 - 10) + (5 + 2 * k + 1 - 5)
+    free_before = allocator.available_size()
     spec_overlap.prepare_decode(batch)
     assert [r.kv_allocated_len for r in reqs] == [11 + 2 * k + 1, 5 + 2 * k + 1]
+    assert allocator.available_size() == free_before - (11 + 2 * k + 1 - 10) - (5 + 2 * k + 1 - 5)  # the ledger reserved them
     inp = batch.spec_overlap_input
     assert inp.known_lens == [11, 5] and inp.windows.shape == (2, 2 * k + 2)
     assert inp.windows[0].tolist() == rows[0, 10:16].tolist()  # positions S-1 .. S+2k

@@ -373,10 +373,8 @@ def test_weight_updates_are_refused_with_pipeline_stages():
     from radixserve.protocol import UpdateWeightFromDiskReqInput, UpdateWeightsFromTensorReqInput
 
     updated = []
-    sched = SimpleNamespace(server_args=SimpleNamespace(pp_size=2),
-                            tp_worker=SimpleNamespace(update_weights_from_disk=updated.append,
-                                                      update_weights_from_tensor=updated.append))
-    handler = SchedulerUpdateWeights(sched)
+    worker = SimpleNamespace(update_weights_from_disk=updated.append, update_weights_from_tensor=updated.append)
+    handler = SchedulerUpdateWeights(worker, loop=None, forward_thread=None, tree_cache=None, pp_size=2)
     for out in (handler.update_weights_from_disk(UpdateWeightFromDiskReqInput("/some/model")),
                 handler.update_weights_from_tensor(UpdateWeightsFromTensorReqInput([]))):
         assert not out.success and "--pp-size" in out.message
