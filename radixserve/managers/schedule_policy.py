@@ -252,11 +252,16 @@ class PrefillAdder:
         if swa_room is None or self.rem_chunk_tokens is None:
             return self.rem_chunk_tokens
         room = (swa_room() - self.cur_rem_token_offset) // self.page_size * self.page_size
-        return max(min(self.rem_chunk_tokens, room), self.page_size)
+        return min(self.rem_chunk_tokens, room)
 
     def add_chunked_req(self, req: Req) -> Optional[Req]:
         """Continue the request whose prefill is being chunked. Returns it if still unfinished."""
         chunk = self._chunk_budget()
+        if chunk is not None and chunk <= 0:
+            # The SWA pool is full this round (decodes hold it): wait, as computed so far, for
+            # them to move on, finish or be retracted; alone, it always has room (model_runner).
+            req.fill_ids, req.extend_input_len = req.fill_ids[: len(req.prefix_indices)], 0
+            return req
         truncated = chunk is not None and req.extend_input_len > chunk
         if truncated:
             req.extend_input_len = chunk // self.page_size * self.page_size

@@ -137,4 +137,6 @@ class SWAKVLedger(KVLedger):
             n = getattr(r, "kv_committed_len", 0)
             tail = self.row(r)[max(0, n - window + 1) : n]
             if not bool(alloc.has_swa(tail).all()):
-                raise MemoryLeakError(f"SWA pool: request {getattr(r, 'rid', r)} lost swa slots inside its window")
+                raise MemoryLeakError(f"SWA pool: request {getattr(r, 'rid', r)} lost swa slots inside its window "
+                                      f"(KV length {n}, cached prefix {len(r.prefix_indices)}, "
+                                      f"held: {alloc.has_swa(tail).int().tolist()})")

@@ -11,7 +11,8 @@ the new tokens at the boundary.
 
 A prefix hit is usable only where the windowed layers still have the window before it: the
 match is shortened to the deepest node end with W live tokens before it (or live all the way
-from the root). Evicting from the SWA pool (`evict_swa`) turns unlocked live nodes into
+from the root). A request that recomputes a tombstone's tokens gives it its swa slots back on
+insert (it comes back to life). Evicting from the SWA pool (`evict_swa`) turns unlocked live nodes into
 tombstones, least recently used first: it frees swa slots, never full ones. A request's lock
 protects the swa slots of the last W tokens of its prefix only (swa_lock_ref), the ones its
 windowed layers read; the id of the topmost node it reached (swa_uuid) is kept on the locked
@@ -115,6 +116,21 @@ class SWARadixCache(RadixCache):
                 if n < end:
                     new_from = n
         return cached
+
+    def _matched_on_insert(self, child: SWATreeNode, value: torch.Tensor) -> int:
+        """A tombstone the inserter has live KV for comes back to life with the inserter's swa
+        slots (a request that recomputed a prefix whose window was dropped); its full slots stay
+        the tree's, and the inserter's duplicates are freed by the caller as usual."""
+        alloc = self.token_to_kv_pool_allocator
+        if child.swa_tombstone and len(value) == len(child.value) and bool(alloc.has_swa(value).all()):
+            mapping = alloc.full_to_swa_index_mapping
+            mapping[child.value], mapping[value] = mapping[value].clone(), 0
+            child.swa_tombstone = False
+            if child.swa_lock_ref > 0:
+                self.swa_protected_size_ += len(child.key)
+            else:
+                self.swa_evictable_size_ += len(child.key)
+        return super()._matched_on_insert(child, value)
 
     def _on_new_leaf(self, parent: TreeNode, leaf: SWATreeNode) -> None:
         super()._on_new_leaf(parent, leaf)

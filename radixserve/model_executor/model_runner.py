@@ -273,11 +273,12 @@ class ModelRunner:
             size, size_swa = SWAKVPool.sizes_for_budget(self.memory_budget_bytes(), per_layer_token,
                                                         len(window_layers) - n_swa, n_swa, args.swa_full_tokens_ratio)
         size, size_swa = all_reduce_min(size), all_reduce_min(size_swa)
-        # One request must fit: the window its prefix locks, its own window and a prefill chunk.
-        need = 2 * cfg.sliding_window + args.chunked_prefill_size + 8
+        # A prefill chunk beside a decoding request must fit: the windows their prefixes lock, the
+        # decoding one's own window (kept a forward late) and the chunk.
+        need = 3 * cfg.sliding_window + args.chunked_prefill_size + 8
         if size_swa < need:
-            raise RuntimeError(f"--enable-hybrid-swa-memory: the SWA pool has {size_swa} slots, one request needs "
-                               f"{need} (2 x sliding window {cfg.sliding_window} + --chunked-prefill-size "
+            raise RuntimeError(f"--enable-hybrid-swa-memory: the SWA pool has {size_swa} slots, it needs {need} "
+                               f"(3 x sliding window {cfg.sliding_window} + --chunked-prefill-size "
                                f"{args.chunked_prefill_size} + 8); raise --swa-full-tokens-ratio or the KV budget")
         self.max_total_num_tokens = size
         max_reqs = args.max_running_requests or min(max(size // self.context_len * 512, 2048), 4096)

@@ -147,9 +147,16 @@ def test_conservation_catches_a_dropped_window_slot():
     (dict(speculative_algorithm="NGRAM"), "--speculative-algorithm"),
     (dict(attention_backend="triton"), "--attention-backend triton"),
     (dict(chunked_prefill_size=-1), "chunked prefill off"),
+    (dict(disable_overlap_schedule=False), "--enable-overlap-schedule"),
 ])
 def test_what_the_swa_pool_does_not_run_with_is_refused_with_one_line(flags, what):
     with pytest.raises(ValueError) as e:
         ServerArgs(enable_hybrid_swa_memory=True, **flags).check()
     msg = str(e.value)
     assert msg.startswith("--enable-hybrid-swa-memory does not run with") and what in msg and "\n" not in msg
+
+
+def test_the_swa_pool_runs_the_normal_loop_by_default_on_every_device():
+    args = ServerArgs(enable_hybrid_swa_memory=True)
+    assert not args.overlap_schedule_enabled("cuda") and not args.overlap_schedule_enabled("cpu")
+    assert ServerArgs().overlap_schedule_enabled("cuda")
