@@ -260,6 +260,8 @@ class PrefillAdder:
         if chunk is not None and chunk <= 0:
             # The SWA pool is full this round (decodes hold it): wait, as computed so far, for
             # them to move on, finish or be retracted; alone, it always has room (model_runner).
+            if self.running_batch is None or self.running_batch.is_empty():
+                raise RuntimeError(f"the SWA pool has no room for the chunked request alone: {self.ledger.mem_report()}")
             req.fill_ids, req.extend_input_len = req.fill_ids[: len(req.prefix_indices)], 0
             return req
         truncated = chunk is not None and req.extend_input_len > chunk
