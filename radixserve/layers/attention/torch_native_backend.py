@@ -21,7 +21,9 @@ Sliding-window layers (RadixAttention.sliding_window_size = W: a query attends t
 to itself, transformers' rule) take a second metadata, made only when some request is longer
 than W: decode rows read a table of each request's last W slots (the C++ kernel or the padded
 block take it as they take req_to_token), and extend requests run one SDPA call each over their
-slots from the first key any of their queries sees, with the window in the mask.
+slots from the first key any of their queries sees, with the window in the mask. With the SWA
+pool (mem_cache/swa_memory_pool.py: windowed layers' K/V in buffers of their own) every forward
+takes that metadata, its slots translated to the SWA pool's (`translate_loc`).
 """
 
 from __future__ import annotations
