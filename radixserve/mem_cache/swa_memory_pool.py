@@ -127,6 +127,15 @@ class SWAKVPool:
             self.layers_mapping.append((self.swa_kv_pool if windowed else self.full_kv_pool, counts[windowed]))
             counts[windowed] += 1
 
+    # Every K and V buffer of both pools (the memory saver frees and restores them in place).
+    @property
+    def k_buffer(self) -> List[torch.Tensor]:
+        return self.full_kv_pool.k_buffer + self.swa_kv_pool.k_buffer
+
+    @property
+    def v_buffer(self) -> List[torch.Tensor]:
+        return self.full_kv_pool.v_buffer + self.swa_kv_pool.v_buffer
+
     def is_swa_layer(self, layer_id: int) -> bool:
         return self.window_layers[layer_id]
 
@@ -153,8 +162,7 @@ class SWAKVPool:
 
     def mem_bytes(self) -> int:
         """Bytes of every K/V buffer (both pools)."""
-        return sum(b.numel() * b.element_size() for p in (self.full_kv_pool, self.swa_kv_pool)
-                   for b in (*p.k_buffer, *p.v_buffer))
+        return sum(b.numel() * b.element_size() for b in (*self.k_buffer, *self.v_buffer))
 
     @staticmethod
     def sizes_for_budget(budget_bytes: float, bytes_per_layer_token: int, n_full: int, n_swa: int,

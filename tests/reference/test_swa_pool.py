@@ -120,3 +120,19 @@ def test_a_long_context_holds_its_window_only(gemma3_dir, hf):
         engine.scheduler.check_memory()
     finally:
         engine.shutdown()
+
+
+def test_release_and_resume_of_the_kv_cache_covers_both_pools(gemma3_dir, hf):
+    prompt = _prompts(9, (5 * WINDOW,))[0]
+    engine = _engine(gemma3_dir)
+    try:
+        pool = engine.scheduler.ledger.kv_pool
+        assert len(pool.k_buffer) == 4  # 2 full layers' and 2 windowed layers' buffers
+        engine.release_memory_occupation(["kv_cache"])
+        assert all(b.untyped_storage().nbytes() == 0 for b in (*pool.k_buffer, *pool.v_buffer))
+        engine.resume_memory_occupation(["kv_cache"])
+        out = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": WINDOW, "temperature": 0},
+                              return_logprob=True, progress=False)
+        _check_against_hf(hf, prompt, out)
+    finally:
+        engine.shutdown()
