@@ -49,6 +49,5 @@ def test_chat_without_a_template_in_the_file_uses_gemma_turns(gemma3_server):
         assert gen.status_code == 200, gen.text
     body = chat.json()
     assert body["usage"]["prompt_tokens"] == len(ids)
-    assert body["choices"][0]["message"]["content"] == gen.json()["text"].strip() or \
-        body["choices"][0]["message"]["content"] == gen.json()["text"]
-    assert "Paris" in body["choices"][0]["message"]["content"]
+    # the same ids, so the same greedy answer (the 270M base model's, not necessarily a good one)
+    assert body["choices"][0]["message"]["content"] in (gen.json()["text"], gen.json()["text"].strip())
