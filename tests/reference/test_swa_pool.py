@@ -15,7 +15,6 @@ from hf_utils import hf_logits, load_hf
 from test_gemma3 import CONFIGS, WINDOW, make_gemma3_dir
 
 from radixserve import Engine
-from radixserve.hf_transformers_utils import LoadError  # noqa: F401  (the refusals' error type, for readers)
 
 TOL = 1e-4
 CHUNK = 16
