@@ -57,6 +57,18 @@ def load_tokenizer(path: str) -> Any:
         raise LoadError(f"{fn}: cannot build the tokenizer from the GGUF metadata: {_first_line(e)}") from None
 
 
+# Gemma's turn format (Gemma 3's tokenizer_config template, text only): a system message opens the
+# first user turn; the assistant's turns are the "model" role's.
+GEMMA_TURN_CHAT_TEMPLATE = (
+    "{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}"
+    "{%- set loop_messages = messages[1:] -%}{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}"
+    "{%- endif -%}{%- for message in loop_messages -%}{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') + message['content'] | trim + '<end_of_turn>\n' }}"
+    "{%- endfor -%}{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+GEMMA_TURN_TOKENS = ("<start_of_turn>", "<end_of_turn>")
+
+
 def get_tokenizer(server_args: ServerArgs) -> Optional[Any]:
     """The server's tokenizer; None with --skip-tokenizer-init (token ids in and out)."""
     if server_args.skip_tokenizer_init:
@@ -64,7 +76,15 @@ def get_tokenizer(server_args: ServerArgs) -> Optional[Any]:
     tokenizer = load_tokenizer(server_args.tokenizer_path or resolve_model_path(server_args))
     if server_args.chat_template is not None:
         tokenizer.chat_template = read_chat_template(server_args.chat_template)
+    elif not getattr(tokenizer, "chat_template", None) and _has_gemma_turns(tokenizer):
+        # Gemma GGUFs often carry no template (the 270M's does not): their turn format, not none.
+        tokenizer.chat_template = GEMMA_TURN_CHAT_TEMPLATE
     return tokenizer
+
+
+def _has_gemma_turns(tokenizer: Any) -> bool:
+    vocab = tokenizer.get_vocab()
+    return all(t in vocab for t in GEMMA_TURN_TOKENS)
 
 
 def read_chat_template(value: str) -> str:

@@ -245,9 +245,25 @@ class PrefillAdder:
     def _max_new(req: Req) -> int:
         return req.clipped_max_new_tokens()
 
+    def _chunk_budget(self) -> Optional[int]:
+        """rem_chunk_tokens, and with the SWA pool no more than it has room for after what this
+        round admitted (its windowed layers' slots: mem_cache/swa_kv_ledger.py)."""
+        swa_room = getattr(self.ledger, "swa_room", None)
+        if swa_room is None or self.rem_chunk_tokens is None:
+            return self.rem_chunk_tokens
+        room = (swa_room() - self.cur_rem_token_offset) // self.page_size * self.page_size
+        return min(self.rem_chunk_tokens, room)
+
     def add_chunked_req(self, req: Req) -> Optional[Req]:
         """Continue the request whose prefill is being chunked. Returns it if still unfinished."""
-        chunk = self.rem_chunk_tokens
+        chunk = self._chunk_budget()
+        if chunk is not None and chunk <= 0:
+            # The SWA pool is full this round (decodes hold it): wait, as computed so far, for
+            # them to move on, finish or be retracted; alone, it always has room (model_runner).
+            if self.running_batch is None or self.running_batch.is_empty():
+                raise RuntimeError(f"the SWA pool has no room for the chunked request alone: {self.ledger.mem_report()}")
+            req.fill_ids, req.extend_input_len = req.fill_ids[: len(req.prefix_indices)], 0
+            return req
         truncated = chunk is not None and req.extend_input_len > chunk
         if truncated:
             req.extend_input_len = chunk // self.page_size * self.page_size
@@ -277,12 +293,13 @@ class PrefillAdder:
                 if not self._load_back(req):
                     return AddReqResult.NO_TOKEN
                 prefix_len, input_tokens = len(req.prefix_indices), self.ceil_paged_tokens(req.extend_input_len)
-            if self.rem_chunk_tokens is None or input_tokens <= self.rem_chunk_tokens:
+            chunk = self._chunk_budget()
+            if chunk is None or input_tokens <= chunk:
                 self.can_run_list.append(req)
                 self.ledger.lock(req.last_node)
                 self._update_prefill_budget(prefix_len, input_tokens, self._max_new(req))
             else:
-                trunc_len = self.rem_chunk_tokens // self.page_size * self.page_size
+                trunc_len = chunk // self.page_size * self.page_size
                 if trunc_len <= 0:
                     return AddReqResult.OTHER
                 req.extend_input_len = trunc_len

@@ -43,6 +43,8 @@ from radixserve.mem_cache.kv_ledger import KVLedger
 from radixserve.mem_cache.chunk_cache import ChunkCache
 from radixserve.mem_cache.hiradix_cache import HiRadixCache
 from radixserve.mem_cache.radix_cache import RadixCache
+from radixserve.mem_cache.swa_kv_ledger import SWAKVLedger
+from radixserve.mem_cache.swa_radix_cache import SWARadixCache
 from radixserve.model_executor.tp_worker import GenerationBatchResult, TpModelWorker
 from radixserve.model_executor.worker_protocol import ModelWorker
 from radixserve.models.model_config import ModelConfig
@@ -88,10 +90,14 @@ class Scheduler:
         self.context_len, self.vocab_size = tp_worker.context_len, self.model_config.vocab_size
         self.page_size = args.page_size
         self.req_to_token_pool, self.token_to_kv_pool_allocator = tp_worker.get_memory_pool()
+        # The SWA pool (--enable-hybrid-swa-memory on a windowed model): its tree and its ledger part.
+        self.swa_pool = hasattr(self.token_to_kv_pool_allocator, "free_swa")
         self.tree_cache: BasePrefixCache = self._make_tree_cache()
         # The one owner of KV: rows, slots and tree locks (everything below asks it).
         self.ledger = KVLedger(self.req_to_token_pool, self.token_to_kv_pool_allocator, self.tree_cache,
-                               kv_pool=tp_worker.get_kv_pool())
+                               kv_pool=tp_worker.get_kv_pool()) if not self.swa_pool else SWAKVLedger(
+            self.req_to_token_pool, self.token_to_kv_pool_allocator, self.tree_cache, tp_worker.get_kv_pool(),
+            self.model_config.sliding_window)
         self.policy = SchedulePolicy(
             args.schedule_policy, self.tree_cache, args.enable_priority_scheduling,
             args.schedule_low_priority_values_first, args.seed,
@@ -155,6 +161,9 @@ class Scheduler:
             return ChunkCache(self.req_to_token_pool, self.token_to_kv_pool_allocator)
         if args.enable_hierarchical_cache:  # HiCache: a host tier under the device pool
             return HiRadixCache.from_server_args(*self.tp_worker.get_memory_pool(), self.tp_worker.get_kv_pool(), args)
+        if self.swa_pool:
+            return SWARadixCache(self.req_to_token_pool, self.token_to_kv_pool_allocator, self.model_config.sliding_window,
+                                 eviction_policy=args.radix_eviction_policy)
         return RadixCache(self.req_to_token_pool, self.token_to_kv_pool_allocator, page_size=self.page_size,
                           eviction_policy=args.radix_eviction_policy)
 
@@ -598,6 +607,7 @@ class Scheduler:
             available_tokens=self.ledger.available_size(),
             evictable_tokens=self.tree_cache.evictable_size(),
             protected_tokens=self.tree_cache.protected_size(),
+            **(self.ledger.get_swa_token_info() if self.swa_pool else {}),  # the SWA pool's (SGLang's _get_swa_token_info)
             **self.generation_pause.internal_state(), **self.memory_saver.internal_state(),
             **self.grammar_queue.internal_state(),  # SGLang's grammar metrics
         )

@@ -86,6 +86,18 @@ class SchedulerMetricsLogger:
         used = total - s.ledger.available_size() - s.tree_cache.evictable_size()
         return used / total if total else 0.0
 
+    def swa_token_usage(self) -> Optional[float]:
+        """The SWA pool's share in use (None without one)."""
+        info = getattr(self.sched.ledger, "get_swa_token_info", None)
+        if info is None:
+            return None
+        st = info()
+        return st["swa_used_tokens"] / st["swa_max_total_num_tokens"]
+
+    def _usage_text(self) -> str:
+        swa = self.swa_token_usage()
+        return f"{self.token_usage():.2f}" + ("" if swa is None else f", swa token usage: {swa:.2f}")
+
     def cache_hit_rate(self) -> float:
         return self.sched.stats.cache_hit_rate
 
@@ -108,9 +120,9 @@ class SchedulerMetricsLogger:
                 self.decode_tokens_since_log, self.last_log_time = 0, now
                 num_tokens = sum(r.seqlen() for r in batch.reqs)
                 logger.info(
-                    "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, "
+                    "Decode batch. #running-req: %d, #token: %d, token usage: %s, "
                     "gen throughput (token/s): %.2f, #queue-req: %d%s",
-                    batch.batch_size(), num_tokens, self.token_usage(), self.gen_throughput, len(s.waiting_queue),
+                    batch.batch_size(), num_tokens, self._usage_text(), self.gen_throughput, len(s.waiting_queue),
                     f", accept len: {self.spec_accept_length:.2f}, accept rate: {self.spec_accept_rate:.2f}"
                     if spec is not None and spec[0] else "",
                 )
@@ -120,9 +132,9 @@ class SchedulerMetricsLogger:
         new_tokens = sum(batch.extend_lens[i] for _, i in new if i < len(batch.extend_lens))
         cached = sum(batch.prefix_lens[i] for _, i in new if i < len(batch.prefix_lens))
         logger.info(
-            "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
+            "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %s, "
             "#running-req: %d, #queue-req: %d",
-            len(new), new_tokens, cached, self.token_usage(), s.running_batch.batch_size(), len(s.waiting_queue),
+            len(new), new_tokens, cached, self._usage_text(), s.running_batch.batch_size(), len(s.waiting_queue),
         )
 
     def _spec_since_log(self) -> Any:
@@ -139,6 +151,7 @@ class SchedulerMetricsLogger:
         if isinstance(out, GetInternalStateReqOutput):
             out.internal_state.update(
                 token_usage=self.token_usage(),
+                **({} if self.swa_token_usage() is None else {"swa_token_usage": self.swa_token_usage()}),
                 cache_hit_rate=self.cache_hit_rate(),
                 gen_throughput=self.gen_throughput,
                 forward_ct=self.sched.forward_ct,

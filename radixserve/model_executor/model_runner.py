@@ -27,6 +27,7 @@ from radixserve.layers.sampler import Sampler, SamplerOutput
 from radixserve.lora.lora_manager import LoRAManager
 from radixserve.mem_cache.mamba_pool import HybridReqToTokenPool, MambaPool
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from radixserve.mem_cache.swa_memory_pool import SWAKVPool, SWATokenToKVPoolAllocator
 from radixserve.model_executor.cuda_graph_runner import CudaGraphRunner
 from radixserve.model_executor.forward_batch import ForwardBatch, ModelWorkerBatch
 from radixserve.model_executor.model_loader import check_w8a8, get_model, gguf_block_types
@@ -228,6 +229,8 @@ class ModelRunner:
             max_reqs = max_reqs or max(1, min(HYBRID_DEFAULT_MAX_RUNNING_REQUESTS, int(
                 self.memory_budget_bytes() * HYBRID_STATE_BUDGET_SHARE // shape.bytes_per_slot(self.activation_dtype))))
             state_pool_bytes = MambaPool.bytes_for(max_reqs + 1, shape, self.activation_dtype)  # a slot per row
+        if self.use_swa_pool():
+            return self.init_swa_memory_pool()
         max_tokens = args.max_total_tokens or self.profile_max_num_token(state_pool_bytes)
         # Ranks must agree on the pool (they run the same schedule): take the smallest.
         max_tokens = all_reduce_min(max_tokens) // self.page_size * self.page_size
@@ -251,6 +254,51 @@ class ModelRunner:
         )
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(max_tokens, self.page_size, self.device)
         logger.info("KV pool: %d tokens of %s, max running requests: %d, context: %d", max_tokens,
+                    str(self.kv_cache_dtype).removeprefix("torch."), max_reqs, self.context_len)
+
+    def use_swa_pool(self) -> bool:
+        """--enable-hybrid-swa-memory on a model with sliding-window layers (a no-op on others)."""
+        if not self.server_args.enable_hybrid_swa_memory:
+            return False
+        if self.model_config.sliding_window is None:
+            logger.info("--enable-hybrid-swa-memory: %s has no sliding-window layers; one KV pool",
+                        self.model_config.model_path or self.model_config.architecture)
+            return False
+        if self.is_hybrid:
+            raise LoadError("--enable-hybrid-swa-memory does not run with a linear-attention (state pool) model")
+        return True
+
+    def init_swa_memory_pool(self) -> None:
+        """The SWA pool (mem_cache/swa_memory_pool.py): full layers' KV for every slot, windowed
+        layers' KV in swa_full_tokens_ratio as many slots, handed out and dropped by the ledger."""
+        args, cfg = self.server_args, self.model_config
+        window_layers = cfg.window_layers
+        n_swa = sum(window_layers)
+        if args.max_total_tokens:
+            size = args.max_total_tokens
+            size_swa = int(size * args.swa_full_tokens_ratio)
+        else:
+            per_layer_token = MHATokenToKVPool.bytes_per_token(self.kv_heads_per_rank(), cfg.head_dim, 1, self.kv_cache_dtype)
+            size, size_swa = SWAKVPool.sizes_for_budget(self.memory_budget_bytes(), per_layer_token,
+                                                        len(window_layers) - n_swa, n_swa, args.swa_full_tokens_ratio)
+        size, size_swa = all_reduce_min(size), all_reduce_min(size_swa)
+        # A prefill chunk beside a decoding request must fit: the windows their prefixes lock, the
+        # decoding one's own window (kept a forward late) and the chunk.
+        need = 3 * cfg.sliding_window + args.chunked_prefill_size + 8
+        if size_swa < need:
+            raise RuntimeError(f"--enable-hybrid-swa-memory: the SWA pool has {size_swa} slots, it needs {need} "
+                               f"(3 x sliding window {cfg.sliding_window} + --chunked-prefill-size "
+                               f"{args.chunked_prefill_size} + 8); raise --swa-full-tokens-ratio or the KV budget")
+        self.max_total_num_tokens = size
+        max_reqs = args.max_running_requests or min(max(size // self.context_len * 512, 2048), 4096)
+        self.max_running_requests = max_reqs
+        self.req_to_token_pool = ReqToTokenPool(max_reqs + 1, self.context_len + 4, self.device)
+        self.token_to_kv_pool_allocator = SWATokenToKVPoolAllocator(size, size_swa, self.device)
+        self.token_to_kv_pool = SWAKVPool(size, size_swa, self.kv_cache_dtype, self.kv_heads_per_rank(), cfg.head_dim,
+                                          window_layers, self.token_to_kv_pool_allocator, self.device)
+        logger.info("KV pools: full %d tokens x %d layers, SWA %d tokens x %d layers (window %d), %.1f MB of %s; "
+                    "max running requests: %d, context: %d", size, len(window_layers) - n_swa, size_swa, n_swa,
+                    cfg.sliding_window, self.token_to_kv_pool.mem_bytes() / 2**20,
                     str(self.kv_cache_dtype).removeprefix("torch."), max_reqs, self.context_len)
 
     # ---- weight updates (weight_updater.py): each returns (success, message) ----------------

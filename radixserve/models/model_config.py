@@ -237,6 +237,8 @@ def _sliding_window(cfg: Dict[str, Any]) -> Optional[int]:
 
 # Families whose configs keep a sliding_window that only use_sliding_window (off by default) turns on.
 WINDOW_OFF_BY_DEFAULT = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+# layer_types entries served as their config says (linear_attention: the hybrid models' own layers).
+KNOWN_LAYER_TYPES = {"full_attention", "sliding_attention", "linear_attention"}
 # Families whose layer_types default to every sliding_window_pattern-th layer global, the others windowed.
 WINDOW_PATTERN_DEFAULTS = {"gemma3_text": 6, "gemma3": 6}
 
@@ -252,6 +254,10 @@ def _window_layers(cfg: Dict[str, Any]) -> List[bool]:
     layer_types = cfg.get("layer_types")
     model_type = cfg.get("model_type", "")
     if layer_types is not None:
+        unknown = sorted(set(layer_types) - KNOWN_LAYER_TYPES)
+        if unknown:  # e.g. Llama 4's chunked_attention: served as full attention it would answer wrongly
+            raise LoadError(f"layer_types {unknown} (with sliding_window {cfg['sliding_window']}): this attention "
+                            f"is not implemented; radixserve serves {sorted(KNOWN_LAYER_TYPES)} only")
         windowed = [t == "sliding_attention" for t in layer_types]
     elif model_type in WINDOW_PATTERN_DEFAULTS:
         pattern = int(cfg.get("sliding_window_pattern") or WINDOW_PATTERN_DEFAULTS[model_type])

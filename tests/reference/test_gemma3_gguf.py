@@ -87,3 +87,39 @@ def test_gemma3_gguf_matches_transformers():
             worst = max(worst, err)
             assert err < LOGPROB_TOL, f"prompt {i} ({len(prompt)} tokens): token {k} logprob off by {err:.2e}"
     print(f"max |logprob error| {worst:.2e}")
+
+
+def test_gemma3_gguf_swa_pool_serves_as_one_pool():
+    """--enable-hybrid-swa-memory on the real file: the 15 local layers keep a SWA pool of a few
+    windows while the 3 global ones keep every token. The same tokens and logprobs (within 1e-3)
+    as one pool (held against transformers above), through chunked prefill, and again with a prefix
+    hit beyond the window (each long prompt asked again with a new last question)."""
+    path = gemma3_gguf()
+    sp = {"max_new_tokens": 8, "temperature": 0, "stop_token_ids": [END_OF_TURN]}
+    chunk, swa_slots, full_slots = 128, 4 * WINDOW, 8192
+    results = {}
+    for swa in (False, True):
+        engine = Engine(model_path=str(path), dtype="float32", max_total_tokens=full_slots, chunked_prefill_size=chunk,
+                        enable_hybrid_swa_memory=swa, swa_full_tokens_ratio=swa_slots / full_slots,
+                        test_check_memory=True)
+        try:
+            tok = engine.tokenizer
+            prompts = [p for p in _prompts(tok) if len(p) > WINDOW + 32] + _prompts(tok)[:2]
+            again = [p[:-6] + tok.encode(" Answer the second one.", add_special_tokens=False) + p[-6:]
+                     for p in prompts[:2]]
+            first = engine.generate(input_ids=prompts, sampling_params=[sp] * len(prompts), return_logprob=True,
+                                    progress=False)
+            second = engine.generate(input_ids=again, sampling_params=[sp] * 2, return_logprob=True, progress=False)
+            if swa:
+                info = engine.scheduler.internal_state()
+                assert info["swa_max_total_num_tokens"] == swa_slots and info["max_total_num_tokens"] == full_slots
+                assert min(o["meta_info"]["cached_tokens"] for o in second) > WINDOW  # hits past the window
+            engine.scheduler.check_memory()
+        finally:
+            engine.shutdown()
+        results[swa] = first + second
+    for i, (one, two) in enumerate(zip(results[False], results[True])):
+        assert one["output_ids"] == two["output_ids"], f"request {i}"
+        a = torch.tensor([v for v, _, _ in one["meta_info"]["output_token_logprobs"]])
+        b = torch.tensor([v for v, _, _ in two["meta_info"]["output_token_logprobs"]])
+        assert (a - b).abs().max().item() < LOGPROB_TOL, f"request {i}"

@@ -33,6 +33,14 @@ def mixed_qwen3(tmp_path_factory):
                              use_sliding_window=True, max_window_layers=1)
 
 
+@pytest.fixture(scope="module")
+def mixed_qwen2(tmp_path_factory):
+    """Qwen2 with use_sliding_window: layers from max_window_layers on windowed (transformers 5's
+    layer_types: full, sliding)."""
+    return make_hf_model_dir("qwen2", str(tmp_path_factory.mktemp("qwen2_swa")), seed=4, sliding_window=WINDOW,
+                             use_sliding_window=True, max_window_layers=1)
+
+
 def _config(**cfg) -> ModelConfig:
     base = dict(architectures=["Qwen2ForCausalLM"], vocab_size=8, hidden_size=8, intermediate_size=8,
                 num_hidden_layers=4, num_attention_heads=2, max_position_embeddings=1024)
@@ -68,7 +76,7 @@ def test_the_premise_past_the_window_the_answers_differ(windowed_mistral):
 
 
 @pytest.mark.parametrize("cpu_kernels", [True, False], ids=["cpp_kernels", "torch"])
-@pytest.mark.parametrize("model", ["windowed_mistral", "mixed_qwen3"])
+@pytest.mark.parametrize("model", ["windowed_mistral", "mixed_qwen3", "mixed_qwen2"])
 def test_every_path_matches_transformers_past_the_window(model, cpu_kernels, request):
     model_dir = request.getfixturevalue(model)
     runner = make_runner(model_dir)
@@ -121,6 +129,43 @@ def test_the_engine_serves_past_the_window(mixed_qwen3):
         assert out["meta_info"]["cached_tokens"] > 0
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("model", ["windowed_mistral", "mixed_qwen2"])
+def test_the_swa_pool_serves_past_the_window(model, request):
+    """--enable-hybrid-swa-memory with every layer windowed (Mistral: the full pool holds no
+    layer's KV, only the slots) and with Qwen2's max_window_layers: chunked prefill, decode past
+    the window, a prefix hit, greedy tokens and logprobs as transformers gives them."""
+    model_dir = request.getfixturevalue(model)
+    hf = load_hf(model_dir)
+    config = ModelConfig.from_pretrained(model_dir)
+    layer_types = getattr(hf.config, "layer_types", None) or ["sliding_attention"] * config.num_hidden_layers  # Mistral
+    assert config.window_layers == [t == "sliding_attention" for t in layer_types]
+    prompt = torch.randint(0, 512, (4 * WINDOW,), generator=torch.Generator().manual_seed(6)).tolist()
+    engine = Engine(model_dir, dtype="float32", skip_tokenizer_init=True, chunked_prefill_size=8,
+                    max_total_tokens=2048, enable_hybrid_swa_memory=True, swa_full_tokens_ratio=72 / 2048,
+                    test_check_memory=True)
+    try:
+        for extra in ([], [5, 6, 7]):  # the second finds the first's prompt in the radix cache
+            ids_in = prompt + extra
+            out = engine.generate(input_ids=ids_in, sampling_params={"max_new_tokens": WINDOW + 4, "temperature": 0},
+                                  return_logprob=True, progress=False)
+            ids = out["output_ids"]
+            ref = hf_logits(hf, ids_in + ids)[len(ids_in) - 1 : -1]
+            assert ids == ref.argmax(-1).tolist()
+            lp = torch.tensor([v for v, _, _ in out["meta_info"]["output_token_logprobs"]])
+            ref_lp = torch.log_softmax(ref, -1).gather(1, torch.tensor(ids)[:, None]).squeeze(1)
+            assert (lp - ref_lp).abs().max().item() <= TOL
+        assert out["meta_info"]["cached_tokens"] > WINDOW
+        engine.scheduler.check_memory()
+    finally:
+        engine.shutdown()
+
+
+def test_an_attention_the_engine_does_not_have_is_refused_with_one_line():
+    with pytest.raises(LoadError, match=r"layer_types \['chunked_attention'\]") as e:
+        _config(sliding_window=WINDOW, layer_types=["chunked_attention", "full_attention"] * 2)
+    assert "\n" not in str(e.value)
 
 
 def test_a_backend_without_the_window_would_serve_up_to_it_only(windowed_mistral):

@@ -21,7 +21,9 @@ Sliding-window layers (RadixAttention.sliding_window_size = W: a query attends t
 to itself, transformers' rule) take a second metadata, made only when some request is longer
 than W: decode rows read a table of each request's last W slots (the C++ kernel or the padded
 block take it as they take req_to_token), and extend requests run one SDPA call each over their
-slots from the first key any of their queries sees, with the window in the mask.
+slots from the first key any of their queries sees, with the window in the mask. With the SWA
+pool (mem_cache/swa_memory_pool.py: windowed layers' K/V in buffers of their own) every forward
+takes that metadata, its slots translated to the SWA pool's (`translate_loc`).
 """
 
 from __future__ import annotations
@@ -156,7 +158,10 @@ class TorchNativeAttnBackend(AttentionBackend):
                     q_pos = torch.arange(n, device=self.device)[:, None] + p
                     mask = torch.arange(p + n, device=self.device)[None, :] <= q_pos
                 md.extend_seqs.append(ExtendSeq(starts[i], n, p, slots, mask))
-        if self.sliding_window is not None and max(fb.seq_lens_cpu) > self.sliding_window:
+        # With the SWA pool (its own slots for windowed layers) every forward needs the windowed
+        # layers' tables, translated; without it only one that reaches past the window.
+        swa_pool = hasattr(fb.token_to_kv_pool, "translate_loc")
+        if self.sliding_window is not None and (swa_pool or max(fb.seq_lens_cpu) > self.sliding_window):
             md.windowed = self._window_metadata(fb, self.sliding_window)
         fb.attn_metadata = md
 
@@ -165,8 +170,11 @@ class TorchNativeAttnBackend(AttentionBackend):
         md = TorchNativeMetadata()
         req_to_token = fb.req_to_token_pool.req_to_token
         rows = fb.req_pool_indices.to(req_to_token.device).long()
+        # The SWA pool (mem_cache/swa_memory_pool.py): full slots -> the windowed layers' own slots.
+        translate = getattr(fb.token_to_kv_pool, "translate_loc", lambda slots: slots)
         if fb.forward_mode.is_decode():
             table, seen = window_table(req_to_token, rows, fb.seq_lens_cpu, window)
+            table = translate(table)
             n, width = table.shape
             md.all_decode = True
             if self.cpu_ops is not None:
@@ -179,7 +187,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         for i, (start, n, p) in enumerate(zip(_starts(fb.extend_seq_lens_cpu), fb.extend_seq_lens_cpu,
                                               fb.extend_prefix_lens_cpu)):
             first = max(0, p - window + 1)
-            slots = req_to_token[rows[i], first : p + n].long()
+            slots = translate(req_to_token[rows[i], first : p + n].long())
             q_pos = torch.arange(p, p + n, device=self.device)[:, None]
             k_pos = torch.arange(first, p + n, device=self.device)[None, :]
             md.extend_seqs.append(ExtendSeq(start, n, p, slots, (k_pos <= q_pos) & (k_pos > q_pos - window)))

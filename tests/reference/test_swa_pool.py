@@ -1,0 +1,137 @@
+"""The SWA pool (issue 42, --enable-hybrid-swa-memory) against transformers, float32, on a random
+Gemma 3 (window 8, local and global layers): prompts several windows long, through chunked
+prefill, with a SWA pool a few windows large (so windows are dropped, the tree's live nodes are
+turned into tombstones, recomputed ones come back to life and requests are retracted), with slot
+conservation checked on both pools after every step (--test-check-memory); then the radix
+cache's prefix hits beyond the window, and a hit whose window was dropped (shortened, not
+served from missing KV)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_utils import hf_logits, load_hf
+from test_gemma3 import CONFIGS, WINDOW, make_gemma3_dir
+
+from radixserve import Engine
+
+TOL = 1e-4
+CHUNK = 16
+# a few windows: 3 x window + a chunk + 8 is the least the server starts with (model_runner.init_swa_memory_pool)
+SWA_SLOTS = 3 * WINDOW + CHUNK + 8 + 8
+FULL_SLOTS = 4096
+
+
+@pytest.fixture(scope="module")
+def gemma3_dir(tmp_path_factory):
+    return make_gemma3_dir(str(tmp_path_factory.mktemp("gemma3_swa")), seed=5, **CONFIGS["layer_types"])
+
+
+@pytest.fixture(scope="module")
+def hf(gemma3_dir):
+    return load_hf(gemma3_dir)
+
+
+def _engine(model_dir: str, swa: bool = True, **kw) -> Engine:
+    return Engine(model_dir, dtype="float32", skip_tokenizer_init=True, chunked_prefill_size=CHUNK,
+                  max_total_tokens=FULL_SLOTS, enable_hybrid_swa_memory=swa,
+                  swa_full_tokens_ratio=SWA_SLOTS / FULL_SLOTS, test_check_memory=True, **kw)
+
+
+def _check_against_hf(hf, prompt, out) -> None:
+    ids = out["output_ids"]
+    ref = hf_logits(hf, prompt + ids)[len(prompt) - 1 : -1]
+    assert ids == ref.argmax(-1).tolist()
+    lp = torch.tensor([v for v, _, _ in out["meta_info"]["output_token_logprobs"]])
+    ref_lp = torch.log_softmax(ref, -1).gather(1, torch.tensor(ids)[:, None]).squeeze(1)
+    assert (lp - ref_lp).abs().max().item() <= TOL
+
+
+def _prompts(seed: int, lens) -> list:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 512, (n,), generator=g).tolist() for n in lens]
+
+
+def test_the_swa_pool_serves_as_transformers(gemma3_dir, hf):
+    prompts = _prompts(3, (9 * WINDOW, 5 * WINDOW + 3, 3 * WINDOW))
+    engine = _engine(gemma3_dir)
+    try:
+        state = engine.scheduler.internal_state()  # what /get_server_info shows: both pools
+        assert state["swa_max_total_num_tokens"] == SWA_SLOTS and state["max_total_num_tokens"] == FULL_SLOTS
+        sp = {"max_new_tokens": 3 * WINDOW, "temperature": 0}
+        outs = engine.generate(input_ids=prompts, sampling_params=[sp] * 3, return_logprob=True, progress=False)
+        for p, out in zip(prompts, outs):
+            _check_against_hf(hf, p, out)
+        # Prefix hits beyond the window: each prompt again with a new tail (a chunk or more).
+        longer = [p + q for p, q in zip(prompts, _prompts(4, (CHUNK + 5, 4, 2 * CHUNK)))]
+        outs = engine.generate(input_ids=longer, sampling_params=[sp] * 3, return_logprob=True, progress=False)
+        for p, out in zip(longer, outs):
+            _check_against_hf(hf, p, out)
+        assert max(o["meta_info"]["cached_tokens"] for o in outs) > 2 * WINDOW
+        engine.scheduler.check_memory()  # idle: both pools' slots free or in the tree
+    finally:
+        engine.shutdown()
+
+
+def test_a_hit_whose_window_was_dropped_is_shortened(gemma3_dir, hf):
+    prompt = _prompts(6, (6 * WINDOW,))[0]
+    sp = {"max_new_tokens": 4, "temperature": 0}
+    engine = _engine(gemma3_dir)
+    try:
+        engine.generate(input_ids=prompt, sampling_params=sp, progress=False)
+        tree = engine.scheduler.tree_cache
+        # The whole prompt is cached, for the full layers; its windowed layers' KV goes.
+        assert tree.evict_swa(10**6) > 0 and tree.swa_evictable_size() == 0
+        assert len(tree.match_prefix(prompt + [1]).device_indices) == 0
+        out = engine.generate(input_ids=prompt + [7, 8, 9], sampling_params=sp, return_logprob=True, progress=False)
+        assert out["meta_info"]["cached_tokens"] == 0  # recomputed, not read from dropped KV
+        _check_against_hf(hf, prompt + [7, 8, 9], out)
+        # That request's own KV is cached again, its last window live: the next hit is served.
+        out = engine.generate(input_ids=prompt + [7, 8, 9, 10], sampling_params=sp, return_logprob=True, progress=False)
+        assert out["meta_info"]["cached_tokens"] >= len(prompt) + 3 - 1 - WINDOW
+        _check_against_hf(hf, prompt + [7, 8, 9, 10], out)
+    finally:
+        engine.shutdown()
+
+
+def test_a_long_context_holds_its_window_only(gemma3_dir, hf):
+    """One request 25 windows long: its local layers' slots never exceed its window, the chunk in
+    flight and the one before it (kept one forward late), while the full layers hold it all."""
+    prompt = _prompts(8, (25 * WINDOW,))[0]
+    engine = _engine(gemma3_dir, disable_radix_cache=True)  # the ChunkCache: no tree holds windows
+    sched = engine.scheduler
+    peaks = {"swa": 0, "full": 0}
+    check = sched.check_slot_conservation
+
+    def check_and_measure() -> None:  # after every step (--test-check-memory)
+        check()
+        peaks["swa"] = max(peaks["swa"], sched.ledger.get_swa_token_info()["swa_used_tokens"])
+        peaks["full"] = max(peaks["full"], FULL_SLOTS - sched.internal_state()["available_tokens"])
+
+    sched.check_slot_conservation = check_and_measure
+    try:
+        out = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 2 * WINDOW, "temperature": 0},
+                              return_logprob=True, progress=False)
+        _check_against_hf(hf, prompt, out)
+        assert peaks["full"] >= len(prompt) + WINDOW
+        assert WINDOW <= peaks["swa"] <= WINDOW + 2 * CHUNK, peaks
+        engine.scheduler.check_memory()
+    finally:
+        engine.shutdown()
+
+
+def test_release_and_resume_of_the_kv_cache_covers_both_pools(gemma3_dir, hf):
+    prompt = _prompts(9, (5 * WINDOW,))[0]
+    engine = _engine(gemma3_dir)
+    try:
+        pool = engine.scheduler.ledger.kv_pool
+        assert len(pool.k_buffer) == 4  # 2 full layers' and 2 windowed layers' buffers
+        engine.release_memory_occupation(["kv_cache"])
+        assert all(b.untyped_storage().nbytes() == 0 for b in (*pool.k_buffer, *pool.v_buffer))
+        engine.resume_memory_occupation(["kv_cache"])
+        out = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": WINDOW, "temperature": 0},
+                              return_logprob=True, progress=False)
+        _check_against_hf(hf, prompt, out)
+    finally:
+        engine.shutdown()
