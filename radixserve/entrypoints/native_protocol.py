@@ -73,6 +73,10 @@ class GenerateRequest(BaseModel):
     bootstrap_room: Optional[Union[StrictInt, List[StrictInt]]] = None
     # --enable-lora: the adapter (its --lora-paths name), one per prompt for a batch; None = base
     lora_path: Optional[Union[StrictStr, List[Optional[StrictStr]]]] = None
+    # --dp-size: the replica that serves it (0-based; the front end answers 400 out of range)
+    data_parallel_rank: Optional[StrictInt] = None
+    # --enable-custom-logit-processor: a registered processor's name; its args: sampling_params.custom_params
+    custom_logit_processor: Optional[StrictStr] = None
 
     def to_input(self) -> GenerateReqInput:
         return GenerateReqInput(**self.model_dump())  # session_params becomes a dict, as it arrived

@@ -73,6 +73,8 @@ class _SamplingFields(BaseModel):
     stop_regex: Optional[Union[str, List[str]]] = None  # SGLang's extra: stop at a regex match
     rid: Optional[str] = None
     priority: Optional[int] = Field(None, ge=-MAX_INT_PARAM, le=MAX_INT_PARAM)
+    stream_interval: Optional[int] = None  # SGLang's: a stream reports every this many tokens
+    data_parallel_rank: Optional[int] = None  # --dp-size: the replica that serves it
 
     def sampling_params(self, max_new_tokens: Optional[int]) -> Dict[str, Any]:
         params = {
@@ -98,6 +100,7 @@ class _SamplingFields(BaseModel):
             "json_schema": self.json_schema,
             "ebnf": self.ebnf,
             "stop_regex": self.stop_regex,
+            "stream_interval": self.stream_interval,
         }
         return {k: v for k, v in params.items() if k not in DEFAULTED or v is not None}
 

@@ -181,7 +181,7 @@ async def serve_chat(tm: TokenizerManager, req: ChatCompletionRequest, raw_reque
     obj = GenerateReqInput(
         input_ids=input_ids, sampling_params=sp, rid=req.rid, return_logprob=req.logprobs,
         top_logprobs_num=req.top_logprobs or 0, return_text_in_logprobs=True, stream=req.stream,
-        priority=req.priority, **bootstrap_fields(req),
+        priority=req.priority, data_parallel_rank=req.data_parallel_rank, **bootstrap_fields(req),
         lora_path=lora_path_of_model(tm, None if pd else req.model),  # model: "adapter" / "base:adapter"
     )
     created = int(time.time())

@@ -123,6 +123,7 @@ class Req:
     ):
         self.rid = rid
         self.lora_path = lora_path  # --enable-lora: the adapter's name; None = the base model
+        self.custom_logit_processor: Optional[str] = None  # a registered processor's name (SamplingBatchInfo)
         self.origin_input_text = origin_input_text
         self.origin_input_ids = list(origin_input_ids)
         self.sampling_params = sampling_params
@@ -187,6 +188,9 @@ class Req:
         self.output_token_logprobs_idx: List[int] = []
         self.output_top_logprobs_val: List[List[float]] = []
         self.output_top_logprobs_idx: List[List[int]] = []
+        self.token_ids_logprob: Optional[List[int]] = None  # SGLang's: these ids' logprobs at each output position
+        self.output_token_ids_logprobs_val: List[List[float]] = []
+        self.output_token_ids_logprobs_idx: List[List[int]] = []
 
         # PD disaggregation (seed 001 §8): where the prefill server's handshake socket is and the
         # request's room there; on the prefill server, the request's KVSender.
@@ -203,7 +207,7 @@ class Req:
     @classmethod
     def from_tokenized(cls, recv: Any, eos_token_ids: Iterable[int], vocab_size: int, tokenizer: Any) -> "Req":
         """The scheduler's Req for a TokenizedGenerateReqInput."""
-        return cls(
+        req = cls(
             recv.rid, recv.input_text, recv.input_ids, recv.sampling_params,
             return_logprob=recv.return_logprob, top_logprobs_num=recv.top_logprobs_num,
             logprob_start_len=recv.logprob_start_len, stream=recv.stream, priority=recv.priority,
@@ -211,6 +215,9 @@ class Req:
             bootstrap_host=recv.bootstrap_host, bootstrap_port=recv.bootstrap_port, bootstrap_room=recv.bootstrap_room,
             lora_path=getattr(recv, "lora_path", None),
         )
+        req.custom_logit_processor = getattr(recv, "custom_logit_processor", None)
+        req.token_ids_logprob = getattr(recv, "token_ids_logprob", None)
+        return req
 
     # ---- state ---------------------------------------------------------------------------
     def finished(self) -> bool:
@@ -668,6 +675,8 @@ class ScheduleBatch:
             sampling_info=self.sampling_info,
             return_logprob=self.return_logprob,
             top_logprobs_nums=list(self.top_logprobs_nums) if self.return_logprob else None,
+            token_ids_logprobs=[r.token_ids_logprob for r in self.reqs] if self.return_logprob and any(
+                r.token_ids_logprob is not None for r in self.reqs) else None,
             input_logprob_positions=self.input_logprob_positions if extend else None,
             input_logprob_token_ids=self.input_logprob_token_ids if extend else None,
             lora_paths=[r.lora_path for r in self.reqs],
