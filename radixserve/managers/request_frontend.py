@@ -230,7 +230,8 @@ class RequestFrontend:
         rids = per_prompt(obj.rid, "rid", None)
         return_logprobs = per_prompt(obj.return_logprob, "return_logprob", False)
         asked = obj.token_ids_logprob  # one list for every prompt, or (a batch) one list per prompt
-        per_prompt_lists = is_batch and isinstance(asked, list) and bool(asked) and all(isinstance(x, list) for x in asked)
+        per_prompt_lists = (is_batch and isinstance(asked, list) and any(isinstance(x, list) for x in asked)
+                            and all(x is None or isinstance(x, list) for x in asked))
         asked_ids = per_prompt(asked, "token_ids_logprob", None) if per_prompt_lists else [asked] * num
         for rid in rids:
             if rid is not None and not isinstance(rid, str):
