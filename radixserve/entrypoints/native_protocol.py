@@ -77,6 +77,8 @@ class GenerateRequest(BaseModel):
     data_parallel_rank: Optional[StrictInt] = None
     # --enable-custom-logit-processor: a registered processor's name; its args: sampling_params.custom_params
     custom_logit_processor: Optional[StrictStr] = None
+    # with return_logprob: these ids' logprobs at each output position (checked by the front end)
+    token_ids_logprob: Optional[TokenIds] = None
 
     def to_input(self) -> GenerateReqInput:
         return GenerateReqInput(**self.model_dump())  # session_params becomes a dict, as it arrived

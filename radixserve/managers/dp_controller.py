@@ -133,7 +133,8 @@ class DataParallelController:
             messages = "; ".join(dict.fromkeys(r.message for r in replies if getattr(r, "message", "")))
             return replace(first, success=all(r.success for r in replies),
                            **({"message": messages} if hasattr(first, "message") else {}))
-        states = [r.internal_state for r in replies]
+        # in replica order (they answer in any order): /get_server_info's internal_states[i] is replica i
+        states = sorted((r.internal_state for r in replies), key=lambda s: s.get("dp_rank", 0))
         merged: Dict[str, Any] = {}
         for key in states[0]:
             values = [s.get(key) for s in states]
@@ -143,6 +144,7 @@ class DataParallelController:
                 merged[key] = [sum(c) for c in zip(*values)]  # a histogram's buckets: every replica's
             else:
                 merged[key] = values[0]
+        merged.pop("dp_rank", None)  # each replica's, in dp_states
         merged["dp_size"] = self.dp_size
         merged["dp_states"] = states
         merged["dp_num_dispatched"] = list(self.budget.num_dispatched)

@@ -129,6 +129,7 @@ class SchedulerMetricsLogger:
                 cache_hit_rate=self.cache_hit_rate(),
                 gen_throughput=self.gen_throughput,
                 forward_ct=self.sched.forward_ct,
+                dp_rank=self.sched.profiler.dp_rank or 0,  # the DP controller orders replicas' states by it
                 spec_accept_length=self.spec_accept_length,  # the last decode log's window, as SGLang's gauges
                 spec_accept_rate=self.spec_accept_rate,
             )
