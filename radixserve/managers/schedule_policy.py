@@ -321,7 +321,9 @@ class PrefillAdder:
                     return
                 running_batch.batch_is_full = False
             if not self.lora_fits(req):
-                return  # nothing overtakes it: the slots free up as running requests finish
+                # SGLang's: it waits for a slot while requests behind it that fit (base, or an
+                # adapter already in the batch) go ahead; it takes a slot once one drains
+                continue
             req.init_next_round_input(self.tree_cache)
             res = self.add_one_req(req, has_chunked_req=has_chunked_req)
             if res == AddReqResult.NO_TOKEN and try_preemption and req not in self.can_run_list:
