@@ -321,8 +321,8 @@ class PrefillAdder:
                     return
                 running_batch.batch_is_full = False
             if not self.lora_fits(req):
-                # SGLang's: it waits for a slot while requests behind it that fit (base, or an
-                # adapter already in the batch) go ahead; it takes a slot once one drains
+                # SGLang's skip: it waits for a slot while requests behind it that fit (base, or
+                # an adapter already in the batch) go ahead; a busy adapter may keep it waiting
                 continue
             req.init_next_round_input(self.tree_cache)
             res = self.add_one_req(req, has_chunked_req=has_chunked_req)
