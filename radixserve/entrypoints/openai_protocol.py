@@ -27,8 +27,17 @@ class StreamOptions(BaseModel):
 class ResponseFormat(BaseModel):
     model_config = _STRICT
 
-    type: Literal["text", "json_object", "json_schema"] = "text"
+    type: Literal["text", "json_object", "json_schema", "structural_tag"] = "text"
     json_schema: Optional[Dict[str, Any]] = None
+    # structural_tag (SGLang's, xgrammar's): OpenAI-style structures + triggers, or xgrammar's format
+    structures: Optional[List[Dict[str, Any]]] = None
+    triggers: Optional[List[str]] = None
+    format: Optional[Dict[str, Any]] = None
+
+    def structural_tag(self) -> Optional[str]:
+        if self.type != "structural_tag":
+            return None
+        return json.dumps(self.model_dump(exclude_none=True, include={"structures", "triggers", "format"}))
 
 
 # Left out of the sampling params when the request does not set them: the server's defaults apply.
@@ -283,7 +292,7 @@ class ChatCompletionRequest(_SamplingFields):
         if self.json_schema is not None:
             return self.json_schema
         rf = self.response_format
-        if rf is None or rf.type == "text":
+        if rf is None or rf.type in ("text", "structural_tag"):
             return None
         if rf.type == "json_object":
             return json.dumps({"type": "object"})

@@ -138,3 +138,21 @@ def test_dp_decode_round_robin_follows_the_bootstrap_room():
     finally:
         assert srv.stop(signal.SIGTERM) == 0
     assert_children_gone(srv.children)
+
+
+def test_structural_tag_in_response_format(http, model_name):
+    """SGLang's response_format {"type": "structural_tag"}: xgrammar's format (a tag around a
+    JSON value) and the OpenAI-style structures + triggers; a bad one is a 400."""
+    tag = {"type": "structural_tag", "format": {"type": "tag", "begin": "<tool>", "end": "</tool>", "content": {
+        "type": "json_schema", "json_schema": {"type": "integer", "minimum": 0, "maximum": 999}}}}
+    body = {"model": model_name, "messages": [{"role": "user", "content": "Call a tool."}], "max_tokens": 40, "temperature": 0}
+    r = http.post("/v1/chat/completions", json={**body, "response_format": tag})
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["message"]["content"]
+    assert content.startswith("<tool>") and content.endswith("</tool>"), content
+    assert 0 <= int(content[len("<tool>"):-len("</tool>")].strip()) <= 999
+    triggered = {"type": "structural_tag", "triggers": ["<f="],
+                 "structures": [{"begin": "<f=a>", "schema": {"type": "object"}, "end": "</f>"}]}
+    assert http.post("/v1/chat/completions", json={**body, "max_tokens": 4, "response_format": triggered}).status_code == 200
+    bad = http.post("/v1/chat/completions", json={**body, "response_format": {"type": "structural_tag", "structures": []}})
+    assert bad.status_code == 400 and "structural_tag" in bad.json()["error"]["message"], bad.text
