@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional, Set, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Union
 
 import regex
 import torch
@@ -590,14 +590,16 @@ class ScheduleBatch:
         self.ledger.release(req)
         req.reset_for_retract()
 
-    def retract_decode(self) -> tuple:
+    def retract_decode(self, priority_key: Optional[Callable[["Req"], int]] = None) -> tuple:
         """Seed 001 §9: retract requests until the rest can decode; least progress first
-        (fewest output tokens, then longest prompt). Returns (retracted, new_token_ratio)."""
-        order = sorted(
-            range(len(self.reqs)),
-            key=lambda i: (len(self.reqs[i].output_ids), -len(self.reqs[i].origin_input_ids)),
-            reverse=True,
-        )
+        (fewest output tokens, then longest prompt), and with priority scheduling (§9.2,
+        priority_key: larger is worse) the worst priority before that. Returns (retracted,
+        new_token_ratio)."""
+        def worth_keeping(i: int) -> tuple:
+            r = self.reqs[i]
+            return (-priority_key(r) if priority_key else 0, len(r.output_ids), -len(r.origin_input_ids))
+
+        order = sorted(range(len(self.reqs)), key=worth_keeping, reverse=True)
         retracted: List[Req] = []
         first = True
         while first or not self.check_decode_mem(order):
