@@ -267,16 +267,19 @@ class RequestFrontend:
         batch_rids: set = set()  # two outputs of one batch could not share one request state
         for text, ids, sp_dict, rid, ret_lp, bootstrap, lora_path, token_ids_lp in zip(
                 texts, ids_list, sp_dicts, rids, return_logprobs, bootstraps, lora_paths, asked_ids):
-            sp = self.make_sampling_params(sp_dict)
-            error = check_custom_logit_processor(obj.custom_logit_processor, sp.custom_params,
-                                                 self.enable_custom_logit_processor, self.vocab_size)
+            if self.allow_auto_truncate:
+                ids, text = auto_truncate(ids, text, self.context_len)
+            error = input_ids_error(ids, self.context_len, self.vocab_size)
             if error is not None:
                 raise RequestError(error)
+            sp = self.make_sampling_params(sp_dict)
             explicit = sp_dict.get("max_new_tokens") if isinstance(sp_dict, dict) else (
                 sp_dict.max_new_tokens if isinstance(sp_dict, SamplingParams) else None)
-            ids, text, error = validate_input_length(ids, text, explicit, self.context_len, self.allow_auto_truncate)
+            # --allow-auto-truncate: the scheduler clips max_new_tokens to the room left instead
+            error = None if self.allow_auto_truncate else context_length_error(len(ids), explicit, self.context_len)
             if error is None:
-                error = input_ids_error(ids, self.context_len, self.vocab_size)
+                error = check_custom_logit_processor(obj.custom_logit_processor, sp.custom_params,
+                                                     self.enable_custom_logit_processor, self.vocab_size)
             if error is not None:
                 raise RequestError(error)
             n = sp.n
@@ -460,18 +463,14 @@ def token_ids_logprob_refusal(server_args: Any) -> Optional[str]:
     return None
 
 
-def validate_input_length(ids: List[int], text: Optional[str], max_new_tokens: Optional[int], context_len: int,
-                          allow_auto_truncate: bool) -> Tuple[List[int], Optional[str], Optional[str]]:
-    """SGLang's validate_input_length: (ids, text, error). An input that fills the context, or
-    an explicit max_new_tokens that does not fit beside it, is an error, unless
-    --allow-auto-truncate: then a too long input keeps its first context_len - 2 tokens (room
-    for one new token; its text is dropped: it no longer matches) and the scheduler clips
-    max_new_tokens to the room left."""
-    if allow_auto_truncate and len(ids) >= context_len - 1:
-        return list(ids[: context_len - 2]), None, None
-    if allow_auto_truncate:
-        return ids, text, None
-    return ids, text, context_length_error(len(ids), max_new_tokens, context_len)
+def auto_truncate(ids: List[int], text: Optional[str], context_len: int) -> Tuple[List[int], Optional[str]]:
+    """--allow-auto-truncate (SGLang's validate_input_length with allow_auto_truncate): an input
+    that leaves no room for a new token keeps its first context_len - 2 tokens (room for the one
+    a prefill samples; a context_len - 1 input would get none), and its text is dropped: it no
+    longer matches the ids."""
+    if len(ids) < context_len - 1:
+        return ids, text
+    return list(ids[: context_len - 2]), None
 
 
 _ADAPTER = None

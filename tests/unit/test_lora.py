@@ -105,7 +105,7 @@ def test_mixed_batch_matches_merged_weights(adapters, references, max_loras_per_
         assert max(len(s) for s in seen) <= max_loras_per_batch  # admission kept every batch within the slots
         assert set().union(*seen) == set(ADAPTERS)
         if max_loras_per_batch == 2:
-            assert manager.pool.num_swaps > len(ADAPTERS)  # a slot was reused for another adapter
+            assert manager.pool.num_swaps >= len(ADAPTERS)  # 3 adapters through 2 slots: a slot was reused
     finally:
         engine.shutdown()
 
