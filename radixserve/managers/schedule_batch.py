@@ -246,13 +246,18 @@ class Req:
         assert not self.finished_sent or self.finished(), repr(self)
 
     def clipped_max_new_tokens(self) -> int:
-        """max_new_tokens capped at CLIP_MAX_NEW_TOKENS: the decode room admission reserves."""
-        return min(self.sampling_params.max_new_tokens or CLIP_MAX_NEW_TOKENS, CLIP_MAX_NEW_TOKENS)
+        """max_new_tokens capped at CLIP_MAX_NEW_TOKENS: the decode room admission reserves.
+        (0, a prompt that fills the context but one token, reserves nothing: it was reserved as
+        the clip, which a small pool never held, so the request waited forever.)"""
+        return min(self._max_new_or_clip(), CLIP_MAX_NEW_TOKENS)
 
     def clipped_remaining_new_tokens(self) -> int:
         """Output tokens still to come, capped the same way (a running request's reserve)."""
-        remaining = (self.sampling_params.max_new_tokens or CLIP_MAX_NEW_TOKENS) - len(self.output_ids)
-        return min(remaining, CLIP_MAX_NEW_TOKENS)
+        return min(self._max_new_or_clip() - len(self.output_ids), CLIP_MAX_NEW_TOKENS)
+
+    def _max_new_or_clip(self) -> int:
+        max_new = self.sampling_params.max_new_tokens
+        return CLIP_MAX_NEW_TOKENS if max_new is None else max_new
 
     def seqlen(self) -> int:
         return len(self.origin_input_ids) + len(self.output_ids)

@@ -370,3 +370,20 @@ def test_retraction_picks_the_worst_priority_first(priorities_on):
         assert all(s.finished and len(s.output_ids) == 12 for s in states.values())
     finally:
         engine.shutdown()
+
+
+def test_prompt_one_short_of_the_context_is_served():
+    """A prompt of context_len - 1 tokens leaves room for the one token its prefill samples
+    (max_new_tokens becomes 0). Its admission reserve was the max_new_tokens clip, more than a
+    small pool holds, so it waited forever and held up the queue behind it."""
+    engine = Engine(max_total_tokens=2048, context_length=64)
+    try:
+        rng = random.Random(3)
+        full = engine.submit(input_ids=[rng.randrange(3, 8000) for _ in range(63)], sampling_params={"temperature": 0})[0]
+        behind = engine.submit(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 2, "temperature": 0})[0]
+        for _ in range(20):
+            engine.step()
+        assert full.finished and len(full.output_ids) == 1
+        assert behind.finished and len(behind.output_ids) == 2
+    finally:
+        engine.shutdown()
