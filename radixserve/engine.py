@@ -22,7 +22,7 @@ from radixserve.managers.admin_requests import (
 )
 from radixserve.managers.detokenizer import DetokenizerManager
 from radixserve.managers.embedding_frontend import EmbeddingFrontend, check_request_kind
-from radixserve.managers.request_frontend import ReqState, RequestFrontend, is_single
+from radixserve.managers.request_frontend import ReqState, RequestFrontend, is_single, token_ids_logprob_refusal
 from radixserve.managers.scheduler import Scheduler
 from radixserve.managers.schedule_policy import configure_lora_admission
 from radixserve.managers.scheduler_pause import expects_progress
@@ -59,6 +59,9 @@ class Engine:
         self.frontend.lora_names = set(self.server_args.lora_paths) if self.server_args.enable_lora else None
         self.frontend.mm_processor = build_multimodal_processor(self.scheduler.model_config.model_path,
                                                                 MediaLimits.from_server_args(self.server_args))
+        self.frontend.allow_auto_truncate = self.server_args.allow_auto_truncate
+        self.frontend.enable_custom_logit_processor = self.server_args.enable_custom_logit_processor
+        self.frontend.token_ids_logprob_refusal = token_ids_logprob_refusal(self.server_args)
         self.embeddings = EmbeddingFrontend(self.frontend, self.scheduler.model_config.hidden_size)
 
     def _drain_inbox(self) -> List[Any]:
@@ -81,6 +84,8 @@ class Engine:
         progress: bool = True,
         lora_path: Optional[Union[str, List[Optional[str]]]] = None,
         image_data: Optional[Any] = None,
+        custom_logit_processor: Optional[str] = None,
+        token_ids_logprob: Optional[Union[List[int], List[List[int]]]] = None,
     ) -> Union[Dict[str, Any], List[Dict[str, Any]], Iterator[Dict[str, Any]]]:
         """SGLang-shaped results, the same as POST /generate's: {"text", "output_ids",
         "meta_info": {...}}; a list for a list of prompts or n > 1; with stream=True an
@@ -96,6 +101,7 @@ class Engine:
             return_logprob=return_logprob, logprob_start_len=logprob_start_len,
             top_logprobs_num=top_logprobs_num, return_text_in_logprobs=return_text_in_logprobs,
             stream=stream, priority=priority, lora_path=lora_path, image_data=image_data,
+            custom_logit_processor=custom_logit_processor, token_ids_logprob=token_ids_logprob,
         )
         self._check_not_paused()
         states = self.submit(obj)

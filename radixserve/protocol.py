@@ -13,6 +13,7 @@ from radixserve.sampling_params import SamplingParams
 LOGPROB_KEYS = (
     "input_token_logprobs_val", "input_token_logprobs_idx", "output_token_logprobs_val",
     "output_token_logprobs_idx", "output_top_logprobs_val", "output_top_logprobs_idx",
+    "output_token_ids_logprobs_val", "output_token_ids_logprobs_idx",
 )
 # Speculative decoding's per-request counters (SGLang's names), in BatchTokenIDOutput and BatchStrOutput.
 SPEC_KEYS = ("spec_verify_ct", "spec_num_correct_drafts", "spec_num_proposed_drafts")
@@ -40,6 +41,9 @@ class TokenizedGenerateReqInput:
     is_health_check: bool = False
     # images (multimodal.MultimodalInputs): input_ids hold each image's pad values (pad_input_ids)
     mm_inputs: Any = None
+    data_parallel_rank: Optional[int] = None  # --dp-size: the replica that must serve it
+    custom_logit_processor: Optional[str] = None  # a registered processor's name (custom_params: its args)
+    token_ids_logprob: Optional[List[int]] = None  # with return_logprob: these ids' logprobs at each output position
 
 
 def is_health_check_generate_req(obj: Any) -> bool:
@@ -208,6 +212,8 @@ class BatchTokenIDOutput:
     input_token_logprobs_idx: List[List[int]] = field(default_factory=list)
     output_top_logprobs_val: List[List[List[float]]] = field(default_factory=list)
     output_top_logprobs_idx: List[List[List[int]]] = field(default_factory=list)
+    output_token_ids_logprobs_val: List[List[List[float]]] = field(default_factory=list)  # token_ids_logprob
+    output_token_ids_logprobs_idx: List[List[List[int]]] = field(default_factory=list)
     retraction_counts: List[int] = field(default_factory=list)
     # seconds from the waiting queue to the first forward (SGLang's meta_info queue_time); None: not yet
     queue_times: List[Optional[float]] = field(default_factory=list)
@@ -246,6 +252,13 @@ class GenerateReqInput:
     image_data: Optional[Any] = None
     # Where each image came from, for error messages (the chat route names the message part)
     image_labels: Optional[List[str]] = None
+    data_parallel_rank: Optional[int] = None  # --dp-size: route to this replica (0-based)
+    # --enable-custom-logit-processor: a registered processor's name (sampling/custom_logit_processor.py;
+    # never a pickled class, as SGLang sends); its arguments are sampling_params.custom_params
+    custom_logit_processor: Optional[Any] = None
+    # with return_logprob: the logprobs of these token ids at each output position (a list, or
+    # one list per prompt of a batch)
+    token_ids_logprob: Optional[Any] = None
 
 
 @dataclass
@@ -269,6 +282,8 @@ class BatchStrOutput:
     output_token_logprobs_idx: List[List[int]] = field(default_factory=list)
     output_top_logprobs_val: List[List[List[float]]] = field(default_factory=list)
     output_top_logprobs_idx: List[List[List[int]]] = field(default_factory=list)
+    output_token_ids_logprobs_val: List[List[List[float]]] = field(default_factory=list)  # token_ids_logprob
+    output_token_ids_logprobs_idx: List[List[List[int]]] = field(default_factory=list)
     retraction_counts: List[int] = field(default_factory=list)
     # seconds from the waiting queue to the first forward (SGLang's meta_info queue_time); None: not yet
     queue_times: List[Optional[float]] = field(default_factory=list)
@@ -316,6 +331,7 @@ class SchedulerLoad:
 
     dp_rank: int
     num_reqs: int  # waiting + running
+    num_tokens: int = 0  # KV held by running requests + waiting prompts (minimum_tokens only)
 
 
 # ---- weight updates without a restart (SGLang's io_struct names and fields) --------------------

@@ -20,7 +20,7 @@ MAX_LOGIT_BIAS = 100.0  # OpenAI's range: +-100 already bans or forces a token
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty")
 _INT_FIELDS = ("max_new_tokens", "min_new_tokens", "top_k", "n", "sampling_seed", "stream_interval")
 _BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
-_TEXT_FIELDS = ("stop", "stop_regex", "regex", "json_schema", "ebnf")
+_TEXT_FIELDS = ("stop", "stop_regex", "regex", "json_schema", "ebnf", "structural_tag")
 
 
 @dataclass
@@ -47,6 +47,7 @@ class SamplingParams:
     regex: Optional[str] = None
     json_schema: Optional[str] = None
     ebnf: Optional[str] = None
+    structural_tag: Optional[str] = None  # SGLang's: xgrammar's structural tag, as a JSON string
     custom_params: Optional[Dict[str, Any]] = None
     stream_interval: Optional[int] = None  # a streamed request reports every this many tokens; None: --stream-interval
 
@@ -113,9 +114,9 @@ class SamplingParams:
             raise ValueError(f"n must be at least 1, got {self.n}.")
         if self.stream_interval is not None and self.stream_interval < 1:
             raise ValueError(f"stream_interval must be at least 1, got {self.stream_interval}.")
-        grammars = [x for x in (self.regex, self.json_schema, self.ebnf) if x is not None]
+        grammars = [x for x in (self.regex, self.json_schema, self.ebnf, self.structural_tag) if x is not None]
         if len(grammars) > 1:
-            raise ValueError("Only one of regex, json_schema, or ebnf can be set.")
+            raise ValueError("Only one of regex, json_schema, ebnf or structural_tag can be set.")
         if self.logit_bias is not None:
             for k, v in self.logit_bias.items():
                 try:

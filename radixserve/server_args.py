@@ -44,6 +44,10 @@ STANDALONE_DEFAULT_NUM_STEPS = 3
 EAGLE_DEFAULTS = (5, 4, 8)
 
 
+# --load-balance-method (managers/dp_budget.py implements them)
+LOAD_BALANCE_METHODS = ("round_robin", "decode_round_robin", "shortest_queue", "minimum_tokens")
+
+
 @dataclass
 class ServerArgs:
     # Model. None means the embedded tiny model (radixserve/assets/tiny_qwen3).
@@ -87,6 +91,9 @@ class ServerArgs:
     schedule_low_priority_values_first: bool = False
     priority_scheduling_preemption_threshold: int = 10
     stream_interval: int = 1
+    allow_auto_truncate: bool = False  # SGLang's: a too long input is cut to fit, not refused
+    # SGLang's: requests may name a custom_logit_processor (from sampling/custom_logit_processor.py)
+    enable_custom_logit_processor: bool = False
     # None: the overlap loop on CUDA, the normal loop on the CPU (overlap_schedule_enabled).
     disable_overlap_schedule: Optional[bool] = None
     disable_consecutive_prefill_overlap: bool = False
@@ -158,7 +165,7 @@ class ServerArgs:
     dp_size: int = 1
     nnodes: int = 1  # machines the TP ranks span (rank r runs on node r // (tp_size // nnodes))
     node_rank: int = 0  # this machine; only node 0 serves HTTP
-    load_balance_method: str = "round_robin"  # or "shortest_queue" (--dp-size > 1)
+    load_balance_method: str = "round_robin"  # one of LOAD_BALANCE_METHODS (--dp-size > 1)
     dist_init_addr: Optional[str] = None  # host:port of rank 0's rendezvous; a free local port when None
     # Pipeline parallelism (issue 30, seed 001 §27; managers/scheduler_pp.py): the layers split
     # over pp_size stages, pp_size + pp_async_batch_depth micro-batches in flight.
@@ -232,7 +239,7 @@ class ServerArgs:
             raise ValueError(f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}")
         if not 0 < self.mem_fraction_static <= 1:
             raise ValueError("--mem-fraction-static must be in (0, 1]")
-        _choice("--load-balance-method", self.load_balance_method, ("round_robin", "shortest_queue"))
+        _choice("--load-balance-method", self.load_balance_method, LOAD_BALANCE_METHODS)
         if self.dp_size < 1:
             raise ValueError(f"--dp-size must be >= 1, got {self.dp_size}")
         if self.nnodes > 1:
@@ -552,7 +559,7 @@ FLAG_HELP = {
     "nnodes": "number of machines the tensor-parallel ranks span",
     "node_rank": "this machine's index among --nnodes (node 0 serves HTTP)",
     "dp_size": "data parallelism: number of model replicas (each with --tp-size ranks) behind one server",
-    "load_balance_method": "how --dp-size routes requests: round_robin or shortest_queue",
+    "load_balance_method": "how --dp-size routes requests: round_robin, decode_round_robin, shortest_queue or minimum_tokens",
     "tp_size": "tensor parallelism: number of ranks (processes) that split every layer",
     "ep_size": "expert parallelism (MoE models): split the TP ranks into this many groups, each holding whole experts (must divide --tp-size)",
     "pp_size": "pipeline parallelism: number of stages (each with --tp-size ranks) the layers are split over",
@@ -599,6 +606,8 @@ FLAG_HELP = {
     "schedule_low_priority_values_first": "with priority scheduling: smaller values first",
     "priority_scheduling_preemption_threshold": "priority difference that allows preemption",
     "stream_interval": "stream every this many tokens",
+    "allow_auto_truncate": "cut an input longer than the context to its first context_len - 1 tokens instead of refusing it (400)",
+    "enable_custom_logit_processor": "let requests name a registered custom_logit_processor with JSON arguments",
     "disable_overlap_schedule": "run the scheduler's normal loop instead of the overlap loop (default: the overlap loop on GPU, the normal loop on CPU)",
     "disable_consecutive_prefill_overlap": "overlap loop: process a prefill's result before launching the next prefill (lower TTFT)",
     "test_retract_interval": "testing: force a retraction every this many decode steps",

@@ -51,4 +51,6 @@ def response_format_to_constraint(response_format: Any) -> Dict[str, str]:
         if not isinstance(schema, dict):
             raise ValueError("response_format.json_schema.schema must be a JSON object.")
         return {"json_schema": json.dumps(schema)}
-    raise ValueError(f"Unsupported response_format type {kind!r}: use text, json_object or json_schema.")
+    if kind == "structural_tag":
+        return {"structural_tag": json.dumps({k: v for k, v in response_format.items() if k != "type"})}
+    raise ValueError(f"Unsupported response_format type {kind!r}: use text, json_object, json_schema or structural_tag.")

@@ -42,7 +42,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 GrammarKey = Tuple[str, str]  # (kind, text): kind is "json", "regex" or "ebnf"
-GRAMMAR_KINDS = {"json_schema": "json", "regex": "regex", "ebnf": "ebnf"}
+GRAMMAR_KINDS = {"json_schema": "json", "regex": "regex", "ebnf": "ebnf", "structural_tag": "structural_tag"}
 
 
 def grammar_key(sampling_params: Any) -> Optional[GrammarKey]:
@@ -198,6 +198,9 @@ class BaseGrammarBackend:
     def dispatch_ebnf(self, ebnf: str) -> BaseGrammarObject:
         raise ValueError("ebnf is not supported by this grammar backend.")
 
+    def dispatch_structural_tag(self, structural_tag: str) -> BaseGrammarObject:
+        raise ValueError("structural_tag is not supported by this grammar backend.")
+
     def _init_value_dispatch(self, key: GrammarKey) -> BaseGrammarObject:
         """Runs in the pool: compile (or take the cache), cache the result, return a fresh
         grammar object for the request. Never raises: errors become InvalidGrammarObject."""
@@ -213,6 +216,8 @@ class BaseGrammarBackend:
                 value = self.dispatch_regex(text)
             elif kind == "ebnf":
                 value = self.dispatch_ebnf(text)
+            elif kind == "structural_tag":
+                value = self.dispatch_structural_tag(text)
             else:
                 raise ValueError(f"Unknown grammar kind {kind!r}.")
         except Exception as e:  # a bad grammar must never take the scheduler down

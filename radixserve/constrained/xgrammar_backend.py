@@ -143,6 +143,30 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
     def dispatch_ebnf(self, ebnf: str) -> XGrammarGrammar:
         return self._from_context(self.compiler.compile_grammar(ebnf, root_rule_name="root"))
 
+    def dispatch_structural_tag(self, structural_tag: str) -> XGrammarGrammar:
+        """SGLang's two shapes: xgrammar's own {"type": "structural_tag", "format": {...}}, or
+        the OpenAI-style {"structures": [{"begin", "schema", "end"}], "triggers": [...]} (free text
+        until a trigger begins, then one of the structures: how tool calls are constrained)."""
+        import xgrammar as xgr
+
+        try:
+            spec = json.loads(structural_tag)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"the structural tag is not valid JSON ({e})") from None
+        if not isinstance(spec, dict):
+            raise ValueError("the structural tag must be a JSON object")
+        if "format" in spec:
+            return self._from_context(self.compiler.compile_structural_tag(json.dumps({"type": "structural_tag", **spec})))
+        structures, triggers = spec.get("structures"), spec.get("triggers")
+        if not isinstance(structures, list) or not structures or not isinstance(triggers, list) or not triggers:
+            raise ValueError("a structural tag needs 'format', or non-empty 'structures' and 'triggers' lists")
+        try:
+            tags = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s.get("schema", {})), end=s["end"])
+                    for s in structures]
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"each structure needs 'begin', 'schema' and 'end' ({clean_error(e)})") from None
+        return self._from_context(self.compiler.compile_structural_tag(tags, triggers))
+
     def json_schema_ebnf(self, schema: str) -> str:
         """The schema's EBNF with every 'any whitespace' replaced by the whitespace pattern
         (xgrammar's regex converter turns the pattern into rules, renamed ws_*)."""

@@ -78,6 +78,12 @@ class GenerateRequest(BaseModel):
     # of such lists (or nulls) for a batch
     image_data: Optional[Union[StrictStr, List[Optional[Union[StrictStr, List[StrictStr]]]]]] = Field(
         None, description="Images: data URLs (or allowed files / URLs), one per image placeholder of the prompt.")
+    # --dp-size: the replica that serves it (0-based; the front end answers 400 out of range)
+    data_parallel_rank: Optional[StrictInt] = None
+    # --enable-custom-logit-processor: a registered processor's name; its args: sampling_params.custom_params
+    custom_logit_processor: Optional[StrictStr] = None
+    # with return_logprob: these ids' logprobs at each output position (checked by the front end)
+    token_ids_logprob: Optional[TokenIds] = None
 
     def to_input(self) -> GenerateReqInput:
         return GenerateReqInput(**self.model_dump())  # session_params becomes a dict, as it arrived

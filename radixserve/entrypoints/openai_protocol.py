@@ -27,8 +27,17 @@ class StreamOptions(BaseModel):
 class ResponseFormat(BaseModel):
     model_config = _STRICT
 
-    type: Literal["text", "json_object", "json_schema"] = "text"
+    type: Literal["text", "json_object", "json_schema", "structural_tag"] = "text"
     json_schema: Optional[Dict[str, Any]] = None
+    # structural_tag (SGLang's, xgrammar's): OpenAI-style structures + triggers, or xgrammar's format
+    structures: Optional[List[Dict[str, Any]]] = None
+    triggers: Optional[List[str]] = None
+    format: Optional[Dict[str, Any]] = None
+
+    def structural_tag(self) -> Optional[str]:
+        if self.type != "structural_tag":
+            return None
+        return json.dumps(self.model_dump(exclude_none=True, include={"structures", "triggers", "format"}))
 
 
 # Left out of the sampling params when the request does not set them: the server's defaults apply.
@@ -73,6 +82,8 @@ class _SamplingFields(BaseModel):
     stop_regex: Optional[Union[str, List[str]]] = None  # SGLang's extra: stop at a regex match
     rid: Optional[str] = None
     priority: Optional[int] = Field(None, ge=-MAX_INT_PARAM, le=MAX_INT_PARAM)
+    stream_interval: Optional[int] = None  # SGLang's: a stream reports every this many tokens
+    data_parallel_rank: Optional[int] = None  # --dp-size: the replica that serves it
 
     def sampling_params(self, max_new_tokens: Optional[int]) -> Dict[str, Any]:
         params = {
@@ -98,6 +109,7 @@ class _SamplingFields(BaseModel):
             "json_schema": self.json_schema,
             "ebnf": self.ebnf,
             "stop_regex": self.stop_regex,
+            "stream_interval": self.stream_interval,
         }
         return {k: v for k, v in params.items() if k not in DEFAULTED or v is not None}
 
@@ -290,7 +302,7 @@ class ChatCompletionRequest(_SamplingFields):
         if self.json_schema is not None:
             return self.json_schema
         rf = self.response_format
-        if rf is None or rf.type == "text":
+        if rf is None or rf.type in ("text", "structural_tag"):
             return None
         if rf.type == "json_object":
             return json.dumps({"type": "object"})

@@ -188,9 +188,11 @@ async def serve_chat(tm: TokenizerManager, req: ChatCompletionRequest, raw_reque
     max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     sp = req.sampling_params(max_new)
     sp["json_schema"] = req.grammar_json_schema()
+    if req.response_format is not None and req.response_format.structural_tag() is not None:
+        sp["structural_tag"] = req.response_format.structural_tag()
     forced_schema = req.tool_call_schema()
     if forced_schema is not None:
-        if sp["json_schema"] is not None or sp["regex"] is not None or sp["ebnf"] is not None:
+        if any(sp.get(k) is not None for k in ("json_schema", "regex", "ebnf", "structural_tag")):
             raise RequestError("tool_choice 'required' or a named function constrains the output; "
                                "it cannot be combined with response_format, json_schema, regex or ebnf.")
         sp["json_schema"] = json.dumps(forced_schema)
@@ -198,7 +200,7 @@ async def serve_chat(tm: TokenizerManager, req: ChatCompletionRequest, raw_reque
     obj = GenerateReqInput(
         input_ids=input_ids, sampling_params=sp, rid=req.rid, return_logprob=req.logprobs,
         top_logprobs_num=req.top_logprobs or 0, return_text_in_logprobs=True, stream=req.stream,
-        priority=req.priority, **bootstrap_fields(req),
+        priority=req.priority, data_parallel_rank=req.data_parallel_rank, **bootstrap_fields(req),
         lora_path=lora_path_of_model(tm, None if pd else req.model),  # model: "adapter" / "base:adapter"
         image_data=image_urls or None, image_labels=image_labels or None,
     )

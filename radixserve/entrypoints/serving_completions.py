@@ -69,6 +69,7 @@ async def serve_completions(tm: TokenizerManager, req: CompletionRequest, raw_re
         return_text_in_logprobs=True,
         stream=req.stream,
         priority=req.priority,
+        data_parallel_rank=req.data_parallel_rank,
         **bootstrap_fields(req),
         lora_path=lora_path_of_model(tm, None if pd else req.model),  # model: "adapter" / "base:adapter"
     )

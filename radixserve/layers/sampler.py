@@ -32,6 +32,7 @@ class SamplerOutput:
     next_token_logprobs: Optional[torch.Tensor] = None  # [B] float32
     top_logprobs_val: Optional[List[List[float]]] = None  # per request, best first
     top_logprobs_idx: Optional[List[List[int]]] = None
+    token_ids_logprobs_val: Optional[List[Optional[List[float]]]] = None  # the asked ids' logprobs per request
 
 
 class Sampler(nn.Module):
@@ -42,6 +43,7 @@ class Sampler(nn.Module):
         return_logprob: bool = False,
         top_logprobs_nums: Optional[List[int]] = None,
         token_bitmask: Any = None,
+        token_ids_logprobs: Optional[List[Optional[List[int]]]] = None,
     ) -> SamplerOutput:
         info = sampling_info
         logits = info.apply_logits_bias(logits)
@@ -75,6 +77,8 @@ class Sampler(nn.Module):
             elif top_logprobs_nums is not None:
                 out.top_logprobs_val = [[] for _ in top_logprobs_nums]
                 out.top_logprobs_idx = [[] for _ in top_logprobs_nums]
+            if token_ids_logprobs is not None:
+                out.token_ids_logprobs_val = gather_token_ids_logprobs(logprobs, token_ids_logprobs)
 
         info.cumulate_output_tokens(next_ids)
         return out
@@ -164,3 +168,14 @@ def seed_for_step(seed: int, step: int) -> int:
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
     x ^= x >> 31
     return x & ((1 << 63) - 1)
+
+
+def gather_token_ids_logprobs(logprobs: torch.Tensor, token_ids: List[Optional[List[int]]]) -> List[Optional[List[float]]]:
+    """Each row's logprobs of its asked ids (None where a row asked none): one padded gather."""
+    width = max((len(ids) for ids in token_ids if ids), default=0)
+    if width == 0:
+        return [None if ids is None else [] for ids in token_ids]
+    index = torch.tensor([(ids or []) + [0] * (width - len(ids or [])) for ids in token_ids],
+                         dtype=torch.int64, device=logprobs.device)
+    rows = logprobs.gather(1, index).tolist()
+    return [None if ids is None else row[: len(ids)] for row, ids in zip(rows, token_ids)]

@@ -5,8 +5,9 @@ TokenizerManager and M scheduler groups (each of --tp-size ranks, its own model 
     scheduler dp{i} rank 0 --PUSH--> [controller_reply] PULL  controller  PUSH --> [tokenizer]
     scheduler dp{i} rank 0 --PUSH--> [detokenizer]   (token outputs go straight on)
 
-Generate requests go to one replica (round_robin, or shortest_queue from the load each
-replica reports); aborts and control queries (flush, state, pause, memory release, profiling,
+Generate requests go to one replica, the one DPBudget picks (managers/dp_budget.py: round_robin,
+decode_round_robin, shortest_queue or minimum_tokens from the load each replica reports, or the
+request's own data_parallel_rank); aborts and control queries (flush, state, pause, memory release, profiling,
 ...) go to all, and the controller merges their replies into one, so the TokenizerManager never
 knows there are several.
 """
@@ -20,6 +21,7 @@ import traceback
 from dataclasses import dataclass, replace
 from typing import Any, Dict, List
 
+from radixserve.managers.dp_budget import DPBudget
 from radixserve.managers.process_utils import configure_process_logging, watch_parent
 from radixserve.protocol import (
     BatchTokenizedEmbeddingReqInput,
@@ -71,7 +73,7 @@ class DataParallelController:
         import zmq
 
         self.dp_size = server_args.dp_size
-        self.method = server_args.load_balance_method
+        self.budget = DPBudget(self.dp_size, server_args.load_balance_method)
         self.ctx = context or zmq.Context(2)
         self.recv_from_tokenizer = self.ctx.socket(zmq.PULL)
         self.recv_from_tokenizer.bind(port_args.scheduler_input_ipc_name)
@@ -85,26 +87,12 @@ class DataParallelController:
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.connect(dp_port_args(port_args, i).scheduler_input_ipc_name)
             self.workers.append(sock)
-        self.round_robin_counter = 0
-        # shortest_queue: the last load each replica reported plus what we sent it since.
-        self.reported_load = [0] * self.dp_size
-        self.sent_since_report = [0] * self.dp_size
-        self.num_dispatched = [0] * self.dp_size
         self.pending: Dict[str, _Gather] = {}  # by query_id
 
     # ---- routing --------------------------------------------------------------------------
-    def choose_replica(self) -> int:
-        if self.method == "shortest_queue":
-            loads = [r + s for r, s in zip(self.reported_load, self.sent_since_report)]
-            return loads.index(min(loads))
-        i = self.round_robin_counter
-        self.round_robin_counter = (i + 1) % self.dp_size
-        return i
-
-    def dispatch(self, req: TokenizedGenerateReqInput) -> None:
-        i = self.choose_replica()
-        self.sent_since_report[i] += 1
-        self.num_dispatched[i] += 1
+    def dispatch(self, req: Any) -> None:
+        i = self.budget.choose(len(req.input_ids), getattr(req, "bootstrap_room", None),
+                               getattr(req, "data_parallel_rank", None))
         self.workers[i].send_pyobj(req)
 
     def handle_tokenizer_message(self, obj: Any) -> None:
@@ -121,8 +109,7 @@ class DataParallelController:
 
     def handle_scheduler_message(self, obj: Any) -> None:
         if isinstance(obj, SchedulerLoad):
-            self.reported_load[obj.dp_rank] = obj.num_reqs
-            self.sent_since_report[obj.dp_rank] = 0
+            self.budget.on_load(obj.dp_rank, obj.num_reqs, obj.num_tokens)
             return
         query_id = getattr(obj, "query_id", None)
         gather = self.pending.get(query_id) if query_id else None
@@ -146,7 +133,8 @@ class DataParallelController:
             messages = "; ".join(dict.fromkeys(r.message for r in replies if getattr(r, "message", "")))
             return replace(first, success=all(r.success for r in replies),
                            **({"message": messages} if hasattr(first, "message") else {}))
-        states = [r.internal_state for r in replies]
+        # in replica order (they answer in any order): /get_server_info's internal_states[i] is replica i
+        states = sorted((r.internal_state for r in replies), key=lambda s: s.get("dp_rank", 0))
         merged: Dict[str, Any] = {}
         for key in states[0]:
             values = [s.get(key) for s in states]
@@ -156,9 +144,10 @@ class DataParallelController:
                 merged[key] = [sum(c) for c in zip(*values)]  # a histogram's buckets: every replica's
             else:
                 merged[key] = values[0]
+        merged.pop("dp_rank", None)  # each replica's, in dp_states
         merged["dp_size"] = self.dp_size
         merged["dp_states"] = states
-        merged["dp_num_dispatched"] = list(self.num_dispatched)
+        merged["dp_num_dispatched"] = list(self.budget.num_dispatched)
         return GetInternalStateReqOutput(merged, replies[0].query_id)
 
     # ---- loop -----------------------------------------------------------------------------

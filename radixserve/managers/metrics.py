@@ -208,7 +208,7 @@ class TokenizerMetrics:
         if state.queue_time is not None:
             self.queue_time.observe(state.queue_time)
         sp = state.sampling_params
-        if sp.json_schema is not None or sp.regex is not None or sp.ebnf is not None:
+        if any(x is not None for x in (sp.json_schema, sp.regex, sp.ebnf, sp.structural_tag)):
             self.num_so_requests_total.inc()
         if (state.finished_reason or {}).get("type") == "abort":
             self.num_aborted_requests_total.inc()

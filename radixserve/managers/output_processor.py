@@ -177,6 +177,12 @@ class SchedulerOutputProcessor:
         if req.top_logprobs_num > 0 and result.top_logprobs_val is not None:
             req.output_top_logprobs_val.append(result.top_logprobs_val[i])
             req.output_top_logprobs_idx.append(result.top_logprobs_idx[i])
+        if req.token_ids_logprob is not None:
+            vals = result.token_ids_logprobs_val
+            if vals is None or vals[i] is None:  # a path that does not compute them (refused at start)
+                raise RuntimeError("token_ids_logprob was asked but the batch's sampler did not compute it")
+            req.output_token_ids_logprobs_val.append(vals[i])
+            req.output_token_ids_logprobs_idx.append(list(req.token_ids_logprob))
 
     @staticmethod
     def _add_input_logprobs(batch: ScheduleBatch, result: GenerationBatchResult) -> None:
@@ -240,6 +246,8 @@ class SchedulerOutputProcessor:
                 out.output_token_logprobs_idx.append(req.output_token_logprobs_idx[start:])
                 out.output_top_logprobs_val.append(req.output_top_logprobs_val[start:])
                 out.output_top_logprobs_idx.append(req.output_top_logprobs_idx[start:])
+                out.output_token_ids_logprobs_val.append(req.output_token_ids_logprobs_val[start:])
+                out.output_token_ids_logprobs_idx.append(req.output_token_ids_logprobs_idx[start:])
             else:
                 for key in LOGPROB_KEYS:
                     getattr(out, key).append([])

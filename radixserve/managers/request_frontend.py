@@ -23,6 +23,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from radixserve.managers.session import SessionError, SessionStore
 from radixserve.multimodal.mm_inputs import MultimodalInputError
 from radixserve.protocol import LOGPROB_KEYS, SPEC_KEYS, BatchStrOutput, GenerateReqInput, TokenizedGenerateReqInput
+from radixserve.sampling.custom_logit_processor import check_custom_logit_processor
 from radixserve.sampling_params import (
     MAX_INT_PARAM,
     SamplingParams,
@@ -32,6 +33,9 @@ from radixserve.sampling_params import (
     unicode_error,
 )
 from radixserve.utils import held_suffix_len
+
+
+MAX_TOKEN_IDS_LOGPROB = 1024  # ids one request may ask logprobs of (each costs a gather every step)
 
 
 class RequestError(ValueError):
@@ -57,6 +61,7 @@ class ReqState:
     top_logprobs_num: int
     return_text_in_logprobs: bool
     parent_rid: Optional[str] = None  # the rid an n > 1 request's samples were made from
+    token_ids_logprob: Optional[List[int]] = None  # meta_info output_token_ids_logprobs
     session_id: Optional[str] = None
     created: float = field(default_factory=time.monotonic)
     event: asyncio.Event = field(default_factory=asyncio.Event)  # set on news (TokenizerManager)
@@ -131,6 +136,11 @@ class RequestFrontend:
         self.lora_names: Optional[set] = None  # --enable-lora: the adapters a request may name
         # a model that takes images: multimodal.processor's (None: text only, images refused)
         self.mm_processor: Any = None
+        self.dp_size = 1  # --dp-size: a request's data_parallel_rank is in [0, dp_size)
+        self.allow_auto_truncate = False  # --allow-auto-truncate: too long inputs are cut, not refused
+        self.enable_custom_logit_processor = False  # --enable-custom-logit-processor
+        # why this server cannot answer token_ids_logprob (a decoding path that does not compute it)
+        self.token_ids_logprob_refusal: Optional[str] = None
 
     # ---- intake ---------------------------------------------------------------------------
     def encode(self, text: str) -> List[int]:
@@ -222,6 +232,10 @@ class RequestFrontend:
         sp_dicts = per_prompt(obj.sampling_params, "sampling_params", None)
         rids = per_prompt(obj.rid, "rid", None)
         return_logprobs = per_prompt(obj.return_logprob, "return_logprob", False)
+        asked = obj.token_ids_logprob  # one list for every prompt, or (a batch) one list per prompt
+        per_prompt_lists = (is_batch and isinstance(asked, list) and any(isinstance(x, list) for x in asked)
+                            and all(x is None or isinstance(x, list) for x in asked))
+        asked_ids = per_prompt(asked, "token_ids_logprob", None) if per_prompt_lists else [asked] * num
         for rid in rids:
             if rid is not None and not isinstance(rid, str):
                 raise RequestError("rid must be a string.")
@@ -231,10 +245,13 @@ class RequestFrontend:
         if not all(isinstance(x, bool) for x in return_logprobs):
             raise RequestError("return_logprob must be true or false (a list of them, one per prompt, for a batch).")
         self._check_logprob_args(obj)
+        self.check_data_parallel_rank(obj.data_parallel_rank)
         bootstraps = list(zip(*(per_prompt(getattr(obj, f"bootstrap_{k}"), f"bootstrap_{k}", None)
                                 for k in ("host", "port", "room"))))
         for bootstrap in bootstraps:
             check_bootstrap(*bootstrap)
+        for ids, ret_lp in zip(asked_ids, return_logprobs):
+            self.check_token_ids_logprob(ids, ret_lp)
         lora_paths = per_prompt(obj.lora_path, "lora_path", None)
         for lora_path in lora_paths:
             self.check_lora_path(lora_path)
@@ -252,15 +269,21 @@ class RequestFrontend:
         reqs: List[TokenizedGenerateReqInput] = []
         parents: Dict[str, str] = {}
         batch_rids: set = set()  # two outputs of one batch could not share one request state
-        for text, ids, sp_dict, rid, ret_lp, bootstrap, lora_path, mm in zip(
-                texts, ids_list, sp_dicts, rids, return_logprobs, bootstraps, lora_paths, mm_list):
+        for text, ids, sp_dict, rid, ret_lp, bootstrap, lora_path, mm, token_ids_lp in zip(
+                texts, ids_list, sp_dicts, rids, return_logprobs, bootstraps, lora_paths, mm_list, asked_ids):
+            if self.allow_auto_truncate and mm is None:  # an image's pad ids are never cut
+                ids, text = auto_truncate(ids, text, self.context_len)
             error = input_ids_error(ids if mm is None else mm.unpadded(ids), self.context_len, self.vocab_size)
             if error is not None:
                 raise RequestError(error)
             sp = self.make_sampling_params(sp_dict)
             explicit = sp_dict.get("max_new_tokens") if isinstance(sp_dict, dict) else (
                 sp_dict.max_new_tokens if isinstance(sp_dict, SamplingParams) else None)
-            error = context_length_error(len(ids), explicit, self.context_len)
+            # --allow-auto-truncate: the scheduler clips max_new_tokens to the room left instead
+            error = None if self.allow_auto_truncate else context_length_error(len(ids), explicit, self.context_len)
+            if error is None:
+                error = check_custom_logit_processor(obj.custom_logit_processor, sp.custom_params,
+                                                     self.enable_custom_logit_processor, self.vocab_size)
             if error is not None:
                 raise RequestError(error)
             n = sp.n
@@ -283,6 +306,8 @@ class RequestFrontend:
                     top_logprobs_num=obj.top_logprobs_num, stream=bool(obj.stream), priority=obj.priority,
                     bootstrap_host=bootstrap[0], bootstrap_port=bootstrap[1], bootstrap_room=bootstrap[2],
                     lora_path=lora_path, is_health_check=obj.is_health_check, mm_inputs=mm,
+                    data_parallel_rank=obj.data_parallel_rank, custom_logit_processor=obj.custom_logit_processor,
+                    token_ids_logprob=token_ids_lp,
                 ))
                 if n > 1:
                     parents[sub_rid] = base
@@ -317,6 +342,28 @@ class RequestFrontend:
             out_mm.append(mm)
         return out_ids, out_mm
 
+    def check_token_ids_logprob(self, ids: Any, return_logprob: bool) -> None:
+        """SGLang's token_ids_logprob: token ids in the vocabulary, with return_logprob."""
+        if ids is None:
+            return
+        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise RequestError("token_ids_logprob must be a non-empty list of token ids (one such list per prompt for a batch).")
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            raise RequestError(f"token_ids_logprob must hold token ids in [0, {self.vocab_size}).")
+        if len(ids) > MAX_TOKEN_IDS_LOGPROB:
+            raise RequestError(f"token_ids_logprob takes at most {MAX_TOKEN_IDS_LOGPROB} token ids, got {len(ids)}.")
+        if not return_logprob:
+            raise RequestError("token_ids_logprob needs return_logprob: true.")
+        if self.token_ids_logprob_refusal is not None:
+            raise RequestError(self.token_ids_logprob_refusal)
+
+    def check_data_parallel_rank(self, rank: Any) -> None:
+        """SGLang's data_parallel_rank: the replica that must serve the request (400 out of range)."""
+        if rank is None:
+            return
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.dp_size:
+            raise RequestError(f"data_parallel_rank must be an integer in [0, {self.dp_size}) (--dp-size {self.dp_size}), got {rank!r}.")
+
     def check_lora_path(self, lora_path: Any) -> None:
         """A request's adapter must be one the server has loaded (400 naming it otherwise)."""
         if lora_path is None:
@@ -338,6 +385,7 @@ class RequestFrontend:
             self.rid_to_state[r.rid] = ReqState(
                 r.rid, r.input_ids, r.sampling_params, r.stream, r.return_logprob, r.top_logprobs_num,
                 bool(obj.return_text_in_logprobs), parent_rid=parents.get(r.rid), session_id=session_id,
+                token_ids_logprob=r.token_ids_logprob,
             )
 
     def abort_targets(self, rid: str) -> List[str]:
@@ -422,6 +470,11 @@ class RequestFrontend:
                     self._logprob_triples(v, ix, with_text)
                     for v, ix in zip(lp["output_top_logprobs_val"], lp["output_top_logprobs_idx"])
                 ]
+            if state.token_ids_logprob is not None:  # SGLang's: one list of the asked ids per output token
+                meta["output_token_ids_logprobs"] = [
+                    self._logprob_triples(v, ix, with_text)
+                    for v, ix in zip(lp["output_token_ids_logprobs_val"], lp["output_token_ids_logprobs_idx"])
+                ]
         return {"text": text, "output_ids": list(state.output_ids), "meta_info": meta}
 
     def _logprob_triples(self, vals: List[float], ids: List[int], with_text: bool) -> List[list]:
@@ -430,6 +483,27 @@ class RequestFrontend:
 
     def decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([int(token_id)]) if self.tokenizer is not None else ""
+
+
+def token_ids_logprob_refusal(server_args: Any) -> Optional[str]:
+    """Why this server's decoding path cannot answer token_ids_logprob (None: it can). The
+    speculative verify, the pipeline's last stage and a PD decode server take their logprobs
+    elsewhere; they are not served wrongly but refused."""
+    for on, what in ((server_args.speculative_algorithm, "--speculative-algorithm"), (server_args.pp_size > 1, "--pp-size > 1"),
+                     (server_args.disaggregation_mode != "null", "--disaggregation-mode")):
+        if on:
+            return f"token_ids_logprob is not supported with {what}."
+    return None
+
+
+def auto_truncate(ids: List[int], text: Optional[str], context_len: int) -> Tuple[List[int], Optional[str]]:
+    """--allow-auto-truncate (SGLang's validate_input_length with allow_auto_truncate): an input
+    that leaves no room for a new token keeps its first context_len - 2 tokens (room for the one
+    a prefill samples; a context_len - 1 input would get none), and its text is dropped: it no
+    longer matches the ids."""
+    if len(ids) < context_len - 1:
+        return ids, text
+    return list(ids[: context_len - 2]), None
 
 
 _ADAPTER = None

@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional, Set, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Union
 
 import regex
 import torch
@@ -126,6 +126,7 @@ class Req:
         # images (multimodal.MultimodalInputs): origin_input_ids hold their pad values
         self.multimodal_inputs = multimodal_inputs
         self.lora_path = lora_path  # --enable-lora: the adapter's name; None = the base model
+        self.custom_logit_processor: Optional[str] = None  # a registered processor's name (SamplingBatchInfo)
         self.origin_input_text = origin_input_text
         self.origin_input_ids = list(origin_input_ids)
         self.sampling_params = sampling_params
@@ -190,6 +191,9 @@ class Req:
         self.output_token_logprobs_idx: List[int] = []
         self.output_top_logprobs_val: List[List[float]] = []
         self.output_top_logprobs_idx: List[List[int]] = []
+        self.token_ids_logprob: Optional[List[int]] = None  # SGLang's: these ids' logprobs at each output position
+        self.output_token_ids_logprobs_val: List[List[float]] = []
+        self.output_token_ids_logprobs_idx: List[List[int]] = []
 
         # PD disaggregation (seed 001 §8): where the prefill server's handshake socket is and the
         # request's room there; on the prefill server, the request's KVSender.
@@ -206,7 +210,7 @@ class Req:
     @classmethod
     def from_tokenized(cls, recv: Any, eos_token_ids: Iterable[int], vocab_size: int, tokenizer: Any) -> "Req":
         """The scheduler's Req for a TokenizedGenerateReqInput."""
-        return cls(
+        req = cls(
             recv.rid, recv.input_text, recv.input_ids, recv.sampling_params,
             return_logprob=recv.return_logprob, top_logprobs_num=recv.top_logprobs_num,
             logprob_start_len=recv.logprob_start_len, stream=recv.stream, priority=recv.priority,
@@ -215,6 +219,9 @@ class Req:
             lora_path=getattr(recv, "lora_path", None),
             multimodal_inputs=getattr(recv, "mm_inputs", None),
         )
+        req.custom_logit_processor = getattr(recv, "custom_logit_processor", None)
+        req.token_ids_logprob = getattr(recv, "token_ids_logprob", None)
+        return req
 
     # ---- state ---------------------------------------------------------------------------
     def finished(self) -> bool:
@@ -243,13 +250,18 @@ class Req:
         assert not self.finished_sent or self.finished(), repr(self)
 
     def clipped_max_new_tokens(self) -> int:
-        """max_new_tokens capped at CLIP_MAX_NEW_TOKENS: the decode room admission reserves."""
-        return min(self.sampling_params.max_new_tokens or CLIP_MAX_NEW_TOKENS, CLIP_MAX_NEW_TOKENS)
+        """max_new_tokens capped at CLIP_MAX_NEW_TOKENS: the decode room admission reserves.
+        (0, a prompt that fills the context but one token, reserves nothing: it was reserved as
+        the clip, which a small pool never held, so the request waited forever.)"""
+        return min(self._max_new_or_clip(), CLIP_MAX_NEW_TOKENS)
 
     def clipped_remaining_new_tokens(self) -> int:
         """Output tokens still to come, capped the same way (a running request's reserve)."""
-        remaining = (self.sampling_params.max_new_tokens or CLIP_MAX_NEW_TOKENS) - len(self.output_ids)
-        return min(remaining, CLIP_MAX_NEW_TOKENS)
+        return min(self._max_new_or_clip() - len(self.output_ids), CLIP_MAX_NEW_TOKENS)
+
+    def _max_new_or_clip(self) -> int:
+        max_new = self.sampling_params.max_new_tokens
+        return CLIP_MAX_NEW_TOKENS if max_new is None else max_new
 
     def seqlen(self) -> int:
         return len(self.origin_input_ids) + len(self.output_ids)
@@ -578,14 +590,16 @@ class ScheduleBatch:
         self.ledger.release(req)
         req.reset_for_retract()
 
-    def retract_decode(self) -> tuple:
+    def retract_decode(self, priority_key: Optional[Callable[["Req"], int]] = None) -> tuple:
         """Seed 001 §9: retract requests until the rest can decode; least progress first
-        (fewest output tokens, then longest prompt). Returns (retracted, new_token_ratio)."""
-        order = sorted(
-            range(len(self.reqs)),
-            key=lambda i: (len(self.reqs[i].output_ids), -len(self.reqs[i].origin_input_ids)),
-            reverse=True,
-        )
+        (fewest output tokens, then longest prompt), and with priority scheduling (§9.2,
+        priority_key: larger is worse) the worst priority before that. Returns (retracted,
+        new_token_ratio)."""
+        def worth_keeping(i: int) -> tuple:
+            r = self.reqs[i]
+            return (-priority_key(r) if priority_key else 0, len(r.output_ids), -len(r.origin_input_ids))
+
+        order = sorted(range(len(self.reqs)), key=worth_keeping, reverse=True)
         retracted: List[Req] = []
         first = True
         while first or not self.check_decode_mem(order):
@@ -663,6 +677,8 @@ class ScheduleBatch:
             sampling_info=self.sampling_info,
             return_logprob=self.return_logprob,
             top_logprobs_nums=list(self.top_logprobs_nums) if self.return_logprob else None,
+            token_ids_logprobs=[r.token_ids_logprob for r in self.reqs] if self.return_logprob and any(
+                r.token_ids_logprob is not None for r in self.reqs) else None,
             input_logprob_positions=self.input_logprob_positions if extend else None,
             input_logprob_token_ids=self.input_logprob_token_ids if extend else None,
             lora_paths=[r.lora_path for r in self.reqs],

@@ -338,7 +338,9 @@ class PrefillAdder:
                     return
                 running_batch.batch_is_full = False
             if not self.lora_fits(req):
-                return  # nothing overtakes it: the slots free up as running requests finish
+                # SGLang's skip: it waits for a slot while requests behind it that fit (base, or
+                # an adapter already in the batch) go ahead; a busy adapter may keep it waiting
+                continue
             req.init_next_round_input(self.ledger)
             res = self.add_one_req(req, has_chunked_req=has_chunked_req)
             if res == AddReqResult.NO_TOKEN and try_preemption and req not in self.can_run_list:

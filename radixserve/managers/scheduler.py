@@ -504,7 +504,8 @@ class Scheduler:
         interval = self.server_args.test_retract_interval
         force_retract = interval is not None and self.forward_ct % interval == 0 and batch.batch_size() > 1
         if force_retract or not batch.check_decode_mem():
-            retracted, self.new_token_ratio.value = batch.retract_decode()
+            priority_key = self.policy.priority_key if self.server_args.enable_priority_scheduling else None
+            retracted, self.new_token_ratio.value = batch.retract_decode(priority_key)
             self.stats.num_retractions += 1
             self.stats.num_retracted_reqs += len(retracted)
             logger.info("KV cache pool is full. Retract requests. #retracted_reqs: %d, #new_token_ratio: %.4f",

@@ -155,6 +155,7 @@ class SchedulerMetricsLogger:
                 cache_hit_rate=self.cache_hit_rate(),
                 gen_throughput=self.gen_throughput,
                 forward_ct=self.sched.forward_ct,
+                dp_rank=self.sched.profiler.dp_rank or 0,  # the DP controller orders replicas' states by it
                 spec_accept_length=self.spec_accept_length,  # the last decode log's window, as SGLang's gauges
                 spec_accept_rate=self.spec_accept_rate,
             )
@@ -268,7 +269,8 @@ def run_scheduler_process(
     if recv_sock is not None:
         poller = zmq.Poller()
         poller.register(recv_sock, zmq.POLLIN)
-    last_load, last_heartbeat = -1, 0.0
+    last_load, last_heartbeat = None, 0.0
+    count_tokens = server_args.load_balance_method == "minimum_tokens"  # else a report per step
     try:
         while True:
             scheduler.process_input_requests(scheduler.recv_requests())
@@ -278,10 +280,10 @@ def run_scheduler_process(
                 if time.monotonic() - last_heartbeat >= HEARTBEAT_INTERVAL_S:  # /health reads it
                     send_fn(SchedulerHeartbeat(dp_rank or 0))
                     last_heartbeat = time.monotonic()
-                if dp_rank is not None:  # shortest_queue routing needs each replica's load
-                    load = len(scheduler.waiting_queue) + scheduler.running_batch.batch_size()
+                if dp_rank is not None:  # shortest_queue / minimum_tokens routing need each replica's load
+                    load = replica_load(scheduler, dp_rank, count_tokens)
                     if load != last_load:
-                        send_fn(SchedulerLoad(dp_rank, load))
+                        send_fn(load)
                         last_load = load
             if poller is not None and batch is None and not expects_progress(scheduler):
                 # Idle: block until a message arrives. Other TP ranks wait in the broadcast.
@@ -291,6 +293,17 @@ def run_scheduler_process(
         logger.error("Scheduler hit an exception:\n%s", traceback.format_exc())
         sys.stderr.flush()
         os._exit(1)
+
+
+def replica_load(scheduler: Any, dp_rank: int, count_tokens: bool) -> SchedulerLoad:
+    """What a replica tells the DataParallelController: its requests, and with minimum_tokens
+    routing its tokens (KV held by running requests plus the prompts waiting)."""
+    running = scheduler.running_batch.reqs
+    num_reqs = len(scheduler.waiting_queue) + len(running)
+    if not count_tokens:
+        return SchedulerLoad(dp_rank, num_reqs)
+    num_tokens = sum(r.seqlen() for r in running) + sum(len(r.origin_input_ids) for r in scheduler.waiting_queue)
+    return SchedulerLoad(dp_rank, num_reqs, num_tokens)
 
 
 def run_pp_stage_process(server_args: ServerArgs, port_args: PortArgs, pipe: Any, tp_rank: int, pp_rank: int) -> None:

@@ -22,7 +22,13 @@ from radixserve.managers.admin_requests import TokenizerAdmin
 from radixserve.managers.detokenizer import DETOKENIZE_ERROR
 from radixserve.managers.embedding_frontend import EmbeddingFrontend, EmbeddingReqState, check_request_kind
 from radixserve.managers.metrics import TokenizerMetrics
-from radixserve.managers.request_frontend import ReqState, RequestError, RequestFrontend, is_single
+from radixserve.managers.request_frontend import (
+    ReqState,
+    RequestError,
+    RequestFrontend,
+    is_single,
+    token_ids_logprob_refusal,
+)
 from radixserve.managers.session import SessionError
 from radixserve.managers.tokenizer_update_weights import TokenizerUpdateWeights
 from radixserve.multimodal.image_loader import MediaLimits
@@ -102,6 +108,10 @@ class TokenizerManager:
         self.frontend.lora_names = set(server_args.lora_paths) if server_args.enable_lora else None
         # images: the model's own image processor, run in the tokenize executor (off the loop)
         self.frontend.mm_processor = build_multimodal_processor(self.model_path, MediaLimits.from_server_args(server_args))
+        self.frontend.dp_size = server_args.dp_size
+        self.frontend.allow_auto_truncate = server_args.allow_auto_truncate
+        self.frontend.enable_custom_logit_processor = server_args.enable_custom_logit_processor
+        self.frontend.token_ids_logprob_refusal = token_ids_logprob_refusal(server_args)
         self.embeddings = EmbeddingFrontend(self.frontend, model_info.get("hidden_size"))
         self.weight_updates = TokenizerUpdateWeights(self)  # update_weights_* and weight_version
         self.rid_to_state: Dict[str, ReqState] = self.frontend.rid_to_state

@@ -59,6 +59,7 @@ class ModelWorkerBatch:
     sampling_info: Optional["SamplingBatchInfo"] = None
     return_logprob: bool = False
     top_logprobs_nums: Optional[List[int]] = None
+    token_ids_logprobs: Optional[List[Optional[List[int]]]] = None  # per request, SGLang's token_ids_logprob
     # Logits of every extend position (tests, input logprobs); default: last positions only.
     capture_all_logits: bool = False
     # Structured output: this forward's grammar mask (constrained.TokenBitmask), None when no

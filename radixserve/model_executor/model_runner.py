@@ -358,6 +358,7 @@ class ModelRunner:
             batch.return_logprob,
             batch.top_logprobs_nums,
             token_bitmask=batch.token_bitmask,
+            token_ids_logprobs=batch.token_ids_logprobs,
         )
         broadcast_from_first_rank(out.next_token_ids)
         return out

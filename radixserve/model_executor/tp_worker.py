@@ -28,6 +28,7 @@ class GenerationBatchResult:
     next_token_logprobs: Optional[torch.Tensor] = None
     top_logprobs_val: Optional[List[List[float]]] = None
     top_logprobs_idx: Optional[List[List[int]]] = None
+    token_ids_logprobs_val: Optional[List[Optional[List[float]]]] = None  # per request (token_ids_logprob)
     copy_done: Any = None  # CUDA event: next_token_ids (pinned host memory) is filled (overlap)
     # Speculative decoding (SGLang's name): drafts accepted per request; next_token_ids then holds
     # accept_lens[i] + 1 tokens of each request back to back (logprobs likewise).
@@ -142,4 +143,5 @@ class TpModelWorker:
             out.next_token_logprobs,
             out.top_logprobs_val,
             out.top_logprobs_idx,
+            token_ids_logprobs_val=out.token_ids_logprobs_val,
         )

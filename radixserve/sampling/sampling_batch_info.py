@@ -11,6 +11,9 @@ One row per request, in the batch's request order (B rows, vocabulary V):
     stop_token_mask     [B,V] bool  only if some row has min_new_tokens > 0
     logit_bias          [B,V] f32   only if some row has a logit_bias
 
+    custom_logit_processor / custom_params: list[Optional]  only if some row names a
+                                    processor (sampling/custom_logit_processor.py)
+
 (A grammar's bans are not here: they come per forward as a packed bitmask, which the
 sampler applies after apply_logits_bias; see constrained.TokenBitmask.)
 
@@ -27,10 +30,11 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 
+from radixserve.sampling.custom_logit_processor import apply_custom_logit_processors
 from radixserve.sampling_params import TOP_K_ALL
 
 # The [B,V] tensors that filter/merge must keep aligned, with their fill for absent rows.
@@ -80,6 +84,9 @@ class SamplingBatchInfo:
     seen_token_mask: Optional[torch.Tensor] = None
     stop_token_mask: Optional[torch.Tensor] = None
     logit_bias: Optional[torch.Tensor] = None
+    # --enable-custom-logit-processor: each row's processor name (None: none) and its params
+    custom_logit_processor: Optional[List[Optional[str]]] = None
+    custom_params: Optional[List[Optional[Dict[str, Any]]]] = None
 
     def __post_init__(self) -> None:
         b = self.temperatures.shape[0]
@@ -165,6 +172,10 @@ class SamplingBatchInfo:
             bias = torch.zeros(b, v, dtype=torch.float32, device=device)
             bias[t(rows, torch.int64), t(cols, torch.int64)] = t(vals, torch.float32)
             info.logit_bias = bias
+        names = [getattr(r, "custom_logit_processor", None) for r in reqs]
+        if any(n is not None for n in names):
+            info.custom_logit_processor = names
+            info.custom_params = [p.custom_params for p in sps]
         return info
 
     # ------------------------------------------------------- keep in sync with batch
@@ -182,6 +193,11 @@ class SamplingBatchInfo:
             if tensor is not None:
                 setattr(self, name, tensor.index_select(0, idx))
         self.sampling_seeds = [self.sampling_seeds[i] for i in keep_list]
+        if self.custom_logit_processor is not None:
+            self.custom_logit_processor = [self.custom_logit_processor[i] for i in keep_list]
+            self.custom_params = [self.custom_params[i] for i in keep_list]
+            if all(n is None for n in self.custom_logit_processor):
+                self.custom_logit_processor = self.custom_params = None
         self._refresh_flags()
 
     def merge_batch(self, other: "SamplingBatchInfo") -> None:
@@ -200,6 +216,9 @@ class SamplingBatchInfo:
                 theirs = torch.zeros(b2, self.vocab_size, dtype=dtype, device=self.device)
             setattr(self, name, torch.cat([mine, theirs], dim=0))
         self.sampling_seeds = self.sampling_seeds + other.sampling_seeds
+        if self.custom_logit_processor is not None or other.custom_logit_processor is not None:
+            self.custom_logit_processor = (self.custom_logit_processor or [None] * b1) + (other.custom_logit_processor or [None] * b2)
+            self.custom_params = (self.custom_params or [None] * b1) + (other.custom_params or [None] * b2)
         self.is_all_greedy = self.is_all_greedy and other.is_all_greedy
         self.need_top_p_sampling |= other.need_top_p_sampling
         self.need_top_k_sampling |= other.need_top_k_sampling
@@ -253,7 +272,7 @@ class SamplingBatchInfo:
         """Apply penalties, bias and bans to `logits` [B, >=V] in place; returns it.
 
         Order: repetition penalty on the model's own logits (its sign test is HF's), then
-        frequency/presence, then logit_bias, then the min_new_tokens -inf bans last so that
+        frequency/presence, then logit_bias, then custom logit processors, then the min_new_tokens -inf bans last so that
         nothing added afterwards can lift a banned token (the grammar's bans come after
         this, in the sampler).
         """
@@ -269,6 +288,8 @@ class SamplingBatchInfo:
             view.sub_(sub.to(view.dtype))
         if self.logit_bias is not None:
             view.add_(self.logit_bias.to(view.dtype))
+        if self.custom_logit_processor is not None:
+            apply_custom_logit_processors(view, self.custom_logit_processor, self.custom_params)
         if self.stop_token_mask is not None:
             active = (self.output_lens < self.min_new_tokens).view(-1, 1)
             view.masked_fill_(self.stop_token_mask & active, float("-inf"))

@@ -268,7 +268,7 @@ HOSTILE = [
     case("POST", GEN, gen({"json_schema": "{not json"}), 400, "Invalid json_schema", id="gen-json_schema-not-json"),
     case("POST", GEN, gen({"json_schema": '{"type": "nonsense"}'}), 400, "Invalid json_schema", id="gen-json_schema-bad-type"),
     case("POST", GEN, gen({"ebnf": "junk ::= ::="}), 400, "Invalid ebnf", id="gen-ebnf-invalid"),
-    case("POST", GEN, gen({"regex": "a", "json_schema": "{}"}), 400, "Only one of regex, json_schema, or ebnf", id="gen-two-grammars"),
+    case("POST", GEN, gen({"regex": "a", "json_schema": "{}"}), 400, "Only one of regex, json_schema, ebnf or structural_tag", id="gen-two-grammars"),
     case("POST", GEN, b'{"text": "hi", "sampling_params": {"min_p": NaN}}', 400, "min_p must be a finite number", id="gen-NaN-literal"),
     case("POST", GEN, b'{"text": "hi", "sampling_params": {"frequency_penalty": -Infinity}}', 400, "frequency_penalty must be a finite number", id="gen--Infinity-literal"),
     case("POST", GEN, b'{"text": "hi", "sampling_params": {"max_new_tokens": 1e999}}', 400, "sampling_params.max_new_tokens", id="gen-1e999"),

@@ -105,7 +105,7 @@ def test_mixed_batch_matches_merged_weights(adapters, references, max_loras_per_
         assert max(len(s) for s in seen) <= max_loras_per_batch  # admission kept every batch within the slots
         assert set().union(*seen) == set(ADAPTERS)
         if max_loras_per_batch == 2:
-            assert manager.pool.num_swaps > len(ADAPTERS)  # a slot was reused for another adapter
+            assert manager.pool.num_swaps >= len(ADAPTERS)  # 3 adapters through 2 slots: a slot was reused
     finally:
         engine.shutdown()
 
@@ -283,13 +283,15 @@ def _admission_round(running_adapters: List[Optional[str]], waiting_adapters: Li
     return [r.rid for r in adder.can_run_list]
 
 
-def test_admission_fits_the_slots_and_never_starves():
+def test_admission_fits_the_slots_and_skips_what_does_not_fit():
     # Running a and b fill 2 slots: base and a/b requests join; c waits.
     assert _admission_round(["a", "b"], [None, "a", "b"], limit=2) == ["w0", "w1", "w2"]
-    assert _admission_round(["a"], ["b", "c", "a"], limit=2) == ["w0"]  # b takes the last slot; c waits
-    # c waits at the head of the queue: nothing behind it overtakes it, not even requests for
-    # adapters already in the slots, so the slots drain and c gets one.
-    assert _admission_round(["a", "b"], ["c", "a", None], limit=2) == []
+    # b takes the last slot; c waits, and the a request behind it (its adapter in the batch) joins
+    assert _admission_round(["a"], ["b", "c", "a"], limit=2) == ["w0", "w2"]
+    # issue 43 (SGLang's skip): c waits at the head of the queue for a slot while the requests
+    # behind it that fit, an adapter already in the slots and the base model, are admitted
+    assert _admission_round(["a", "b"], ["c", "a", None], limit=2) == ["w1", "w2"]
+    assert _admission_round(["a", "b"], ["c", "d", None], limit=2) == ["w2"]  # d needs a slot too
     assert _admission_round(["a"], ["c", "a", None], limit=2) == ["w0", "w1", "w2"]
     assert _admission_round([], ["a", "b", "c"], limit=None) == ["w0", "w1", "w2"]  # LoRA off: no limit
 

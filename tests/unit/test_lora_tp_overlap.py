@@ -128,7 +128,7 @@ def test_tp2_with_adapters_equals_tp1(tmp_path, model, max_loras_per_batch, over
     (ref, _), (got, swaps) = torch.load(tmp_path / "tp1.pt"), torch.load(tmp_path / "tp2.pt")
     assert set(ref) == set(got) == {r.rid for r in _requests()}
     if max_loras_per_batch < len(ADAPTERS):
-        assert swaps > len(ADAPTERS)  # a slot was reused for another adapter
+        assert swaps >= len(ADAPTERS)  # 3 adapters through fewer slots: a slot was reused
     for i in range(3):  # the adapters are applied: each changes the base model's output
         base_ids = ref[f"p{i}-None"][0]
         assert all(ref[f"p{i}-{name}"][0] != base_ids for name in ADAPTERS), i
@@ -182,7 +182,7 @@ def test_overlap_loop_with_more_adapters_than_slots(adapters, references, max_lo
         for (i, name), out in zip(pairs, outs):
             _assert_matches(out, references[name][i], f"prompt {i} adapter {name}")
         pool = engine.scheduler.tp_worker.model_runner.lora_manager.pool
-        assert pool.num_swaps > len(ADAPTERS)  # slots were reused for other adapters
+        assert pool.num_swaps >= len(ADAPTERS)  # 3 adapters through fewer slots: slots were reused
     finally:
         engine.shutdown()
 

@@ -347,3 +347,43 @@ def test_requests_that_did_not_fit_run_once_the_pool_frees(loop):
     assert all(s.finished_reason["type"] == "length" for s in states)
     engine.wait_until_idle()
     engine.scheduler.check_memory()
+
+
+@pytest.mark.parametrize("priorities_on", [True, False])
+def test_retraction_picks_the_worst_priority_first(priorities_on):
+    """Issue 43 item 5 (seed 001 §9.2): with priority scheduling the first victim is the request
+    of the worst priority, though the default order (least output, then longest prompt) would
+    pick another; without it, the default order."""
+    engine = Engine(max_total_tokens=2048, enable_priority_scheduling=priorities_on, test_retract_interval=3)
+    try:
+        rng = random.Random(9)
+        states = {}
+        for rid, n, priority in (("low", 6, 0), ("high-long", 40, 10), ("high", 20, 10)):
+            ids = [rng.randrange(3, 8000) for _ in range(n)]
+            states[rid] = engine.submit(input_ids=ids, rid=rid, priority=priority,
+                                        sampling_params={"max_new_tokens": 12, "temperature": 0, "ignore_eos": True})[0]
+        sched = engine.scheduler
+        while sched.stats.num_retractions == 0:
+            engine.step()
+        assert [r.rid for r in sched.waiting_queue] == (["low"] if priorities_on else ["high-long"])
+        engine.wait_until_idle()
+        assert all(s.finished and len(s.output_ids) == 12 for s in states.values())
+    finally:
+        engine.shutdown()
+
+
+def test_prompt_one_short_of_the_context_is_served():
+    """A prompt of context_len - 1 tokens leaves room for the one token its prefill samples
+    (max_new_tokens becomes 0). Its admission reserve was the max_new_tokens clip, more than a
+    small pool holds, so it waited forever and held up the queue behind it."""
+    engine = Engine(max_total_tokens=2048, context_length=64)
+    try:
+        rng = random.Random(3)
+        full = engine.submit(input_ids=[rng.randrange(3, 8000) for _ in range(63)], sampling_params={"temperature": 0})[0]
+        behind = engine.submit(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 2, "temperature": 0})[0]
+        for _ in range(20):
+            engine.step()
+        assert full.finished and len(full.output_ids) == 1
+        assert behind.finished and len(behind.output_ids) == 2
+    finally:
+        engine.shutdown()

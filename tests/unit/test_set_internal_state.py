@@ -93,7 +93,7 @@ def test_dp_merges_every_replicas_histogram_buckets():
 
     replies = [GetInternalStateReqOutput({"grammar_compilation_time_counts": [1, 0, 2], "note": "a"}, "q"),
                GetInternalStateReqOutput({"grammar_compilation_time_counts": [0, 3, 1], "note": "b"}, "q")]
-    ctl = SimpleNamespace(dp_size=2, num_dispatched=[1, 1])
+    ctl = SimpleNamespace(dp_size=2, budget=SimpleNamespace(num_dispatched=[1, 1]))
     merged = DataParallelController.merge(ctl, replies).internal_state
     assert merged["grammar_compilation_time_counts"] == [1, 3, 3]
     assert merged["note"] == "a"

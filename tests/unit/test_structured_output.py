@@ -368,6 +368,33 @@ def test_token_bitmask_apply_matches_reference():
     assert torch.equal(got_xgr, expect) and torch.equal(got_torch, expect)
 
 
+def test_structural_tag_constrains_the_output(loop):
+    """Issue 43: SGLang's structural_tag (xgrammar's format): a tag whose content is a JSON schema
+    (a number: xgrammar's structural tags allow any whitespace inside an object, which a random
+    model fills until max_new_tokens)."""
+    engine = get_engine(**loop)
+    schema = {"type": "integer", "minimum": 0, "maximum": 999}
+    tag = json.dumps({"format": {"type": "tag", "begin": "<tool>", "end": "</tool>",
+                                 "content": {"type": "json_schema", "json_schema": schema}}})
+    outs = engine.generate(input_ids=prompts(4, seed=5), sampling_params=[sampled({"structural_tag": tag}, s) for s in range(4)])
+    for out in outs:
+        assert_stopped_by_grammar(out)
+        text = out["text"]
+        assert text.startswith("<tool>") and text.endswith("</tool>"), text
+        jsonschema.validate(json.loads(text[len("<tool>"):-len("</tool>")]), schema)
+    # the OpenAI-style shape (structures + triggers: free text until a trigger) compiles and runs
+    legacy = json.dumps({"structures": [{"begin": "<f=a>", "schema": SCHEMAS["person"], "end": "</f>"}], "triggers": ["<f="]})
+    out = engine.generate(input_ids=prompts(1, seed=6)[0], sampling_params=sampled({"structural_tag": legacy}, 0, max_new_tokens=8))
+    assert out["meta_info"]["finish_reason"]["type"] in ("length", "stop"), out["meta_info"]
+    # a bad one is the request's 400, not the scheduler's problem
+    bad = engine.generate(input_ids=prompts(1)[0], sampling_params=sampled({"structural_tag": json.dumps({"structures": []})}, 0))
+    reason = bad["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and reason["status_code"] == 400 and "Invalid structural_tag" in reason["message"], reason
+    with pytest.raises(ValueError, match="Only one of regex, json_schema, ebnf or structural_tag"):
+        engine.generate(input_ids=prompts(1)[0], sampling_params=sampled({"structural_tag": tag, "regex": "a"}, 0))
+    assert_idle_and_clean(engine)
+
+
 def test_response_format_to_constraint():
     assert response_format_to_constraint(None) == {}
     assert response_format_to_constraint({"type": "text"}) == {}
@@ -375,6 +402,8 @@ def test_response_format_to_constraint():
     schema = SCHEMAS["person"]
     rf = {"type": "json_schema", "json_schema": {"name": "p", "schema": schema, "strict": True}}
     assert json.loads(response_format_to_constraint(rf)["json_schema"]) == schema
+    st = {"type": "structural_tag", "structures": [{"begin": "<f>", "schema": schema, "end": "</f>"}], "triggers": ["<f"]}
+    assert json.loads(response_format_to_constraint(st)["structural_tag"]) == {k: v for k, v in st.items() if k != "type"}
     for bad in ({"type": "yaml"}, {"type": "json_schema"}, {"type": "json_schema", "json_schema": {"schema": "{x"}}, "json"):
         with pytest.raises(ValueError):
             response_format_to_constraint(bad)
