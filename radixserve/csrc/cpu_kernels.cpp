@@ -966,6 +966,7 @@ constexpr int64_t kTileBlocks = 2;
 constexpr int64_t kMr = 12, kMrPrefill = 8;
 constexpr int64_t kPrefetchPairs = 32;  // weight lines fetched ahead in each block's stream
 constexpr int64_t kMBlock = 64;  // up to this many rows, a work item takes them all
+constexpr int64_t kPanelBytes = 512 << 10;  // prefill: weight bytes a work item walks for its rows (half an L2)
 
 bool has_bf16_gemm() { return true; }
 
@@ -1060,20 +1061,30 @@ at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& wp, int64_t N, 
   const int64_t y_row_bytes = N * y.element_size();
   // Decode sizes (M <= kMBlock): a work item is a tile of outputs for every row, so each weight
   // is read from memory once per call and stays in cache across the row tiles. Longer inputs
-  // (prefill): a work item is one tile x one row tile, tiles fastest, so a thread keeps its rows
-  // of x in cache while it walks the weight tiles.
+  // (prefill): a work item is a panel of tiles (~kPanelBytes of weight: it stays in L2) for one
+  // row tile, row tiles fastest, so the weight is read from memory once per call and each row
+  // tile of x (a few KiB) is re-read from cache. (Row tiles outermost streamed the whole weight
+  // once per 8 rows: memory-bound for a weight beyond the L3, 2x oneDNN's time at Qwen2.5-1.5B's
+  // gate/up, benchmarks/NOTES.md.)
   const int64_t tile_blocks = kTileBlocks, tiles = ceil_div(wp.size(0), tile_blocks);
-  const int64_t mr_max = M <= kMBlock ? kMr : kMrPrefill;
-  const int64_t m_step = M <= kMBlock ? M : kMrPrefill, items = tiles * ceil_div(M, m_step);
+  const int64_t tile_bytes = tile_blocks * k2 * kBlockN * 2 * 2;
+  const bool decode = M <= kMBlock;
+  const int64_t mr_max = decode ? kMr : kMrPrefill, m_step = decode ? M : kMrPrefill, row_tiles = ceil_div(M, m_step);
+  const int64_t panel = decode ? 1 : std::max<int64_t>(1, kPanelBytes / tile_bytes);
+  const int64_t panels = ceil_div(tiles, panel), items = decode ? tiles * row_tiles : panels * row_tiles;
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t tile = item % tiles, m_begin = (item / tiles) * m_step, m_end = std::min(M, m_begin + m_step);
-      const int64_t b0 = tile * tile_blocks, blocks = std::min(tile_blocks, wp.size(0) - b0), n0 = b0 * kBlockN;
-      if (n0 >= N) continue;
-      const uint16_t* w_tile = wpp + b0 * k2 * kBlockN * 2;
-      for (int64_t m0 = m_begin; m0 < m_end; m0 += mr_max) {
-        const int64_t mr = std::min(mr_max, m_end - m0);
-        kTiles[mr](xp + m0 * K, K, w_tile, k2, blocks, bp, yp + m0 * y_row_bytes, out_f32, N, n0, N);
+      const int64_t row_tile = decode ? item / tiles : item % row_tiles;
+      const int64_t t0 = decode ? item % tiles : (item / row_tiles) * panel, t1 = decode ? t0 + 1 : std::min(tiles, t0 + panel);
+      const int64_t m_begin = row_tile * m_step, m_end = std::min(M, m_begin + m_step);
+      for (int64_t tile = t0; tile < t1; ++tile) {
+        const int64_t b0 = tile * tile_blocks, blocks = std::min(tile_blocks, wp.size(0) - b0), n0 = b0 * kBlockN;
+        if (n0 >= N) continue;
+        const uint16_t* w_tile = wpp + b0 * k2 * kBlockN * 2;
+        for (int64_t m0 = m_begin; m0 < m_end; m0 += mr_max) {
+          const int64_t mr = std::min(mr_max, m_end - m0);
+          kTiles[mr](xp + m0 * K, K, w_tile, k2, blocks, bp, yp + m0 * y_row_bytes, out_f32, N, n0, N);
+        }
       }
     }
   });

@@ -340,9 +340,10 @@ def _needs_bf16_gemm(ops):
 
 
 @pytest.mark.parametrize("m", [1, 3, 8, 13, 64, 65, 200])
-@pytest.mark.parametrize("n,k,bias", [(96, 64, False), (50, 34, True), (576, 1536, False)])
+@pytest.mark.parametrize("n,k,bias", [(96, 64, False), (50, 34, True), (576, 1536, False), (3000, 576, True)])
 def test_bf16_linear_matches_f_linear(ops, m, n, k, bias):
-    """Ragged shapes: rows past a register tile and a decode block, outputs past a 16-wide block."""
+    """Ragged shapes: rows past a register tile and a decode block, outputs past a 16-wide block,
+    and (3000 x 576) several of the prefill path's weight panels with a ragged last one."""
     _needs_bf16_gemm(ops)
     g = torch.Generator().manual_seed(m * 1000 + n)
     w = (torch.randn(n, k, generator=g) * k**-0.5).bfloat16()
