@@ -40,8 +40,7 @@ from radixserve.mem_cache.base_prefix_cache import BasePrefixCache, MemoryLeakEr
 from radixserve.mem_cache.kv_ledger import KVLedger, MambaTokenInfo
 from radixserve.mem_cache.chunk_cache import ChunkCache
 from radixserve.mem_cache.hiradix_cache import HiRadixCache
-from radixserve.mem_cache.mamba_pool import HybridReqToTokenPool
-from radixserve.mem_cache.mamba_radix_cache import MambaRadixCache
+from radixserve.mem_cache.mamba_radix_cache import MambaRadixCache, has_state_pool
 from radixserve.mem_cache.radix_cache import RadixCache
 from radixserve.model_executor.tp_worker import GenerationBatchResult, TpModelWorker
 from radixserve.models.model_config import ModelConfig
@@ -148,7 +147,7 @@ class Scheduler:
             return ChunkCache(self.req_to_token_pool, self.token_to_kv_pool_allocator)
         if args.enable_hierarchical_cache:  # HiCache: a host tier under the device pool
             return HiRadixCache.from_server_args(*self.tp_worker.get_memory_pool(), self.tp_worker.get_kv_pool(), args)
-        if isinstance(self.req_to_token_pool, HybridReqToTokenPool):  # prefix hits only where a state snapshot is
+        if has_state_pool(self.req_to_token_pool):  # a hybrid model: prefix hits only where a state snapshot is
             return MambaRadixCache(self.req_to_token_pool, self.token_to_kv_pool_allocator, self.page_size,
                                    args.radix_eviction_policy)
         return RadixCache(self.req_to_token_pool, self.token_to_kv_pool_allocator, page_size=self.page_size,

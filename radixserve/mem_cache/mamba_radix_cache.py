@@ -36,6 +36,11 @@ from radixserve.mem_cache.memory_pool import TokenToKVPoolAllocator
 from radixserve.mem_cache.radix_cache import RadixCache, TreeNode, _empty_indices
 
 
+def has_state_pool(req_to_token_pool: object) -> bool:
+    """Whether a model's rows hold state slots (a hybrid model's: its prefix cache is this one)."""
+    return isinstance(req_to_token_pool, HybridReqToTokenPool)
+
+
 class MambaTreeNode(TreeNode):
     def __init__(self) -> None:
         super().__init__()
