@@ -113,7 +113,7 @@ def test_state_slots_are_conserved_under_a_storm_on_shared_prefixes(next_dir, hf
     their own snapshots), a retraction every 2 decode steps, a third aborted at random moments, a
     KV pool small enough to evict: rows, snapshots and free slots account for every state slot
     after every step (--test-check-memory), and every survivor's tokens are transformers'."""
-    engine = _engine(next_dir, max_total_tokens=640, test_retract_interval=2, **loop)
+    engine = _engine(next_dir, max_total_tokens=384, test_retract_interval=2, **loop)
     sched, rng = engine.scheduler, random.Random(7)
     prefixes = [[rng.randrange(512) for _ in range(n)] for n in (40, 25, 60)]
     prompts = [rng.choice(prefixes) + [rng.randrange(512) for _ in range(rng.randint(1, 20))] for _ in range(30)]
