@@ -13,9 +13,14 @@ HybridReqToTokenPool: a request's row and its state slot are allocated together 
 freed together (finish, abort, retraction), so every path that already returns a row returns
 its slot, and there is no second place to forget.
 
+The hybrid radix cache (mamba_radix_cache.py) takes the other slots for its prefix snapshots:
+the model runner sizes the pool at twice the rows, and every slot is free, a row's, or one
+snapshot's (check_state_slots).
+
 A slot's contents are not cleared at allocation: the layer starts from zeros wherever the
-request has no prefix computed yet (extend_prefix_len == 0). Clearing here would race with a
-forward still in flight in the overlap loop that writes the slot's previous owner's state.
+request has no prefix computed yet (extend_prefix_len == 0), or from the snapshot restored into it
+(a prefix hit). Clearing here would race with a forward still in flight in the overlap loop that
+writes the slot's previous owner's state.
 """
 
 from __future__ import annotations
