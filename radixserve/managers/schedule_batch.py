@@ -672,4 +672,5 @@ class ScheduleBatch:
             input_logprob_positions=self.input_logprob_positions if extend else None,
             input_logprob_token_ids=self.input_logprob_token_ids if extend else None,
             lora_paths=[r.lora_path for r in self.reqs],
+            mamba_state_slots=self.ledger.state_slots(self.req_pool_indices),
         )

@@ -236,6 +236,12 @@ class KVLedger:
     def snapshot_cache(self) -> Optional[MambaRadixCache]:
         return self.tree_cache if isinstance(self.tree_cache, MambaRadixCache) else None
 
+    def state_slots(self, req_pool_indices: torch.Tensor) -> Optional[torch.Tensor]:
+        """Each row's state slot now, for a batch being scheduled (None: no state pool). The
+        forward must use these: by the time it runs in the overlap loop, a finished request's row
+        may be freed, and its extra step still has to advance the state its end snapshot copies."""
+        return self.req_to_token_pool.mamba_indices(req_pool_indices) if self.state_pool is not None else None
+
     def state_budget(self) -> int:
         """State slots new rows may take: free ones and unlocked snapshots (0: no state pool)."""
         if self.state_pool is None:

@@ -73,6 +73,9 @@ class ModelWorkerBatch:
     capture_hidden_states: bool = False
     spec_hidden_states: Optional[torch.Tensor] = None
     pp_proxy_tensors: Any = None  # --pp-size, a stage after the first: the previous stage's hidden states
+    # A hybrid model: each request's state slot, read when the batch was scheduled (in the overlap
+    # loop a row may be freed or handed on before this forward runs); None: read at the forward
+    mamba_state_slots: Optional[torch.Tensor] = None
 
     @property
     def batch_size(self) -> int:
@@ -104,6 +107,7 @@ class ForwardBatch:
     capture_hidden_states: bool = False
     spec_hidden_states: Optional[torch.Tensor] = None
     pp_proxy_tensors: Any = None  # --pp-size, a stage after the first: models.llama.PPProxyTensors
+    mamba_state_slots: Optional[torch.Tensor] = None  # (ModelWorkerBatch's)
 
     @classmethod
     def init_new(cls, batch: ModelWorkerBatch, model_runner: Any) -> "ForwardBatch":
@@ -140,6 +144,7 @@ class ForwardBatch:
             capture_hidden_states=batch.capture_hidden_states,
             spec_hidden_states=None if batch.spec_hidden_states is None else batch.spec_hidden_states.to(device),
             pp_proxy_tensors=batch.pp_proxy_tensors,
+            mamba_state_slots=batch.mamba_state_slots,
         )
         # A batch a CUDA graph will replay needs none of the eager metadata.
         graph_runner = getattr(model_runner, "cuda_graph_runner", None)

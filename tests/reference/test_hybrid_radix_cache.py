@@ -88,6 +88,27 @@ def test_a_prefix_hit_skips_its_prefill_and_equals_transformers_and_a_cold_run(n
     _assert_transformers(hf, second_prompt, second)
 
 
+def test_hits_on_requests_that_finished_together_in_the_overlap_loop(next_dir, hf):
+    """Six requests finish at the same step: their rows are freed while the extra step that feeds
+    their last token is still queued on the forward thread. That step must still advance the
+    states their end snapshots copy (it uses the slots as scheduled, not the freed rows' map), so
+    the next turns' hits (prompt + 8 tokens) give transformers' tokens and logprobs."""
+    engine = _engine(next_dir, chunked_prefill_size=None, max_running_requests=6, disable_overlap_schedule=False)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(512) for _ in range(40)] for _ in range(6)]
+    sampling = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    try:
+        first = engine.generate(input_ids=prompts, sampling_params=sampling, progress=False)
+        turn2 = [p + o["output_ids"] + [rng.randrange(512) for _ in range(5)] for p, o in zip(prompts, first)]
+        second = engine.generate(input_ids=turn2, sampling_params=sampling, return_logprob=True, progress=False)
+        engine.scheduler.check_memory()
+    finally:
+        engine.shutdown()
+    assert [o["meta_info"]["cached_tokens"] for o in second] == [48] * 6
+    for prompt, out in zip(turn2, second):
+        _assert_transformers(hf, prompt, out)
+
+
 @pytest.mark.parametrize("chunk, hit", [(16, 48), (None, 0)], ids=["chunk_boundary", "no_snapshot_before"])
 def test_a_hit_where_no_snapshot_is_falls_back_to_the_last_one(next_dir, hf, chunk, hit):
     """A prompt sharing LONG's first 50 tokens: the tree holds their KV, but states only where
