@@ -46,10 +46,11 @@ def run(model_dir: str, disable_radix_cache: bool, overlap: bool) -> Dict[str, o
             if turn:
                 convs = [c + [rng.randrange(512) for _ in range(NEW_TOKENS)] for c in convs]
             outs = engine.generate(input_ids=convs, sampling_params={"max_new_tokens": ANSWER_TOKENS, "temperature": 0,
-                                                                      "ignore_eos": True}, progress=False)
+                                                                      "ignore_eos": True}, return_logprob=True,
+                                   progress=False)
             prompt_tokens += sum(len(c) for c in convs)
             cached += sum(o["meta_info"]["cached_tokens"] for o in outs)
-            outputs.append([o["output_ids"] for o in outs])
+            outputs.append([(o["output_ids"], [v for v, _, _ in o["meta_info"]["output_token_logprobs"]]) for o in outs])
             convs = [c + o["output_ids"] for c, o in zip(convs, outs)]
         info = engine.get_server_info()
         engine.scheduler.check_memory()
@@ -63,6 +64,19 @@ def run(model_dir: str, disable_radix_cache: bool, overlap: bool) -> Dict[str, o
                 outputs=outputs)
 
 
+def check_same_outputs(off: list, on: list) -> None:
+    """Greedy tokens equal, or a near-tie: the two runs' logprobs agree (within 1e-4) up to and
+    at the first token where they part (random weights give near-ties; DESIGN.md)."""
+    for turn_off, turn_on in zip(off, on):
+        for (ids_a, lp_a), (ids_b, lp_b) in zip(turn_off, turn_on):
+            n = next((i for i, (a, b) in enumerate(zip(ids_a, ids_b)) if a != b), len(ids_a))
+            gap = max((abs(a - b) for a, b in zip(lp_a[: n + 1], lp_b[: n + 1])), default=0.0)
+            assert gap <= 1e-4, f"the prefix cache changed a greedy output (token {n}, logprob gap {gap:.2e})"
+            if n < len(ids_a):
+                print(f"near-tie at token {n}: {ids_a[n]} vs {ids_b[n]}, logprob gap {gap:.1e}")
+                return  # the conversations part here: later turns differ in their prompts
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "cpu" / "hybrid_prefix_cache.json"))
@@ -71,7 +85,7 @@ def main() -> None:
         model_dir = make_next_dir(d)
         rows = [run(model_dir, disable, overlap) for overlap in (False, True) for disable in (True, False)]
     for off, on in ((rows[0], rows[1]), (rows[2], rows[3])):
-        assert off["outputs"] == on["outputs"], "the prefix cache changed a greedy output"
+        check_same_outputs(off["outputs"], on["outputs"])
     print(f"{'loop':8} {'cache':6} {'prompt':>7} {'cached':>7} {'prefill computed':>17} {'snapshots':>10}")
     for r in rows:
         print(f"{'overlap' if r['overlap'] else 'normal':8} {'on' if r['prefix_cache'] else 'off':6} {r['prompt_tokens']:7d} "

@@ -13,7 +13,11 @@ layer's conv and temporal state after the node's last token); a node without one
 Snapshots are taken where the state is exact: after a chunk of a chunked prefill
 (cache_unfinished_req) and at a request's end (cache_finished_req), and only where the inserted
 key ends where the request's state does (its kv_committed_len: every forward launched so far has
-advanced the state that far). The copy into a fresh slot, and the restore of a snapshot into an
+advanced the state that far). Not at the end of a request whose last token an extra step of the
+overlap loop fed (still queued when the request finishes): that step's attention reads the rows
+in place, and the finished request's row may be handed to a new request before it runs. In the
+overlap loop a conversation's next turn therefore hits at its last chunk boundary (deferring the
+row's free until the extra step is done would lift this; SGLang keeps a second state buffer). The copy into a fresh slot, and the restore of a snapshot into an
 admitted request's own slot (restore_prefix_states), run on io_thread when set: in order with the
 overlap loop's forwards, which write the slots in place.
 
@@ -101,7 +105,11 @@ class MambaRadixCache(RadixCache):
         kv_len = kv_committed_len(req)
         keys = self._page_align((list(req.origin_input_ids) + list(req.output_ids))[:kv_len])
         super().cache_finished_req(req, is_insert)  # frees the row: its slot is read below, in order
-        if is_insert and not self.disable and 0 < len(keys) == kv_len:
+        # kv_len == every token: the overlap loop's extra step fed the last one and may still be
+        # queued; its attention reads the rows in place, and a row freed here may be rewritten for
+        # a new request before it runs, so the state it leaves is not to be trusted: no snapshot.
+        extra_step = kv_len == len(req.origin_input_ids) + len(req.output_ids)
+        if is_insert and not self.disable and not extra_step and 0 < len(keys) == kv_len:
             _, node = self._match_prefix_helper(keys, extra_key_of(req))
             self._take_snapshot(node, state_slot)
 

@@ -46,6 +46,12 @@ def _count_computed_tokens(engine: Engine) -> Dict[str, int]:
     return seen
 
 
+def _settle(engine: Engine) -> None:
+    """The overlap loop: the finished requests' extra step has run (it is counted then)."""
+    if engine.scheduler.forward_thread is not None:
+        engine.scheduler.forward_thread.synchronize()
+
+
 def _logprobs(out) -> torch.Tensor:
     return torch.tensor([v for v, _, _ in out["meta_info"]["output_token_logprobs"]])
 
@@ -61,8 +67,9 @@ def _assert_transformers(hf, prompt: List[int], out) -> None:
 @pytest.mark.parametrize("loop", LOOPS, ids=["normal", "overlap"])
 def test_a_prefix_hit_skips_its_prefill_and_equals_transformers_and_a_cold_run(next_dir, hf, loop):
     """Turn 2 of a conversation (turn 1's prompt and answer, then new tokens): everything turn 1
-    computed is a hit (its end snapshot: prompt + 7 answer tokens; + 1 in the overlap loop, whose
-    extra step of the finished request fed the last one too), only the rest is computed."""
+    computed is a hit (its end snapshot: prompt + 7 answer tokens), only the rest is computed. In
+    the overlap loop the end is not snapshotted (the extra step: mamba_radix_cache.py), the hit is
+    turn 1's last chunk boundary (96 of LONG's 100 tokens in chunks of 16)."""
     engine = _engine(next_dir, **loop)
     overlap = not loop["disable_overlap_schedule"]
     try:
@@ -70,9 +77,11 @@ def test_a_prefix_hit_skips_its_prefill_and_equals_transformers_and_a_cold_run(n
         computed = _count_computed_tokens(engine)
         first = engine.generate(input_ids=[LONG], sampling_params=GREEDY, return_logprob=True, progress=False)[0]
         second_prompt = LONG + first["output_ids"] + SHORT[:10]
+        _settle(engine)
         before = computed["tokens"]
         second = engine.generate(input_ids=[second_prompt], sampling_params=GREEDY, return_logprob=True, progress=False)[0]
-        hit = len(LONG) + 7 + overlap
+        _settle(engine)
+        hit = 96 if overlap else len(LONG) + 7
         assert second["meta_info"]["cached_tokens"] == hit
         # the prefill computed the prompt past the hit, then 7 decode steps (+ the overlap's extra one)
         assert computed["tokens"] - before == len(second_prompt) - hit + 7 + overlap
@@ -89,11 +98,12 @@ def test_a_prefix_hit_skips_its_prefill_and_equals_transformers_and_a_cold_run(n
 
 
 def test_hits_on_requests_that_finished_together_in_the_overlap_loop(next_dir, hf):
-    """Six requests finish at the same step: their rows are freed while the extra step that feeds
-    their last token is still queued on the forward thread. That step must still advance the
-    states their end snapshots copy (it uses the slots as scheduled, not the freed rows' map), so
-    the next turns' hits (prompt + 8 tokens) give transformers' tokens and logprobs."""
-    engine = _engine(next_dir, chunked_prefill_size=None, max_running_requests=6, disable_overlap_schedule=False)
+    """Six requests finish at the same step: their rows are freed (and handed to the next turn's
+    requests) while the extra step that feeds their last token is still queued on the forward
+    thread. No snapshot trusts that step: the next turns hit where their prefills left snapshots
+    (chunk boundaries, prompt ends no decode step had passed yet), and give transformers' tokens
+    and logprobs."""
+    engine = _engine(next_dir, max_running_requests=6, disable_overlap_schedule=False)
     rng = random.Random(3)
     prompts = [[rng.randrange(512) for _ in range(40)] for _ in range(6)]
     sampling = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
@@ -104,7 +114,8 @@ def test_hits_on_requests_that_finished_together_in_the_overlap_loop(next_dir, h
         engine.scheduler.check_memory()
     finally:
         engine.shutdown()
-    assert [o["meta_info"]["cached_tokens"] for o in second] == [48] * 6
+    cached = [o["meta_info"]["cached_tokens"] for o in second]
+    assert all(0 <= c <= 40 for c in cached) and sum(cached) > 0, cached
     for prompt, out in zip(turn2, second):
         _assert_transformers(hf, prompt, out)
 
