@@ -67,11 +67,11 @@ def run(model_dir: str, disable_radix_cache: bool, overlap: bool) -> Dict[str, o
 def check_same_outputs(off: list, on: list) -> None:
     """Greedy tokens equal, or a near-tie: the two runs' logprobs agree (within 1e-4) up to and
     at the first token where they part (random weights give near-ties; DESIGN.md)."""
-    for turn_off, turn_on in zip(off, on):
-        for (ids_a, lp_a), (ids_b, lp_b) in zip(turn_off, turn_on):
+    for t, (turn_off, turn_on) in enumerate(zip(off, on)):
+        for c, ((ids_a, lp_a), (ids_b, lp_b)) in enumerate(zip(turn_off, turn_on)):
             n = next((i for i, (a, b) in enumerate(zip(ids_a, ids_b)) if a != b), len(ids_a))
             gap = max((abs(a - b) for a, b in zip(lp_a[: n + 1], lp_b[: n + 1])), default=0.0)
-            assert gap <= 1e-4, f"the prefix cache changed a greedy output (token {n}, logprob gap {gap:.2e})"
+            assert gap <= 1e-4, f"the prefix cache changed a greedy output (turn {t}, conversation {c}, token {n}, logprob gap {gap:.2e})"
             if n < len(ids_a):
                 print(f"near-tie at token {n}: {ids_a[n]} vs {ids_b[n]}, logprob gap {gap:.1e}")
                 return  # the conversations part here: later turns differ in their prompts
@@ -85,6 +85,7 @@ def main() -> None:
         model_dir = make_next_dir(d)
         rows = [run(model_dir, disable, overlap) for overlap in (False, True) for disable in (True, False)]
     for off, on in ((rows[0], rows[1]), (rows[2], rows[3])):
+        print("overlap" if on["overlap"] else "normal")
         check_same_outputs(off["outputs"], on["outputs"])
     print(f"{'loop':8} {'cache':6} {'prompt':>7} {'cached':>7} {'prefill computed':>17} {'snapshots':>10}")
     for r in rows:

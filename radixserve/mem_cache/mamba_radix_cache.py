@@ -15,9 +15,10 @@ Snapshots are taken where the state is exact: after a chunk of a chunked prefill
 key ends where the request's state does (its kv_committed_len: every forward launched so far has
 advanced the state that far). Not at the end of a request whose last token an extra step of the
 overlap loop fed (still queued when the request finishes): that step's attention reads the rows
-in place, and the finished request's row may be handed to a new request before it runs. In the
-overlap loop a conversation's next turn therefore hits at its last chunk boundary (deferring the
-row's free until the extra step is done would lift this; SGLang keeps a second state buffer). The copy into a fresh slot, and the restore of a snapshot into an
+in place, and the finished request's row may be handed to a new request before it runs, so that
+token's KV stays out of the tree too. In the overlap loop a conversation's next turn therefore
+hits at its last chunk boundary (deferring the row's free until the extra step is done would
+lift this; SGLang keeps a second state buffer). The copy into a fresh slot, and the restore of a snapshot into an
 admitted request's own slot (restore_prefix_states), run on io_thread when set: in order with the
 overlap loop's forwards, which write the slots in place.
 
@@ -101,14 +102,22 @@ class MambaRadixCache(RadixCache):
 
     # ---- insert: snapshots where the state is exact ------------------------------------------
     def cache_finished_req(self, req: CacheReq, is_insert: bool = True) -> None:
-        state_slot = self.req_to_token_pool.mamba_index_cpu[req.req_pool_idx]
+        row = req.req_pool_idx
+        state_slot = self.req_to_token_pool.mamba_index_cpu[row]
         kv_len = kv_committed_len(req)
+        # kv_len == every token: the overlap loop's extra step fed the last one and may still be
+        # queued. Its attention reads the rows in place, and this row, freed here, may be handed to
+        # a new request before it runs: neither the state nor the KV it leaves is to be trusted,
+        # so that token stays out of the tree (its slot goes back) and its end gets no snapshot.
+        extra_step = kv_len == len(req.origin_input_ids) + len(req.output_ids)
+        if extra_step:
+            extra_slot = self.req_to_token_pool.req_to_token_cpu[row, kv_len - 1 : kv_len].to(torch.int64)
+            kv_len -= 1
+            req.kv_committed_len = kv_len  # (a finished request: nothing reads it after this)
         keys = self._page_align((list(req.origin_input_ids) + list(req.output_ids))[:kv_len])
         super().cache_finished_req(req, is_insert)  # frees the row: its slot is read below, in order
-        # kv_len == every token: the overlap loop's extra step fed the last one and may still be
-        # queued; its attention reads the rows in place, and a row freed here may be rewritten for
-        # a new request before it runs, so the state it leaves is not to be trusted: no snapshot.
-        extra_step = kv_len == len(req.origin_input_ids) + len(req.output_ids)
+        if extra_step and kv_len % self.page_size == 0:  # (else its page went with the unaligned tail)
+            self.token_to_kv_pool_allocator.free(extra_slot)
         if is_insert and not self.disable and not extra_step and 0 < len(keys) == kv_len:
             _, node = self._match_prefix_helper(keys, extra_key_of(req))
             self._take_snapshot(node, state_slot)
