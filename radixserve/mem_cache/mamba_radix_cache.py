@@ -23,8 +23,8 @@ admitted request's own slot (restore_prefix_states), run on io_thread when set: 
 overlap loop's forwards, which write the slots in place.
 
 Eviction: evicting a leaf (KV pressure) frees its snapshot with it, tombstone leaves first (they
-serve no hit); under state-pool pressure evict_mamba drops snapshots alone, least recently used
-first, never the one a running request's lock is on (mamba_lock_ref: the node itself only, as
+serve no hit); under state-pool pressure evict_mamba drops snapshots alone, inner nodes' first
+(the conversation that made one went on past it), least recently used first, never the one a running request's lock is on (mamba_lock_ref: the node itself only, as
 SGLang's). Every state slot is free, a request row's, or one node's snapshot
 (HybridReqToTokenPool.check_state_slots with all_mamba_values_flatten()).
 """
@@ -156,7 +156,10 @@ class MambaRadixCache(RadixCache):
         used first); the nodes stay, as tombstones. Returns how many were dropped."""
         if self.disable or num_states <= 0:
             return 0
-        victims = sorted((n for n in self.snapshot_nodes if n.mamba_lock_ref == 0), key=lambda n: n.last_access_time)
+        # Inner nodes' first (a chunk boundary its conversation went past: that one hits deeper),
+        # then leaves', least recently used first within each.
+        victims = sorted((n for n in self.snapshot_nodes if n.mamba_lock_ref == 0),
+                         key=lambda n: (not n.children, n.last_access_time))
         victims = victims[:num_states]
         for node in victims:
             self._drop_snapshot(node)
