@@ -269,3 +269,14 @@ def test_release_memory_occupation_releases_and_restores_the_state_pool(next_dir
     finally:
         engine.shutdown()
     assert [o["output_ids"] for o in after] == [o["output_ids"] for o in before] == [o["output_ids"] for o in again]
+
+
+def test_state_pool_pressure_drops_an_inner_snapshot_before_a_leaf():
+    """A conversation's chunk-boundary snapshot (inner: its end hits deeper) goes before another
+    conversation's end snapshot, even one less recently used (the multi-turn benchmark's case)."""
+    cache, _ = _cache(rows=1, slots=3)
+    other_end = _insert_with_snapshot(cache, [9, 9], state_slot=1)
+    boundary = _insert_with_snapshot(cache, [1, 2], state_slot=1)
+    end = _insert_with_snapshot(cache, [1, 2, 3, 4], state_slot=1)
+    assert cache.evict_mamba(1) == 1
+    assert boundary.mamba_value is None and other_end.mamba_value is not None and end.mamba_value is not None
