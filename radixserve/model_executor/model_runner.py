@@ -77,7 +77,7 @@ class ModelRunner:
         # not run with, before loading anything.
         self.is_hybrid = hasattr(MODEL_REGISTRY.get(model_config.architecture), "mamba_state_shape")
         if self.is_hybrid:
-            check_hybrid_server_args(server_args, model_config.model_path or model_config.architecture)
+            check_hybrid_server_args(server_args, model_config.model_path or model_config.architecture, self.device)
         if self.device == "cpu":
             share_cpu_cores(server_args.dp_size * tp_size * server_args.pp_size // server_args.nnodes)
         if tp_size > 1 or server_args.pp_size > 1:  # --pp-size: this stage's TP group and the stages' group

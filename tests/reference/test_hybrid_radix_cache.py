@@ -24,7 +24,6 @@ from radixserve.mem_cache.mamba_radix_cache import MambaRadixCache
 from radixserve.mem_cache.memory_pool import TokenToKVPoolAllocator
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0}
-LOOPS = [dict(disable_overlap_schedule=True), dict(disable_overlap_schedule=False)]
 
 
 @pytest.fixture(scope="module")
@@ -46,12 +45,6 @@ def _count_computed_tokens(engine: Engine) -> Dict[str, int]:
     return seen
 
 
-def _settle(engine: Engine) -> None:
-    """The overlap loop: the finished requests' extra step has run (it is counted then)."""
-    if engine.scheduler.forward_thread is not None:
-        engine.scheduler.forward_thread.synchronize()
-
-
 def _logprobs(out) -> torch.Tensor:
     return torch.tensor([v for v, _, _ in out["meta_info"]["output_token_logprobs"]])
 
@@ -64,27 +57,21 @@ def _assert_transformers(hf, prompt: List[int], out) -> None:
     assert (_logprobs(out) - ref_lp).abs().max() <= TOL
 
 
-@pytest.mark.parametrize("loop", LOOPS, ids=["normal", "overlap"])
-def test_a_prefix_hit_skips_its_prefill_and_equals_transformers_and_a_cold_run(next_dir, hf, loop):
+def test_a_prefix_hit_skips_its_prefill_and_equals_transformers_and_a_cold_run(next_dir, hf):
     """Turn 2 of a conversation (turn 1's prompt and answer, then new tokens): everything turn 1
-    computed is a hit (its end snapshot: prompt + 7 answer tokens), only the rest is computed. In
-    the overlap loop the end is not snapshotted (the extra step: mamba_radix_cache.py), the hit is
-    turn 1's last chunk boundary (96 of LONG's 100 tokens in chunks of 16)."""
-    engine = _engine(next_dir, **loop)
-    overlap = not loop["disable_overlap_schedule"]
+    computed is a hit (its end snapshot: prompt + 7 answer tokens), only the rest is computed."""
+    engine = _engine(next_dir, disable_overlap_schedule=True)
     try:
         assert isinstance(engine.scheduler.tree_cache, MambaRadixCache)
         computed = _count_computed_tokens(engine)
         first = engine.generate(input_ids=[LONG], sampling_params=GREEDY, return_logprob=True, progress=False)[0]
         second_prompt = LONG + first["output_ids"] + SHORT[:10]
-        _settle(engine)
         before = computed["tokens"]
         second = engine.generate(input_ids=[second_prompt], sampling_params=GREEDY, return_logprob=True, progress=False)[0]
-        _settle(engine)
-        hit = 96 if overlap else len(LONG) + 7
+        hit = len(LONG) + 7
         assert second["meta_info"]["cached_tokens"] == hit
-        # the prefill computed the prompt past the hit, then 7 decode steps (+ the overlap's extra one)
-        assert computed["tokens"] - before == len(second_prompt) - hit + 7 + overlap
+        # the prefill computed the prompt past the hit, then 7 decode steps
+        assert computed["tokens"] - before == len(second_prompt) - hit + 7
         assert engine.flush_cache()
         cold = engine.generate(input_ids=[second_prompt], sampling_params=GREEDY, return_logprob=True, progress=False)[0]
         assert cold["meta_info"]["cached_tokens"] == 0
@@ -97,27 +84,19 @@ def test_a_prefix_hit_skips_its_prefill_and_equals_transformers_and_a_cold_run(n
     _assert_transformers(hf, second_prompt, second)
 
 
-def test_hits_on_requests_that_finished_together_in_the_overlap_loop(next_dir, hf):
-    """Six requests finish at the same step: their rows are freed (and handed to the next turn's
-    requests) while the extra step that feeds their last token is still queued on the forward
-    thread. No snapshot trusts that step: the next turns hit where their prefills left snapshots
-    (chunk boundaries, prompt ends no decode step had passed yet), and give transformers' tokens
-    and logprobs."""
-    engine = _engine(next_dir, max_running_requests=6, disable_overlap_schedule=False)
-    rng = random.Random(3)
-    prompts = [[rng.randrange(512) for _ in range(40)] for _ in range(6)]
-    sampling = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+def test_the_overlap_loop_serves_it_with_the_prefix_cache_off_and_one_log_line(next_dir, hf, caplog):
+    """Under the overlap loop the hybrid radix cache gave a wrong token once (a storm on shared
+    prefixes, models/qwen3_next.py): it is turned off there, with one log line, and served right."""
+    with caplog.at_level("INFO"):
+        engine = _engine(next_dir, disable_overlap_schedule=False)
     try:
-        first = engine.generate(input_ids=prompts, sampling_params=sampling, progress=False)
-        turn2 = [p + o["output_ids"] + [rng.randrange(512) for _ in range(5)] for p, o in zip(prompts, first)]
-        second = engine.generate(input_ids=turn2, sampling_params=sampling, return_logprob=True, progress=False)
+        assert isinstance(engine.scheduler.tree_cache, ChunkCache)
+        assert len([r for r in caplog.records if "overlap loop: prefix cache off" in r.getMessage()]) == 1
+        out = engine.generate(input_ids=[LONG], sampling_params=GREEDY, return_logprob=True, progress=False)[0]
         engine.scheduler.check_memory()
     finally:
         engine.shutdown()
-    cached = [o["meta_info"]["cached_tokens"] for o in second]
-    assert all(0 <= c <= 40 for c in cached) and sum(cached) > 0, cached
-    for prompt, out in zip(turn2, second):
-        _assert_transformers(hf, prompt, out)
+    _assert_transformers(hf, LONG, out)
 
 
 @pytest.mark.parametrize("chunk, hit", [(16, 48), (None, 0)], ids=["chunk_boundary", "no_snapshot_before"])
@@ -139,13 +118,12 @@ def test_a_hit_where_no_snapshot_is_falls_back_to_the_last_one(next_dir, hf, chu
     _assert_transformers(hf, prompt, out)
 
 
-@pytest.mark.parametrize("loop", LOOPS, ids=["normal", "overlap"])
-def test_state_slots_are_conserved_under_a_storm_on_shared_prefixes(next_dir, hf, loop):
+def test_state_slots_are_conserved_under_a_storm_on_shared_prefixes(next_dir, hf):
     """30 requests on 3 shared prefixes (chunked, and re-admitted after retractions: hits on
     their own snapshots), a retraction every 2 decode steps, a third aborted at random moments, a
     KV pool small enough to evict: rows, snapshots and free slots account for every state slot
     after every step (--test-check-memory), and every survivor's tokens are transformers'."""
-    engine = _engine(next_dir, max_total_tokens=384, test_retract_interval=2, **loop)
+    engine = _engine(next_dir, max_total_tokens=384, test_retract_interval=2, disable_overlap_schedule=True)
     sched, rng = engine.scheduler, random.Random(7)
     prefixes = [[rng.randrange(512) for _ in range(n)] for n in (40, 25, 60)]
     prompts = [rng.choice(prefixes) + [rng.randrange(512) for _ in range(rng.randint(1, 20))] for _ in range(30)]
