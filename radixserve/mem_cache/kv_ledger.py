@@ -239,15 +239,8 @@ class KVLedger:
     def state_slots(self, req_pool_indices: torch.Tensor) -> Optional[torch.Tensor]:
         """Each row's state slot now, for a batch being scheduled (None: no state pool). The
         forward must use these: by the time it runs in the overlap loop, a finished request's row
-        may be freed, and its extra step still has to advance the state its end snapshot copies."""
+        may be freed and handed on, and its extra step must not write another request's slot."""
         return self.req_to_token_pool.mamba_indices(req_pool_indices) if self.state_pool is not None else None
-
-    def state_budget(self) -> int:
-        """State slots new rows may take: free ones and unlocked snapshots (0: no state pool)."""
-        if self.state_pool is None:
-            return 0
-        cache = self.snapshot_cache
-        return self.state_pool.available_size() + (cache.mamba_evictable_size() if cache is not None else 0)
 
     def make_state_room(self, num_states: int) -> bool:
         """Drop snapshots until num_states state slots are free; False if it cannot."""

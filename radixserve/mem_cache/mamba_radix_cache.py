@@ -16,16 +16,16 @@ key ends where the request's state does (its kv_committed_len: every forward lau
 advanced the state that far). Not at the end of a request whose last token an extra step of the
 overlap loop fed (still queued when the request finishes): that step's attention reads the rows
 in place, and the finished request's row may be handed to a new request before it runs, so that
-token's KV stays out of the tree too. In the overlap loop a conversation's next turn therefore
-hits at its last chunk boundary (deferring the row's free until the extra step is done would
-lift this; SGLang keeps a second state buffer). The copy into a fresh slot, and the restore of a snapshot into an
-admitted request's own slot (restore_prefix_states), run on io_thread when set: in order with the
-overlap loop's forwards, which write the slots in place.
+token's KV stays out of the tree too (deferring the row's free until the extra step is done would
+lift this; SGLang keeps a second state buffer). The copy into a fresh slot, and the restore of a
+snapshot into an admitted request's own slot (restore_prefix_states), run on io_thread when set:
+in order with the overlap loop's forwards, which write the slots in place. (The model turns this
+cache off under the overlap loop for now: models/qwen3_next.py, check_hybrid_server_args.)
 
 Eviction: evicting a leaf (KV pressure) frees its snapshot with it, tombstone leaves first (they
 serve no hit); under state-pool pressure evict_mamba drops snapshots alone, inner nodes' first
-(the conversation that made one went on past it), least recently used first, never the one a running request's lock is on (mamba_lock_ref: the node itself only, as
-SGLang's). Every state slot is free, a request row's, or one node's snapshot
+(the conversation that made one went on past it), least recently used first, never the one a
+running request's lock is on (mamba_lock_ref: the node itself only, as SGLang's). Every state slot is free, a request row's, or one node's snapshot
 (HybridReqToTokenPool.check_state_slots with all_mamba_values_flatten()).
 """
 
