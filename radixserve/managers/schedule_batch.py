@@ -482,6 +482,7 @@ class ScheduleBatch:
                 raise RuntimeError("req_to_token_pool is full; max_running_requests is too large")
             for r, row in zip(new_rows, rows):
                 r.req_pool_idx = row
+            self.ledger.restore_prefix_states(new_rows)  # a hybrid model's cached prefix: its state too
         self.prefix_lens = [len(r.prefix_indices) for r in reqs]
         self.extend_lens = [r.extend_input_len for r in reqs]
         self.seq_lens_cpu = [len(r.fill_ids) for r in reqs]
@@ -683,6 +684,7 @@ class ScheduleBatch:
             input_logprob_token_ids=self.input_logprob_token_ids if extend else None,
             lora_paths=[r.lora_path for r in self.reqs],
             multimodal_inputs=self.multimodal_inputs(),
+            mamba_state_slots=self.ledger.state_slots(self.req_pool_indices),
         )
 
     def multimodal_inputs(self) -> Optional[List[Any]]:

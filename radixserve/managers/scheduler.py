@@ -38,10 +38,11 @@ from radixserve.managers.scheduler_profiler import SchedulerProfiler
 from radixserve.managers.schedule_policy import NewTokenRatio, PrefillAdder, SchedulePolicy
 from radixserve.managers.scheduler_stats import SchedulerStats
 from radixserve.managers.scheduler_update_weights import SchedulerUpdateWeights, WeightsUpdateGroupJoined
-from radixserve.mem_cache.base_prefix_cache import BasePrefixCache
-from radixserve.mem_cache.kv_ledger import KVLedger
+from radixserve.mem_cache.base_prefix_cache import BasePrefixCache, MemoryLeakError
+from radixserve.mem_cache.kv_ledger import KVLedger, MambaTokenInfo
 from radixserve.mem_cache.chunk_cache import ChunkCache
 from radixserve.mem_cache.hiradix_cache import HiRadixCache
+from radixserve.mem_cache.mamba_radix_cache import MambaRadixCache, has_state_pool
 from radixserve.mem_cache.radix_cache import RadixCache
 from radixserve.mem_cache.swa_kv_ledger import SWAKVLedger
 from radixserve.mem_cache.swa_radix_cache import SWARadixCache
@@ -161,6 +162,9 @@ class Scheduler:
             return ChunkCache(self.req_to_token_pool, self.token_to_kv_pool_allocator)
         if args.enable_hierarchical_cache:  # HiCache: a host tier under the device pool
             return HiRadixCache.from_server_args(*self.tp_worker.get_memory_pool(), self.tp_worker.get_kv_pool(), args)
+        if has_state_pool(self.req_to_token_pool):  # a hybrid model: prefix hits only where a state snapshot is
+            return MambaRadixCache(self.req_to_token_pool, self.token_to_kv_pool_allocator, self.page_size,
+                                   args.radix_eviction_policy)
         if self.swa_pool:
             return SWARadixCache(self.req_to_token_pool, self.token_to_kv_pool_allocator, self.model_config.sliding_window,
                                  eviction_policy=args.radix_eviction_policy)
@@ -611,7 +615,15 @@ class Scheduler:
             **(self.ledger.get_swa_token_info() if self.swa_pool else {}),  # the SWA pool's (SGLang's _get_swa_token_info)
             **self.generation_pause.internal_state(), **self.memory_saver.internal_state(),
             **self.grammar_queue.internal_state(),  # SGLang's grammar metrics
+            **(self._mamba_state() if self.ledger.state_pool is not None else {}),
         )
+
+    def _mamba_state(self) -> Dict[str, Any]:
+        """/get_server_info of a hybrid model: the state pool beside the KV pool."""
+        info = self._get_mamba_token_info()
+        return dict(mamba_pool_size=info.mamba_size, available_mamba_slots=info.mamba_available,
+                    evictable_mamba_slots=info.mamba_evictable, mamba_snapshots=info.mamba_snapshots,
+                    mamba_usage=info.mamba_usage)
 
     # ---- invariants ---------------------------------------------------------------------------------
     def self_check_during_idle(self) -> None:
@@ -621,7 +633,20 @@ class Scheduler:
 
     def check_memory(self) -> None:
         """Raises MemoryLeakError (which ends the process) if a slot or a row was lost."""
+        if self.ledger.state_pool is not None:
+            return self._check_hybrid_memory()
         self.ledger.check_idle(self.max_total_num_tokens)
+
+    def _check_hybrid_memory(self) -> None:
+        """A hybrid model's idle check: every KV slot free or in the tree, every state slot free
+        or a snapshot's, nothing locked (seed 001 §30)."""
+        self.ledger.check_idle(self.max_total_num_tokens)
+        info = self._get_mamba_token_info()
+        if info.mamba_num_used != 0:
+            raise MemoryLeakError(f"state pool leak detected! {info}")
+
+    def _get_mamba_token_info(self) -> MambaTokenInfo:
+        return self.ledger.mamba_token_info()
 
     def check_slot_conservation(self) -> None:
         """--test-check-memory, after every step (see check_pages_conserved)."""

@@ -146,6 +146,10 @@ class BasePrefixCache(ABC):
         there is no host hit: no slots, and the node itself."""
         return torch.empty((0,), dtype=torch.int64), last_host_node
 
+    def all_mamba_values_flatten(self) -> List[int]:
+        """The state slots of the prefix snapshots the cache holds (the hybrid radix cache's)."""
+        return []
+
     def check_other_tiers(self, thorough: bool = True) -> None:
         """Raise MemoryLeakError if a slot of a tier beyond the device pool (HiCache's host
         pool) is lost (thorough: or held twice, page by page); nothing to check here."""
@@ -168,8 +172,10 @@ def check_pools_idle(tree_cache: BasePrefixCache, token_to_kv_pool_allocator: An
     if free_rows != rows:
         raise MemoryLeakError(f"req_to_token_pool leak detected! free rows={free_rows}, size={rows}")
     state_pool = getattr(req_to_token_pool, "mamba_pool", None)  # a hybrid model's (mamba_pool.py)
-    if state_pool is not None and state_pool.available_size() != state_pool.size:
-        raise MemoryLeakError(f"state pool leak detected! free slots={state_pool.available_size()}, size={state_pool.size}")
+    snapshots = len(tree_cache.all_mamba_values_flatten())  # the hybrid radix cache's, unlocked when idle
+    if state_pool is not None and state_pool.available_size() + snapshots != state_pool.size:
+        raise MemoryLeakError(f"state pool leak detected! free slots={state_pool.available_size()}, "
+                              f"snapshots={snapshots}, size={state_pool.size}")
     tree_cache.check_other_tiers(thorough=False)  # the page-by-page check is --test-check-memory's
 
 
@@ -191,7 +197,7 @@ def check_pages_conserved(tree_cache: BasePrefixCache, token_to_kv_pool_allocato
         raise MemoryLeakError(f"KV pages both free and in use: {both}; pages neither free nor held: {lost}")
     if getattr(req_to_token_pool, "mamba_pool", None) is not None:  # a hybrid model's state slots (mamba_pool.py)
         try:
-            req_to_token_pool.check_state_slots([r.req_pool_idx for r in live_reqs])
+            req_to_token_pool.check_state_slots([r.req_pool_idx for r in live_reqs], tree_cache.all_mamba_values_flatten())
         except RuntimeError as e:
             raise MemoryLeakError(str(e)) from None
     tree_cache.check_other_tiers()

@@ -18,6 +18,7 @@ the PrefillAdder admits against; `check_idle` / `check_conserved` are slot conse
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Iterator, List, Optional, Protocol, Tuple
 
 import torch
@@ -25,8 +26,33 @@ import torch
 from radixserve.mem_cache.base_prefix_cache import (
     BasePrefixCache, CacheReq, MatchResult, check_pages_conserved, check_pools_idle,
 )
+from radixserve.mem_cache.mamba_pool import MambaPool
+from radixserve.mem_cache.mamba_radix_cache import MambaRadixCache
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from radixserve.mem_cache.radix_cache import TreeNode
+
+
+@dataclass(frozen=True)
+class MambaTokenInfo:
+    """A hybrid model's two pools: KV slots (full attention) and state slots (linear attention)."""
+
+    full_num_used: int  # held by running requests
+    full_size: int
+    full_available: int
+    full_evictable: int
+    mamba_num_used: int  # rows' slots and locked snapshots
+    mamba_size: int
+    mamba_available: int
+    mamba_evictable: int  # unlocked snapshots
+    mamba_snapshots: int  # all snapshots the radix cache holds
+
+    @property
+    def full_token_usage(self) -> float:
+        return self.full_num_used / max(self.full_size, 1)
+
+    @property
+    def mamba_usage(self) -> float:
+        return self.mamba_num_used / max(self.mamba_size, 1)
 
 
 class LedgerReq(Protocol):
@@ -117,6 +143,7 @@ class KVLedger:
 
     # ---- rows (L2) -------------------------------------------------------------------------------
     def alloc_rows(self, n: int) -> Optional[List[int]]:
+        self.make_state_room(n)  # a hybrid model's row takes a state slot with it
         return self.req_to_token_pool.alloc(n)
 
     def free_row(self, row: int) -> None:
@@ -252,6 +279,51 @@ class KVLedger:
         self.tree_cache.reset()
         self.allocator.clear()
         self.req_to_token_pool.clear()
+
+    # ---- the state pool (hybrid models: mem_cache/mamba_pool.py, mamba_radix_cache.py) -----------
+    # A row of a HybridReqToTokenPool takes its state slot with it (alloc_rows, free_row, release);
+    # the hybrid radix cache holds the prefix snapshots in the same pool.
+    @property
+    def state_pool(self) -> Optional[MambaPool]:
+        return getattr(self.req_to_token_pool, "mamba_pool", None)
+
+    @property
+    def snapshot_cache(self) -> Optional[MambaRadixCache]:
+        return self.tree_cache if isinstance(self.tree_cache, MambaRadixCache) else None
+
+    def state_slots(self, req_pool_indices: torch.Tensor) -> Optional[torch.Tensor]:
+        """Each row's state slot now, for a batch being scheduled (None: no state pool). The
+        forward must use these: by the time it runs in the overlap loop, a finished request's row
+        may be freed and handed on, and its extra step must not write another request's slot."""
+        return self.req_to_token_pool.mamba_indices(req_pool_indices) if self.state_pool is not None else None
+
+    def make_state_room(self, num_states: int) -> bool:
+        """Drop snapshots until num_states state slots are free; False if it cannot."""
+        pool, cache = self.state_pool, self.snapshot_cache
+        if pool is None:
+            return True
+        if cache is not None and pool.available_size() < num_states:
+            cache.evict_mamba(num_states - pool.available_size())
+        return pool.available_size() >= num_states
+
+    def restore_prefix_states(self, reqs: List[LedgerReq]) -> None:
+        """Requests just given rows: where a prefix came from the tree, their state starts from
+        its snapshot (a no-op without the hybrid radix cache: no prefix then)."""
+        if self.snapshot_cache is not None:
+            self.snapshot_cache.restore_prefix_states(reqs)
+
+    def mamba_token_info(self) -> "MambaTokenInfo":
+        """Both pools' use (SGLang's _get_mamba_token_info)."""
+        cache, pool = self.snapshot_cache, self.state_pool
+        full_available, full_evictable = self.allocator.available_size(), self.tree_cache.evictable_size()
+        mamba_available = pool.available_size()
+        mamba_evictable = cache.mamba_evictable_size() if cache is not None else 0
+        return MambaTokenInfo(
+            full_num_used=self.allocator.size - full_available - full_evictable, full_size=self.allocator.size,
+            full_available=full_available, full_evictable=full_evictable,
+            mamba_num_used=pool.size - mamba_available - mamba_evictable, mamba_size=pool.size,
+            mamba_available=mamba_available, mamba_evictable=mamba_evictable,
+            mamba_snapshots=len(cache.all_mamba_values_flatten()) if cache is not None else 0)
 
     # ---- invariants ------------------------------------------------------------------------------
     def check_idle(self, max_total_num_tokens: int) -> None:

@@ -13,15 +13,20 @@ HybridReqToTokenPool: a request's row and its state slot are allocated together 
 freed together (finish, abort, retraction), so every path that already returns a row returns
 its slot, and there is no second place to forget.
 
+The hybrid radix cache (mamba_radix_cache.py) takes the other slots for its prefix snapshots:
+the model runner sizes the pool at twice the rows, and every slot is free, a row's, or one
+snapshot's (check_state_slots).
+
 A slot's contents are not cleared at allocation: the layer starts from zeros wherever the
-request has no prefix computed yet (extend_prefix_len == 0). Clearing here would race with a
-forward still in flight in the overlap loop that writes the slot's previous owner's state.
+request has no prefix computed yet (extend_prefix_len == 0), or from the snapshot restored into it
+(a prefix hit). Clearing here would race with a forward still in flight in the overlap loop that
+writes the slot's previous owner's state.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Union
+from typing import List, Optional, Sequence, Union
 
 import torch
 
@@ -90,6 +95,14 @@ class MambaPool:
         self.is_free = torch.ones(self.size + 1, dtype=torch.bool)
         self.is_free[0] = False  # padding
 
+    def copy_slots(self, src: List[int], dst: List[int]) -> None:
+        """Every linear layer's conv and temporal state of slots src into slots dst (a prefix's
+        snapshot taken into the radix cache, or restored into a request's own slot)."""
+        s = torch.tensor(src, dtype=torch.int64, device=self.device)
+        d = torch.tensor(dst, dtype=torch.int64, device=self.device)
+        self.conv_state[:, d] = self.conv_state[:, s]
+        self.temporal_state[:, d] = self.temporal_state[:, s]
+
     def layer_state(self, layer_id: int):
         """(conv_state, temporal_state) of linear layer layer_id, all slots: index by slot."""
         return self.conv_state[layer_id], self.temporal_state[layer_id]
@@ -140,19 +153,22 @@ class HybridReqToTokenPool(ReqToTokenPool):
         """The state slot of each row of a batch (int64, on the pool's device)."""
         return self.req_index_to_mamba_index[req_pool_indices]
 
-    def check_state_slots(self, live_rows: List[int]) -> None:
+    def check_state_slots(self, live_rows: List[int], cached_slots: Sequence[int] = ()) -> None:
         """Raise RuntimeError unless rows and state slots pair one to one: every held row holds
-        its own slot (live_rows among them), and every slot is free or held by exactly one row."""
+        its own slot (live_rows among them), and every slot is free, held by exactly one row, or
+        holds one of the radix cache's prefix snapshots (cached_slots)."""
         free_rows = set(self.free_slots)
         held = {r: s for r, s in enumerate(self.mamba_index_cpu) if s != 0}
         problems = []
         if set(held) != set(range(self.size)) - free_rows:
             problems.append(f"rows without a slot: {sorted(set(range(self.size)) - free_rows - set(held))[:4]}, "
                             f"free rows with one: {sorted(set(held) & free_rows)[:4]}")
-        if len(set(held.values())) != len(held) or any(self.mamba_pool.is_free[s] for s in held.values()):
-            problems.append("a state slot held twice, or held and free")
-        if len(held) + self.mamba_pool.available_size() != self.mamba_pool.size:
-            problems.append(f"{len(held)} held + {self.mamba_pool.available_size()} free != {self.mamba_pool.size} slots")
+        owned = list(held.values()) + list(cached_slots)
+        if len(set(owned)) != len(owned) or any(self.mamba_pool.is_free[s] for s in owned):
+            problems.append("a state slot held twice (by rows or snapshots), or held and free")
+        if len(owned) + self.mamba_pool.available_size() != self.mamba_pool.size:
+            problems.append(f"{len(held)} held by rows + {len(cached_slots)} snapshots + "
+                            f"{self.mamba_pool.available_size()} free != {self.mamba_pool.size} slots")
         if any(self.mamba_index_cpu[r] == 0 for r in live_rows):
             problems.append("a running request's row holds no state slot")
         if problems:

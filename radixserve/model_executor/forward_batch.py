@@ -76,6 +76,9 @@ class ModelWorkerBatch:
     pp_proxy_tensors: Any = None  # --pp-size, a stage after the first: the previous stage's hidden states
     # Images (multimodal.MultimodalInputs), one per request (None: text); None when no request has any
     multimodal_inputs: Optional[List[Any]] = None
+    # A hybrid model: each request's state slot, read when the batch was scheduled (in the overlap
+    # loop a row may be freed or handed on before this forward runs); None: read at the forward
+    mamba_state_slots: Optional[torch.Tensor] = None
 
     @property
     def batch_size(self) -> int:
@@ -108,6 +111,7 @@ class ForwardBatch:
     spec_hidden_states: Optional[torch.Tensor] = None
     pp_proxy_tensors: Any = None  # --pp-size, a stage after the first: models.llama.PPProxyTensors
     multimodal_inputs: Optional[List[Any]] = None  # see ModelWorkerBatch
+    mamba_state_slots: Optional[torch.Tensor] = None  # (ModelWorkerBatch's)
 
     @classmethod
     def init_new(cls, batch: ModelWorkerBatch, model_runner: Any) -> "ForwardBatch":
@@ -145,6 +149,7 @@ class ForwardBatch:
             spec_hidden_states=None if batch.spec_hidden_states is None else batch.spec_hidden_states.to(device),
             pp_proxy_tensors=batch.pp_proxy_tensors,
             multimodal_inputs=batch.multimodal_inputs,
+            mamba_state_slots=batch.mamba_state_slots,
         )
         # A batch a CUDA graph will replay needs none of the eager metadata.
         graph_runner = getattr(model_runner, "cuda_graph_runner", None)

@@ -1,7 +1,8 @@
 """Release and resume the memory a ModelRunner holds, by tag (SGLang's /release_memory_occupation
 and /resume_memory_occupation; its TorchMemorySaverAdapter's pause / resume).
 
-    kv_cache    the KV pool's K and V buffers and the req_to_token table: freed, and on resume
+    kv_cache    the KV pool's K and V buffers and the req_to_token table (and a hybrid model's state
+                pool with its row -> slot map): freed, and on resume
                 allocated again, zeroed (the caller flushed the radix cache: nothing refers to them)
     weights     every parameter and buffer of the model and the packed copies the CPU's bf16 GEMM
                 uses (layers/linear.py PackedWeight): their bytes are saved first, then freed, and
@@ -154,8 +155,11 @@ class MemorySaverAdapter:
 
     # ---- what each tag covers ---------------------------------------------------------------
     def kv_cache_tensors(self) -> List[torch.Tensor]:
-        pool = self.runner.token_to_kv_pool
-        return list(pool.k_buffer) + list(pool.v_buffer) + [self.runner.req_to_token_pool.req_to_token]
+        pool, rows = self.runner.token_to_kv_pool, self.runner.req_to_token_pool
+        # A hybrid model's state pool (its rows' states and the radix cache's snapshots, flushed with it).
+        states = getattr(rows, "mamba_pool", None)
+        state_tensors = [states.conv_state, states.temporal_state, rows.req_index_to_mamba_index] if states else []
+        return list(pool.k_buffer) + list(pool.v_buffer) + [rows.req_to_token] + state_tensors
 
     def weight_tensors(self) -> List[torch.Tensor]:
         model = self.runner.model

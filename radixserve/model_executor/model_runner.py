@@ -81,7 +81,7 @@ class ModelRunner:
         # not run with, before loading anything.
         self.is_hybrid = hasattr(MODEL_REGISTRY.get(model_config.architecture), "mamba_state_shape")
         if self.is_hybrid:
-            check_hybrid_server_args(server_args, model_config.model_path or model_config.architecture)
+            check_hybrid_server_args(server_args, model_config.model_path or model_config.architecture, self.device)
         if getattr(MODEL_REGISTRY.get(model_config.architecture), "takes_images", False):
             check_vision_server_args(server_args, model_config.model_path or model_config.architecture)
         if self.device == "cpu":
@@ -224,11 +224,15 @@ class ModelRunner:
             return self.init_shared_memory_pool()
         args = self.server_args
         max_reqs, state_pool_bytes = args.max_running_requests, 0
+        # The hybrid radix cache keeps its prefix snapshots in the state pool: as many slots again as
+        # rows, so that a new row always finds one (at most one locked snapshot per row).
+        slots_per_row = 1 if args.disable_radix_cache else 2
         if self.is_hybrid:  # the state pool's slots cap the running requests; its bytes come off the KV budget
             shape = self.model.mamba_state_shape()
             max_reqs = max_reqs or max(1, min(HYBRID_DEFAULT_MAX_RUNNING_REQUESTS, int(
-                self.memory_budget_bytes() * HYBRID_STATE_BUDGET_SHARE // shape.bytes_per_slot(self.activation_dtype))))
-            state_pool_bytes = MambaPool.bytes_for(max_reqs + 1, shape, self.activation_dtype)  # a slot per row
+                self.memory_budget_bytes() * HYBRID_STATE_BUDGET_SHARE
+                // (shape.bytes_per_slot(self.activation_dtype) * slots_per_row))))
+            state_pool_bytes = MambaPool.bytes_for((max_reqs + 1) * slots_per_row, shape, self.activation_dtype)
         if self.use_swa_pool():
             return self.init_swa_memory_pool()
         max_tokens = args.max_total_tokens or self.profile_max_num_token(state_pool_bytes)
@@ -242,7 +246,8 @@ class ModelRunner:
         max_reqs = max_reqs or min(max(max_tokens // self.context_len * 512, 2048), 4096)
         self.max_running_requests = max_reqs
         if self.is_hybrid:  # each request row holds a state slot: allocated and freed with it
-            self.mamba_pool = MambaPool(max_reqs + 1, self.model.mamba_state_shape(), self.activation_dtype, self.device)
+            self.mamba_pool = MambaPool((max_reqs + 1) * slots_per_row, self.model.mamba_state_shape(),
+                                        self.activation_dtype, self.device)
             self.req_to_token_pool = HybridReqToTokenPool(max_reqs + 1, self.context_len + 4, self.mamba_pool,
                                                           self.device)
             logger.info("State pool: %d slots, %.1f MB", self.mamba_pool.size, self.mamba_pool.mem_bytes() / 2**20)

@@ -2,8 +2,8 @@
 transformers on the same random weights, float32: logits of a ragged prefill (one request longer
 than a delta-rule chunk), a chunked prefill that splits a linear-attention sequence (beside a new
 request in the same batch), batched decode steps; the Engine's greedy tokens and logprobs under
-both event loops; state slots conserved after finishes, aborts and retractions; the prefix cache
-turned off and what does not combine refused at start.
+both event loops; state slots conserved after finishes, aborts and retractions; what does not
+combine refused at start. (The hybrid radix cache: test_hybrid_radix_cache.py.)
 
 The weights are scaled so that transformers' own float32 logits are within ~2e-5 of its float64
 ones (the decays exp(g) kept moderate: with A up to 16, as transformers initializes it, the
@@ -26,6 +26,7 @@ from radixserve.hf_transformers_utils import LoadError
 from radixserve.layers.gated_delta_net import GatedDeltaNet
 from radixserve.layers.moe import SparseMoeBlock
 from radixserve.mem_cache.chunk_cache import ChunkCache
+from radixserve.mem_cache.mamba_radix_cache import MambaRadixCache
 from radixserve.mem_cache.mamba_pool import HybridReqToTokenPool, MambaPool, MambaStateShape
 from radixserve.models.model_config import ModelConfig
 from radixserve.model_executor.model_runner import ModelRunner
@@ -96,9 +97,10 @@ def test_layers_and_pools_follow_the_config(next_dir):
     assert all(layer.mlp.shared_expert is not None for layer in layers if isinstance(layer.mlp, SparseMoeBlock))
     assert runner.token_to_kv_pool.layer_num == 1  # the full-attention layer's KV only
     pool = runner.req_to_token_pool
-    assert isinstance(pool, HybridReqToTokenPool) and pool.mamba_pool.size == runner.max_running_requests + 1
-    assert pool.mamba_pool.temporal_state.shape == (3, 10, 4, 16, 8)  # 3 linear layers, 9 slots + padding
-    assert pool.mamba_pool.conv_state.shape == (3, 10, 3, 2 * 32 + 32)
+    # a slot per row and as many again for the radix cache's snapshots
+    assert isinstance(pool, HybridReqToTokenPool) and pool.mamba_pool.size == 2 * (runner.max_running_requests + 1)
+    assert pool.mamba_pool.temporal_state.shape == (3, 19, 4, 16, 8)  # 3 linear layers, 18 slots + padding
+    assert pool.mamba_pool.conv_state.shape == (3, 19, 3, 2 * 32 + 32)
 
 
 def test_ragged_prefill_and_decode_match_transformers(next_dir, hf):
@@ -120,7 +122,7 @@ def test_chunked_prefill_continues_from_the_saved_state(next_dir, hf):
     """LONG in three chunks (37, 50, 13 tokens: none a multiple of the conv kernel or of a delta-rule
     chunk), the second one batched with the first chunk of another request (which must start from
     zeros, not from its slot's leftovers); then a decode step of both."""
-    runner = make_runner(next_dir, max_running_requests=1)  # 2 rows, 2 state slots
+    runner = make_runner(next_dir, max_running_requests=1, disable_radix_cache=True)  # 2 rows, 2 state slots
     pool = runner.req_to_token_pool
     stale = pool.alloc(2)  # leave states in both slots, then hand them to the requests below
     drv = KVDriver(runner)
@@ -201,7 +203,8 @@ def test_the_engine_greedy_matches_transformers(next_dir, hf, loop):
     engine = Engine(next_dir, dtype="float32", skip_tokenizer_init=True, chunked_prefill_size=16,
                     max_total_tokens=2048, test_check_memory=True, **loop)
     try:
-        assert isinstance(engine.scheduler.tree_cache, ChunkCache)  # the prefix cache is off for it
+        overlap = not loop["disable_overlap_schedule"]  # (its prefix cache is off there: test_hybrid_radix_cache.py)
+        assert isinstance(engine.scheduler.tree_cache, ChunkCache if overlap else MambaRadixCache)
         prompts = [LONG, SHORT, MID]
         outs = engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 8, "temperature": 0},
                                return_logprob=True, progress=False)
@@ -227,7 +230,7 @@ def test_state_slots_conserved_under_aborts_and_retractions(next_dir, hf, overla
                     disable_overlap_schedule=not overlap, test_check_memory=True)
     sched = engine.scheduler
     pool = sched.req_to_token_pool.mamba_pool
-    assert sched.max_running_requests == 3 and pool.size == 4
+    assert sched.max_running_requests == 3 and pool.size == (4 if overlap else 8)  # 4 rows' slots (+ 4 for snapshots)
     rng = random.Random(2)
     prompts = [LONG] + [[rng.randrange(512) for _ in range(rng.randint(5, 40))] for _ in range(7)]
     try:
@@ -243,7 +246,9 @@ def test_state_slots_conserved_under_aborts_and_retractions(next_dir, hf, overla
         engine.abort(running[0])  # running
         while sched.has_work():
             engine.step()
-        assert pool.available_size() == pool.size and sched.req_to_token_pool.available_size() == sched.req_to_token_pool.size
+        snapshots = len(sched.tree_cache.all_mamba_values_flatten())
+        assert pool.available_size() + snapshots == pool.size
+        assert sched.req_to_token_pool.available_size() == sched.req_to_token_pool.size
         sched.check_memory()
         assert sched.stats.num_retracted_reqs > 0
     finally:
@@ -291,19 +296,12 @@ def test_what_does_not_combine_is_refused_at_start(next_dir, flags, what):
     assert "\n" not in msg and f"does not run with {what} yet" in msg
 
 
-def test_the_prefix_cache_is_turned_off_with_one_log_line(next_dir, caplog):
-    args = ServerArgs(model_path=next_dir, dtype="float32", device="cpu", max_total_tokens=1024, max_running_requests=4)
-    with caplog.at_level("INFO"):
-        ModelRunner(ModelConfig.from_pretrained(next_dir), args)
-    assert args.disable_radix_cache
-    assert len([r for r in caplog.records if "prefix cache off" in r.getMessage()]) == 1
-
-
 def test_the_state_pool_comes_off_the_kv_budget(next_dir):
     budget = 8 * 2**20
     runner = make_runner(next_dir, max_total_tokens=None, cpu_kv_cache_bytes=budget, max_running_requests=16)
     state = runner.mamba_pool.mem_bytes()
-    assert state == (16 + 2) * runner.model.mamba_state_shape().bytes_per_slot(torch.float32)  # a slot per row + padding
+    # two slots per row (its own, a snapshot's) + padding
+    assert state == (2 * 17 + 1) * runner.model.mamba_state_shape().bytes_per_slot(torch.float32)
     per_token = 2 * 2 * 16 * 4  # K and V, 2 KV heads of 16 floats, one full-attention layer
     assert runner.max_total_num_tokens == (budget - state) // per_token
 
@@ -352,7 +350,7 @@ def test_state_slots_survive_a_storm_of_aborts_and_retractions(next_dir, hf, ove
             engine.step()
         assert sched.stats.num_retracted_reqs > 0
         pool = sched.req_to_token_pool.mamba_pool
-        assert pool.available_size() == pool.size
+        assert pool.available_size() + len(sched.tree_cache.all_mamba_values_flatten()) == pool.size
         sched.check_memory()
     finally:
         engine.shutdown()
