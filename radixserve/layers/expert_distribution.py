@@ -80,3 +80,11 @@ class ExpertDistributionRecorder:
         torch.save(record, path)
         return {"path": path, "logical_count": record["logical_count"].tolist(),
                 "num_forward_passes": self.forward_passes}
+
+
+def merge_expert_records(records: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """--dp-size: the replicas' dumps as one: their counts and forward passes added (each replica
+    routes its own requests), the paths of every replica's file."""
+    counts = [[sum(col) for col in zip(*rows)] for rows in zip(*(r["logical_count"] for r in records))]
+    return {"path": records[0]["path"], "paths": [r["path"] for r in records], "logical_count": counts,
+            "num_forward_passes": sum(r["num_forward_passes"] for r in records)}

@@ -23,9 +23,11 @@ from typing import Any, Dict, List
 
 from radixserve.managers.dp_budget import DPBudget
 from radixserve.managers.process_utils import configure_process_logging, watch_parent
+from radixserve.layers.expert_distribution import merge_expert_records
 from radixserve.protocol import (
     BatchTokenizedEmbeddingReqInput,
     BatchTokenizedGenerateReqInput,
+    ExpertDistributionReqOutput,
     GetInternalStateReqOutput,
     GetWeightsByNameReqOutput,
     SchedulerLoad,
@@ -126,6 +128,8 @@ class DataParallelController:
         if isinstance(first, GetWeightsByNameReqOutput):  # SGLang's shape: one list per replica
             params = [r.parameter for r in replies]
             return replace(first, parameter=None if None in params else params)
+        if isinstance(first, ExpertDistributionReqOutput) and all(r.success and r.record for r in replies):
+            return replace(first, record=merge_expert_records([r.record for r in replies]))
         if not isinstance(first, GetInternalStateReqOutput):
             if not hasattr(first, "success"):
                 return first

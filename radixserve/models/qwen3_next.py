@@ -167,9 +167,13 @@ class Qwen3NextModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch) -> torch.Tensor:
         if forward_batch.forward_mode.is_target_verify():
             raise RuntimeError("a hybrid linear-attention model cannot verify drafts (speculative decoding is refused)")
-        pool = forward_batch.req_to_token_pool
-        meta = LinearAttnMetadata.build(pool.mamba_indices(forward_batch.req_pool_indices),
-                                        forward_batch.forward_mode.is_decode(), forward_batch.extend_seq_lens_cpu,
+        # The state slots as the batch was scheduled (in the overlap loop a finished request's row
+        # may be freed and handed on before this forward runs); the rows' map for a batch built
+        # without the scheduler
+        slots = forward_batch.mamba_state_slots
+        if slots is None:
+            slots = forward_batch.req_to_token_pool.mamba_indices(forward_batch.req_pool_indices)
+        meta = LinearAttnMetadata.build(slots, forward_batch.forward_mode.is_decode(), forward_batch.extend_seq_lens_cpu,
                                         forward_batch.extend_prefix_lens_cpu)
         hidden_states, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
