@@ -31,9 +31,7 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Callable, Dict, List
 
@@ -42,6 +40,9 @@ import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from quant_gemm import bench, copies  # noqa: E402  (the same timing rounds and cold weight copies)
 
 from radixserve.layers import cpu_kernels  # noqa: E402
 
@@ -58,25 +59,6 @@ def cpu_flags() -> List[str]:
         return []
     line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
     return [f for f in ("avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni") if f in line.split()]
-
-
-def copies(t: torch.Tensor, budget: int) -> List[torch.Tensor]:
-    n = max(1, -(-budget // (t.numel() * t.element_size())))
-    return [t] + [t.clone() for _ in range(n - 1)]
-
-
-def bench(fns: Dict[str, Callable[[int], object]], reps: int) -> Dict[str, Dict[str, float]]:
-    """{name: {best_ms, median_ms}}; fns[name](i) runs call i (i picks the weight copy)."""
-    times: Dict[str, List[float]] = {k: [] for k in fns}
-    for i in range(2):
-        for f in fns.values():
-            f(i)
-    for i in range(reps):
-        for name, f in fns.items():
-            t0 = time.perf_counter()
-            f(i)
-            times[name].append(time.perf_counter() - t0)
-    return {k: {"best_ms": min(v) * 1e3, "median_ms": statistics.median(v) * 1e3} for k, v in times.items()}
 
 
 def methods(ops, x: torch.Tensor, w: torch.Tensor, m: int, cold: int) -> Dict[str, Callable[[int], object]]:
