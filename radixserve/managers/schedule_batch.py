@@ -570,7 +570,6 @@ class ScheduleBatch:
         self.forward_mode = ForwardMode.DECODE
         self.input_ids = self.output_ids
         self.output_ids = None
-        bs = len(self.reqs)
         locs_before = self.seq_lens_cpu  # the new token's position in the row
         self.out_cache_loc = self.ledger.reserve(locs_before, [s + 1 for s in locs_before], self._last_locs(locs_before))
         self.ledger.write_at(self.req_pool_indices, self.seq_lens, self.out_cache_loc)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import signal
-from typing import Any, List, NamedTuple, Optional
+from typing import Any, List, NamedTuple
 
 import httpx
 import pytest

@@ -354,8 +354,14 @@ def test_state_slots_survive_a_storm_of_aborts_and_retractions(next_dir, hf, ove
         sched.check_memory()
     finally:
         engine.shutdown()
+    check_storm_survivors(hf, prompts, reqs, aborted, at_least=12)
+
+
+def check_storm_survivors(hf, prompts: List[List[int]], reqs: list, aborted: set, at_least: int) -> None:
+    """After a storm of aborts and retractions: enough requests were left to run to their end,
+    and each one's greedy tokens are still transformers'."""
     survivors = [(p, r) for p, r in zip(prompts, reqs) if r.rid not in aborted]
-    assert len(survivors) >= 12
+    assert len(survivors) >= at_least
     for prompt, r in survivors:
         assert r.finished_reason == {"type": "length", "length": 6}
         assert r.output_ids == _greedy_reference(hf, prompt, r.output_ids).argmax(-1).tolist()
