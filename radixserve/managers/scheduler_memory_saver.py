@@ -13,11 +13,12 @@ generation running, eagerly (SGLang's third tag). The memory itself: model_execu
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple, Type
+from typing import Any, Callable, Dict, List, Optional, Tuple, Type
 
 from radixserve.managers.grammar import GrammarQueue
+from radixserve.managers.loop_state import LoopState
 from radixserve.managers.output_processor import SchedulerOutputProcessor
-from radixserve.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch
+from radixserve.managers.schedule_batch import FINISH_ABORT
 from radixserve.managers.schedule_policy import NewTokenRatio
 from radixserve.managers.scheduler_pause import GenerationPause
 from radixserve.mem_cache.kv_ledger import KVLedger
@@ -48,27 +49,18 @@ def parse_memory_tags(tags: Optional[List[str]], default: List[str]) -> Tuple[Li
     return list(dict.fromkeys(tags)), None
 
 
-class MemorySaverLoop(Protocol):
-    """What a release asks of the Scheduler: that nothing runs or waits (after a pause settled it),
-    then a flush of the KV cache; while released, the waiting requests are answered 503."""
-
-    waiting_queue: List[Req]
-    grammar_queue: GrammarQueue
-    running_batch: ScheduleBatch
-    chunked_req: Optional[Req]
-    ledger: KVLedger
-    new_token_ratio: NewTokenRatio
-    output_processor: SchedulerOutputProcessor
-    generation_pause: GenerationPause
-
-    def waiting_on_peer(self) -> bool: ...
-
-
 class SchedulerMemorySaver:
-    def __init__(self, adapter: Optional[MemorySaverAdapter], loop: MemorySaverLoop, server_args: ServerArgs):
-        self.sched = loop
+    """A release asks that nothing runs or waits in the loop (after the pause settled it), then
+    flushes the KV cache (the ledger); while released, the waiting requests are answered 503."""
+
+    def __init__(self, adapter: Optional[MemorySaverAdapter], server_args: ServerArgs, loop: LoopState,
+                 grammar_queue: GrammarQueue, ledger: KVLedger, new_token_ratio: NewTokenRatio,
+                 output_processor: SchedulerOutputProcessor, pause: GenerationPause,
+                 waiting_on_peer: Callable[[], bool]):
         self.adapter = adapter  # the worker's (None: the simulator's worker has nothing to release)
         self.server_args = server_args
+        self.loop, self.grammar_queue, self.ledger, self.new_token_ratio = loop, grammar_queue, ledger, new_token_ratio
+        self.output_processor, self.pause, self.waiting_on_peer = output_processor, pause, waiting_on_peer
 
     @property
     def released_tags(self) -> List[str]:
@@ -88,12 +80,12 @@ class SchedulerMemorySaver:
         """While the KV pool or the weights are away: nothing runs, and what waits is answered 503."""
         if not self.blocks_generation():
             return False
-        s = self.sched
-        queued = s.waiting_queue + s.grammar_queue.remove(lambda r: True)
+        s = self.loop
+        queued = s.waiting_queue + self.grammar_queue.remove(lambda r: True)
         s.waiting_queue = []
         for r in queued:
             r.grammar = None
-            s.output_processor.finish(r, FINISH_ABORT(RELEASED_MESSAGE, status_code=503, err_type="ServiceUnavailable"))
+            self.output_processor.finish(r, FINISH_ABORT(RELEASED_MESSAGE, status_code=503, err_type="ServiceUnavailable"))
         return True
 
     # ---- handlers ---------------------------------------------------------------------------
@@ -131,7 +123,7 @@ class SchedulerMemorySaver:
 
     # ---- helpers ------------------------------------------------------------------------------
     def _release_problem(self, tags: List[str]) -> Optional[str]:
-        s = self.sched
+        s = self.loop
         if self.adapter is None:
             return "This scheduler's worker has no model memory to release."
         if self.server_args.disaggregation_mode != "null":
@@ -141,18 +133,17 @@ class SchedulerMemorySaver:
         already = [t for t in tags if t in self.adapter.released]
         if already:
             return f"Already released: {already}."
-        s.generation_pause.settle()  # a request that just finished no longer counts
+        self.pause.settle()  # a request that just finished no longer counts
         running = s.running_batch.batch_size() + (s.chunked_req is not None)
-        if running or s.waiting_on_peer():
+        if running or self.waiting_on_peer():
             return (f"Cannot release memory while {running} request(s) are running: pause with mode abort or "
                     "retract, or wait for them to finish.")
-        queued = len(s.waiting_queue) + len(s.grammar_queue)
-        if queued and not s.generation_pause.engine_paused:
+        queued = len(s.waiting_queue) + len(self.grammar_queue)
+        if queued and not self.pause.engine_paused:
             return f"Cannot release memory while {queued} request(s) are waiting: pause generation first, or wait."
         return self.adapter.check_can_release(tags)
 
     def _flush_radix_cache(self) -> None:
         """flush_cache's resets (it refuses while requests wait; retracted ones hold no KV)."""
-        s = self.sched
-        s.ledger.clear()
-        s.new_token_ratio.reset()
+        self.ledger.clear()
+        self.new_token_ratio.reset()

@@ -20,8 +20,9 @@ A pause in a pause applies the new mode (in_place, then abort: everything ends).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Protocol, Tuple, Type
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Protocol, Tuple, Type
 
+from radixserve.managers.loop_state import LoopState, LoopSteps
 from radixserve.managers.scheduler_input_blocker import PAUSE_MODES, SchedulerInputBlocker
 from radixserve.protocol import (
     AbortReq, ContinueGenerationReqInput, ContinueGenerationReqOutput, PauseGenerationReqInput, PauseGenerationReqOutput,
@@ -29,7 +30,7 @@ from radixserve.protocol import (
 
 if TYPE_CHECKING:
     from radixserve.managers.output_processor import SchedulerOutputProcessor
-    from radixserve.managers.schedule_batch import Req, ScheduleBatch
+    from radixserve.managers.schedule_batch import Req
     from radixserve.mem_cache.kv_ledger import KVLedger
 
 logger = logging.getLogger(__name__)
@@ -45,29 +46,6 @@ class ProgressView(Protocol):
     def has_work(self) -> bool: ...
 
 
-class PauseLoop(Protocol):
-    """What a pause does to the Scheduler's loop: it settles the batches in flight, then aborts
-    or retracts the running requests (the queues and batches are the Scheduler's own)."""
-
-    running_batch: "ScheduleBatch"
-    last_batch: Optional["ScheduleBatch"]
-    chunked_req: Optional["Req"]
-    ledger: "KVLedger"
-    output_processor: "SchedulerOutputProcessor"
-
-    def results_pending(self) -> bool: ...
-
-    def pop_and_process(self) -> None: ...
-
-    def get_next_batch_to_run(self) -> Optional["ScheduleBatch"]: ...
-
-    def abort_request(self, recv: AbortReq) -> None: ...
-
-    def empty_batch(self) -> "ScheduleBatch": ...
-
-    def requeue(self, req: "Req") -> None: ...
-
-
 def expects_progress(scheduler: ProgressView) -> bool:
     """Whether the loop should be making forward progress: it has work and is not paused
     (the idle poll and the watchdog of scheduler_process ask this)."""
@@ -76,10 +54,12 @@ def expects_progress(scheduler: ProgressView) -> bool:
 
 
 class GenerationPause:
-    """The pause state (`engine_paused`, `mode`) and the input blocker of one scheduler."""
+    """The pause state (`engine_paused`, `mode`) and the input blocker of one scheduler. A pause
+    settles the loop (`steps`), then aborts or retracts what its LoopState runs: finished requests'
+    KV goes to the tree through the ledger, their outputs out through the output processor."""
 
-    def __init__(self, loop: PauseLoop):
-        self.sched = loop
+    def __init__(self, loop: LoopState, ledger: "KVLedger", output_processor: "SchedulerOutputProcessor", steps: LoopSteps):
+        self.loop, self.ledger, self.output_processor, self.steps = loop, ledger, output_processor, steps
         self.input_blocker = SchedulerInputBlocker()
         self.engine_paused = False
         self.mode: str = ""
@@ -103,14 +83,14 @@ class GenerationPause:
                                             recv.query_id)
         self.engine_paused, self.mode = True, recv.mode
         if recv.mode == "abort":
-            self.sched.abort_request(AbortReq(abort_all=True, abort_message=ABORT_MESSAGE))  # the queued end now
+            self.steps.abort(AbortReq(abort_all=True, abort_message=ABORT_MESSAGE))  # the queued end now
         self.settle()
         if recv.mode == "abort":
             n = self._finish_running()
         elif recv.mode == "retract":
             n = self._retract_all()
         else:
-            n = self.sched.running_batch.batch_size() + (self.sched.chunked_req is not None)
+            n = self.loop.running_batch.batch_size() + (self.loop.chunked_req is not None)
         logger.info("Generation paused (%s): %d running request(s) %s.", recv.mode, n,
                     {"abort": "aborted", "retract": "retracted", "in_place": "kept in place"}[recv.mode])
         return PauseGenerationReqOutput(True, "Generation paused successfully.", recv.query_id)
@@ -125,12 +105,11 @@ class GenerationPause:
         """Bring the scheduler between two batches without scheduling one: the results in flight
         processed, the last prefill batch merged into the running batch and the chunked request
         stashed (get_next_batch_to_run's first steps), finished requests filtered out."""
-        s = self.sched
-        while s.results_pending():
-            s.pop_and_process()
+        s = self.loop
+        self.steps.drain_results()
         self._settling = True
         try:
-            s.get_next_batch_to_run()  # returns at hold_batches(), before it schedules anything
+            self.steps.stash_and_merge()  # returns at hold_batches(), before it schedules anything
         finally:
             self._settling = False
         s.last_batch = None  # merged above: the next iteration must not merge it again
@@ -143,26 +122,26 @@ class GenerationPause:
         handed to the tree; the aborted chunked request was released by settle()."""
         from radixserve.managers.schedule_batch import FINISH_ABORT  # here: scheduler_process imports this module torch-free
 
-        s = self.sched
+        s = self.loop
         reqs: List[Req] = [r for r in s.running_batch.reqs if not r.finished()]
         for r in reqs:
             r.finished_reason, r.to_finish = r.to_finish or FINISH_ABORT(ABORT_MESSAGE), None
             r.grammar = None
-            s.ledger.cache_finished_req(r)
-        s.running_batch = s.empty_batch()
-        s.output_processor.stream_output(reqs)
+            self.ledger.cache_finished_req(r)
+        s.running_batch = self.steps.empty_batch()
+        self.output_processor.stream_output(reqs)
         return len(reqs)
 
     def _retract_all(self) -> int:
         """retract: every running request (and the chunked one) frees its KV and waits again."""
-        s = self.sched
+        s = self.loop
         reqs: List[Req] = [r for r in s.running_batch.reqs if not r.finished()]
         if s.chunked_req is not None:
             reqs.append(s.chunked_req)
             s.chunked_req = None
         for r in reqs:
             s.running_batch.release_req(r)
-        s.running_batch = s.empty_batch()
+        s.running_batch = self.steps.empty_batch()
         for r in reqs:
-            s.requeue(r)
+            self.steps.requeue(r)
         return len(reqs)

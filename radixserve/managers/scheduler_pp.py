@@ -12,8 +12,8 @@
 The first stage's Scheduler owns the requests, the radix cache and the slot allocator: the
 other stages only run layers, into their own layers' KV buffers indexed by the same slots (the
 first stage sends each EXTEND batch's req_to_token rows along). Requests are split over the
-micro-batch slots: slot i has its own running batch (running_mbs[i]) and last batch
-(last_mbs[i]), so a request is in one micro-batch at a time and its next step is scheduled
+micro-batch slots: slot i is a BatchSlot of its own (slots[i]: a running batch and a last batch;
+the Scheduler's LoopState points at it while slot i is scheduled), so a request is in one micro-batch at a time and its next step is scheduled
 only after its token came back. Every stage handles micro-batches in the order stage 0 sent
 them, which keeps a slot freed and reused by a later micro-batch consistent on every stage.
 
@@ -37,6 +37,7 @@ from radixserve.distributed.parallel_state import (
     destroy_distributed_environment, get_pp_group, pp_commit_sends, pp_recv_pyobj, pp_send_pyobj, stage_layers,
 )
 from radixserve.managers.grammar import GrammarQueue
+from radixserve.managers.loop_state import BatchSlot, LoopState
 from radixserve.managers.output_processor import SchedulerOutputProcessor
 from radixserve.managers.schedule_batch import ScheduleBatch
 from radixserve.managers.scheduler_profiler import SchedulerProfiler
@@ -47,7 +48,7 @@ from radixserve.model_executor.forward_batch import ModelWorkerBatch
 from radixserve.model_executor.tp_worker import GenerationBatchResult, TpModelWorker
 from radixserve.model_executor.worker_protocol import ModelWorker
 from radixserve.server_args import ServerArgs
-from radixserve.protocol import AbortReq, PPBatchMessage, PPBatchResult, PPKeepAlive, PPStop
+from radixserve.protocol import PPBatchMessage, PPBatchResult, PPKeepAlive, PPStop
 
 logger = logging.getLogger(__name__)
 
@@ -111,11 +112,10 @@ def proxy_to(proxy: Any, device: Any) -> Any:
 
 class PPLoop(Protocol):
     """What the first stage's loop drives of the Scheduler: it runs the Scheduler's batch selection
-    once per micro-batch slot, over that slot's running and last batch (swapped in and out), and
+    once per micro-batch slot, over that slot's BatchSlot (its LoopState pointed at it), and
     launches and processes the micro-batches itself."""
 
-    running_batch: ScheduleBatch
-    last_batch: Optional[ScheduleBatch]
+    loop: LoopState
     max_running_requests: int
     forward_ct: int
     stats: SchedulerStats
@@ -130,8 +130,6 @@ class PPLoop(Protocol):
 
     def on_idle(self) -> None: ...
 
-    def abort_request(self, recv: AbortReq) -> None: ...
-
 
 class SchedulerPP:
     """The first stage's loop: Scheduler.run_step calls run_step (one micro-batch slot per call)."""
@@ -142,8 +140,8 @@ class SchedulerPP:
         self.pp_size = args.pp_size
         self.transport = worker.pp_transport or GlooTransport()
         self.pp_loop_size = args.pp_size + args.pp_async_batch_depth
-        self.running_mbs: List[ScheduleBatch] = [s.empty_batch() for _ in range(self.pp_loop_size)]
-        self.last_mbs: List[Optional[ScheduleBatch]] = [None] * self.pp_loop_size
+        self.slots: List[BatchSlot] = [BatchSlot(s.empty_batch()) for _ in range(self.pp_loop_size)]
+        s.loop.slot = self.slots[0]
         self.inflight: Deque[Tuple[int, ScheduleBatch]] = deque()  # (slot, batch), in launch order
         self.mb_id = 0
         self.max_running_requests = s.max_running_requests
@@ -159,21 +157,20 @@ class SchedulerPP:
         s, mb = self.sched, self.mb_id
         while any(slot == mb for slot, _ in self.inflight):  # results come back in launch order
             self._pp_process_batch_result()
-        s.running_batch, s.last_batch = self.running_mbs[mb], self.last_mbs[mb]
-        last = s.last_batch
+        slot = s.loop.slot = self.slots[mb]  # the Scheduler's selection runs over this micro-batch's batches
+        last = slot.last_batch
         if last is not None and last.forward_mode.is_extend() and last.chunked_req is not None:
             # A middle chunk: its request goes on in a later micro-batch, it never joins this slot.
             # (Only an extend batch's chunked_req is its own: a running batch keeps the field stale.)
             last.filter_batch(chunked_req_to_exclude=[last.chunked_req])
-        s.max_running_requests = self._slot_request_limit(mb)
+        slot.request_limit = self._slot_request_limit(mb)
         try:
             t0 = time.perf_counter()
             batch = s.get_next_batch_to_run()
             s.stats.schedule_s += time.perf_counter() - t0
         finally:
-            s.max_running_requests = self.max_running_requests
-        self.running_mbs[mb], self.last_mbs[mb] = s.running_batch, batch
-        s.last_batch = batch
+            slot.request_limit = None
+        slot.last_batch = batch
         if batch is not None:
             self._pp_launch_batch(mb, batch)
         elif not self.has_work():
@@ -187,11 +184,11 @@ class SchedulerPP:
         """Requests slot mb may hold: its micro-batch cap, and what the other slots leave of
         --max-running-requests (the PrefillAdder only sees this slot's running batch)."""
         others = 0
-        for i in range(self.pp_loop_size):
+        for i, slot in enumerate(self.slots):
             if i != mb:
-                others += self.running_mbs[i].batch_size()
-                last = self.last_mbs[i]
-                if last is not None and last is not self.running_mbs[i] and last.forward_mode.is_extend():
+                others += slot.running_batch.batch_size()
+                last = slot.last_batch
+                if last is not None and last is not slot.running_batch and last.forward_mode.is_extend():
                     others += len(last.reqs)
         return max(0, min(self.micro_batch_cap, self.max_running_requests - others))
 
@@ -237,20 +234,9 @@ class SchedulerPP:
     # ---- what the Scheduler asks ----------------------------------------------------------------
     def has_work(self) -> bool:
         """Anything in flight or held by any slot (the Scheduler sees only the current slot)."""
-        return bool(self.inflight) or any(not b.is_empty() for b in self.running_mbs) or any(
-            b is not None and b.forward_mode.is_extend() and not b.is_empty() for b in self.last_mbs
+        return bool(self.inflight) or any(not slot.running_batch.is_empty() for slot in self.slots) or any(
+            b is not None and b.forward_mode.is_extend() and not b.is_empty() for b in (slot.last_batch for slot in self.slots)
         )
-
-    def abort_request(self, recv: AbortReq) -> None:
-        """Scheduler.abort_request over every slot's running and last batch."""
-        s = self.sched
-        current = (s.running_batch, s.last_batch)
-        try:
-            for i in range(self.pp_loop_size):
-                s.running_batch, s.last_batch = self.running_mbs[i], self.last_mbs[i]
-                type(s).abort_request(s, recv)
-        finally:
-            s.running_batch, s.last_batch = current
 
     def shutdown(self) -> None:
         """Tell the other stages to leave, then leave the process group with them."""

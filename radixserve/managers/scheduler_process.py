@@ -26,7 +26,7 @@ from typing import Any, Callable, List, Optional, Protocol
 from radixserve.managers.dp_controller import dp_port_args
 from radixserve.managers.process_utils import configure_process_logging, watch_parent
 from radixserve.managers.schedule_policy import configure_lora_admission
-from radixserve.managers.scheduler_pause import ProgressView, expects_progress
+from radixserve.managers.scheduler_pause import expects_progress
 from radixserve.protocol import BatchTokenIDOutput, GetInternalStateReqOutput, SchedulerHeartbeat, SchedulerLoad
 from radixserve.server_args import PortArgs, ServerArgs
 
@@ -166,18 +166,19 @@ class Watchdog:
     """Seed 001 §30: while the scheduler has work, forward_ct must move within `timeout` s.
     Otherwise log every thread's stack and call `on_timeout` (the process exits non-zero)."""
 
-    def __init__(self, scheduler: ProgressView, timeout: float, on_timeout: Callable[[], None], period: Optional[float] = None):
-        self.sched = scheduler
+    def __init__(self, forward_ct: Callable[[], int], expects_progress: Callable[[], bool], timeout: float,
+                 on_timeout: Callable[[], None], period: Optional[float] = None):
+        self.forward_ct, self.expects_progress = forward_ct, expects_progress  # read from the watchdog's thread
         self.timeout = timeout
         self.on_timeout = on_timeout
         self.period = period if period is not None else min(timeout / 2, 5.0)
         self.fired = False
 
     def check_forever(self, stop: threading.Event) -> None:
-        last_ct, last_change = self.sched.forward_ct, time.monotonic()
+        last_ct, last_change = self.forward_ct(), time.monotonic()
         while not stop.wait(self.period):
-            ct = self.sched.forward_ct
-            if ct != last_ct or not expects_progress(self.sched):  # idle, or paused on purpose
+            ct = self.forward_ct()
+            if ct != last_ct or not self.expects_progress():  # idle, or paused on purpose
                 last_ct, last_change = ct, time.monotonic()
                 continue
             if time.monotonic() - last_change > self.timeout:
@@ -263,7 +264,8 @@ def run_scheduler_process(
         "hidden_size": scheduler.model_config.hidden_size,  # what /v1/embeddings' `dimensions` may ask
         "device": str(scheduler.device),
     })
-    Watchdog(scheduler, server_args.watchdog_timeout, lambda: os._exit(1)).start()
+    Watchdog(lambda: scheduler.forward_ct, lambda: expects_progress(scheduler), server_args.watchdog_timeout,
+             lambda: os._exit(1)).start()
 
     poller = None
     if recv_sock is not None:

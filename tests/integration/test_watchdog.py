@@ -11,6 +11,7 @@ import threading
 import time
 
 from conftest import ServerProcess, assert_children_gone, stream_in_background
+from radixserve.managers.scheduler_pause import expects_progress
 from radixserve.managers.scheduler_process import Watchdog
 
 
@@ -40,6 +41,10 @@ class ProgressingScheduler(StuckScheduler):
         return True
 
 
+def watchdog_of(sched: StuckScheduler, **kwargs) -> Watchdog:
+    return Watchdog(lambda: sched.forward_ct, lambda: expects_progress(sched), **kwargs)
+
+
 def checks_made(sched: StuckScheduler, n: int, timeout: float = 60) -> None:
     """Until the watchdog has looked at `sched` n times (events, not a sleep: a busy machine
     only makes this slower)."""
@@ -53,7 +58,7 @@ def test_watchdog_fires_when_work_makes_no_progress(capfd, caplog):
     """No progress with work waiting: the error is logged, every thread's stack is dumped to
     stderr, then the callback runs (in this order, so once `fired` is set both are there)."""
     fired = threading.Event()
-    wd = Watchdog(StuckScheduler(), timeout=0.3, on_timeout=fired.set, period=0.05)
+    wd = watchdog_of(StuckScheduler(), timeout=0.3, on_timeout=fired.set, period=0.05)
     with caplog.at_level(logging.ERROR, logger="radixserve.scheduler"):
         stop = wd.start()
         assert fired.wait(60)  # a deadline only
@@ -71,7 +76,7 @@ def test_watchdog_quiet_when_idle_or_progressing():
     and of a busy one that progresses: no firing."""
     for sched in (IdleScheduler(), ProgressingScheduler()):
         fired = threading.Event()
-        wd = Watchdog(sched, timeout=0.2, on_timeout=fired.set, period=0.05)
+        wd = watchdog_of(sched, timeout=0.2, on_timeout=fired.set, period=0.05)
         start = time.monotonic()
         stop = wd.start()
         checks_made(sched, 20)  # 20 checks: at least 1 s, five timeouts
