@@ -84,11 +84,17 @@ class _OursDriver:
         except RuntimeError:
             raise ValueError(f"KV pool too small for this benchmark: raise --max-total-tokens (need {n} more slots)") from None
 
+    def _alloc_rows(self, bs: int) -> List[int]:
+        rows = self.ledger.alloc_rows(bs)  # (reset() frees them with the slots)
+        if rows is None:
+            raise ValueError(f"Too few request rows for batch size {bs}: raise --max-running-requests")
+        return rows
+
     def prefill(self, rows: List[int], prompts: torch.Tensor) -> torch.Tensor:
         """One EXTEND forward of all prompts ([B, L]); returns the greedy next tokens [B]."""
         bs, n = prompts.shape
         locs = self._alloc(bs * n)
-        self.runner.req_to_token_pool.write_spans(rows, [0] * bs, [n] * bs, locs)
+        self.ledger.write_spans(rows, [0] * bs, [n] * bs, locs)
         batch = ModelWorkerBatch(
             forward_mode=ForwardMode.EXTEND,
             input_ids=prompts.reshape(-1),
@@ -107,7 +113,7 @@ class _OursDriver:
         bs = len(rows)
         loc = self._alloc(bs)
         row_t = torch.tensor(rows, dtype=torch.int64)
-        self.runner.req_to_token_pool.write((row_t, torch.tensor(seq_lens_before)), loc)
+        self.ledger.write_at(row_t, torch.tensor(seq_lens_before), loc)
         seq_lens = [s + 1 for s in seq_lens_before]
         batch = ModelWorkerBatch(
             forward_mode=ForwardMode.DECODE,
@@ -124,15 +130,15 @@ class _OursDriver:
     def warm_up(self, prompts: torch.Tensor) -> None:
         """One prefill + one decode step of this shape, then an empty pool again."""
         bs, n = prompts.shape
-        rows = list(range(bs))
         self.reset()
+        rows = self._alloc_rows(bs)
         self.decode(rows, [n] * bs, self.prefill(rows, prompts))
         self.reset()
 
     def start(self, prompts: torch.Tensor) -> float:
         """The timed prefill; then one untimed decode step. Returns the prefill seconds."""
         bs, n = prompts.shape
-        self._rows = list(range(bs))
+        self._rows = self._alloc_rows(bs)
         t0 = time.perf_counter()
         tokens = self.prefill(self._rows, prompts)
         _sync(tokens)

@@ -333,3 +333,32 @@ class KVLedger:
     def check_conserved(self, live_reqs: List[CacheReq]) -> None:
         """--test-check-memory: every page free, in the tree, or held by one live request."""
         check_pages_conserved(self.tree_cache, self.allocator, self.req_to_token_pool, live_reqs)
+
+
+class ReservedSlots:
+    """The ledger a speculative step of the overlap loop sees (speculative/overlap_view.py's
+    DecodeView; KVLedger's operations a speculative step uses): `alloc_slots` hands out the batch's spare reserved slots (EAGLE's scratch for its tree
+    forwards), `free_slots` and `commit` keep them reserved (the scheduler's ledger frees them
+    when the request finishes), `move_kv` goes to the scheduler's ledger."""
+
+    page_size = 1  # slots here are single positions of reserved pages
+
+    def __init__(self, spare: torch.Tensor, ledger: Optional[KVLedger] = None):
+        self.spare = spare
+        self.ledger = ledger  # the scheduler's KVLedger
+
+    def alloc_slots(self, n: int) -> torch.Tensor:
+        assert n <= len(self.spare), f"{n} scratch slots wanted, {len(self.spare)} reserved"
+        out, self.spare = self.spare[:n], self.spare[n:]
+        return out
+
+    def free_slots(self, slots: torch.Tensor) -> None:
+        """Nothing to do: rejected drafts' slots are the ones the next step writes."""
+
+    def commit(self, req: LedgerReq, kept: int, held: Optional[int] = None) -> None:
+        """The view's request (the forward thread's copy, speculative/overlap_view.py's ReqView) keeps
+        `kept` tokens' KV; nothing goes back (see free_slots)."""
+        req.kv_committed_len = kept
+
+    def move_kv(self, tgt: torch.Tensor, src: torch.Tensor) -> None:
+        self.ledger.move_kv(tgt, src)

@@ -24,36 +24,8 @@ from typing import Any, List, Optional
 
 import torch
 
-from radixserve.mem_cache.kv_ledger import KVLedger
+from radixserve.mem_cache.kv_ledger import KVLedger, ReservedSlots  # the ledger's face for a reserved window
 from radixserve.model_executor.forward_batch import ForwardMode, ModelWorkerBatch
-
-
-class ReservedSlots:
-    """The ledger a DecodeView's workers see (KVLedger's operations a speculative step uses):
-    `alloc_slots` hands out the batch's spare reserved slots (EAGLE's scratch for its tree
-    forwards), `free_slots` and `commit` keep them reserved (the scheduler's ledger frees them
-    when the request finishes), `move_kv` goes to the scheduler's ledger."""
-
-    page_size = 1  # slots here are single positions of reserved pages
-
-    def __init__(self, spare: torch.Tensor, ledger: Optional[KVLedger] = None):
-        self.spare = spare
-        self.ledger = ledger  # the scheduler's KVLedger
-
-    def alloc_slots(self, n: int) -> torch.Tensor:
-        assert n <= len(self.spare), f"{n} scratch slots wanted, {len(self.spare)} reserved"
-        out, self.spare = self.spare[:n], self.spare[n:]
-        return out
-
-    def free_slots(self, slots: torch.Tensor) -> None:
-        """Nothing to do: rejected drafts' slots are the ones the next step writes."""
-
-    def commit(self, req: ReqView, kept: int, held: Optional[int] = None) -> None:
-        """The view's request keeps `kept` tokens' KV; nothing goes back (see free_slots)."""
-        req.kv_committed_len = kept
-
-    def move_kv(self, tgt: torch.Tensor, src: torch.Tensor) -> None:
-        self.ledger.move_kv(tgt, src)
 
 
 @dataclass

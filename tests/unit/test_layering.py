@@ -85,3 +85,30 @@ def test_only_the_ledger_touches_kv_pools_outside_mem_cache():
                                        allowed_receivers=("ledger",))
             if not (h.startswith("radixserve/managers/scheduler.py") and h.endswith(("req_to_token_pool", "token_to_kv_pool_allocator")))]
     assert hits == [], hits
+
+
+def test_kv_rows_slots_and_lengths_are_written_in_mem_cache_only():
+    """Issue 40's done-when: outside mem_cache/ (and the model executor, layers and models, which
+    build and read the pools), nothing allocates, frees, locks or writes KV on a pool, the
+    allocator or the tree, and nothing sets a request's KV lengths (the ledger's); the benchmarks
+    and the speculative overlap view included. Req's own declaration of the lengths is exempt."""
+    owners = {"req_to_token_pool", "token_to_kv_pool_allocator", "token_to_kv_pool", "allocator", "tree_cache"}
+    ops = {"alloc", "alloc_extend", "free", "write", "write_spans", "inc_lock_ref", "dec_lock_ref",
+           "cache_finished_req", "cache_unfinished_req", "move_kv_cache", "evict_extra_key"}
+    lengths = {"kv_committed_len", "kv_allocated_len"}
+    hits = []
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(PKG)
+        if rel.parts[0] in ("mem_cache", "model_executor", "layers", "models"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ops \
+                    and _receiver(node.func.value) in owners:
+                hits.append(f"{rel}:{node.lineno} {node.func.attr}")
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, (ast.AugAssign, ast.AnnAssign)) else []
+            for t in targets:
+                if isinstance(t, ast.Attribute) and t.attr in lengths and not (
+                        str(rel) == "managers/schedule_batch.py" and _receiver(t.value) == "self"):
+                    hits.append(f"{rel}:{node.lineno} {t.attr}")
+    assert hits == [], hits
