@@ -17,17 +17,15 @@ import os
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
-from radixserve.constrained.factory import create_grammar_backend
 from radixserve.distributed.parallel_state import broadcast_pyobj, destroy_distributed_environment
-from radixserve.hf_transformers_utils import get_tokenizer, resolve_model_path
 from radixserve.managers.batch_runner import select_batch_runner
 from radixserve.managers.grammar import GrammarQueue
+from radixserve.managers.loop_state import BatchSlot, LoopState, LoopSteps, loop_field
 from radixserve.managers.output_processor import SchedulerOutputProcessor
 from radixserve.managers.overlap import TpModelWorkerClient
 from radixserve.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch
 from radixserve.managers.scheduler_disagg import init_disaggregation
 from radixserve.managers.scheduler_embedding import EmbeddingOutputProcessor, SchedulerEmbedding
-from radixserve.managers.scheduler_hicache import SchedulerHiCache
 from radixserve.managers.scheduler_internal_state import SETTABLE_AT_RUN_TIME, SchedulerInternalState
 from radixserve.managers.scheduler_lora import SchedulerLoRA
 from radixserve.managers.scheduler_memory_saver import SchedulerMemorySaver
@@ -37,25 +35,18 @@ from radixserve.managers.scheduler_expert_distribution import SchedulerExpertDis
 from radixserve.managers.scheduler_profiler import SchedulerProfiler
 from radixserve.managers.schedule_policy import NewTokenRatio, PrefillAdder, SchedulePolicy
 from radixserve.managers.scheduler_stats import SchedulerStats
+from radixserve.managers.scheduler_builder import SchedulerParts, build_scheduler_parts
 from radixserve.managers.scheduler_update_weights import SchedulerUpdateWeights, WeightsUpdateGroupJoined
 from radixserve.mem_cache.base_prefix_cache import BasePrefixCache, MemoryLeakError
 from radixserve.mem_cache.kv_ledger import KVLedger, MambaTokenInfo
-from radixserve.mem_cache.chunk_cache import ChunkCache
-from radixserve.mem_cache.hiradix_cache import HiRadixCache
-from radixserve.mem_cache.mamba_radix_cache import MambaRadixCache, has_state_pool
-from radixserve.mem_cache.radix_cache import RadixCache
-from radixserve.mem_cache.swa_kv_ledger import SWAKVLedger
-from radixserve.mem_cache.swa_radix_cache import SWARadixCache
-from radixserve.model_executor.tp_worker import GenerationBatchResult, TpModelWorker
+from radixserve.model_executor.tp_worker import GenerationBatchResult
 from radixserve.model_executor.worker_protocol import ModelWorker
-from radixserve.models.model_config import ModelConfig
 from radixserve.protocol import (
     AbortReq, BatchTokenizedGenerateReqInput, FlushCacheReqInput, FlushCacheReqOutput, GetInternalStateReq,
     GetInternalStateReqOutput, TokenizedGenerateReqInput, is_health_check_generate_req,
 )
 from radixserve.sampling_params import input_ids_error
 from radixserve.server_args import ServerArgs
-from radixserve.speculative.factory import create_speculative_worker
 from radixserve.utils import TypeBasedDispatcher
 
 logger = logging.getLogger(__name__)
@@ -69,6 +60,12 @@ class Scheduler:
     (admission order and budgets), and in the overlap loop a TpModelWorkerClient (a
     ForwardThread and a FutureMap)."""
 
+    # The loop state lives in self.loop (loop_state.py), which the pause, the memory saver and PP share.
+    waiting_queue = loop_field("waiting_queue")
+    running_batch = loop_field("running_batch")
+    last_batch = loop_field("last_batch")
+    chunked_req = loop_field("chunked_req")
+
     def __init__(
         self,
         server_args: ServerArgs,
@@ -77,28 +74,26 @@ class Scheduler:
         tp_rank: int = 0,
         tp_size: int = 1,
         tp_worker: Optional[ModelWorker] = None,  # injected (the simulator's SimModelWorker); None: load the model
+        parts: Optional[SchedulerParts] = None,  # None: build_scheduler_parts (over tp_worker)
     ):
         self.server_args = args = server_args
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.recv_fn = recv_fn
         self.send_fn = send_fn if tp_rank == 0 else (lambda obj: None)
-        self.tokenizer = get_tokenizer(args)
-        if tp_worker is None:
-            tp_worker = TpModelWorker(args, ModelConfig.from_pretrained(resolve_model_path(args)), tp_rank, tp_size)
+        # Built outside (scheduler_builder.py): the worker, the cache and the ledger, grammar, speculative, HiCache.
+        parts = parts or build_scheduler_parts(args, tp_rank, tp_size, tp_worker)
+        self.tokenizer, tp_worker = parts.tokenizer, parts.tp_worker
         self.tp_worker, self.model_config, self.device = tp_worker, tp_worker.model_config, tp_worker.device
         self.max_total_num_tokens = tp_worker.max_total_num_tokens
         self.max_running_requests = tp_worker.max_running_requests
         self.context_len, self.vocab_size = tp_worker.context_len, self.model_config.vocab_size
         self.page_size = args.page_size
-        self.req_to_token_pool, self.token_to_kv_pool_allocator = tp_worker.get_memory_pool()
+        self.req_to_token_pool, self.token_to_kv_pool_allocator = parts.req_to_token_pool, parts.token_to_kv_pool_allocator
         # The SWA pool (--enable-hybrid-swa-memory on a windowed model): its tree and its ledger part.
-        self.swa_pool = hasattr(self.token_to_kv_pool_allocator, "free_swa")
-        self.tree_cache: BasePrefixCache = self._make_tree_cache()
+        self.swa_pool = parts.swa_pool
+        self.tree_cache: BasePrefixCache = parts.tree_cache
         # The one owner of KV: rows, slots and tree locks (everything below asks it).
-        self.ledger = KVLedger(self.req_to_token_pool, self.token_to_kv_pool_allocator, self.tree_cache,
-                               kv_pool=tp_worker.get_kv_pool()) if not self.swa_pool else SWAKVLedger(
-            self.req_to_token_pool, self.token_to_kv_pool_allocator, self.tree_cache, tp_worker.get_kv_pool(),
-            self.model_config.sliding_window)
+        self.ledger: KVLedger = parts.ledger
         self.policy = SchedulePolicy(
             args.schedule_policy, self.tree_cache, args.enable_priority_scheduling,
             args.schedule_low_priority_values_first, args.seed,
@@ -117,18 +112,15 @@ class Scheduler:
         self.forward_thread = self.overlap_worker.forward_thread if self.overlap_worker else None
         self.tree_cache.io_thread = self.forward_thread  # HiCache's copies run in order with the forwards
         self.stats = SchedulerStats()
-        self.spec_worker = create_speculative_worker(args, tp_worker)  # --speculative-algorithm; None: off
+        self.spec_worker = parts.spec_worker  # --speculative-algorithm; None: off
 
         self.output_processor = (EmbeddingOutputProcessor if args.is_embedding else SchedulerOutputProcessor)(self.tree_cache, self.ledger, self.send_fn, args.stream_interval, self.stats)
-        self.grammar_backend = create_grammar_backend(args, self.tokenizer, self.vocab_size, self.model_config.eos_token_ids)
+        self.grammar_backend = parts.grammar_backend
         # Structured output: requests wait here while their grammar compiles (seed 000).
         self.grammar_queue = GrammarQueue(args, self.grammar_backend, self._reject_bad_grammar, tp_rank, tp_size)
         self.embedding = SchedulerEmbedding(args, tp_worker, self._validate_request, self._enqueue, self.output_processor.finish)
         self.batch_runner = select_batch_runner(tp_worker, self.embedding, self.spec_worker, self.overlap_worker, self.grammar_backend)
-        self.waiting_queue: List[Req] = []
-        self.running_batch: ScheduleBatch = self.empty_batch()
-        self.last_batch: Optional[ScheduleBatch] = None
-        self.chunked_req: Optional[Req] = None
+        self.loop = LoopState(BatchSlot(self.empty_batch()))  # waiting_queue, running/last batch, chunked_req
         self.forward_ct = 0
         self.new_token_ratio = NewTokenRatio(args.schedule_conservativeness)
         # PD disaggregation (seed 001 §8): the prefill or decode server's queues over one KVManager.
@@ -136,12 +128,16 @@ class Scheduler:
         self.pp = SchedulerPP(self, args, tp_worker) if args.pp_size > 1 else None  # --pp-size: micro-batches in flight (seed 001 §27)
 
         self.weight_updater = SchedulerUpdateWeights(tp_worker, self, self.forward_thread, self.tree_cache, args.pp_size)  # weight updates without a restart
-        self.generation_pause, self.memory_saver, self.profiler = GenerationPause(self), SchedulerMemorySaver(tp_worker.memory_saver(), self, args), SchedulerProfiler(tp_rank, lambda: self.forward_ct)
-        self.hicache = SchedulerHiCache(args, self.tree_cache, tp_rank, tp_size)  # its storage tier, /clear_hicache_storage_backend
+        self.generation_pause = GenerationPause(self.loop, self.ledger, self.output_processor, LoopSteps(
+            self.drain_results, self.get_next_batch_to_run, self.abort_request, self.empty_batch, self.requeue))
+        self.memory_saver = SchedulerMemorySaver(tp_worker.memory_saver(), args, self.loop, self.grammar_queue, self.ledger,
+                                                 self.new_token_ratio, self.output_processor, self.generation_pause, self.waiting_on_peer)
+        self.profiler = SchedulerProfiler(tp_rank, lambda: self.forward_ct)
+        self.hicache = parts.hicache  # its storage tier, /clear_hicache_storage_backend
         self._dispatcher = TypeBasedDispatcher([
             (TokenizedGenerateReqInput, self.handle_generate_request),
             (BatchTokenizedGenerateReqInput, self.handle_batch_generate_request),
-            (AbortReq, self.pp.abort_request if self.pp is not None else self.abort_request),
+            (AbortReq, self.abort_request),
             (FlushCacheReqInput, self.flush_cache_wrapped),
             (GetInternalStateReq, self.get_internal_state),
             *self.weight_updater.dispatch_entries(),
@@ -155,21 +151,6 @@ class Scheduler:
         ])
         logger.info("Scheduler ready (pid %d): max_total_num_tokens=%d, max_running_requests=%d, context_len=%d, page_size=%d",
                     os.getpid(), self.max_total_num_tokens, self.max_running_requests, self.context_len, self.page_size)
-
-    def _make_tree_cache(self) -> BasePrefixCache:
-        args = self.server_args
-        if args.disable_radix_cache:
-            return ChunkCache(self.req_to_token_pool, self.token_to_kv_pool_allocator)
-        if args.enable_hierarchical_cache:  # HiCache: a host tier under the device pool
-            return HiRadixCache.from_server_args(*self.tp_worker.get_memory_pool(), self.tp_worker.get_kv_pool(), args)
-        if has_state_pool(self.req_to_token_pool):  # a hybrid model: prefix hits only where a state snapshot is
-            return MambaRadixCache(self.req_to_token_pool, self.token_to_kv_pool_allocator, self.page_size,
-                                   args.radix_eviction_policy)
-        if self.swa_pool:
-            return SWARadixCache(self.req_to_token_pool, self.token_to_kv_pool_allocator, self.model_config.sliding_window,
-                                 eviction_policy=args.radix_eviction_policy)
-        return RadixCache(self.req_to_token_pool, self.token_to_kv_pool_allocator, page_size=self.page_size,
-                          eviction_policy=args.radix_eviction_policy)
 
     def empty_batch(self) -> ScheduleBatch:
         return self._new_batch([])
@@ -243,6 +224,11 @@ class Scheduler:
             t0 = time.perf_counter()
             self.output_processor.process_batch_result(*item)
             self.stats.process_s += time.perf_counter() - t0
+
+    def drain_results(self) -> None:
+        """Process every result in flight (a pause settles the loop with it)."""
+        while self.results_pending():
+            self.pop_and_process()
 
     def results_pending(self) -> bool:
         return (self.overlap_worker is not None and bool(self.overlap_worker.result_queue)) or (self.pp is not None and self.pp.has_work())
@@ -435,12 +421,21 @@ class Scheduler:
             self.disagg_prefill.process_inflight_queue()
             self.waiting_queue += self.disagg_prefill.pop_bootstrapped()
         if self.disagg_decode is not None:
-            arrived = self.disagg_decode.process_queues(self.running_batch, self.max_running_requests, self.new_token_ratio.value)
+            arrived = self.disagg_decode.process_queues(self.running_batch, self.request_limit(), self.new_token_ratio.value)
             if arrived:
                 self.running_batch = self.disagg_decode.merge_prebuilt(arrived, self._new_batch, self.running_batch)
 
+    def request_limit(self) -> int:
+        """--max-running-requests, or (PP) the share of it the slot being scheduled may hold."""
+        limit = self.loop.slot.request_limit
+        return self.max_running_requests if limit is None else limit
+
+    def batch_slots(self) -> List[BatchSlot]:
+        """Every slot's batches: PP's micro-batches, else the loop's one."""
+        return self.pp.slots if self.pp is not None else [self.loop.slot]
+
     def get_num_allocatable_reqs(self, running_bs: int) -> int:
-        limit = self.max_running_requests - running_bs
+        limit = self.request_limit() - running_bs
         if self.server_args.prefill_max_requests is not None:
             limit = min(limit, self.server_args.prefill_max_requests)
         return limit
@@ -550,9 +545,11 @@ class Scheduler:
         if queued:
             self.output_processor.stream_output(queued)
         # Running and chunked requests finish at their next check_finished (or stash).
-        running = list(self.running_batch.reqs)
-        if self.last_batch is not None:
-            running += self.last_batch.reqs
+        running: List[Req] = []
+        for slot in self.batch_slots():  # PP: every micro-batch's
+            running += slot.running_batch.reqs
+            if slot.last_batch is not None:
+                running += slot.last_batch.reqs
         if self.chunked_req is not None:
             running.append(self.chunked_req)
         for r in running:
