@@ -90,6 +90,24 @@ class FINISH_ABORT(BaseFinishReason):
         return {"type": "abort", "message": self.message, "status_code": self.status_code, "err_type": self.err_type}
 
 
+@dataclass
+class FinishStatus:
+    """A request's finish in one record (Req reads it under SGLang's three names, _finish_field):
+    running (nothing set) -> to finish (`pending`, an abort from outside) -> finished (`reason`)
+    -> its final message sent (`sent`)."""
+
+    reason: Optional[BaseFinishReason] = None  # Req.finished_reason: set, the request is finished
+    # Req.to_finish: set from outside (abort); turned into the reason at the next check_finished,
+    # so the result of the batch in flight is still processed normally.
+    pending: Optional[BaseFinishReason] = None
+    sent: bool = False  # Req.finished_sent: the final message went out (never send it twice)
+
+
+def _finish_field(name: str) -> property:
+    return property(lambda req: getattr(req.finish_status, name),
+                    lambda req, value: setattr(req.finish_status, name, value), doc=f"FinishStatus.{name}")
+
+
 # ---- Req -----------------------------------------------------------------------------------
 class Req:
     """One request (one sample) as the scheduler sees it: its tokens, where their KV lives
@@ -100,6 +118,10 @@ class Req:
             (+1: in the overlap loop the token in flight has KV before it is appended)
         0 <= send_token_offset <= len(output_ids);  pending_chunks >= 0
         a finished request never gets a new token; finished_sent implies finished()"""
+
+    finished_reason = _finish_field("reason")
+    to_finish = _finish_field("pending")
+    finished_sent = _finish_field("sent")
 
     def __init__(
         self,
@@ -157,10 +179,7 @@ class Req:
         # `is_chunked`, a counter): the token sampled after a middle chunk means nothing.
         self.pending_chunks = 0
 
-        self.finished_reason: Optional[BaseFinishReason] = None
-        # Set from outside (abort); turned into finished_reason at the next check_finished,
-        # so the result of the batch in flight is still processed normally.
-        self.to_finish: Optional[BaseFinishReason] = None
+        self.finish_status = FinishStatus()  # finished_reason, to_finish, finished_sent
         self.retraction_count = 0
         # SGLang's TimeStats (perf_counter): entering the waiting queue, the first forward
         self.wait_queue_entry_time: Optional[float] = None
@@ -175,7 +194,6 @@ class Req:
         self.cached_tokens_details: Dict[str, int] = {"device": 0, "host": 0, "storage": 0}
         self.already_computed = 0
         self.send_token_offset = 0  # output tokens already streamed out
-        self.finished_sent = False  # the final message went out (never send it twice)
         # Structured output: the grammar matcher (a Future while it compiles in the grammar
         # queue), its cache key, and when it entered the grammar queue (--grammar-timeout).
         self.grammar: Any = None
@@ -225,7 +243,7 @@ class Req:
 
     # ---- state ---------------------------------------------------------------------------
     def finished(self) -> bool:
-        return self.finished_reason is not None
+        return self.finish_status.reason is not None
 
     def wants_input_logprobs(self) -> bool:
         return self.return_logprob and 0 <= self.logprob_start_len < len(self.origin_input_ids)

@@ -88,7 +88,7 @@ class Scheduler:
         self.max_running_requests = tp_worker.max_running_requests
         self.context_len, self.vocab_size = tp_worker.context_len, self.model_config.vocab_size
         self.page_size = args.page_size
-        self.req_to_token_pool, self.token_to_kv_pool_allocator = parts.req_to_token_pool, parts.token_to_kv_pool_allocator
+        self.req_to_token_pool, self.token_to_kv_pool_allocator = tp_worker.get_memory_pool()
         # The SWA pool (--enable-hybrid-swa-memory on a windowed model): its tree and its ledger part.
         self.swa_pool = parts.swa_pool
         self.tree_cache: BasePrefixCache = parts.tree_cache

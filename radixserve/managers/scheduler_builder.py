@@ -33,8 +33,6 @@ from radixserve.speculative.factory import create_speculative_worker
 class SchedulerParts:
     tokenizer: Any  # None: --skip-tokenizer-init
     tp_worker: ModelWorker
-    req_to_token_pool: Any  # the worker's pools: the ledger's (the Scheduler keeps them for its checks)
-    token_to_kv_pool_allocator: Any
     swa_pool: bool  # --enable-hybrid-swa-memory on a windowed model: an SWA tree and ledger
     tree_cache: BasePrefixCache
     ledger: KVLedger  # the one owner of KV: rows, slots and tree locks
@@ -59,8 +57,7 @@ def build_scheduler_parts(args: ServerArgs, tp_rank: int = 0, tp_size: int = 1,
     config = tp_worker.model_config
     grammar_backend = create_grammar_backend(args, tokenizer, config.vocab_size, config.eos_token_ids)
     hicache = SchedulerHiCache(args, tree_cache, tp_rank, tp_size)
-    return SchedulerParts(tokenizer, tp_worker, req_to_token_pool, allocator, swa_pool, tree_cache, ledger,
-                          grammar_backend, spec_worker, hicache)
+    return SchedulerParts(tokenizer, tp_worker, swa_pool, tree_cache, ledger, grammar_backend, spec_worker, hicache)
 
 
 def make_tree_cache(args: ServerArgs, tp_worker: ModelWorker, swa_pool: bool) -> BasePrefixCache:

@@ -26,6 +26,7 @@ from typing import Any, Callable, List, Optional, Protocol
 from radixserve.managers.dp_controller import dp_port_args
 from radixserve.managers.process_utils import configure_process_logging, watch_parent
 from radixserve.managers.schedule_policy import configure_lora_admission
+from radixserve.managers.loop_state import LoopState
 from radixserve.managers.scheduler_pause import expects_progress
 from radixserve.protocol import BatchTokenIDOutput, GetInternalStateReqOutput, SchedulerHeartbeat, SchedulerLoad
 from radixserve.server_args import PortArgs, ServerArgs
@@ -283,7 +284,7 @@ def run_scheduler_process(
                     send_fn(SchedulerHeartbeat(dp_rank or 0))
                     last_heartbeat = time.monotonic()
                 if dp_rank is not None:  # shortest_queue / minimum_tokens routing need each replica's load
-                    load = replica_load(scheduler, dp_rank, count_tokens)
+                    load = replica_load(scheduler.loop, dp_rank, count_tokens)
                     if load != last_load:
                         send_fn(load)
                         last_load = load
@@ -297,14 +298,14 @@ def run_scheduler_process(
         os._exit(1)
 
 
-def replica_load(scheduler: Any, dp_rank: int, count_tokens: bool) -> SchedulerLoad:
+def replica_load(loop: LoopState, dp_rank: int, count_tokens: bool) -> SchedulerLoad:
     """What a replica tells the DataParallelController: its requests, and with minimum_tokens
     routing its tokens (KV held by running requests plus the prompts waiting)."""
-    running = scheduler.running_batch.reqs
-    num_reqs = len(scheduler.waiting_queue) + len(running)
+    running = loop.running_batch.reqs
+    num_reqs = len(loop.waiting_queue) + len(running)
     if not count_tokens:
         return SchedulerLoad(dp_rank, num_reqs)
-    num_tokens = sum(r.seqlen() for r in running) + sum(len(r.origin_input_ids) for r in scheduler.waiting_queue)
+    num_tokens = sum(r.seqlen() for r in running) + sum(len(r.origin_input_ids) for r in loop.waiting_queue)
     return SchedulerLoad(dp_rank, num_reqs, num_tokens)
 
 
