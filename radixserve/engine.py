@@ -24,6 +24,7 @@ from radixserve.managers.detokenizer import DetokenizerManager
 from radixserve.managers.embedding_frontend import EmbeddingFrontend, check_request_kind
 from radixserve.managers.request_frontend import ReqState, RequestFrontend, is_single, token_ids_logprob_refusal
 from radixserve.managers.scheduler import Scheduler
+from radixserve.managers.scheduler_builder import build_scheduler_parts
 from radixserve.managers.schedule_policy import configure_lora_admission
 from radixserve.managers.scheduler_pause import expects_progress
 from radixserve.managers.scheduler_stats import SchedulerStats
@@ -46,7 +47,8 @@ class Engine:
         self.server_args = ServerArgs(model_path=model_path, **kwargs)
         self._inbox: List[Any] = []
         self._outbox: List[Any] = []
-        self.scheduler = Scheduler(self.server_args, recv_fn=self._drain_inbox, send_fn=self._outbox.append)
+        self.scheduler = Scheduler(self.server_args, recv_fn=self._drain_inbox, send_fn=self._outbox.append,
+                                   parts=build_scheduler_parts(self.server_args))
         self.tokenizer = self.scheduler.tokenizer
         self.vocab_size = self.scheduler.vocab_size
         self.device = self.scheduler.device

@@ -223,6 +223,7 @@ def run_scheduler_process(
         import zmq
 
         from radixserve.managers.scheduler import Scheduler
+        from radixserve.managers.scheduler_builder import build_scheduler_parts
 
         holder: dict = {}
         recv_fn: Callable[[], List[Any]] = lambda: []
@@ -246,7 +247,9 @@ def run_scheduler_process(
                 else:
                     to_tokenizer.send_pyobj(holder["metrics"].decorate_state(obj))
 
-        scheduler = Scheduler(server_args, recv_fn=recv_fn, send_fn=send_fn, tp_rank=tp_rank, tp_size=server_args.tp_size)
+        parts = build_scheduler_parts(server_args, tp_rank, server_args.tp_size)  # the model loads here
+        scheduler = Scheduler(server_args, recv_fn=recv_fn, send_fn=send_fn, tp_rank=tp_rank, tp_size=server_args.tp_size,
+                              parts=parts)
         configure_lora_admission(scheduler, server_args)
         holder["metrics"] = metrics = SchedulerMetricsLogger(scheduler, server_args.decode_log_interval)
         scheduler.profiler.dp_rank = dp_rank  # in its trace files' names

@@ -117,7 +117,8 @@ def make_sim_scheduler(server_args: ServerArgs, model_config: ModelConfig, devic
                        recv_fn=lambda: [], send_fn=lambda obj: None):
     """The production Scheduler over a SimModelWorker (normal loop, no tokenizer)."""
     from radixserve.managers.scheduler import Scheduler
+    from radixserve.managers.scheduler_builder import build_scheduler_parts
 
     args = server_args.replace(disable_overlap_schedule=True, skip_tokenizer_init=True)
     worker = SimModelWorker(args, model_config, device)
-    return Scheduler(args, recv_fn=recv_fn, send_fn=send_fn, tp_worker=worker), worker
+    return Scheduler(args, recv_fn=recv_fn, send_fn=send_fn, parts=build_scheduler_parts(args, tp_worker=worker)), worker
