@@ -103,9 +103,42 @@ class FinishStatus:
     sent: bool = False  # Req.finished_sent: the final message went out (never send it twice)
 
 
-def _finish_field(name: str) -> property:
-    return property(lambda req: getattr(req.finish_status, name),
-                    lambda req, value: setattr(req.finish_status, name, value), doc=f"FinishStatus.{name}")
+@dataclass
+class HiCacheState:
+    """HiCache: the host-only continuation of the last match (loaded back at admission), and the
+    tokens loaded back this round (of them, from the storage tier)."""
+
+    last_host_node: Any = None
+    host_hit_length: int = 0
+    loaded_host_tokens: int = 0
+    loaded_storage_tokens: int = 0
+
+
+@dataclass
+class DisaggState:
+    """PD disaggregation (seed 001 §8): where the prefill server's handshake socket is and the
+    request's room there; on the prefill server, the request's KVSender."""
+
+    bootstrap_host: Optional[str] = None
+    bootstrap_port: Optional[int] = None
+    bootstrap_room: Optional[int] = None
+    disagg_kv_sender: Any = None
+    disagg_queued_at: float = 0.0
+
+
+@dataclass
+class SpecStats:
+    """Speculative decoding (SGLang's meta_info names): verify steps, drafts proposed and accepted."""
+
+    spec_verify_ct: int = 0
+    spec_num_proposed_drafts: int = 0
+    spec_num_correct_drafts: int = 0
+
+
+def _record_field(record: str, name: str) -> property:
+    """Req.<alias> reads and writes req.<record>.<name> (the state is grouped; the names are SGLang's)."""
+    return property(lambda req: getattr(getattr(req, record), name),
+                    lambda req, value: setattr(getattr(req, record), name, value), doc=f"{record}.{name}")
 
 
 # ---- Req -----------------------------------------------------------------------------------
@@ -119,9 +152,21 @@ class Req:
         0 <= send_token_offset <= len(output_ids);  pending_chunks >= 0
         a finished request never gets a new token; finished_sent implies finished()"""
 
-    finished_reason = _finish_field("reason")
-    to_finish = _finish_field("pending")
-    finished_sent = _finish_field("sent")
+    finished_reason = _record_field("finish_status", "reason")
+    to_finish = _record_field("finish_status", "pending")
+    finished_sent = _record_field("finish_status", "sent")
+    last_host_node = _record_field("hicache", "last_host_node")
+    host_hit_length = _record_field("hicache", "host_hit_length")
+    loaded_host_tokens = _record_field("hicache", "loaded_host_tokens")
+    loaded_storage_tokens = _record_field("hicache", "loaded_storage_tokens")
+    bootstrap_host = _record_field("disagg", "bootstrap_host")
+    bootstrap_port = _record_field("disagg", "bootstrap_port")
+    bootstrap_room = _record_field("disagg", "bootstrap_room")
+    disagg_kv_sender = _record_field("disagg", "disagg_kv_sender")
+    disagg_queued_at = _record_field("disagg", "disagg_queued_at")
+    spec_verify_ct = _record_field("spec_stats", "spec_verify_ct")
+    spec_num_proposed_drafts = _record_field("spec_stats", "spec_num_proposed_drafts")
+    spec_num_correct_drafts = _record_field("spec_stats", "spec_num_correct_drafts")
 
     def __init__(
         self,
@@ -185,12 +230,8 @@ class Req:
         self.wait_queue_entry_time: Optional[float] = None
         self.forward_entry_time: Optional[float] = None
         self.cached_tokens = 0  # prompt tokens served from the prefix cache (first prefill)
-        # HiCache: the host-only continuation of the last match (loaded back at admission), the
-        # tokens loaded back this round (of them, from the storage tier), and cached_tokens by tier.
-        self.last_host_node: Any = None
-        self.host_hit_length = 0
-        self.loaded_host_tokens = 0
-        self.loaded_storage_tokens = 0
+        self.hicache = HiCacheState()  # last_host_node, host_hit_length, loaded_{host,storage}_tokens
+        # cached_tokens by tier (device, HiCache's host and storage)
         self.cached_tokens_details: Dict[str, int] = {"device": 0, "host": 0, "storage": 0}
         self.already_computed = 0
         self.send_token_offset = 0  # output tokens already streamed out
@@ -213,17 +254,8 @@ class Req:
         self.output_token_ids_logprobs_val: List[List[float]] = []
         self.output_token_ids_logprobs_idx: List[List[int]] = []
 
-        # PD disaggregation (seed 001 §8): where the prefill server's handshake socket is and the
-        # request's room there; on the prefill server, the request's KVSender.
-        self.bootstrap_host = bootstrap_host
-        self.bootstrap_port = bootstrap_port
-        self.bootstrap_room = bootstrap_room
-        self.disagg_kv_sender: Any = None
-        self.disagg_queued_at = 0.0
-        # Speculative decoding (SGLang's meta_info names): verify steps, drafts proposed and accepted.
-        self.spec_verify_ct = 0
-        self.spec_num_proposed_drafts = 0
-        self.spec_num_correct_drafts = 0
+        self.disagg = DisaggState(bootstrap_host, bootstrap_port, bootstrap_room)  # PD: bootstrap_*, disagg_*
+        self.spec_stats = SpecStats()  # speculative decoding: spec_verify_ct, spec_num_*_drafts
 
     @classmethod
     def from_tokenized(cls, recv: Any, eos_token_ids: Iterable[int], vocab_size: int, tokenizer: Any) -> "Req":
