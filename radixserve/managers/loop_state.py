@@ -15,6 +15,7 @@ SGLang keeps these as Scheduler fields; the Scheduler still reads them under tho
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import TYPE_CHECKING, Any, Callable, List, Optional
 
 if TYPE_CHECKING:  # kept torch-free: scheduler_process imports the pause, which imports this
@@ -59,8 +60,9 @@ class LoopState:
 
 
 def loop_field(name: str) -> property:
-    """An attribute of the owner's `loop` (a LoopState), under the same name."""
-    return property(lambda self: getattr(self.loop, name), lambda self, value: setattr(self.loop, name, value),
+    """An attribute of the owner's `loop` (a LoopState), under the same name (an attrgetter: the
+    loop reads these every step)."""
+    return property(operator.attrgetter(f"loop.{name}"), lambda self, value: setattr(self.loop, name, value),
                     doc=f"LoopState.{name}")
 
 
