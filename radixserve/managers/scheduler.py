@@ -30,13 +30,13 @@ from radixserve.managers.scheduler_internal_state import SETTABLE_AT_RUN_TIME, S
 from radixserve.managers.scheduler_lora import SchedulerLoRA
 from radixserve.managers.scheduler_memory_saver import SchedulerMemorySaver
 from radixserve.managers.scheduler_pause import GenerationPause
-from radixserve.managers.scheduler_pp import SchedulerPP
+from radixserve.managers.scheduler_pp import PPLoop, SchedulerPP
 from radixserve.managers.scheduler_expert_distribution import SchedulerExpertDistribution
 from radixserve.managers.scheduler_profiler import SchedulerProfiler
 from radixserve.managers.schedule_policy import NewTokenRatio, PrefillAdder, SchedulePolicy
 from radixserve.managers.scheduler_stats import SchedulerStats
 from radixserve.managers.scheduler_builder import SchedulerParts, build_scheduler_parts
-from radixserve.managers.scheduler_update_weights import SchedulerUpdateWeights, WeightsUpdateGroupJoined
+from radixserve.managers.scheduler_update_weights import SchedulerUpdateWeights, SettleLoop, WeightsUpdateGroupJoined
 from radixserve.mem_cache.base_prefix_cache import BasePrefixCache, MemoryLeakError
 from radixserve.mem_cache.kv_ledger import KVLedger, MambaTokenInfo
 from radixserve.model_executor.tp_worker import GenerationBatchResult
@@ -125,9 +125,12 @@ class Scheduler:
         self.new_token_ratio = NewTokenRatio(args.schedule_conservativeness)
         # PD disaggregation (seed 001 §8): the prefill or decode server's queues over one KVManager.
         self.disaggregation_mode, self.disagg_prefill, self.disagg_decode, self.kv_manager = init_disaggregation(args, self.ledger, self.output_processor)
-        self.pp = SchedulerPP(self, args, tp_worker) if args.pp_size > 1 else None  # --pp-size: micro-batches in flight (seed 001 §27)
+        self.pp = SchedulerPP(PPLoop(self.loop, self.get_next_batch_to_run, self.empty_batch, self.on_idle, self.count_forward,
+                                     self.stats, self.grammar_backend, self.ledger, self.output_processor, self.max_running_requests),
+                              args, tp_worker) if args.pp_size > 1 else None  # --pp-size: micro-batches in flight (seed 001 §27)
 
-        self.weight_updater = SchedulerUpdateWeights(tp_worker, self, self.forward_thread, self.tree_cache, args.pp_size)  # weight updates without a restart
+        self.weight_updater = SchedulerUpdateWeights(tp_worker, SettleLoop(self.has_work, self.run_step, self.results_pending, self.flush_cache),
+                                                     self.forward_thread, self.tree_cache, args.pp_size)  # weight updates without a restart
         self.generation_pause = GenerationPause(self.loop, self.ledger, self.output_processor, LoopSteps(
             self.drain_results, self.get_next_batch_to_run, self.abort_request, self.empty_batch, self.requeue))
         self.memory_saver = SchedulerMemorySaver(tp_worker.memory_saver(), args, self.loop, self.grammar_queue, self.ledger,
@@ -522,11 +525,15 @@ class Scheduler:
     def run_batch(self, batch: ScheduleBatch) -> Optional[GenerationBatchResult]:
         """Normal loop: run and return the result. Overlap loop: launch on the forward thread
         (the result is processed later); batch.output_ids become future placeholders."""
+        self.count_forward(batch)
+        # embedding / speculative / overlap / plain, grammar mask or not: chosen at start (batch_runner.py)
+        return self.batch_runner(batch, batch.get_model_worker_batch())
+
+    def count_forward(self, batch: ScheduleBatch) -> None:
+        """A forward launched (here or by PP): the count the watchdog and the profiler read, the stats."""
         self.forward_ct += 1
         self.profiler.on_forward()
         self.stats.count_batch(batch.forward_mode)
-        # embedding / speculative / overlap / plain, grammar mask or not: chosen at start (batch_runner.py)
-        return self.batch_runner(batch, batch.get_model_worker_batch())
 
     # ---- abort / flush / state ------------------------------------------------------------------------
     def abort_request(self, recv: AbortReq) -> None:

@@ -29,7 +29,7 @@ import dataclasses
 import logging
 import time
 from collections import deque
-from typing import Any, Deque, List, Optional, Protocol, Tuple
+from typing import Any, Callable, Deque, List, Optional, Tuple
 
 import torch
 
@@ -40,7 +40,6 @@ from radixserve.managers.grammar import GrammarQueue
 from radixserve.managers.loop_state import BatchSlot, LoopState
 from radixserve.managers.output_processor import SchedulerOutputProcessor
 from radixserve.managers.schedule_batch import ScheduleBatch
-from radixserve.managers.scheduler_profiler import SchedulerProfiler
 from radixserve.managers.scheduler_stats import SchedulerStats
 from radixserve.mem_cache.chunk_cache import ChunkCache
 from radixserve.mem_cache.kv_ledger import KVLedger
@@ -110,25 +109,22 @@ def proxy_to(proxy: Any, device: Any) -> Any:
                                residual=None if res is None else res.to(device))
 
 
-class PPLoop(Protocol):
-    """What the first stage's loop drives of the Scheduler: it runs the Scheduler's batch selection
-    once per micro-batch slot, over that slot's BatchSlot (its LoopState pointed at it), and
-    launches and processes the micro-batches itself."""
+@dataclasses.dataclass(frozen=True)
+class PPLoop:
+    """What the first stage's loop uses of the Scheduler: its LoopState (pointed at each micro-batch
+    slot's BatchSlot in turn), the loop's steps (bound methods: the batch selection runs once per
+    slot), and the parts that launch and process the micro-batches."""
 
     loop: LoopState
-    max_running_requests: int
-    forward_ct: int
+    get_next_batch_to_run: Callable[[], Optional[ScheduleBatch]]
+    empty_batch: Callable[[], ScheduleBatch]
+    on_idle: Callable[[], None]
+    count_forward: Callable[[ScheduleBatch], None]  # the forward count, the profiler, the batch stats
     stats: SchedulerStats
-    profiler: SchedulerProfiler
     grammar_backend: Any  # None: no structured output
     ledger: KVLedger
     output_processor: SchedulerOutputProcessor
-
-    def get_next_batch_to_run(self) -> Optional[ScheduleBatch]: ...
-
-    def empty_batch(self) -> ScheduleBatch: ...
-
-    def on_idle(self) -> None: ...
+    max_running_requests: int
 
 
 class SchedulerPP:
@@ -196,9 +192,7 @@ class SchedulerPP:
         """Run this stage's layers on the micro-batch and send it on (SGLang's _pp_launch_batch
         and _pp_send_dict_to_next_stage)."""
         s = self.sched
-        s.forward_ct += 1
-        s.profiler.on_forward()
-        s.stats.count_batch(batch.forward_mode)
+        s.count_forward(batch)
         wb = batch.get_model_worker_batch()
         if s.grammar_backend is not None:  # the last stage applies it; the matchers have seen every token
             wb.token_bitmask = s.grammar_backend.fill_token_bitmask(batch.reqs, GrammarQueue.fail_request)

@@ -53,16 +53,15 @@ class WeightsUpdateGroupJoined:
 PP_REFUSAL = "Weight updates with --pp-size > 1 are not supported yet (only the first pipeline stage would be updated)."
 
 
-class SettleLoop(Protocol):
-    """What an update needs of the Scheduler's loop: run it until nothing is in flight, then flush."""
+@dataclass(frozen=True)
+class SettleLoop:
+    """What an update needs of the Scheduler's loop (its bound methods): run it until nothing is
+    in flight, then flush."""
 
-    def has_work(self) -> bool: ...
-
-    def run_step(self) -> Optional[Any]: ...
-
-    def results_pending(self) -> bool: ...
-
-    def flush_cache(self) -> bool: ...
+    has_work: Callable[[], bool]
+    run_step: Callable[[], Optional[Any]]
+    results_pending: Callable[[], bool]
+    flush_cache: Callable[[], bool]
 
 
 class WeightsWorker(Protocol):
@@ -84,7 +83,7 @@ class WeightsWorker(Protocol):
 
 
 class SchedulerUpdateWeights:
-    """Weight updates between two steps of the loop (`loop`: the Scheduler, seen through SettleLoop)."""
+    """Weight updates between two steps of the loop (`loop`: the loop's steps it runs, SettleLoop)."""
 
     def __init__(self, worker: WeightsWorker, loop: SettleLoop, forward_thread: Optional[ForwardThread],
                  tree_cache: BasePrefixCache, pp_size: int = 1):
