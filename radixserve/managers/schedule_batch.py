@@ -93,7 +93,7 @@ class FINISH_ABORT(BaseFinishReason):
 
 @dataclass
 class FinishStatus:
-    """A request's finish in one record (Req reads it under SGLang's three names, _finish_field):
+    """A request's finish in one record (Req reads it under SGLang's three names, _record_field):
     running (nothing set) -> to finish (`pending`, an abort from outside) -> finished (`reason`)
     -> its final message sent (`sent`)."""
 

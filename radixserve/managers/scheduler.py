@@ -81,6 +81,7 @@ class Scheduler:
         self.recv_fn = recv_fn
         self.send_fn = send_fn if tp_rank == 0 else (lambda obj: None)
         # Built outside (scheduler_builder.py): the worker, the cache and the ledger, grammar, speculative, HiCache.
+        assert parts is None or tp_worker is None, "pass the worker in the parts (build_scheduler_parts(..., tp_worker))"
         parts = parts or build_scheduler_parts(args, tp_rank, tp_size, tp_worker)
         self.tokenizer, tp_worker = parts.tokenizer, parts.tp_worker
         self.tp_worker, self.model_config, self.device = tp_worker, tp_worker.model_config, tp_worker.device

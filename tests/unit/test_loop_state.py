@@ -91,3 +91,20 @@ def test_a_retract_pause_drives_the_loop_state_alone():
     assert running.released == ["r0", "r1", "chunk"] and requeued == ["r0", "r1", "chunk"]
     assert loop.chunked_req is None and loop.running_batch.is_empty() and loop.running_batch is not running
     assert loop.last_batch is None  # merged by the settle: not merged again
+
+
+def test_replica_load_reads_the_loop_state():
+    """What a DP replica reports (scheduler_process.replica_load) comes from its LoopState: the
+    running and waiting requests, and with minimum_tokens routing the running requests' tokens
+    plus the waiting prompts'."""
+    from radixserve.managers.scheduler_process import replica_load
+
+    running = [FakeReq("r0"), FakeReq("r1")]
+    for r, n in zip(running, (7, 5)):
+        r.seqlen = lambda n=n: n
+    waiting = FakeReq("w")
+    waiting.origin_input_ids = [1, 2, 3]
+    loop = LoopState(BatchSlot(FakeBatch(running)), waiting_queue=[waiting])
+    load = replica_load(loop, dp_rank=1, count_tokens=True)
+    assert (load.dp_rank, load.num_reqs, load.num_tokens) == (1, 3, 7 + 5 + 3)
+    assert replica_load(loop, dp_rank=1, count_tokens=False).num_reqs == 3
