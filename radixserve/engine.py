@@ -57,7 +57,7 @@ class Engine:
                                         load_sampling_defaults(self.server_args))
         self.detokenizer = DetokenizerManager(self.tokenizer)
         self.frontend.weight_version = self.server_args.weight_version
-        configure_lora_admission(self.scheduler, self.server_args)
+        configure_lora_admission(self.scheduler.policy, self.server_args)
         self.frontend.lora_names = set(self.server_args.lora_paths) if self.server_args.enable_lora else None
         self.frontend.mm_processor = build_multimodal_processor(self.scheduler.model_config.model_path,
                                                                 MediaLimits.from_server_args(self.server_args))

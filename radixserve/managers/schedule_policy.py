@@ -13,6 +13,7 @@ import torch
 from radixserve.managers.schedule_batch import Req, ScheduleBatch
 from radixserve.mem_cache.kv_ledger import KVLedger
 from radixserve.mem_cache.radix_cache import RadixCache, TreeNode
+from radixserve.server_args import ServerArgs
 
 # In-batch prefix caching (SGLang): a request whose cached prefix is short but which shares a
 # long prefix with a request already chosen this round waits one round, so it hits the cache.
@@ -392,7 +393,7 @@ class PrefillAdder:
         return True
 
 
-def configure_lora_admission(scheduler, server_args) -> None:
-    """--enable-lora: the Scheduler's PrefillAdder admits only what fits the LoRA slots."""
+def configure_lora_admission(policy: SchedulePolicy, server_args: ServerArgs) -> None:
+    """--enable-lora: the Scheduler's PrefillAdder (through its policy) admits only what fits the LoRA slots."""
     if server_args.enable_lora:
-        scheduler.policy.max_loras_per_batch = server_args.max_loras_per_batch
+        policy.max_loras_per_batch = server_args.max_loras_per_batch

@@ -250,7 +250,7 @@ def run_scheduler_process(
         parts = build_scheduler_parts(server_args, tp_rank, server_args.tp_size)  # the model loads here
         scheduler = Scheduler(server_args, recv_fn=recv_fn, send_fn=send_fn, tp_rank=tp_rank, tp_size=server_args.tp_size,
                               parts=parts)
-        configure_lora_admission(scheduler, server_args)
+        configure_lora_admission(scheduler.policy, server_args)
         holder["metrics"] = metrics = SchedulerMetricsLogger(scheduler, server_args.decode_log_interval)
         scheduler.profiler.dp_rank = dp_rank  # in its trace files' names
     except Exception as e:  # a model path that cannot load (LoadError): its one-line message, no traceback

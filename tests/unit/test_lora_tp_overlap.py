@@ -95,7 +95,7 @@ def _run_scheduler(tp_rank: int, tp_size: int, addr: str, model_dir: str, lora_p
                 lps_so_far.extend(lps)
 
     sched = Scheduler(args, recv_fn=lambda: inbox.pop() if inbox else [], send_fn=send, tp_rank=tp_rank, tp_size=tp_size)
-    configure_lora_admission(sched, args)
+    configure_lora_admission(sched.policy, args)
     assert sched.enable_overlap == overlap
     for it in range(10_000):
         sched.process_input_requests(sched.recv_requests())
