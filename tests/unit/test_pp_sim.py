@@ -51,3 +51,37 @@ def test_partition_sets_each_stages_share(llama8b):
 def test_pp1_reports_no_stages(llama8b):
     res = simulate(ServerArgs(**SMALL), llama8b, get_device("h100"), _rows())
     assert "pp_stages" not in res.metrics and res.metrics["completed"] == 32
+
+
+def test_abort_reaches_every_micro_batch(llama8b):
+    """An abort of everything while PP's micro-batch slots each hold requests (the LoopState points
+    at one slot at a time; Scheduler.abort_request walks them all): every request ends with an
+    abort long before its 256 tokens, and the pools are idle again."""
+    from radixserve.protocol import AbortReq, BatchTokenIDOutput, TokenizedGenerateReqInput
+    from radixserve.sampling_params import SamplingParams
+    from radixserve.sim.worker import make_sim_scheduler
+
+    inbox, outbox = [], []
+    sched, _ = make_sim_scheduler(ServerArgs(**SMALL, pp_size=2, pp_max_micro_batch_size=8), llama8b, get_device("h100"),
+                                  recv_fn=lambda: [inbox.pop(0)] if inbox else [], send_fn=outbox.append)
+    for i, row in enumerate(_rows(16)):
+        sp = SamplingParams(max_new_tokens=row.output_len, temperature=0.0, ignore_eos=True)
+        sp.normalize(None)
+        inbox.append(TokenizedGenerateReqInput(str(i), None, list(row.input_ids), sp, stream=True))
+    for _ in range(40):  # everything admitted and decoding, spread over the slots
+        sched.process_input_requests(sched.recv_requests())
+        sched.run_step()
+    held = [len(slot.running_batch.reqs) for slot in sched.batch_slots()]
+    assert sum(1 for n in held if n) > 1, held  # more than one slot holds requests
+    inbox.append(AbortReq(abort_all=True))
+    finished = {}
+    for _ in range(40):
+        sched.process_input_requests(sched.recv_requests())
+        sched.run_step()
+        for out in (o for o in outbox if isinstance(o, BatchTokenIDOutput)):
+            finished.update({rid: r for rid, r in zip(out.rids, out.finished_reasons) if r is not None})
+        outbox.clear()
+        if not sched.has_work():
+            break
+    assert len(finished) == 16 and all(r["type"] == "abort" for r in finished.values()), finished
+    sched.check_memory()
