@@ -440,7 +440,8 @@ class Scheduler:
                 self.running_batch = self.disagg_decode.merge_prebuilt(arrived, self._new_batch, self.running_batch)
 
     def get_num_allocatable_reqs(self, running_bs: int) -> int:
-        limit = self.max_running_requests - running_bs
+        # Free rows too: in the overlap loop a finished request's row waits for its extra step.
+        limit = min(self.max_running_requests - running_bs, self.ledger.free_rows())
         if self.server_args.prefill_max_requests is not None:
             limit = min(limit, self.server_args.prefill_max_requests)
         return limit

@@ -28,7 +28,7 @@ from radixserve.mem_cache.base_prefix_cache import (
 )
 from radixserve.mem_cache.mamba_pool import MambaPool
 from radixserve.mem_cache.mamba_radix_cache import MambaRadixCache
-from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from radixserve.mem_cache.memory_pool import ForwardFence, MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from radixserve.mem_cache.radix_cache import TreeNode
 
 
@@ -148,6 +148,13 @@ class KVLedger:
 
     def free_row(self, row: int) -> None:
         self.req_to_token_pool.free(row)
+
+    def defer_row_frees(self, fence: ForwardFence) -> None:
+        """The overlap loop: a row freed while batches are in flight (a finished request's extra
+        step, a preempted request's last step) goes back once they are done, since their forwards
+        read the row in place. So that step computes its token's KV over the request's own tokens
+        (the tree keeps that KV, and a hybrid model's end snapshot the state after it)."""
+        self.req_to_token_pool.fence = fence
 
     def row(self, req: LedgerReq) -> torch.Tensor:
         """The request's row of slot indices (host copy)."""
@@ -321,7 +328,9 @@ class KVLedger:
         return MambaTokenInfo(
             full_num_used=self.allocator.size - full_available - full_evictable, full_size=self.allocator.size,
             full_available=full_available, full_evictable=full_evictable,
-            mamba_num_used=pool.size - mamba_available - mamba_evictable, mamba_size=pool.size,
+            # (a row freed while a batch is in flight keeps its slot until that batch is done: no request's)
+            mamba_num_used=pool.size - mamba_available - mamba_evictable - self.req_to_token_pool.deferred_size(),
+            mamba_size=pool.size,
             mamba_available=mamba_available, mamba_evictable=mamba_evictable,
             mamba_snapshots=len(cache.all_mamba_values_flatten()) if cache is not None else 0)
 

@@ -1,0 +1,136 @@
+"""The overlap loop's one-step lag and the rows (issue 41, the dense half): a request that finishes
+while its extra step (seed 001 §2.8.7) is still queued must not give its row away before that
+step ran. The step's attention reads the request-to-token row in place; if a new request's
+prefill rewrote it first, the extra token's KV is computed over the wrong tokens, and the tree,
+which holds that token's KV from the finish on, serves it to every later hit.
+
+The race is forced: each forward is held until the scheduler has scheduled the batch after it
+(LateForwards), the worst case of a slow device. Many short requests on few rows, on shared
+prefixes, finish while new ones are admitted; then every finished conversation is continued, so
+its hit runs through the extra token. The continuations must equal a cold run."""
+
+from __future__ import annotations
+
+import random
+import sys
+import threading
+from collections import defaultdict, deque
+from pathlib import Path
+from typing import Any, Deque, Dict, List, Tuple
+
+from radixserve.engine import Engine
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from greedy_testing import assert_same_greedy  # noqa: E402
+
+VOCAB_LO = 3  # ids 0-2 are the tiny model's special tokens
+
+
+class LateForwards:
+    """Holds the forward of each launched batch until the scheduler has scheduled the next one
+    (or `timeout` passed: nothing more to schedule)."""
+
+    def __init__(self, scheduler: Any, timeout: float = 0.5):
+        self.timeout = timeout
+        self.scheduled = 0  # get_next_batch_to_run calls so far
+        self.cond = threading.Condition()
+        # per launched batch: the call that made it, and its rows with their alloc counts then
+        self.launched: Deque[Tuple[int, List[Tuple[int, int]]]] = deque()
+        self.held = 0  # forwards that found the next batch scheduled when released
+        self.handed_on = 0  # forwards that found a row of theirs given to another request since scheduled
+        pool = scheduler.req_to_token_pool
+        allocs: Dict[int, int] = defaultdict(int)  # row -> times handed out
+        alloc = pool.alloc
+
+        def counted_alloc(need_size: int = 1):
+            rows = alloc(need_size)
+            for r in rows or []:
+                allocs[r] += 1
+            return rows
+        pool.alloc = counted_alloc
+        self.admitted_while_held = 0  # prefills of new requests scheduled while a forward was held
+        self.waiting = 0  # forwards being held now
+        schedule, worker = scheduler.get_next_batch_to_run, scheduler.overlap_worker.worker
+        forward = worker.forward_batch_generation
+
+        def get_next_batch_to_run():
+            batch = schedule()
+            with self.cond:
+                self.scheduled += 1
+                if batch is not None and batch.forward_mode.is_extend() and self.waiting:
+                    self.admitted_while_held += 1
+                if batch is not None:
+                    seen = [(r, allocs[r]) for r in batch.req_pool_indices.tolist()]
+                    self.launched.append((self.scheduled, seen))
+                self.cond.notify_all()
+            return batch
+
+        def forward_batch_generation(worker_batch):
+            with self.cond:
+                at, seen = self.launched.popleft()
+                self.waiting += 1
+                self.held += self.cond.wait_for(lambda: self.scheduled > at, timeout=self.timeout)
+                self.waiting -= 1
+            self.handed_on += any(allocs[r] != n for r, n in seen)
+            return forward(worker_batch)
+
+        scheduler.get_next_batch_to_run = get_next_batch_to_run
+        worker.forward_batch_generation = forward_batch_generation
+
+
+ARRIVALS = 2  # requests per step
+
+
+def _first_turns(engine: Engine, rng: random.Random, steps: int = 24) -> Tuple[List[List[int]], List[Dict]]:
+    """ARRIVALS requests a step (one of 3 shared prefixes + their own tokens), 3 output tokens
+    each: pairs finish in the same step while the next pair's prefill, mixed with the running
+    decodes, is scheduled (mixed chunk drops the finished ones from the running count before
+    admitting, so their rows are handed on at once)."""
+    systems = [[rng.randrange(VOCAB_LO, 8192) for _ in range(rng.randint(8, 30))] for _ in range(3)]
+    prompts, states = [], []
+    for _ in range(steps):
+        batch = [rng.choice(systems) + [rng.randrange(VOCAB_LO, 8192) for _ in range(rng.randint(1, 12))]
+                 for _ in range(ARRIVALS)]
+        prompts += batch
+        states += engine.submit(input_ids=batch, sampling_params={"max_new_tokens": 3, "temperature": 0, "ignore_eos": True})
+        engine.step()
+    while engine.scheduler.has_work():
+        engine.step()
+    return prompts, [{"output_ids": s.output_ids} for s in states]
+
+
+def _continuations(rng: random.Random, prompts: List[List[int]], first: List[Dict]) -> List[List[int]]:
+    """Each conversation's next turn: its prompt, its answer (the extra token last), new tokens."""
+    return [p + o["output_ids"] + [rng.randrange(VOCAB_LO, 8192) for _ in range(3)] for p, o in zip(prompts, first)]
+
+
+def _generate(engine: Engine, prompts: List[List[int]], max_new_tokens: int = 4) -> List[Dict]:
+    params = {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}
+    return engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True, top_logprobs_num=2,
+                           progress=False)
+
+
+def test_a_finished_rows_extra_step_runs_before_the_row_is_handed_on():
+    engine = Engine(max_total_tokens=4096, max_running_requests=8, disable_overlap_schedule=False,
+                    enable_mixed_chunk=True, chunked_prefill_size=256, test_check_memory=True)
+    gate = LateForwards(engine.scheduler)
+    rng = random.Random(5)
+    prompts, first = _first_turns(engine, rng)
+    assert gate.admitted_while_held >= 4  # the race was forced: prefills scheduled before a finished extra step ran ...
+    assert gate.handed_on == 0  # ... and no forward found a row of its batch given to another request
+    nexts = _continuations(rng, prompts, first)
+    warm = _generate(engine, nexts)
+    # every continuation hit its whole first turn, the extra token's KV included
+    assert all(w["meta_info"]["cached_tokens"] >= len(p) + 3 for w, p in zip(warm, prompts)), \
+        [(w["meta_info"]["cached_tokens"], len(p)) for w, p in zip(warm, prompts)]
+    engine.scheduler.check_memory()
+    engine.shutdown()
+    cold_engine = Engine(max_total_tokens=4096, disable_radix_cache=True, disable_overlap_schedule=True)
+    cold = _generate(cold_engine, nexts)
+    cold_engine.shutdown()
+    assert_same_greedy(warm, cold)
+    for w, c in zip(warm, cold):  # the same KV, so the same logprobs (not only the same argmax)
+        lw = [v for v, _, _ in w["meta_info"]["output_token_logprobs"]]
+        lc = [v for v, _, _ in c["meta_info"]["output_token_logprobs"]]
+        if w["output_ids"] == c["output_ids"]:
+            assert max(abs(a - b) for a, b in zip(lw, lc)) < 1e-3, (lw, lc)
