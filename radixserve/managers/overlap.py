@@ -25,8 +25,7 @@ from typing import Any, Callable, Deque, List, Optional, Tuple
 
 import torch
 
-from radixserve.mem_cache.kv_ledger import KVLedger
-from radixserve.mem_cache.memory_pool import ForwardFence
+from radixserve.mem_cache.kv_ledger import ForwardFence, KVLedger
 from radixserve.speculative.overlap_view import DecodeView, ExtendView, decode_view, decode_worker_batch
 
 

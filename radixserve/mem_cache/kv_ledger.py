@@ -309,6 +309,7 @@ class KVLedger:
         pool, cache = self.state_pool, self.snapshot_cache
         if pool is None:
             return True
+        self.req_to_token_pool.collect_deferred()  # rows (and their slots) whose batches are done
         if cache is not None and pool.available_size() < num_states:
             cache.evict_mamba(num_states - pool.available_size())
         return pool.available_size() >= num_states
@@ -322,6 +323,7 @@ class KVLedger:
     def mamba_token_info(self) -> "MambaTokenInfo":
         """Both pools' use (SGLang's _get_mamba_token_info)."""
         cache, pool = self.snapshot_cache, self.state_pool
+        deferred = self.req_to_token_pool.deferred_size()  # (first: it returns the rows whose batches are done)
         full_available, full_evictable = self.allocator.available_size(), self.tree_cache.evictable_size()
         mamba_available = pool.available_size()
         mamba_evictable = cache.mamba_evictable_size() if cache is not None else 0
@@ -329,7 +331,7 @@ class KVLedger:
             full_num_used=self.allocator.size - full_available - full_evictable, full_size=self.allocator.size,
             full_available=full_available, full_evictable=full_evictable,
             # (a row freed while a batch is in flight keeps its slot until that batch is done: no request's)
-            mamba_num_used=pool.size - mamba_available - mamba_evictable - self.req_to_token_pool.deferred_size(),
+            mamba_num_used=pool.size - mamba_available - mamba_evictable - deferred,
             mamba_size=pool.size,
             mamba_available=mamba_available, mamba_evictable=mamba_evictable,
             mamba_snapshots=len(cache.all_mamba_values_flatten()) if cache is not None else 0)

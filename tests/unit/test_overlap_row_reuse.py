@@ -13,69 +13,16 @@ from __future__ import annotations
 
 import random
 import sys
-import threading
-from collections import defaultdict, deque
 from pathlib import Path
-from typing import Any, Deque, Dict, List, Tuple
+from typing import Dict, List, Tuple
 
 from radixserve.engine import Engine
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from greedy_testing import assert_same_greedy  # noqa: E402
+from late_forwards import LateForwards  # noqa: E402
 
 VOCAB_LO = 3  # ids 0-2 are the tiny model's special tokens
-
-
-class LateForwards:
-    """Holds the forward of each launched batch until the scheduler has scheduled the next one
-    (or `timeout` passed: nothing more to schedule)."""
-
-    def __init__(self, scheduler: Any, timeout: float = 0.5):
-        self.timeout = timeout
-        self.scheduled = 0  # get_next_batch_to_run calls so far
-        self.cond = threading.Condition()
-        # per launched batch: the call that made it, and its rows with their alloc counts then
-        self.launched: Deque[Tuple[int, List[Tuple[int, int]]]] = deque()
-        self.held = 0  # forwards that found the next batch scheduled when released
-        self.handed_on = 0  # forwards that found a row of theirs given to another request since scheduled
-        pool = scheduler.req_to_token_pool
-        allocs: Dict[int, int] = defaultdict(int)  # row -> times handed out
-        alloc = pool.alloc
-
-        def counted_alloc(need_size: int = 1):
-            rows = alloc(need_size)
-            for r in rows or []:
-                allocs[r] += 1
-            return rows
-        pool.alloc = counted_alloc
-        self.admitted_while_held = 0  # prefills of new requests scheduled while a forward was held
-        self.waiting = 0  # forwards being held now
-        schedule, worker = scheduler.get_next_batch_to_run, scheduler.overlap_worker.worker
-        forward = worker.forward_batch_generation
-
-        def get_next_batch_to_run():
-            batch = schedule()
-            with self.cond:
-                self.scheduled += 1
-                if batch is not None and batch.forward_mode.is_extend() and self.waiting:
-                    self.admitted_while_held += 1
-                if batch is not None:
-                    seen = [(r, allocs[r]) for r in batch.req_pool_indices.tolist()]
-                    self.launched.append((self.scheduled, seen))
-                self.cond.notify_all()
-            return batch
-
-        def forward_batch_generation(worker_batch):
-            with self.cond:
-                at, seen = self.launched.popleft()
-                self.waiting += 1
-                self.held += self.cond.wait_for(lambda: self.scheduled > at, timeout=self.timeout)
-                self.waiting -= 1
-            self.handed_on += any(allocs[r] != n for r, n in seen)
-            return forward(worker_batch)
-
-        scheduler.get_next_batch_to_run = get_next_batch_to_run
-        worker.forward_batch_generation = forward_batch_generation
 
 
 ARRIVALS = 2  # requests per step
