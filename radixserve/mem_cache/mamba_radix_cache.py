@@ -31,8 +31,6 @@ from __future__ import annotations
 
 from typing import Callable, List, Optional
 
-import torch
-
 from radixserve.mem_cache.base_prefix_cache import CacheReq, MatchResult, extra_key_of, kv_committed_len
 from radixserve.mem_cache.mamba_pool import HybridReqToTokenPool
 from radixserve.mem_cache.memory_pool import TokenToKVPoolAllocator
