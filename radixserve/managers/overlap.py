@@ -253,6 +253,8 @@ class TpModelWorkerClient:
         t0 = time.perf_counter()
         result = pending.wait()
         self.fence.done += 1  # (in launch order: every batch before it is done too)
+        if self.ledger is not None:
+            self.ledger.collect_deferred_rows()  # the rows freed while it was in flight, back now
         stats.wait_s += time.perf_counter() - t0
         return batch, result
 

@@ -156,6 +156,10 @@ class KVLedger:
         (the tree keeps that KV, and a hybrid model's end snapshot the state after it)."""
         self.req_to_token_pool.fence = fence
 
+    def collect_deferred_rows(self) -> None:
+        """Rows (and their state slots) whose in-flight batches are done go back to the pool."""
+        self.req_to_token_pool.collect_deferred()
+
     def row(self, req: LedgerReq) -> torch.Tensor:
         """The request's row of slot indices (host copy)."""
         return self.req_to_token_pool.req_to_token_cpu[req.req_pool_idx]

@@ -78,9 +78,11 @@ def test_a_prefix_hit_skips_its_prefill_and_equals_transformers_and_a_cold_run(n
         assert isinstance(engine.scheduler.tree_cache, MambaRadixCache)
         computed = _count_computed_tokens(engine)
         first = engine.generate(input_ids=[LONG], sampling_params=GREEDY, return_logprob=True, progress=False)[0]
+        engine.wait_until_idle()  # (the overlap loop's extra step may still be in flight: counted before)
         second_prompt = LONG + first["output_ids"] + SHORT[:10]
         before = computed["tokens"]
         second = engine.generate(input_ids=[second_prompt], sampling_params=GREEDY, return_logprob=True, progress=False)[0]
+        engine.wait_until_idle()
         hit = len(LONG) + 7 + overlap
         assert second["meta_info"]["cached_tokens"] == hit
         # the prefill computed the prompt past the hit, then 7 decode steps (+ the extra one)
