@@ -5,9 +5,12 @@ prefill rewrote it first, the extra token's KV is computed over the wrong tokens
 which holds that token's KV from the finish on, serves it to every later hit.
 
 The race is forced: each forward is held until the scheduler has scheduled the batch after it
-(LateForwards), the worst case of a slow device. Many short requests on few rows, on shared
-prefixes, finish while new ones are admitted; then every finished conversation is continued, so
-its hit runs through the extra token. The continuations must equal a cold run."""
+(LateForwards), the worst case of a slow device. With --enable-mixed-chunk (finished requests
+leave the running count before the next admission, so their rows can be handed on at once),
+short requests on shared prefixes finish in pairs while new ones are admitted; then every
+finished conversation is continued, so its hit runs through the extra token. The continuations
+must equal a cold run. Without the rows' fence (ForwardFence) 20 forwards found a row of theirs
+handed on, and a continuation's greedy token parted from the cold run's (logit gap 0.17)."""
 
 from __future__ import annotations
 
@@ -23,8 +26,6 @@ from greedy_testing import assert_same_greedy  # noqa: E402
 from late_forwards import LateForwards  # noqa: E402
 
 VOCAB_LO = 3  # ids 0-2 are the tiny model's special tokens
-
-
 ARRIVALS = 2  # requests per step
 
 
