@@ -156,10 +156,12 @@ def test_state_slots_are_conserved_under_a_storm_on_shared_prefixes(next_dir, hf
 
 def test_a_finished_rows_extra_step_leaves_its_state_before_the_row_is_handed_on(next_dir, hf):
     """The overlap loop with mixed chunks, each forward held until the next batch is scheduled:
-    pairs of requests finish together while the next pair's prefill takes free rows. Their rows
-    (and state slots) wait for their extra step, so its token's KV and the end snapshot after it
-    are the request's own: every conversation's next turn hits all of its first turn and gives
-    transformers' tokens and logprobs."""
+    short requests on shared prefixes finish in pairs while new ones are admitted. A finished
+    request's row and state slot wait for its extra step (no forward finds a row of its batch
+    handed on), so that step's token's KV and the end snapshot after it are the request's own:
+    the next turns hit through that token and give transformers' tokens and logprobs. (This
+    workload did not hand a row on even without the wait: tests/unit/test_overlap_row_reuse.py
+    is the one that forces it, on the dense path the rows share.)"""
     engine = _engine(next_dir, max_running_requests=12, chunked_prefill_size=256, enable_mixed_chunk=True,
                      disable_overlap_schedule=False)
     gate, rng = LateForwards(engine.scheduler), random.Random(3)
