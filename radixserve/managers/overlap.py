@@ -25,7 +25,7 @@ from typing import Any, Callable, Deque, List, Optional, Tuple
 
 import torch
 
-from radixserve.mem_cache.kv_ledger import KVLedger
+from radixserve.mem_cache.kv_ledger import ForwardFence, KVLedger
 from radixserve.speculative.overlap_view import DecodeView, ExtendView, decode_view, decode_worker_batch
 
 
@@ -181,12 +181,17 @@ class TpModelWorkerClient:
         self.future_map = FutureMap(max_running_requests, chunked_prefill_size, context_len, tp_worker.device)
         # (what processing a batch's result needs, its PendingResult), in launch order
         self.result_queue: Deque[Tuple[Any, PendingResult]] = deque()
+        # Batches launched and done: rows freed meanwhile wait for the ones in flight (the ledger's).
+        self.fence = ForwardFence()
+        if ledger is not None:
+            ledger.defer_row_frees(self.fence)
 
     def launch(self, batch: Any, worker_batch: Any) -> torch.Tensor:
         """Queue the forward of `batch` (a detached copy is kept for its result); returns the
         placeholders of its sampled tokens."""
         future_indices = self.future_map.alloc_future_indices(batch.batch_size())
         pending = PendingResult()
+        self.fence.launched += 1
         self.forward_thread.submit(self._forward, worker_batch, future_indices, pending)
         self.result_queue.append((batch.copy(), pending))
         return -future_indices
@@ -203,6 +208,7 @@ class TpModelWorkerClient:
         else:
             make_view = functools.partial(ExtendView, list(batch.reqs), batch.forward_mode)
             lens_before = [len(r.origin_input_ids) + len(r.output_ids) for r in batch.reqs]
+        self.fence.launched += 1
         self.forward_thread.submit(self._forward_spec, spec_worker, make_view, worker_batch, lens_before,
                                    future_indices, pending)
         self.result_queue.append((batch.copy(), pending))
@@ -246,6 +252,9 @@ class TpModelWorkerClient:
         stats.results_processed_while_busy += self.forward_thread.busy.is_set()
         t0 = time.perf_counter()
         result = pending.wait()
+        self.fence.done += 1  # (in launch order: every batch before it is done too)
+        if self.ledger is not None:
+            self.ledger.collect_deferred_rows()  # the rows freed while it was in flight, back now
         stats.wait_s += time.perf_counter() - t0
         return batch, result
 

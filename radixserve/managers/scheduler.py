@@ -439,7 +439,8 @@ class Scheduler:
         return self.pp.slots if self.pp is not None else [self.loop.slot]
 
     def get_num_allocatable_reqs(self, running_bs: int) -> int:
-        limit = self.request_limit() - running_bs
+        # Free rows too: in the overlap loop a finished request's row waits for its extra step.
+        limit = min(self.request_limit() - running_bs, self.ledger.free_rows())
         if self.server_args.prefill_max_requests is not None:
             limit = min(limit, self.server_args.prefill_max_requests)
         return limit

@@ -165,7 +165,9 @@ def check_pools_idle(tree_cache: BasePrefixCache, token_to_kv_pool_allocator: An
     request row is free (DESIGN.md's conservation invariant)."""
     available = token_to_kv_pool_allocator.available_size()
     evictable, protected = tree_cache.evictable_size(), tree_cache.protected_size()
-    free_rows, rows = req_to_token_pool.available_size(), req_to_token_pool.size
+    # Rows freed while a batch is in flight (the overlap loop's extra step) wait for it: no request's.
+    deferred = req_to_token_pool.deferred_size()
+    free_rows, rows = req_to_token_pool.available_size() + deferred, req_to_token_pool.size
     if available + evictable != max_total_num_tokens or protected != 0:
         raise MemoryLeakError(f"KV cache memory leak detected! available={available}, evictable={evictable}, "
                               f"protected={protected}, total={max_total_num_tokens}")
@@ -173,9 +175,9 @@ def check_pools_idle(tree_cache: BasePrefixCache, token_to_kv_pool_allocator: An
         raise MemoryLeakError(f"req_to_token_pool leak detected! free rows={free_rows}, size={rows}")
     state_pool = getattr(req_to_token_pool, "mamba_pool", None)  # a hybrid model's (mamba_pool.py)
     snapshots = len(tree_cache.all_mamba_values_flatten())  # the hybrid radix cache's, unlocked when idle
-    if state_pool is not None and state_pool.available_size() + snapshots != state_pool.size:
+    if state_pool is not None and state_pool.available_size() + snapshots + deferred != state_pool.size:
         raise MemoryLeakError(f"state pool leak detected! free slots={state_pool.available_size()}, "
-                              f"snapshots={snapshots}, size={state_pool.size}")
+                              f"snapshots={snapshots}, deferred rows' slots={deferred}, size={state_pool.size}")
     tree_cache.check_other_tiers(thorough=False)  # the page-by-page check is --test-check-memory's
 
 

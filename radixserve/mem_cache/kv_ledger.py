@@ -28,7 +28,7 @@ from radixserve.mem_cache.base_prefix_cache import (
 )
 from radixserve.mem_cache.mamba_pool import MambaPool
 from radixserve.mem_cache.mamba_radix_cache import MambaRadixCache
-from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from radixserve.mem_cache.memory_pool import ForwardFence, MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from radixserve.mem_cache.radix_cache import TreeNode
 
 
@@ -148,6 +148,17 @@ class KVLedger:
 
     def free_row(self, row: int) -> None:
         self.req_to_token_pool.free(row)
+
+    def defer_row_frees(self, fence: ForwardFence) -> None:
+        """The overlap loop: a row freed while batches are in flight (a finished request's extra
+        step, a preempted request's last step) goes back once they are done, since their forwards
+        read the row in place. So that step computes its token's KV over the request's own tokens
+        (the tree keeps that KV, and a hybrid model's end snapshot the state after it)."""
+        self.req_to_token_pool.fence = fence
+
+    def collect_deferred_rows(self) -> None:
+        """Rows (and their state slots) whose in-flight batches are done go back to the pool."""
+        self.req_to_token_pool.collect_deferred()
 
     def row(self, req: LedgerReq) -> torch.Tensor:
         """The request's row of slot indices (host copy)."""
@@ -302,6 +313,7 @@ class KVLedger:
         pool, cache = self.state_pool, self.snapshot_cache
         if pool is None:
             return True
+        self.req_to_token_pool.collect_deferred()  # rows (and their slots) whose batches are done
         if cache is not None and pool.available_size() < num_states:
             cache.evict_mamba(num_states - pool.available_size())
         return pool.available_size() >= num_states
@@ -315,13 +327,16 @@ class KVLedger:
     def mamba_token_info(self) -> "MambaTokenInfo":
         """Both pools' use (SGLang's _get_mamba_token_info)."""
         cache, pool = self.snapshot_cache, self.state_pool
+        deferred = self.req_to_token_pool.deferred_size()  # (first: it returns the rows whose batches are done)
         full_available, full_evictable = self.allocator.available_size(), self.tree_cache.evictable_size()
         mamba_available = pool.available_size()
         mamba_evictable = cache.mamba_evictable_size() if cache is not None else 0
         return MambaTokenInfo(
             full_num_used=self.allocator.size - full_available - full_evictable, full_size=self.allocator.size,
             full_available=full_available, full_evictable=full_evictable,
-            mamba_num_used=pool.size - mamba_available - mamba_evictable, mamba_size=pool.size,
+            # (a row freed while a batch is in flight keeps its slot until that batch is done: no request's)
+            mamba_num_used=pool.size - mamba_available - mamba_evictable - deferred,
+            mamba_size=pool.size,
             mamba_available=mamba_available, mamba_evictable=mamba_evictable,
             mamba_snapshots=len(cache.all_mamba_values_flatten()) if cache is not None else 0)
 

@@ -26,7 +26,7 @@ writes the slot's previous owner's state.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Union
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -126,6 +126,7 @@ class HybridReqToTokenPool(ReqToTokenPool):
         self.mamba_index_cpu: List[int] = [0] * size
 
     def alloc(self, need_size: int = 1) -> Optional[List[int]]:
+        self.collect_deferred()
         if need_size > min(len(self.free_slots), self.mamba_pool.available_size()):
             return None
         rows = super().alloc(need_size)
@@ -134,14 +135,15 @@ class HybridReqToTokenPool(ReqToTokenPool):
         self._map(rows, slots)
         return rows
 
-    def free(self, free_index: Union[int, List[int]]) -> None:
-        rows = [free_index] if isinstance(free_index, int) else list(free_index)
+    def _release_rows(self, rows: List[int]) -> None:
+        """The rows and their state slots go back (a deferred free too: the extra step of the
+        overlap loop wrote the slot, and nobody else may until it ran)."""
         slots = [self.mamba_index_cpu[r] for r in rows]
         if any(s == 0 for s in slots):
             raise RuntimeError(f"free of request rows {rows[:4]} that hold no state slot (double free?)")
         self.mamba_pool.free(slots)
         self._map(rows, [0] * len(rows))
-        super().free(rows)
+        super()._release_rows(rows)
 
     def clear(self) -> None:
         super().clear()

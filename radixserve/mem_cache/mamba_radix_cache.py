@@ -13,14 +13,12 @@ layer's conv and temporal state after the node's last token); a node without one
 Snapshots are taken where the state is exact: after a chunk of a chunked prefill
 (cache_unfinished_req) and at a request's end (cache_finished_req), and only where the inserted
 key ends where the request's state does (its kv_committed_len: every forward launched so far has
-advanced the state that far). Not at the end of a request whose last token an extra step of the
-overlap loop fed (still queued when the request finishes): that step's attention reads the rows
-in place, and the finished request's row may be handed to a new request before it runs, so that
-token's KV stays out of the tree too (deferring the row's free until the extra step is done would
-lift this; SGLang keeps a second state buffer). The copy into a fresh slot, and the restore of a
-snapshot into an admitted request's own slot (restore_prefix_states), run on io_thread when set:
-in order with the overlap loop's forwards, which write the slots in place. (The model turns this
-cache off under the overlap loop for now: models/qwen3_next.py, check_hybrid_server_args.)
+advanced the state that far). At the end of a request whose last token an extra step of the
+overlap loop feeds (still queued when the request finishes), that token is in: the step reads
+the request's own row (a row freed while batches are in flight waits for them: ForwardFence in
+memory_pool.py), and the snapshot's copy runs after it. The copy into a fresh slot, and the
+restore of a snapshot into an admitted request's own slot (restore_prefix_states), run on
+io_thread when set: in order with the overlap loop's forwards, which write the slots in place.
 
 Eviction: evicting a leaf (KV pressure) frees its snapshot with it, tombstone leaves first (they
 serve no hit); under state-pool pressure evict_mamba drops snapshots alone, inner nodes' first
@@ -32,8 +30,6 @@ running request's lock is on (mamba_lock_ref: the node itself only, as SGLang's)
 from __future__ import annotations
 
 from typing import Callable, List, Optional
-
-import torch
 
 from radixserve.mem_cache.base_prefix_cache import CacheReq, MatchResult, extra_key_of, kv_committed_len
 from radixserve.mem_cache.mamba_pool import HybridReqToTokenPool
@@ -105,20 +101,12 @@ class MambaRadixCache(RadixCache):
         row = req.req_pool_idx
         state_slot = self.req_to_token_pool.mamba_index_cpu[row]
         kv_len = kv_committed_len(req)
-        # kv_len == every token: the overlap loop's extra step fed the last one and may still be
-        # queued. Its attention reads the rows in place, and this row, freed here, may be handed to
-        # a new request before it runs: neither the state nor the KV it leaves is to be trusted,
-        # so that token stays out of the tree (its slot goes back) and its end gets no snapshot.
-        extra_step = kv_len == len(req.origin_input_ids) + len(req.output_ids)
-        if extra_step:
-            extra_slot = self.req_to_token_pool.req_to_token_cpu[row, kv_len - 1 : kv_len].to(torch.int64)
-            kv_len -= 1
-            req.kv_committed_len = kv_len  # (a finished request: nothing reads it after this)
+        # kv_len may count the token the overlap loop's extra step feeds (still queued): the copy
+        # below runs after it, and the row waits for it (ReqToTokenPool.fence), so that step reads
+        # this request's own row and leaves the state after every one of the kv_len tokens.
         keys = self._page_align((list(req.origin_input_ids) + list(req.output_ids))[:kv_len])
         super().cache_finished_req(req, is_insert)  # frees the row: its slot is read below, in order
-        if extra_step and kv_len % self.page_size == 0:  # (else its page went with the unaligned tail)
-            self.token_to_kv_pool_allocator.free(extra_slot)
-        if is_insert and not self.disable and not extra_step and 0 < len(keys) == kv_len:
+        if is_insert and not self.disable and 0 < len(keys) == kv_len:
             _, node = self._match_prefix_helper(keys, extra_key_of(req))
             self._take_snapshot(node, state_slot)
 
@@ -145,6 +133,7 @@ class MambaRadixCache(RadixCache):
         self.snapshot_nodes.add(node)
 
     def alloc_mamba_slot(self) -> Optional[int]:
+        self.req_to_token_pool.collect_deferred()  # rows' slots whose batches are done first
         if self.mamba_pool.available_size() == 0:
             self.evict_mamba(1)
         slots = self.mamba_pool.alloc(1)

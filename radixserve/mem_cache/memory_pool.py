@@ -10,11 +10,27 @@ padded positions and garbage decode rows point at, so writes to it are harmless.
 
 from __future__ import annotations
 
-from typing import List, Optional, Union
+from collections import deque
+from dataclasses import dataclass
+from typing import Deque, List, Optional, Tuple, Union
 
 import torch
 
 from radixserve.layers import cpu_kernels
+
+
+@dataclass
+class ForwardFence:
+    """The overlap loop's batches launched and done (their results popped, so the device is past
+    them). The forward reads req_to_token in place: a row freed while batches are in flight (a
+    request that finished while its extra step is queued) may still be read by them, so it goes
+    back to the pool only once they are done."""
+
+    launched: int = 0
+    done: int = 0
+
+    def in_flight(self) -> bool:
+        return self.done < self.launched
 
 
 class ReqToTokenPool:
@@ -34,20 +50,41 @@ class ReqToTokenPool:
         self.req_to_token_cpu = self.req_to_token if self.req_to_token.device.type == "cpu" else \
             torch.zeros((size, max_context_len), dtype=torch.int32)
         self.free_slots: List[int] = list(range(size))
+        # The overlap loop (KVLedger.defer_row_frees): rows freed while batches were in flight, with
+        # the launch count then; they go back once that many batches are done.
+        self.fence: Optional[ForwardFence] = None
+        self.deferred: Deque[Tuple[int, List[int]]] = deque()
 
     def available_size(self) -> int:
+        self.collect_deferred()
         return len(self.free_slots)
 
     def alloc(self, need_size: int = 1) -> Optional[List[int]]:
+        self.collect_deferred()
         if need_size > len(self.free_slots):
             return None
         out, self.free_slots = self.free_slots[:need_size], self.free_slots[need_size:]
         return out
 
     def free(self, free_index: Union[int, List[int]]) -> None:
-        if isinstance(free_index, int):
-            free_index = [free_index]
-        self.free_slots.extend(free_index)
+        rows = [free_index] if isinstance(free_index, int) else list(free_index)
+        if self.fence is not None and self.fence.in_flight():
+            self.deferred.append((self.fence.launched, rows))
+        else:
+            self._release_rows(rows)
+
+    def deferred_size(self) -> int:
+        """Rows no request holds that wait for the batches in flight (free once they are done)."""
+        self.collect_deferred()
+        return sum(len(rows) for _, rows in self.deferred)
+
+    def collect_deferred(self) -> None:
+        """Rows whose in-flight batches are done go back to the pool."""
+        while self.deferred and self.deferred[0][0] <= self.fence.done:
+            self._release_rows(self.deferred.popleft()[1])
+
+    def _release_rows(self, rows: List[int]) -> None:
+        self.free_slots.extend(rows)
 
     def write(self, indices, values: torch.Tensor) -> None:
         """req_to_token[indices] = values in both copies (indices: what a tensor's [] takes)."""
@@ -70,6 +107,7 @@ class ReqToTokenPool:
 
     def clear(self) -> None:
         self.free_slots = list(range(self.size))
+        self.deferred.clear()
 
 
 class TokenToKVPoolAllocator:

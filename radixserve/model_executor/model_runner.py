@@ -81,7 +81,7 @@ class ModelRunner:
         # not run with, before loading anything.
         self.is_hybrid = hasattr(MODEL_REGISTRY.get(model_config.architecture), "mamba_state_shape")
         if self.is_hybrid:
-            check_hybrid_server_args(server_args, model_config.model_path or model_config.architecture, self.device)
+            check_hybrid_server_args(server_args, model_config.model_path or model_config.architecture)
         if getattr(MODEL_REGISTRY.get(model_config.architecture), "takes_images", False):
             check_vision_server_args(server_args, model_config.model_path or model_config.architecture)
         if self.device == "cpu":

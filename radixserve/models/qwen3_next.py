@@ -17,7 +17,6 @@ is skipped, as speculative decoding is refused."""
 
 from __future__ import annotations
 
-import logging
 from typing import Callable, Iterable, Iterator, List, Optional, Tuple, Type
 
 import torch
@@ -38,9 +37,6 @@ from radixserve.models.qwen3_moe import check_experts_loaded, is_sparse_layer, l
 from radixserve.models.weight_utils import NamedWeight, load_named_weights
 from radixserve.server_args import ServerArgs
 
-
-logger = logging.getLogger(__name__)
-
 LINEAR, FULL = "linear_attention", "full_attention"
 
 
@@ -56,11 +52,9 @@ def layer_types(cfg: dict) -> List[str]:
     return list(types)
 
 
-def check_hybrid_server_args(args: ServerArgs, where: str, device: str) -> None:
+def check_hybrid_server_args(args: ServerArgs, where: str) -> None:
     """What a hybrid (linear + full attention) model does not run with yet: one line each. Its
-    prefix cache is the hybrid radix cache (mem_cache/mamba_radix_cache.py), in the normal loop
-    only: under the overlap loop it is turned off with one log line (a storm of aborts and
-    retractions on shared prefixes gave a wrong token there, not yet explained)."""
+    prefix cache is the hybrid radix cache (mem_cache/mamba_radix_cache.py), in both loops."""
     refused = [
         (args.speculative_algorithm is not None, "--speculative-algorithm",
          "a rejected draft would have to roll the linear layers' states back"),
@@ -74,10 +68,6 @@ def check_hybrid_server_args(args: ServerArgs, where: str, device: str) -> None:
     for on, what, why in refused:
         if on:
             raise LoadError(f"{where}: a hybrid linear-attention model does not run with {what} yet ({why})")
-    if not args.disable_radix_cache and args.overlap_schedule_enabled(device):
-        logger.info("%s: hybrid linear-attention model in the overlap loop: prefix cache off "
-                    "(--disable-overlap-schedule serves it with the hybrid radix cache)", where)
-        args.disable_radix_cache = True
 
 
 class Qwen3NextAttention(nn.Module):

@@ -25,7 +25,6 @@ from radixserve import Engine
 from radixserve.hf_transformers_utils import LoadError
 from radixserve.layers.gated_delta_net import GatedDeltaNet
 from radixserve.layers.moe import SparseMoeBlock
-from radixserve.mem_cache.chunk_cache import ChunkCache
 from radixserve.mem_cache.mamba_radix_cache import MambaRadixCache
 from radixserve.mem_cache.mamba_pool import HybridReqToTokenPool, MambaPool, MambaStateShape
 from radixserve.models.model_config import ModelConfig
@@ -203,8 +202,7 @@ def test_the_engine_greedy_matches_transformers(next_dir, hf, loop):
     engine = Engine(next_dir, dtype="float32", skip_tokenizer_init=True, chunked_prefill_size=16,
                     max_total_tokens=2048, test_check_memory=True, **loop)
     try:
-        overlap = not loop["disable_overlap_schedule"]  # (its prefix cache is off there: test_hybrid_radix_cache.py)
-        assert isinstance(engine.scheduler.tree_cache, ChunkCache if overlap else MambaRadixCache)
+        assert isinstance(engine.scheduler.tree_cache, MambaRadixCache)  # in both loops
         prompts = [LONG, SHORT, MID]
         outs = engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 8, "temperature": 0},
                                return_logprob=True, progress=False)
@@ -230,7 +228,7 @@ def test_state_slots_conserved_under_aborts_and_retractions(next_dir, hf, overla
                     disable_overlap_schedule=not overlap, test_check_memory=True)
     sched = engine.scheduler
     pool = sched.req_to_token_pool.mamba_pool
-    assert sched.max_running_requests == 3 and pool.size == (4 if overlap else 8)  # 4 rows' slots (+ 4 for snapshots)
+    assert sched.max_running_requests == 3 and pool.size == 8  # 4 rows' slots + 4 for snapshots
     rng = random.Random(2)
     prompts = [LONG] + [[rng.randrange(512) for _ in range(rng.randint(5, 40))] for _ in range(7)]
     try:

@@ -5,7 +5,8 @@ import random
 import pytest
 import torch
 
-from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from radixserve.mem_cache.mamba_pool import HybridReqToTokenPool, MambaPool, MambaStateShape
+from radixserve.mem_cache.memory_pool import ForwardFence, MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 
 
 # ---- TokenToKVPoolAllocator ------------------------------------------------------------
@@ -268,6 +269,27 @@ def test_req_to_token_pool_alloc_free():
 
 
 # ---- MHATokenToKVPool ------------------------------------------------------------------
+def test_a_row_freed_while_batches_are_in_flight_waits_for_them():
+    """The overlap loop's fence: a row (and a hybrid row's state slot) freed while batches are in
+    flight is handed out again only once those batches are done; the idle checks count it free."""
+    shape = MambaStateShape(num_layers=1, conv_dim=2, conv_kernel=2, num_heads=1, head_k_dim=1, head_v_dim=1)
+    for pool in (ReqToTokenPool(3, 8), HybridReqToTokenPool(3, 8, MambaPool(3, shape, torch.float32))):
+        fence = ForwardFence()
+        pool.fence = fence
+        a, b, c = pool.alloc(3)
+        fence.launched = 2  # batches 1 and 2 in flight (both read row a)
+        pool.free(a)
+        assert pool.available_size() == 0 and pool.deferred_size() == 1 and pool.alloc(1) is None
+        if isinstance(pool, HybridReqToTokenPool):
+            assert pool.mamba_index_cpu[a] != 0 and pool.mamba_pool.available_size() == 0  # its slot waits too
+        fence.done = 1  # batch 2 still in flight
+        assert pool.available_size() == 0
+        fence.done = 2
+        assert pool.deferred_size() == 0 and pool.alloc(1) == [a]
+        pool.free([a, b, c])  # nothing in flight: back at once
+        assert pool.available_size() == 3
+
+
 def test_mha_kv_pool_set_get():
     page_size = 4
     pool = MHATokenToKVPool(
