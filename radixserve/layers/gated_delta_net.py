@@ -56,20 +56,24 @@ class LinearAttnMetadata:
     pad_rows: torch.Tensor
     pad_cols: torch.Tensor
     padded_len: int
+    # False for a speculative verify: its drafts may be rejected, so the states are read, not
+    # written; the accepted tokens advance them afterwards (speculative/linear_state.py)
+    write_states: bool = True
 
     @classmethod
     def build(cls, state_slots: torch.Tensor, is_decode: bool, extend_lens: List[int],
-              prefix_lens: List[int]) -> "LinearAttnMetadata":
+              prefix_lens: List[int], write_states: bool = True) -> "LinearAttnMetadata":
         device = state_slots.device
         bs = len(extend_lens)
         has_initial = torch.tensor([p > 0 for p in prefix_lens], dtype=torch.bool, device=device)
         if is_decode:
             empty = torch.empty(0, dtype=torch.int64, device=device)
-            return cls(state_slots, True, extend_lens, has_initial, empty, empty, 1)
+            return cls(state_slots, True, extend_lens, has_initial, empty, empty, 1, write_states)
         lens = torch.tensor(extend_lens, dtype=torch.int64)
         rows = torch.repeat_interleave(torch.arange(bs), lens)
         cols = torch.arange(int(lens.sum())) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
-        return cls(state_slots, False, extend_lens, has_initial, rows.to(device), cols.to(device), max(extend_lens))
+        return cls(state_slots, False, extend_lens, has_initial, rows.to(device), cols.to(device), max(extend_lens),
+                   write_states)
 
 
 class RMSNormGated(nn.Module):
@@ -117,7 +121,8 @@ def causal_conv1d(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tenso
     # The new state: each request's last K - 1 inputs (its prev ones where it has fewer tokens).
     lens = torch.tensor(meta.extend_lens, dtype=torch.int64, device=x.device)
     tail = seqs[torch.arange(bs, device=x.device)[:, None], lens[:, None] + torch.arange(keep, device=x.device)[None, :]]
-    conv_state[slots] = tail.to(conv_state.dtype)
+    if meta.write_states:
+        conv_state[slots] = tail.to(conv_state.dtype)
     return F.silu(out)
 
 
@@ -279,7 +284,8 @@ class GatedDeltaNet(nn.Module):
                 out, state = recurrent_gated_delta_step(q, k, v, g, beta, state)
             else:
                 out, state = self._extend(q, k, v, g, beta, state, meta)
-            temporal_state[slots] = state
+            if meta.write_states:
+                temporal_state[slots] = state
         out = self.norm.forward(out.to(hidden_states.dtype), z)
         return self.out_proj.forward(out.reshape(T, self.value_dim))
 

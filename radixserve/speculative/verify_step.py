@@ -21,6 +21,7 @@ from radixserve.distributed.parallel_state import get_tp_group
 from radixserve.model_executor.forward_batch import ForwardMode, ModelWorkerBatch
 from radixserve.model_executor.tp_worker import GenerationBatchResult
 from radixserve.model_executor.worker_protocol import TargetWorker
+from radixserve.speculative.linear_state import advance_linear_states, has_linear_states
 from radixserve.speculative.overlap_view import DecodeView
 from radixserve.speculative.spec_info import ChainVerifyInput, ChainVerifyOutput
 from radixserve.speculative.tree import TreeDrafts, accepted_kv_moves, verify_tree
@@ -102,7 +103,10 @@ def run_tree_verify_step(target_worker: TargetWorker, batch: Any, worker_batch: 
     tgt, src = accepted_kv_moves(drafts, paths, verify_batch.out_cache_loc)
     if len(tgt):
         batch.ledger.move_kv(tgt, src)
+    last_tokens, prefix_lens = batch.input_ids.tolist(), [s - 1 for s in batch.seq_lens_cpu]
     commit(batch, drafts, out)
+    if has_linear_states(target_worker):  # the verify left the states: the committed tokens advance them
+        advance_linear_states(target_worker, batch, worker_batch, last_tokens, prefix_lens, out.token_ids)
     return out, paths, out_logits.hidden_states
 
 
