@@ -237,7 +237,8 @@ def check_head(head: Any, target: Any, path: str) -> None:
     """ValueError (one line) unless `path` holds an EAGLE head (or MTP layers) of the target's width."""
     if head.architecture != "LlamaForCausalLMEagle" and head.architecture not in MTP_ARCHITECTURES.values():
         raise ValueError(f"--speculative-draft-model-path {path}: architecture {head.architecture!r} is not an EAGLE "
-                         "head (LlamaForCausalLMEagle); a smaller full model is --speculative-algorithm STANDALONE")
+                         "head (LlamaForCausalLMEagle) nor a checkpoint with MTP layers (NEXTN: Qwen3-Next, Qwen3.5); a smaller "
+                         "full model is --speculative-algorithm STANDALONE")
     if head.hidden_size != target.hidden_size:
         raise ValueError(f"--speculative-draft-model-path {path}: hidden size {head.hidden_size}, the target's is "
                          f"{target.hidden_size} (the head reads the target's hidden states)")

@@ -25,7 +25,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from hf_utils import load_hf
+from hf_utils import load_hf, make_runner
 from test_qwen3_5 import FAMILIES as QWEN3_5_FAMILIES
 from test_qwen3_next import CONFIG, LONG, MID, SHORT, TOL, make_next_dir
 
@@ -233,6 +233,20 @@ def test_what_speculation_on_a_hybrid_model_does_not_run_with_is_refused(agreein
         _engine(model_dir, **flags)
     msg = str(e.value)
     assert "\n" not in msg and what in msg
+
+
+def test_the_mtp_layers_kv_comes_off_the_budget(agreeing):
+    """Every slot holds the target's full-attention KV and the MTP layer's: the pool's slots are
+    the budget over both (the MTP layer's, not the whole model's layers)."""
+    model_dir, _ = agreeing
+    budget = 8 * 2**20
+    args = dict(max_total_tokens=None, cpu_kv_cache_bytes=budget, max_running_requests=16)
+    plain = make_runner(model_dir, **args)
+    spec = make_runner(model_dir, speculative_algorithm="NEXTN", **args, **CHAIN)
+    state = plain.mamba_pool.mem_bytes()
+    per_layer = 2 * 2 * 16 * 4  # K and V, 2 KV heads of 16 floats
+    assert plain.max_total_num_tokens == (budget - state) // per_layer
+    assert spec.max_total_num_tokens == (budget - state) // (2 * per_layer)  # + the one MTP layer
 
 
 def test_nextn_on_a_checkpoint_without_mtp_layers_is_refused(tmp_path):
