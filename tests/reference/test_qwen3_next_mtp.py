@@ -25,6 +25,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
+from eagle_head import make_random_eagle_head
 from hf_utils import load_hf, make_runner
 from test_qwen3_5 import FAMILIES as QWEN3_5_FAMILIES
 from test_qwen3_next import CONFIG, LONG, MID, SHORT, TOL, make_next_dir
@@ -123,12 +124,17 @@ def _generate(engine: Engine, prompts: List[List[int]]) -> List[dict]:
     return engine.generate(input_ids=prompts, sampling_params=PARAMS, return_logprob=True, progress=False)
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
-def test_an_agreeing_mtp_layer_gets_drafts_accepted_and_outputs_stay_exact(agreeing, overlap):
-    """Batched and alone: transformers' tokens and logprobs, most drafts accepted, some rejected
-    (the states' rollback is exercised: a rejected draft folded into them moves the logprobs)."""
+LOOPS = {"normal": dict(overlap=False), "overlap": dict(overlap=True),
+         "normal_forced_retract": dict(overlap=False, test_retract_interval=3)}
+
+
+@pytest.mark.parametrize("loop", list(LOOPS))
+def test_an_agreeing_mtp_layer_gets_drafts_accepted_and_outputs_stay_exact(agreeing, loop):
+    """Batched and alone (radix hits of the batched prompts in the normal loop): transformers'
+    tokens and logprobs, most drafts accepted, some rejected (the states' rollback is exercised:
+    a rejected draft folded into them moves the logprobs); retracted requests restart exact."""
     model_dir, hf = agreeing
-    engine = _engine(model_dir, overlap, speculative_algorithm="NEXTN", **CHAIN)
+    engine = _engine(model_dir, speculative_algorithm="NEXTN", **LOOPS[loop], **CHAIN)
     try:
         assert isinstance(engine.scheduler.spec_worker.draft_runner.model, Qwen3NextForCausalLMMTP)
         batched = _generate(engine, PROMPTS)
@@ -137,6 +143,8 @@ def test_an_agreeing_mtp_layer_gets_drafts_accepted_and_outputs_stay_exact(agree
         state = engine.scheduler.internal_state()
     finally:
         engine.shutdown()
+    if "retract" in loop:
+        assert state["num_retractions"] > 0
     _check_against_transformers(hf, PROMPTS, batched)
     _check_against_transformers(hf, PROMPTS[:2], alone)
     metas = [o["meta_info"] for o in batched + alone]
@@ -165,6 +173,20 @@ def test_a_random_mtp_layer_is_rejected_and_outputs_equal_speculation_off(disagr
         for (lp, tok, _), (rlp, rtok, _) in zip(s["meta_info"]["output_token_logprobs"], p["meta_info"]["output_token_logprobs"]):
             assert tok == rtok and lp == pytest.approx(rlp, abs=TOL)
     _check_against_transformers(hf, PROMPTS, spec)
+
+
+def test_an_eagle_head_drafts_for_a_hybrid_target_too(disagreeing, tmp_path):
+    """The states' handling is the verify step's, not the MTP draft's: a (random) EAGLE head on a
+    hybrid target gives transformers' outputs as well."""
+    model_dir, hf = disagreeing
+    head = make_random_eagle_head(ModelConfig.from_pretrained(model_dir).hf_config, str(tmp_path / "head"))
+    engine = _engine(model_dir, speculative_algorithm="EAGLE", speculative_draft_model_path=head, **CHAIN)
+    try:
+        outs = _generate(engine, PROMPTS[:3])
+        assert engine.scheduler.internal_state()["spec_num_proposed_drafts"] > 0
+    finally:
+        engine.shutdown()
+    _check_against_transformers(hf, PROMPTS[:3], outs)
 
 
 def test_the_mtp_layer_computes_what_its_modules_do(agreeing, family):
