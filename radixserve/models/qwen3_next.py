@@ -173,11 +173,13 @@ class Qwen3NextModel(nn.Module):
         slots = forward_batch.mamba_state_slots
         if slots is None:
             slots = forward_batch.req_to_token_pool.mamba_indices(forward_batch.req_pool_indices)
-        # A verify (a chain of drafts: trees are refused at start) reads the states and leaves them:
-        # the accepted tokens advance them after the acceptance (speculative/linear_state.py).
-        mode = forward_batch.forward_mode
-        meta = LinearAttnMetadata.build(slots, mode.is_decode(), forward_batch.extend_seq_lens_cpu,
-                                        forward_batch.extend_prefix_lens_cpu, write_states=not mode.is_target_verify())
+        # A verify (a chain of drafts: trees are refused at start) reads the states and leaves them,
+        # its layers' traces let the accepted tokens advance them (speculative/linear_state.py).
+        traces = forward_batch.linear_traces if forward_batch.forward_mode.is_target_verify() else None
+        if forward_batch.forward_mode.is_target_verify() and traces is None:
+            raise RuntimeError("a hybrid model's verify forward needs linear_traces (its states advance by them)")
+        meta = LinearAttnMetadata.build(slots, forward_batch.forward_mode.is_decode(), forward_batch.extend_seq_lens_cpu,
+                                        forward_batch.extend_prefix_lens_cpu, traces)
         hidden_states, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             hidden_states, residual = layer.forward(positions, hidden_states, residual, forward_batch, meta)

@@ -96,17 +96,19 @@ def run_tree_verify_step(target_worker: TargetWorker, batch: Any, worker_batch: 
     locs = alloc_draft_slots(batch, drafts.num_drafts) if any(drafts.num_drafts) else \
         [torch.empty(0, dtype=torch.int64)] * len(batch.reqs)
     verify_batch = verify_batch_of(batch, worker_batch, drafts.tokens, drafts.extend_lens, locs)
-    verify_batch = dataclasses.replace(verify_batch, spec_tree=drafts.tree, capture_hidden_states=capture_hidden)
+    # A hybrid target's verify leaves its linear-attention states; its traces advance them below.
+    traces = {} if has_linear_states(target_worker) else None
+    verify_batch = dataclasses.replace(verify_batch, spec_tree=drafts.tree, capture_hidden_states=capture_hidden,
+                                       linear_traces=traces)
     out_logits = target_worker.forward_batch_generation(verify_batch, skip_sample=True).logits_output
     out, paths = rank0_outcome(verify_tree(out_logits.all_logits, batch.sampling_info, drafts, worker_batch.token_bitmask,
                                            batch.return_logprob, batch.top_logprobs_nums if batch.return_logprob else None))
     tgt, src = accepted_kv_moves(drafts, paths, verify_batch.out_cache_loc)
     if len(tgt):
         batch.ledger.move_kv(tgt, src)
-    last_tokens, prefix_lens = batch.input_ids.tolist(), [s - 1 for s in batch.seq_lens_cpu]
+    if traces is not None:  # the states move on by the accepted tokens only
+        advance_linear_states(target_worker, traces, out.accept_lens)
     commit(batch, drafts, out)
-    if has_linear_states(target_worker):  # the verify left the states: the committed tokens advance them
-        advance_linear_states(target_worker, batch, worker_batch, last_tokens, prefix_lens, out.token_ids)
     return out, paths, out_logits.hidden_states
 
 
