@@ -25,7 +25,7 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 QUANTIZATION_METHODS = ("auto", "none", "gguf", "w8a8_int8")  # layers/quantization/
 GRAMMAR_BACKENDS = ("xgrammar", "none")
-SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE")  # SGLang's names
+SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "NEXTN")  # SGLang's names
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 HICACHE_IO_BACKENDS = ("direct", "kernel", "kernel_ascend")  # SGLang's; all one torch copy here
 HICACHE_MEM_LAYOUTS = ("layer_first", "page_first", "page_first_direct")  # SGLang's; layer_first here
@@ -422,6 +422,11 @@ class ServerArgs:
         """What speculative decoding runs with so far (one line each for what it does not)."""
         self.speculative_algorithm = str(self.speculative_algorithm).upper()
         _choice("--speculative-algorithm", self.speculative_algorithm, SPECULATIVE_ALGORITHMS)
+        if self.speculative_algorithm == "NEXTN":
+            # As SGLang: EAGLE's worker with the target checkpoint's own MTP layers as the draft
+            # (models/qwen3_next_mtp.py); the draft path is the model's unless given.
+            self.speculative_algorithm = "EAGLE"
+            self.speculative_draft_model_path = self.speculative_draft_model_path or self.model_path
         if self.speculative_algorithm == "EAGLE":
             self._check_eagle()
         elif self.speculative_algorithm == "STANDALONE":
@@ -623,9 +628,9 @@ FLAG_HELP = {
     "hicache_mem_layout": "HiCache: host pool layout, SGLang's values (layer_first, page_first, page_first_direct); accepted for SGLang's command lines, the host pool here is always layer_first ([2, layers, tokens, heads, dim])",
     "hicache_io_backend": "HiCache: host<->device copy backend, SGLang's values (direct, kernel, kernel_ascend); radixserve does every copy as a torch index copy, on the CPU a memory copy",
     "test_check_memory": "testing: after every scheduler step, check that every KV page is free, cached, or held by a live request",
-    "speculative_algorithm": f"speculative decoding: {', '.join(SPECULATIVE_ALGORITHMS)} (NGRAM: drafts from an n-gram cache of prompts and outputs, no extra weights; STANDALONE: a smaller draft model; EAGLE: a draft head on the target's hidden states, a token tree)",
+    "speculative_algorithm": f"speculative decoding: {', '.join(SPECULATIVE_ALGORITHMS)} (NGRAM: drafts from an n-gram cache of prompts and outputs, no extra weights; STANDALONE: a smaller draft model; EAGLE: a draft head on the target's hidden states, a token tree; NEXTN: EAGLE with the model's own multi-token-prediction layers, Qwen3-Next / Qwen3.5)",
     "speculative_num_draft_tokens": "tokens per request in one verify forward, the last sampled token included (drafts + 1); default: 4 for NGRAM, 8 for EAGLE; a chain (STANDALONE, topk 1): --speculative-num-steps + 1",
-    "speculative_draft_model_path": "STANDALONE: the draft model (a Hugging Face directory or a .gguf) with the target's tokenizer and vocabulary; EAGLE: the head's directory",
+    "speculative_draft_model_path": "STANDALONE: the draft model (a Hugging Face directory or a .gguf) with the target's tokenizer and vocabulary; EAGLE: the head's directory (or a Qwen3-Next / Qwen3.5 checkpoint: its MTP layers); NEXTN: the model's own unless given",
     "speculative_num_steps": f"draft forwards (the tree's depth) per step; default: {STANDALONE_DEFAULT_NUM_STEPS} for STANDALONE, {EAGLE_DEFAULTS[0]} for EAGLE",
     "speculative_eagle_topk": f"EAGLE: branches per node of the draft tree (1: a chain); default: {EAGLE_DEFAULTS[1]}; STANDALONE: 1",
     "speculative_ngram_min_match_window_size": "NGRAM: shortest suffix of a request's tokens looked up in the n-gram cache",

@@ -31,7 +31,7 @@ their states in its own MambaPool; out_proj is row-parallel (its all-reduce join
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +42,7 @@ from radixserve.layers import cpu_kernels
 from radixserve.layers.linear import ColumnParallelLinear, RowParallelLinear, StackedColumnParallelLinear, rank_parts
 
 CHUNK_SIZE = 64
+CONV_INPUTS = -1  # verify_traces' key of the conv inputs of the layer being run (its trace takes them)
 
 
 @dataclass
@@ -56,20 +57,64 @@ class LinearAttnMetadata:
     pad_rows: torch.Tensor
     pad_cols: torch.Tensor
     padded_len: int
+    # A speculative verify (its drafts may be rejected): the states are read, not written, and each
+    # layer records its VerifyTrace here (by layer_id) for advance_states once the drafts are judged
+    verify_traces: Optional[Dict[int, "VerifyTrace"]] = None
+
+    @property
+    def write_states(self) -> bool:
+        return self.verify_traces is None
 
     @classmethod
     def build(cls, state_slots: torch.Tensor, is_decode: bool, extend_lens: List[int],
-              prefix_lens: List[int]) -> "LinearAttnMetadata":
+              prefix_lens: List[int], verify_traces: Optional[Dict[int, "VerifyTrace"]] = None) -> "LinearAttnMetadata":
         device = state_slots.device
         bs = len(extend_lens)
         has_initial = torch.tensor([p > 0 for p in prefix_lens], dtype=torch.bool, device=device)
         if is_decode:
             empty = torch.empty(0, dtype=torch.int64, device=device)
-            return cls(state_slots, True, extend_lens, has_initial, empty, empty, 1)
+            return cls(state_slots, True, extend_lens, has_initial, empty, empty, 1, verify_traces)
         lens = torch.tensor(extend_lens, dtype=torch.int64)
         rows = torch.repeat_interleave(torch.arange(bs), lens)
         cols = torch.arange(int(lens.sum())) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
-        return cls(state_slots, False, extend_lens, has_initial, rows.to(device), cols.to(device), max(extend_lens))
+        return cls(state_slots, False, extend_lens, has_initial, rows.to(device), cols.to(device), max(extend_lens),
+                   verify_traces)
+
+
+@dataclass
+class VerifyTrace:
+    """What one linear layer's verify forward leaves to advance its states by any prefix of each
+    request's verify tokens, without a forward (advance_states). Per request b, verify token j:
+
+        S_j = exp(G_j) S_0 + sum_{i <= j} exp(G_j - G_i) k_i u_i^T
+
+    (the chunked rule's state after token j: S_0 the state before the verify, G the cumulative
+    log decay, u the delta-rule writes, which depend only on the tokens up to theirs), and the
+    conv state after token j is the K - 1 conv inputs ending at it. O(tokens) numbers per layer,
+    where keeping every token's state (SGLang's intermediate states) takes dk x dv per head."""
+
+    slots: torch.Tensor  # [bs] the requests' state slots
+    conv_inputs: torch.Tensor  # [bs, K - 1 + L, C]: the K - 1 inputs before the verify, then its tokens'
+    k: torch.Tensor  # [bs, H, L, dk] float32
+    u: torch.Tensor  # [bs, H, L, dv] float32
+    log_decay: torch.Tensor  # [bs, H, L] float32, G
+
+
+def advance_states(trace: VerifyTrace, conv_state: torch.Tensor, temporal_state: torch.Tensor,
+                   keep_lens: torch.Tensor) -> None:
+    """Move each request's states (this layer's pool tensors, untouched by the verify) on by its
+    first keep_lens[b] >= 1 verify tokens (its last token and the accepted drafts)."""
+    bs, heads, width = trace.log_decay.shape
+    last = (keep_lens.to(trace.k.device) - 1).clamp(0, width - 1)  # [bs] the last kept token
+    g_last = trace.log_decay.gather(2, last[:, None, None].expand(bs, heads, 1))  # [bs, H, 1]
+    kept = torch.arange(width, device=last.device)[None, :] <= last[:, None]  # [bs, L]
+    weight = (g_last - trace.log_decay).masked_fill(~kept[:, None, :], float("-inf")).exp()  # [bs, H, L]
+    s0 = temporal_state[trace.slots]
+    temporal_state[trace.slots] = g_last.exp()[..., None] * s0 + torch.einsum(
+        "bhl,bhlk,bhlv->bhkv", weight, trace.k, trace.u)
+    keep = conv_state.shape[1]
+    cols = (last + 1)[:, None] + torch.arange(keep, device=last.device)[None, :]
+    conv_state[trace.slots] = trace.conv_inputs[torch.arange(bs, device=last.device)[:, None], cols].to(conv_state.dtype)
 
 
 class RMSNormGated(nn.Module):
@@ -117,7 +162,10 @@ def causal_conv1d(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tenso
     # The new state: each request's last K - 1 inputs (its prev ones where it has fewer tokens).
     lens = torch.tensor(meta.extend_lens, dtype=torch.int64, device=x.device)
     tail = seqs[torch.arange(bs, device=x.device)[:, None], lens[:, None] + torch.arange(keep, device=x.device)[None, :]]
-    conv_state[slots] = tail.to(conv_state.dtype)
+    if meta.write_states:
+        conv_state[slots] = tail.to(conv_state.dtype)
+    else:  # a verify: its layer's trace keeps the inputs (advance_states takes the accepted ones)
+        meta.verify_traces[CONV_INPUTS] = seqs
     return F.silu(out)
 
 
@@ -169,6 +217,29 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         out[:, :, c] = q_decayed[:, :, c] @ state + qk[:, :, c] @ u
         state = state * chunk_decay[:, :, c] + k_to_end[:, :, c].transpose(-1, -2) @ u
     return out.reshape(B, H, n * chunk_size, -1)[:, :, :L], state
+
+
+def chunk_with_writes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      state: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """chunk_gated_delta_rule's one-chunk case (L <= CHUNK_SIZE, same shapes), returning instead of
+    the final state what gives the state after any token (VerifyTrace): (o, the writes U, G)."""
+    L = k.shape[2]
+    cum = g.cumsum(-1)  # G
+    causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    k_beta = k * beta[..., None]
+    a = (k_beta @ k.transpose(-1, -2)) * decay
+    solve = lambda rhs: torch.linalg.solve_triangular(a, rhs, upper=False, unitriangular=True)  # noqa: E731
+    u = solve(v * beta[..., None]) - solve(k_beta * cum.exp()[..., None]) @ state
+    out = (q * cum.exp()[..., None]) @ state + ((q @ k.transpose(-1, -2)) * decay) @ u
+    return out, u, cum
+
+
+def _padded(x: torch.Tensor, meta: LinearAttnMetadata) -> torch.Tensor:
+    """The batch's tokens [T, ...] as [bs, ..., padded_len, ...]: heads before positions."""
+    out = x.new_zeros(len(meta.extend_lens), meta.padded_len, *x.shape[1:])
+    out[meta.pad_rows, meta.pad_cols] = x
+    return out.transpose(1, 2)
 
 
 def decode_kernel(q: torch.Tensor) -> Optional[Callable[..., torch.Tensor]]:
@@ -277,24 +348,31 @@ class GatedDeltaNet(nn.Module):
             state = temporal_state[slots] * meta.has_initial_state[:, None, None, None]
             if meta.is_decode:
                 out, state = recurrent_gated_delta_step(q, k, v, g, beta, state)
-            else:
+            elif meta.write_states:
                 out, state = self._extend(q, k, v, g, beta, state, meta)
-            temporal_state[slots] = state
+            else:
+                out = self._verify(q, k, v, g, beta, state, meta)
+            if meta.write_states:
+                temporal_state[slots] = state
         out = self.norm.forward(out.to(hidden_states.dtype), z)
         return self.out_proj.forward(out.reshape(T, self.value_dim))
 
     @staticmethod
     def _extend(q, k, v, g, beta, state, meta: LinearAttnMetadata):
         """Pad the batch's requests to one length [bs, H, L, ...], run the chunked rule, unpad."""
-        bs, rows, cols, L = len(meta.extend_lens), meta.pad_rows, meta.pad_cols, meta.padded_len
-
-        def padded(x: torch.Tensor) -> torch.Tensor:
-            out = x.new_zeros(bs, L, *x.shape[1:])
-            out[rows, cols] = x
-            return out.transpose(1, 2)  # heads before positions
-
-        out, state = chunk_gated_delta_rule(padded(q), padded(k), padded(v), padded(g), padded(beta), state)
+        rows, cols = meta.pad_rows, meta.pad_cols
+        out, state = chunk_gated_delta_rule(*(_padded(x, meta) for x in (q, k, v, g, beta)), state)
         return out.transpose(1, 2)[rows, cols], state
+
+    def _verify(self, q, k, v, g, beta, state, meta: LinearAttnMetadata) -> torch.Tensor:
+        """A verify's outputs from the states, which stay as they are; its VerifyTrace recorded.
+        The verify's tokens (a chain: the last token and the drafts) fit in one chunk."""
+        assert meta.padded_len <= CHUNK_SIZE, meta.padded_len
+        q, k, v, g, beta = (_padded(x, meta) for x in (q, k, v, g, beta))
+        out, u, log_decay = chunk_with_writes(q, k, v, g, beta, state)
+        conv_inputs = meta.verify_traces.pop(CONV_INPUTS)
+        meta.verify_traces[self.layer_id] = VerifyTrace(meta.state_slots, conv_inputs, k, u, log_decay)
+        return out.transpose(1, 2)[meta.pad_rows, meta.pad_cols]
 
 
 class Qwen3_5GatedDeltaNet(GatedDeltaNet):

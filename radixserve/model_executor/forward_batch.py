@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import IntEnum, auto
-from typing import TYPE_CHECKING, Any, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import torch
 
@@ -79,6 +79,9 @@ class ModelWorkerBatch:
     # A hybrid model: each request's state slot, read when the batch was scheduled (in the overlap
     # loop a row may be freed or handed on before this forward runs); None: read at the forward
     mamba_state_slots: Optional[torch.Tensor] = None
+    # A hybrid model's speculative verify: an empty dict its linear layers fill with what advancing
+    # their states by the accepted tokens needs (gated_delta_net.VerifyTrace, by layer); None: not one
+    linear_traces: Optional[Dict[int, Any]] = None
 
     @property
     def batch_size(self) -> int:
@@ -112,6 +115,7 @@ class ForwardBatch:
     pp_proxy_tensors: Any = None  # --pp-size, a stage after the first: models.llama.PPProxyTensors
     multimodal_inputs: Optional[List[Any]] = None  # see ModelWorkerBatch
     mamba_state_slots: Optional[torch.Tensor] = None  # (ModelWorkerBatch's)
+    linear_traces: Optional[Dict[int, Any]] = None  # (ModelWorkerBatch's)
 
     @classmethod
     def init_new(cls, batch: ModelWorkerBatch, model_runner: Any) -> "ForwardBatch":
@@ -150,6 +154,7 @@ class ForwardBatch:
             pp_proxy_tensors=batch.pp_proxy_tensors,
             multimodal_inputs=batch.multimodal_inputs,
             mamba_state_slots=batch.mamba_state_slots,
+            linear_traces=batch.linear_traces,
         )
         # A batch a CUDA graph will replay needs none of the eager metadata.
         graph_runner = getattr(model_runner, "cuda_graph_runner", None)

@@ -35,6 +35,7 @@ from radixserve.model_executor.weight_updater import ModelWeightUpdater
 from radixserve.models.model_config import LoadError, ModelConfig
 from radixserve.models.qwen2_5_vl import check_vision_server_args
 from radixserve.models.qwen3_next import check_hybrid_server_args
+from radixserve.models.qwen3_next_mtp import MTP_ARCHITECTURES, mtp_config
 from radixserve.models.registry import MODEL_REGISTRY
 from radixserve.server_args import ServerArgs
 
@@ -200,12 +201,15 @@ class ModelRunner:
         return budget
 
     def draft_kv_bytes_per_token(self) -> int:
-        """--speculative-algorithm STANDALONE: the draft model's KV bytes per slot, counted in the
-        budget of the pool it shares (every slot holds the target's KV and the draft's)."""
+        """--speculative-algorithm STANDALONE / EAGLE / NEXTN: the draft's KV bytes per slot, counted
+        in the budget of the pool it shares (every slot holds the target's KV and the draft's). A
+        NEXTN draft is the checkpoint's MTP layers (mtp_config), not the whole model."""
         args = self.server_args
-        if args.speculative_algorithm != "STANDALONE" or not args.speculative_draft_model_path:
+        if args.speculative_algorithm not in ("STANDALONE", "EAGLE") or not args.speculative_draft_model_path:
             return 0
         cfg = ModelConfig.from_pretrained(args.speculative_draft_model_path)
+        if args.speculative_algorithm == "EAGLE" and cfg.architecture in MTP_ARCHITECTURES:
+            cfg = mtp_config(cfg)
         heads = max(1, cfg.num_key_value_heads // self.tp_size)
         return MHATokenToKVPool.bytes_per_token(heads, cfg.head_dim, cfg.num_hidden_layers, self.kv_cache_dtype)
 

@@ -17,7 +17,7 @@ from radixserve.models.llama import LlamaForCausalLM
 from radixserve.models.model_config import LoadError, ModelConfig
 from radixserve.models.weight_utils import NamedWeight, call_weight_loader
 
-EXPERT_WEIGHT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+EXPERT_WEIGHT = re.compile(r"^((?:model\.)?layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")  # (an MTP draft's: layers.)
 SHARD_OF = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
 

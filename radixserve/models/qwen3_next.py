@@ -12,8 +12,8 @@ decoder_sparse_step), as transformers' modeling_qwen3_next.py:
 The KV pool holds the full-attention layers only (RadixAttention's layer_id counts them); the
 MambaPool holds the linear ones (GatedDeltaNet's layer_id counts those). Prefixes are shared
 through the hybrid radix cache (mem_cache/mamba_radix_cache.py: hits where a state snapshot is
-held); the MTP head of the checkpoint (mtp.*)
-is skipped, as speculative decoding is refused."""
+held); the MTP layers of the checkpoint (mtp.*) are a draft model of their own
+(models/qwen3_next_mtp.py, --speculative-algorithm NEXTN), skipped here."""
 
 from __future__ import annotations
 
@@ -56,8 +56,10 @@ def check_hybrid_server_args(args: ServerArgs, where: str) -> None:
     """What a hybrid (linear + full attention) model does not run with yet: one line each. Its
     prefix cache is the hybrid radix cache (mem_cache/mamba_radix_cache.py), in both loops."""
     refused = [
-        (args.speculative_algorithm is not None, "--speculative-algorithm",
-         "a rejected draft would have to roll the linear layers' states back"),
+        (args.speculative_algorithm not in (None, "EAGLE"), f"--speculative-algorithm {args.speculative_algorithm}",
+         "the linear layers' states roll back after a rejected draft in EAGLE / NEXTN's worker only"),
+        (args.speculative_algorithm is not None and args.speculative_eagle_topk != 1, "--speculative-eagle-topk > 1",
+         "a token tree's branches would each need a state of their own; 1 drafts a chain"),
         (args.disaggregation_mode != "null", "--disaggregation-mode", "the states are not transferred with the KV"),
         (args.enable_hierarchical_cache, "--enable-hierarchical-cache", "the host tier keeps no states"),
         (args.pp_size > 1, "--pp-size > 1", "the state pool is not split by stage"),
@@ -155,16 +157,19 @@ class Qwen3NextModel(nn.Module):
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch) -> torch.Tensor:
-        if forward_batch.forward_mode.is_target_verify():
-            raise RuntimeError("a hybrid linear-attention model cannot verify drafts (speculative decoding is refused)")
         # The state slots as the batch was scheduled (in the overlap loop a finished request's row
         # may be freed and handed on before this forward runs); the rows' map for a batch built
         # without the scheduler
         slots = forward_batch.mamba_state_slots
         if slots is None:
             slots = forward_batch.req_to_token_pool.mamba_indices(forward_batch.req_pool_indices)
+        # A verify (a chain of drafts: trees are refused at start) reads the states and leaves them,
+        # its layers' traces let the accepted tokens advance them (speculative/linear_state.py).
+        traces = forward_batch.linear_traces if forward_batch.forward_mode.is_target_verify() else None
+        if forward_batch.forward_mode.is_target_verify() and traces is None:
+            raise RuntimeError("a hybrid model's verify forward needs linear_traces (its states advance by them)")
         meta = LinearAttnMetadata.build(slots, forward_batch.forward_mode.is_decode(), forward_batch.extend_seq_lens_cpu,
-                                        forward_batch.extend_prefix_lens_cpu)
+                                        forward_batch.extend_prefix_lens_cpu, traces)
         hidden_states, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             hidden_states, residual = layer.forward(positions, hidden_states, residual, forward_batch, meta)

@@ -22,6 +22,7 @@ from radixserve.models.qwen3_5 import (
     Qwen3_5MoeForConditionalGeneration,
 )
 from radixserve.models.qwen3_next import Qwen3NextForCausalLM
+from radixserve.models.qwen3_next_mtp import Qwen3_5ForCausalLMMTP, Qwen3_5MoeForCausalLMMTP, Qwen3NextForCausalLMMTP
 
 MODEL_REGISTRY: Dict[str, Type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -40,6 +41,10 @@ MODEL_REGISTRY: Dict[str, Type[nn.Module]] = {
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
     "Qwen3VLForConditionalGeneration": Qwen3VLForConditionalGeneration,
     "LlamaForCausalLMEagle": LlamaForCausalLMEagle,  # a draft head (--speculative-algorithm EAGLE)
+    # the MTP layers of a Qwen3-Next / Qwen3.5 checkpoint: its NEXTN draft
+    "Qwen3NextForCausalLMMTP": Qwen3NextForCausalLMMTP,
+    "Qwen3_5ForCausalLMMTP": Qwen3_5ForCausalLMMTP,
+    "Qwen3_5MoeForCausalLMMTP": Qwen3_5MoeForCausalLMMTP,
 }
 
 

@@ -39,6 +39,8 @@ from radixserve.model_executor.forward_batch import ForwardBatch, ForwardMode, M
 from radixserve.model_executor.model_runner import ModelRunner
 from radixserve.model_executor.tp_worker import GenerationBatchResult
 from radixserve.model_executor.worker_protocol import TargetWorker
+from radixserve.models.model_config import ModelConfig
+from radixserve.models.qwen3_next_mtp import MTP_ARCHITECTURES, mtp_config
 from radixserve.speculative.overlap_view import slots_of
 from radixserve.speculative.standalone_worker import load_draft_runner
 from radixserve.speculative.tree import TreeDrafts
@@ -70,7 +72,7 @@ class EAGLEWorker:
         self.topk = server_args.speculative_eagle_topk
         self.num_steps = server_args.speculative_num_steps
         self.num_verify = server_args.speculative_num_draft_tokens - 1  # drafts verified per request
-        self.draft_runner = draft_runner or load_draft_runner(server_args, target_worker)
+        self.draft_runner = draft_runner or load_draft_runner(server_args, target_worker, draft_config(server_args))
         check_head(self.draft_runner.model_config, target_worker.model_config, server_args.speculative_draft_model_path)
         self.draft_runner.model.set_embed_and_head(*target_worker.embed_and_head())
         # Slots a step takes past the decode token: the verified drafts and the tree's scratch.
@@ -224,11 +226,19 @@ class EAGLEWorker:
             del self.states[rid]
 
 
+def draft_config(server_args: Any) -> ModelConfig:
+    """The draft's config: an EAGLE head's, or (NEXTN: a Qwen3-Next / Qwen3.5 checkpoint) its MTP
+    layers' (models/qwen3_next_mtp.py)."""
+    config = ModelConfig.from_pretrained(server_args.speculative_draft_model_path)
+    return mtp_config(config) if config.architecture in MTP_ARCHITECTURES else config
+
+
 def check_head(head: Any, target: Any, path: str) -> None:
-    """ValueError (one line) unless `path` holds an EAGLE head of the target's width."""
-    if head.architecture != "LlamaForCausalLMEagle":
+    """ValueError (one line) unless `path` holds an EAGLE head (or MTP layers) of the target's width."""
+    if head.architecture != "LlamaForCausalLMEagle" and head.architecture not in MTP_ARCHITECTURES.values():
         raise ValueError(f"--speculative-draft-model-path {path}: architecture {head.architecture!r} is not an EAGLE "
-                         "head (LlamaForCausalLMEagle); a smaller full model is --speculative-algorithm STANDALONE")
+                         "head (LlamaForCausalLMEagle) nor a checkpoint with MTP layers (NEXTN: Qwen3-Next, Qwen3.5); a smaller "
+                         "full model is --speculative-algorithm STANDALONE")
     if head.hidden_size != target.hidden_size:
         raise ValueError(f"--speculative-draft-model-path {path}: hidden size {head.hidden_size}, the target's is "
                          f"{target.hidden_size} (the head reads the target's hidden states)")

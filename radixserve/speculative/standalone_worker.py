@@ -37,11 +37,13 @@ from radixserve.speculative.verify_step import alloc_draft_slots, can_draft, dra
 logger = logging.getLogger(__name__)
 
 
-def load_draft_runner(server_args: Any, target_worker: TargetWorker) -> ModelRunner:
+def load_draft_runner(server_args: Any, target_worker: TargetWorker,
+                      config: Optional[ModelConfig] = None) -> ModelRunner:
     """The draft model on the target's device, with KV buffers for every slot of the target's
-    pool. ValueError (one line) when its vocabulary or context differs from the target's."""
+    pool. ValueError (one line) when its vocabulary or context differs from the target's.
+    config: the draft's (default: its path's config.json)."""
     path = server_args.speculative_draft_model_path
-    config = ModelConfig.from_pretrained(path)
+    config = config or ModelConfig.from_pretrained(path)
     target = target_worker.model_config
     if config.vocab_size != target.vocab_size:
         raise ValueError(f"--speculative-draft-model-path {path}: vocabulary of {config.vocab_size} tokens, "

@@ -21,6 +21,7 @@ from radixserve.distributed.parallel_state import get_tp_group
 from radixserve.model_executor.forward_batch import ForwardMode, ModelWorkerBatch
 from radixserve.model_executor.tp_worker import GenerationBatchResult
 from radixserve.model_executor.worker_protocol import TargetWorker
+from radixserve.speculative.linear_state import advance_linear_states, has_linear_states
 from radixserve.speculative.overlap_view import DecodeView
 from radixserve.speculative.spec_info import ChainVerifyInput, ChainVerifyOutput
 from radixserve.speculative.tree import TreeDrafts, accepted_kv_moves, verify_tree
@@ -95,13 +96,18 @@ def run_tree_verify_step(target_worker: TargetWorker, batch: Any, worker_batch: 
     locs = alloc_draft_slots(batch, drafts.num_drafts) if any(drafts.num_drafts) else \
         [torch.empty(0, dtype=torch.int64)] * len(batch.reqs)
     verify_batch = verify_batch_of(batch, worker_batch, drafts.tokens, drafts.extend_lens, locs)
-    verify_batch = dataclasses.replace(verify_batch, spec_tree=drafts.tree, capture_hidden_states=capture_hidden)
+    # A hybrid target's verify leaves its linear-attention states; its traces advance them below.
+    traces = {} if has_linear_states(target_worker) else None
+    verify_batch = dataclasses.replace(verify_batch, spec_tree=drafts.tree, capture_hidden_states=capture_hidden,
+                                       linear_traces=traces)
     out_logits = target_worker.forward_batch_generation(verify_batch, skip_sample=True).logits_output
     out, paths = rank0_outcome(verify_tree(out_logits.all_logits, batch.sampling_info, drafts, worker_batch.token_bitmask,
                                            batch.return_logprob, batch.top_logprobs_nums if batch.return_logprob else None))
     tgt, src = accepted_kv_moves(drafts, paths, verify_batch.out_cache_loc)
     if len(tgt):
         batch.ledger.move_kv(tgt, src)
+    if traces is not None:  # the states move on by the accepted tokens only
+        advance_linear_states(target_worker, traces, out.accept_lens)
     commit(batch, drafts, out)
     return out, paths, out_logits.hidden_states
 

@@ -279,7 +279,7 @@ def test_state_pool_pairs_a_slot_with_each_row():
 
 
 @pytest.mark.parametrize("flags, what", [
-    (dict(speculative_algorithm="NGRAM"), "--speculative-algorithm"),
+    (dict(speculative_algorithm="NGRAM"), "--speculative-algorithm NGRAM"),  # (EAGLE / NEXTN chains run: test_qwen3_next_mtp.py)
     (dict(enable_hierarchical_cache=True), "--enable-hierarchical-cache"),
     (dict(pp_size=2), "--pp-size > 1"),
     (dict(enable_lora=True, lora_paths=[]), "--enable-lora"),

@@ -1,7 +1,8 @@
 """The GatedDeltaNet building blocks (layers/gated_delta_net.py) against their definitions: the
 chunked delta rule equals the token-by-token recurrence (ragged batches padded, nonzero starting
 states, several chunks), and the causal conv1d with its saved state equals one conv over the
-whole sequence however it is split. The reference for the C++ / Triton kernels to come."""
+whole sequence however it is split; a speculative verify's trace advances the states by the
+tokens kept as an extend of them would. The reference for the C++ / Triton kernels to come."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.layers.gated_delta_net import (
+    GatedDeltaNet,
     LinearAttnMetadata,
+    advance_states,
     causal_conv1d,
     chunk_gated_delta_rule,
     l2norm,
@@ -122,3 +125,30 @@ def test_the_cpu_decode_kernel_refuses_bad_arguments():
     with pytest.raises(RuntimeError, match="float32"):
         ops.gated_delta_decode(q.double(), q, torch.zeros(2, 2, 4), torch.zeros(2, 2), torch.zeros(2, 2), pool,
                                torch.tensor([0, 1]), torch.tensor([True, True]))
+
+
+def test_a_verify_leaves_the_states_and_its_trace_advances_them_by_the_kept_tokens():
+    """A layer's verify forward (3 requests, 4 tokens each) writes no state; advance_states by
+    each request's first 1, 2 or 4 tokens gives the states (conv and temporal) that an extend of
+    just those tokens writes, and the verify's outputs are that extend's at every position."""
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(hidden_size=32, num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=4, conv_kernel=4,
+                          layer_id=0)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5 if p.dim() >= 2 else 0.3 * torch.randn_like(p))
+    slots, width, keep = torch.tensor([1, 2, 3]), 4, torch.tensor([1, 2, 4])
+    conv0, temporal0 = torch.randn(4, 3, layer.conv_dim), torch.randn(4, 4, 8, 4)
+    x = torch.randn(3 * width, 32)
+    conv, temporal = conv0.clone(), temporal0.clone()
+    traces: dict = {}
+    meta = LinearAttnMetadata.build(slots, False, [width] * 3, [5] * 3, verify_traces=traces)
+    out = layer.forward(x, meta, conv, temporal)
+    assert torch.equal(conv, conv0) and torch.equal(temporal, temporal0)  # read, not written
+    advance_states(traces[0], conv, temporal, keep)
+    ref_conv, ref_temporal = conv0.clone(), temporal0.clone()
+    kept = torch.cat([x[i * width : i * width + n] for i, n in enumerate(keep.tolist())])
+    ref_out = layer.forward(kept, LinearAttnMetadata.build(slots, False, keep.tolist(), [5] * 3), ref_conv, ref_temporal)
+    assert torch.allclose(conv, ref_conv, atol=1e-5) and torch.allclose(temporal, ref_temporal, atol=1e-5)
+    verify_kept = torch.cat([out[i * width : i * width + n] for i, n in enumerate(keep.tolist())])
+    assert torch.allclose(verify_kept, ref_out, atol=1e-5)
