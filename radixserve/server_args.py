@@ -322,10 +322,6 @@ class ServerArgs:
             (self.chunked_prefill_size is None, "chunked prefill off (a prompt's window slots must fit the SWA pool chunk by chunk)"),
             (self.pp_size > 1, "--pp-size > 1"),
             (self.disaggregation_mode != "null", "--disaggregation-mode (the transfer moves full-pool KV only)"),
-            # The stash of a chunk frees or hands to the tree swa slots of tokens the forward in
-            # flight may still be writing (the windowed layers' slots are translated at forward time).
-            (self.disable_overlap_schedule is False, "--enable-overlap-schedule (a stashed chunk's swa slots may be "
-                                                     "in the forward still running; the normal loop is its default)"),
         ]
         for bad, what in refused:
             if bad:
@@ -542,8 +538,6 @@ class ServerArgs:
             return False  # a mixed batch's decode part is laid out with the committed lengths
         if self.is_embedding:
             return False  # prefill only: a result must be processed before the next schedule
-        if self.enable_hybrid_swa_memory:
-            return False  # the SWA pool (refused with --enable-overlap-schedule: _check_hybrid_swa_memory)
         if self.pp_size > 1:
             return False  # the PP loop (scheduler_pp.py) keeps micro-batches in flight instead
         if self.disable_overlap_schedule is None:

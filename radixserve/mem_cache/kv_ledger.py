@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, List, Optional, Protocol, Tuple
+from typing import Any, Iterator, List, Optional, Protocol, Tuple
 
 import torch
 
@@ -296,6 +296,12 @@ class KVLedger:
         forward must use these: by the time it runs in the overlap loop, a finished request's row
         may be freed and handed on, and its extra step must not write another request's slot."""
         return self.req_to_token_pool.mamba_indices(req_pool_indices) if self.state_pool is not None else None
+
+    def swa_forward_locs(self, req_pool_indices: torch.Tensor, prefix_lens: List[int], seq_lens: List[int],
+                         out_cache_loc: torch.Tensor) -> Optional[Any]:
+        """A batch's windowed-layer slots, read as it is scheduled (the SWA pool: SWAKVLedger);
+        None without one."""
+        return None
 
     def make_state_room(self, num_states: int) -> bool:
         """Drop snapshots until num_states state slots are free; False if it cannot."""

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any, List, Optional
 
 import torch
 
+from radixserve.mem_cache.swa_memory_pool import SWAForwardLocs
+
 if TYPE_CHECKING:
     from radixserve.layers.attention.spec_tree import SpecTree
     from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
@@ -79,6 +81,9 @@ class ModelWorkerBatch:
     # A hybrid model: each request's state slot, read when the batch was scheduled (in the overlap
     # loop a row may be freed or handed on before this forward runs); None: read at the forward
     mamba_state_slots: Optional[torch.Tensor] = None
+    # The SWA pool: the windowed layers' slots of this batch, translated when it was scheduled
+    # (the overlap loop moves swa slots while a forward runs); None: translated at the forward
+    swa_locs: Optional[SWAForwardLocs] = None
 
     @property
     def batch_size(self) -> int:
@@ -112,6 +117,7 @@ class ForwardBatch:
     pp_proxy_tensors: Any = None  # --pp-size, a stage after the first: models.llama.PPProxyTensors
     multimodal_inputs: Optional[List[Any]] = None  # see ModelWorkerBatch
     mamba_state_slots: Optional[torch.Tensor] = None  # (ModelWorkerBatch's)
+    swa_locs: Optional[SWAForwardLocs] = None  # (ModelWorkerBatch's, on the device)
 
     @classmethod
     def init_new(cls, batch: ModelWorkerBatch, model_runner: Any) -> "ForwardBatch":
@@ -150,6 +156,7 @@ class ForwardBatch:
             pp_proxy_tensors=batch.pp_proxy_tensors,
             multimodal_inputs=batch.multimodal_inputs,
             mamba_state_slots=batch.mamba_state_slots,
+            swa_locs=None if batch.swa_locs is None else batch.swa_locs.to(device),
         )
         # A batch a CUDA graph will replay needs none of the eager metadata.
         graph_runner = getattr(model_runner, "cuda_graph_runner", None)

@@ -8,6 +8,8 @@ served from missing KV)."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -33,10 +35,20 @@ def hf(gemma3_dir):
     return load_hf(gemma3_dir)
 
 
-def _engine(model_dir: str, swa: bool = True, **kw) -> Engine:
-    return Engine(model_dir, dtype="float32", skip_tokenizer_init=True, chunked_prefill_size=CHUNK,
-                  max_total_tokens=FULL_SLOTS, enable_hybrid_swa_memory=swa,
-                  swa_full_tokens_ratio=SWA_SLOTS / FULL_SLOTS, test_check_memory=True, **kw)
+@pytest.fixture(params=["normal", "overlap"])
+def loop(request) -> str:
+    """Both scheduler loops: the normal one (the CPU's default) and the overlap one (the GPU's),
+    where the next batch is scheduled, and swa slots freed or moved, while a forward runs."""
+    return request.param
+
+
+def _engine(model_dir: str, swa: bool = True, loop: str = "normal", **kw) -> Engine:
+    engine = Engine(model_dir, dtype="float32", skip_tokenizer_init=True, chunked_prefill_size=CHUNK,
+                    max_total_tokens=FULL_SLOTS, enable_hybrid_swa_memory=swa,
+                    swa_full_tokens_ratio=SWA_SLOTS / FULL_SLOTS, test_check_memory=True,
+                    disable_overlap_schedule=loop != "overlap", **kw)
+    assert engine.scheduler.enable_overlap == (loop == "overlap")
+    return engine
 
 
 def _check_against_hf(hf, prompt, out) -> None:
@@ -53,9 +65,9 @@ def _prompts(seed: int, lens) -> list:
     return [torch.randint(0, 512, (n,), generator=g).tolist() for n in lens]
 
 
-def test_the_swa_pool_serves_as_transformers(gemma3_dir, hf):
+def test_the_swa_pool_serves_as_transformers(gemma3_dir, hf, loop):
     prompts = _prompts(3, (9 * WINDOW, 5 * WINDOW + 3, 3 * WINDOW))
-    engine = _engine(gemma3_dir)
+    engine = _engine(gemma3_dir, loop=loop)
     try:
         state = engine.scheduler.internal_state()  # what /get_server_info shows: both pools
         assert state["swa_max_total_num_tokens"] == SWA_SLOTS and state["max_total_num_tokens"] == FULL_SLOTS
@@ -63,8 +75,9 @@ def test_the_swa_pool_serves_as_transformers(gemma3_dir, hf):
         outs = engine.generate(input_ids=prompts, sampling_params=[sp] * 3, return_logprob=True, progress=False)
         for p, out in zip(prompts, outs):
             _check_against_hf(hf, p, out)
-        # Prefix hits beyond the window: each prompt again with a new tail (a chunk or more).
-        longer = [p + q for p, q in zip(prompts, _prompts(4, (CHUNK + 5, 4, 2 * CHUNK)))]
+        # Prefix hits beyond the window: each conversation goes on (its prompt, its answer, a new
+        # tail of a chunk or more); the end of an answer is what the tree last got, still live.
+        longer = [p + o["output_ids"] + q for p, o, q in zip(prompts, outs, _prompts(4, (CHUNK + 5, 4, 2 * CHUNK)))]
         outs = engine.generate(input_ids=longer, sampling_params=[sp] * 3, return_logprob=True, progress=False)
         for p, out in zip(longer, outs):
             _check_against_hf(hf, p, out)
@@ -74,10 +87,10 @@ def test_the_swa_pool_serves_as_transformers(gemma3_dir, hf):
         engine.shutdown()
 
 
-def test_a_hit_whose_window_was_dropped_is_shortened(gemma3_dir, hf):
+def test_a_hit_whose_window_was_dropped_is_shortened(gemma3_dir, hf, loop):
     prompt = _prompts(6, (6 * WINDOW,))[0]
     sp = {"max_new_tokens": 4, "temperature": 0}
-    engine = _engine(gemma3_dir)
+    engine = _engine(gemma3_dir, loop=loop)
     try:
         engine.generate(input_ids=prompt, sampling_params=sp, progress=False)
         tree = engine.scheduler.tree_cache
@@ -95,11 +108,11 @@ def test_a_hit_whose_window_was_dropped_is_shortened(gemma3_dir, hf):
         engine.shutdown()
 
 
-def test_a_long_context_holds_its_window_only(gemma3_dir, hf):
+def test_a_long_context_holds_its_window_only(gemma3_dir, hf, loop):
     """One request 25 windows long: its local layers' slots never exceed its window, the chunk in
     flight and the one before it (kept one forward late), while the full layers hold it all."""
     prompt = _prompts(8, (25 * WINDOW,))[0]
-    engine = _engine(gemma3_dir, disable_radix_cache=True)  # the ChunkCache: no tree holds windows
+    engine = _engine(gemma3_dir, loop=loop, disable_radix_cache=True)  # the ChunkCache: no tree holds windows
     sched = engine.scheduler
     peaks = {"swa": 0, "full": 0}
     check = sched.check_slot_conservation
@@ -135,3 +148,41 @@ def test_release_and_resume_of_the_kv_cache_covers_both_pools(gemma3_dir, hf):
         _check_against_hf(hf, prompt, out)
     finally:
         engine.shutdown()
+
+
+def test_both_pools_are_conserved_under_a_storm_of_retractions_and_aborts(gemma3_dir, hf, loop):
+    """24 requests on 3 shared prefixes several windows long (chunked, re-admitted after
+    retractions: hits on their own prefixes), a retraction every 3 decode steps, a quarter aborted
+    at random moments, a SWA pool of a few windows: both pools' slots are accounted for after
+    every step (--test-check-memory), and every survivor's greedy tokens and logprobs are
+    transformers'. In the overlap loop the stash, the evictions and the retractions of one
+    schedule run while the forward scheduled before it is computing."""
+    engine = _engine(gemma3_dir, loop=loop, test_retract_interval=3, max_running_requests=4)
+    sched, rng = engine.scheduler, random.Random(11)
+    prefixes = [[rng.randrange(512) for _ in range(n)] for n in (3 * WINDOW, 5 * WINDOW + 2, 2 * WINDOW + 5)]
+    prompts = [rng.choice(prefixes) + [rng.randrange(512) for _ in range(rng.randint(1, 2 * WINDOW))] for _ in range(24)]
+    sp = {"max_new_tokens": WINDOW + 2, "temperature": 0, "ignore_eos": True}
+    reqs, aborted = [], set()
+    try:
+        for prompt in prompts:
+            reqs += engine.submit(input_ids=prompt, sampling_params=sp, return_logprob=True)
+            for _ in range(rng.randint(0, 3)):
+                engine.step()
+            if rng.random() < 0.25:
+                victim = rng.choice([r for r in reqs if not r.finished])
+                engine.abort(victim.rid)
+                aborted.add(victim.rid)
+        while sched.has_work():
+            engine.step()
+        assert sched.stats.num_retracted_reqs > 0 and sched.stats.cached_tokens > 0
+        info = sched.ledger.get_swa_token_info()
+        assert info["swa_available_tokens"] + info["swa_evictable_tokens"] == SWA_SLOTS
+        sched.check_memory()
+    finally:
+        engine.shutdown()
+    survivors = [(p, r) for p, r in zip(prompts, reqs) if r.rid not in aborted]
+    assert len(survivors) >= 12
+    for prompt, r in survivors:
+        assert r.finished_reason == {"type": "length", "length": WINDOW + 2}
+        lps = [(v, None, None) for v in r.logprobs["output_token_logprobs_val"]]
+        _check_against_hf(hf, prompt, {"output_ids": r.output_ids, "meta_info": {"output_token_logprobs": lps}})

@@ -147,7 +147,6 @@ def test_conservation_catches_a_dropped_window_slot():
     (dict(speculative_algorithm="NGRAM"), "--speculative-algorithm"),
     (dict(attention_backend="triton"), "--attention-backend triton"),
     (dict(chunked_prefill_size=-1), "chunked prefill off"),
-    (dict(disable_overlap_schedule=False), "--enable-overlap-schedule"),
 ])
 def test_what_the_swa_pool_does_not_run_with_is_refused_with_one_line(flags, what):
     with pytest.raises(ValueError) as e:
@@ -156,7 +155,34 @@ def test_what_the_swa_pool_does_not_run_with_is_refused_with_one_line(flags, wha
     assert msg.startswith("--enable-hybrid-swa-memory does not run with") and what in msg and "\n" not in msg
 
 
-def test_the_swa_pool_runs_the_normal_loop_by_default_on_every_device():
+def test_the_swa_pool_runs_either_loop_by_the_device_default():
     args = ServerArgs(enable_hybrid_swa_memory=True)
-    assert not args.overlap_schedule_enabled("cuda") and not args.overlap_schedule_enabled("cpu")
-    assert ServerArgs().overlap_schedule_enabled("cuda")
+    args.check()
+    assert args.overlap_schedule_enabled("cuda") and not args.overlap_schedule_enabled("cpu")
+    assert ServerArgs(enable_hybrid_swa_memory=True, disable_overlap_schedule=False).overlap_schedule_enabled("cpu")
+
+
+def test_forward_locs_are_read_at_schedule_time_and_survive_later_frees():
+    """A batch's windowed-layer slots (SWAForwardLocs) are the swa slots of each request's keys
+    first..seq_len-1 (first = prefix_len - W + 1) as mapped when it was scheduled: freeing or
+    moving them in the map afterwards (what the overlap loop's next schedule does while this
+    forward runs) leaves the batch's copy as it was."""
+    ledger, alloc = _ledger()
+    rows = ledger.alloc_rows(2)
+    a, b = ledger.reserve([0], [10], [-1]), ledger.reserve([0], [3], [-1])
+    ledger.write_spans(rows, [0, 0], [10, 3], torch.cat([a, b]))
+    new = ledger.reserve([10, 3], [11, 4], [-1, -1])  # a decode step for each
+    ledger.write_at(torch.tensor(rows), torch.tensor([10, 3]), new)
+    locs = ledger.swa_forward_locs(torch.tensor(rows), [10, 3], [11, 4], new)
+    m = alloc.full_to_swa_index_mapping
+    assert locs.lens.tolist() == [W, 4]  # a's last W keys; all 4 of b's
+    assert locs.table[0].tolist() == m[torch.cat([a[-3:], new[:1]])].tolist()
+    assert locs.table[1].tolist() == m[torch.cat([b, new[1:]])].tolist()
+    assert locs.out_cache_loc.tolist() == m[new].tolist() and (locs.out_cache_loc > 0).all()
+    before = locs.table.clone()
+    alloc.free(torch.cat([a, b, new]))  # the map forgets them ...
+    assert (m[torch.cat([a, b, new])] == 0).all()
+    assert torch.equal(locs.table, before)  # ... the scheduled batch's copy does not
+    # An extend: keys from prefix_len - W + 1 (the first query's window), 0-padded per row.
+    ext = ledger.swa_forward_locs(torch.tensor(rows[:1]), [6], [10], torch.empty(0, dtype=torch.int64))
+    assert ext.lens.tolist() == [10 - 3] and ext.table.shape == (1, 7)
