@@ -96,6 +96,13 @@ class KVLedger:
         """Slots a new request may take: free ones and the tree's evictable ones."""
         return self.allocator.available_size() + self.tree_cache.evictable_size()
 
+    # The SWA pool's budget (SWAKVLedger); a ledger without one has none.
+    sliding_window_size: Optional[int] = None
+
+    def swa_room(self) -> Optional[int]:
+        """Swa slots a prefill may take now (free and evictable); None without a SWA pool."""
+        return None
+
     def free_rows(self) -> int:
         return self.req_to_token_pool.available_size()
 

@@ -7,8 +7,8 @@ SWA-aware tree (swa_radix_cache.py), plus what only the windowed layers' pool ne
   overlap loop the previous forward may still be running when the next is scheduled;
 - room is made in both pools (`make_room`): the full one by evicting tree leaves as before, the
   SWA one by turning unlocked live nodes into tombstones (their full slots stay);
-- `swa_room()` is what a prefill chunk may take from the SWA pool (the PrefillAdder clamps its
-  chunk to it); `budget()` stays the full pool's, since windowed tokens come and go;
+- `swa_room()` is the SWA pool's free and evictable slots: the PrefillAdder clamps a chunk to it
+  and admits against it (rem_swa_tokens, a window per request); `budget()` stays the full pool's;
 - `swa_forward_locs`: a batch's windowed-layer slots, read as it is scheduled (the overlap loop's
   next schedule frees and moves swa slots in the map while the forward runs; the K/V in a freed
   slot stays until a later forward writes it, and forwards run in order);

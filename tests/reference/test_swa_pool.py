@@ -77,7 +77,9 @@ def test_the_swa_pool_serves_as_transformers(gemma3_dir, hf, loop):
             _check_against_hf(hf, p, out)
         # Prefix hits beyond the window: each conversation goes on (its prompt, its answer, a new
         # tail of a chunk or more); the end of an answer is what the tree last got, still live.
-        longer = [p + o["output_ids"] + q for p, o, q in zip(prompts, outs, _prompts(4, (CHUNK + 5, 4, 2 * CHUNK)))]
+        # Shortest first: the longest one's chunks, first in line, would drop the others' windows
+        # from this small pool before their turn (admission stops on the SWA pool).
+        longer = [p + o["output_ids"] + q for p, o, q in zip(prompts, outs, _prompts(4, (CHUNK + 5, 4, 2 * CHUNK)))][::-1]
         outs = engine.generate(input_ids=longer, sampling_params=[sp] * 3, return_logprob=True, progress=False)
         for p, out in zip(longer, outs):
             _check_against_hf(hf, p, out)

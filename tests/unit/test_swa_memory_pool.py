@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from radixserve.mem_cache.base_prefix_cache import MemoryLeakError
+from radixserve.mem_cache.kv_ledger import KVLedger
 from radixserve.mem_cache.memory_pool import ReqToTokenPool
 from radixserve.mem_cache.swa_kv_ledger import SWAKVLedger
 from radixserve.mem_cache.swa_memory_pool import SWATokenToKVPoolAllocator
@@ -186,3 +187,45 @@ def test_forward_locs_are_read_at_schedule_time_and_survive_later_frees():
     # An extend: keys from prefix_len - W + 1 (the first query's window), 0-padded per row.
     ext = ledger.swa_forward_locs(torch.tensor(rows[:1]), [6], [10], torch.empty(0, dtype=torch.int64))
     assert ext.lens.tolist() == [10 - 3] and ext.table.shape == (1, 7)
+
+
+def _adder(ledger, running, chunk=None, ratio=1.0):
+    from radixserve.managers.schedule_policy import PrefillAdder
+    return PrefillAdder(1, ledger, running, ratio, rem_input_tokens=10000, rem_chunk_tokens=chunk)
+
+
+def _new_req(rid: str, n: int, max_new: int):
+    from radixserve.managers.schedule_batch import Req
+    from radixserve.sampling_params import SamplingParams
+    sp = SamplingParams(max_new_tokens=max_new)
+    sp.normalize()
+    return Req(rid, None, [1000 + i for i in range(n)], sp)
+
+
+def test_admission_stops_on_the_swa_pool_with_the_full_pool_wide_open():
+    """A SWA pool of 32 slots beside 512 full ones (W = 4): each request takes its extend and a
+    window there (6 + 4), so the fourth does not fit though the full pool has room for dozens;
+    running requests reserve what their windows may still grow by (at most W each)."""
+    from radixserve.managers.schedule_batch import ScheduleBatch
+    from radixserve.managers.schedule_policy import AddReqResult
+    alloc, r2t, tree = _pools(512, 32)
+    ledger = SWAKVLedger(r2t, alloc, tree, None, sliding_window_size=W)
+    empty = ScheduleBatch(reqs=[], tree_cache=tree)
+    adder = _adder(ledger, empty)
+    reqs = [_new_req(str(i), 6, 100) for i in range(4)]
+    results = []
+    for r in reqs:
+        r.init_next_round_input(ledger)
+        results.append(adder.add_one_req(r))
+    assert results[:3] == [AddReqResult.CONTINUE] * 3 and adder.rem_swa_tokens == 32 - 3 * (6 + W)
+    assert results[3] == AddReqResult.NO_TOKEN and adder.can_run_list == reqs[:3]
+    assert adder.rem_total_tokens > 6 + 100  # the full pool would have taken it
+    # Eight running requests with many tokens to go: a window each is reserved, so nothing new fits.
+    running = ScheduleBatch(reqs=[_new_req(f"run{i}", 3, 100) for i in range(8)], tree_cache=tree)
+    adder = _adder(ledger, running, ratio=0.5)
+    assert adder.rem_swa_tokens == 32 - 8 * W and adder.budget_state() == AddReqResult.NO_TOKEN
+    late = _new_req("late", 6, 100)
+    late.init_next_round_input(ledger)
+    assert adder.add_one_req(late) == AddReqResult.NO_TOKEN and adder.can_run_list == []
+    # A plain ledger has no SWA budget.
+    assert _adder(KVLedger(r2t, alloc.full, tree), empty).rem_swa_tokens is None
