@@ -188,3 +188,36 @@ def test_both_pools_are_conserved_under_a_storm_of_retractions_and_aborts(gemma3
         assert r.finished_reason == {"type": "length", "length": WINDOW + 2}
         lps = [(v, None, None) for v in r.logprobs["output_token_logprobs_val"]]
         _check_against_hf(hf, prompt, {"output_ids": r.output_ids, "meta_info": {"output_token_logprobs": lps}})
+
+
+def _pools_of(engine: Engine) -> str:
+    return "swa" if hasattr(engine.scheduler.ledger, "swa_room") and engine.scheduler.ledger.swa_room() is not None else "one"
+
+
+@pytest.mark.parametrize("flags, pools, why", [
+    (dict(), "swa", None),  # the default for a model with windowed layers
+    (dict(enable_hybrid_swa_memory=False), "one", None),  # --disable-hybrid-swa-memory
+    (dict(page_size=4), "one", "--page-size > 1"),
+    (dict(chunked_prefill_size=-1), "one", "chunked prefill off"),
+    (dict(swa_full_tokens_ratio=0.001), "one", "a SWA pool of 4 slots: it needs"),
+])
+def test_the_swa_pool_is_the_default_and_falls_back_to_one_pool_with_a_log_line(gemma3_dir, hf, caplog, flags, pools, why):
+    """Not asked for, the SWA pool is on for a model with windowed layers where it runs; where it
+    does not, one KV pool keeps every layer's KV, with one log line saying why, and serves as
+    transformers. Asked for (--enable-hybrid-swa-memory), the same combination is refused."""
+    prompt = _prompts(12, (5 * WINDOW,))[0]
+    args = dict(dtype="float32", skip_tokenizer_init=True, chunked_prefill_size=CHUNK, max_total_tokens=FULL_SLOTS)
+    with caplog.at_level("INFO"):
+        engine = Engine(gemma3_dir, **{**args, **flags})
+    try:
+        assert _pools_of(engine) == pools
+        lines = [r.getMessage() for r in caplog.records if "the SWA pool does not run with" in r.getMessage()]
+        assert len(lines) == (why is not None) and all(why in line for line in lines), lines
+        out = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": WINDOW, "temperature": 0},
+                              return_logprob=True, progress=False)
+        _check_against_hf(hf, prompt, out)
+    finally:
+        engine.shutdown()
+    if why is not None and "enable_hybrid_swa_memory" not in flags:
+        with pytest.raises((ValueError, RuntimeError), match="--enable-hybrid-swa-memory does not run with"):
+            Engine(gemma3_dir, **{**args, **flags, "enable_hybrid_swa_memory": True})

@@ -154,6 +154,19 @@ def test_what_the_swa_pool_does_not_run_with_is_refused_with_one_line(flags, wha
         ServerArgs(enable_hybrid_swa_memory=True, **flags).check()
     msg = str(e.value)
     assert msg.startswith("--enable-hybrid-swa-memory does not run with") and what in msg and "\n" not in msg
+    # Not asked for (the default): no refusal; the model runner keeps one pool and says why.
+    default = ServerArgs(**flags)
+    default.check()
+    assert default.enable_hybrid_swa_memory is None and what in default.hybrid_swa_memory_unsupported()
+
+
+def test_the_flag_is_tri_state_on_the_command_line():
+    import argparse
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    parse = lambda *a: ServerArgs.from_cli_args(parser.parse_args(list(a))).enable_hybrid_swa_memory  # noqa: E731
+    assert parse() is None and parse("--enable-hybrid-swa-memory") is True and parse("--disable-hybrid-swa-memory") is False
+    assert ServerArgs().hybrid_swa_memory_unsupported() is None
 
 
 def test_the_swa_pool_runs_either_loop_by_the_device_default():
