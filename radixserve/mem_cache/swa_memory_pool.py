@@ -33,7 +33,7 @@ class SWAForwardLocs:
     where a translation at forward time could read a mapping changed under it.
 
         table[i, :lens[i]]  swa slots of request i's keys first_i .. seq_len_i - 1, the keys its
-                            queries see (first_i = max(0, prefix_len_i - W + 1)); 0 past lens[i]
+                            queries see (first_i = max(0, prefix_len_i - W + 1)); unread past lens[i]
         out_cache_loc       swa slots of the forward's new tokens
     """
 
@@ -122,9 +122,9 @@ class SWATokenToKVPoolAllocator:
         lens = torch.tensor(seq_lens, dtype=torch.int64) - first
         ar = torch.arange(int(lens.max()) if len(lens) else 0)
         cols = (first[:, None] + ar).clamp(max=req_to_token.shape[1] - 1)
-        full = req_to_token[rows.cpu().long()[:, None], cols].long()
-        table = torch.where(ar[None, :] < lens[:, None], self.full_to_swa_index_mapping[full], 0)
-        table = table.to(torch.int32).contiguous()  # what the decode kernels take as req_to_token
+        # (past lens[i] a row holds other slots of the request: the kernels read lens[i] of it)
+        full = req_to_token[rows.cpu().long()[:, None], cols]
+        table = self.full_to_swa_index_mapping[full].to(torch.int32)  # what the decode kernels take as req_to_token
         out = self.full_to_swa_index_mapping[out_cache_loc.cpu().long()]
         return SWAForwardLocs(out, table, lens)
 
