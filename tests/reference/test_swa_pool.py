@@ -221,3 +221,54 @@ def test_the_swa_pool_is_the_default_and_falls_back_to_one_pool_with_a_log_line(
     if why is not None and "enable_hybrid_swa_memory" not in flags:
         with pytest.raises((ValueError, RuntimeError), match="--enable-hybrid-swa-memory does not run with"):
             Engine(gemma3_dir, **{**args, **flags, "enable_hybrid_swa_memory": True})
+
+
+def _tp_rank(rank: int, addr: str, model_dir: str, out_path: str) -> None:
+    """One rank of --tp-size 2 on the SWA pool (its default): a ragged prefill, a chunk, decodes."""
+    from radixserve.distributed.parallel_state import destroy_distributed_environment
+    from radixserve.model_executor.model_runner import ModelRunner
+    from radixserve.models.model_config import ModelConfig
+    from radixserve.server_args import ServerArgs
+
+    from hf_utils import KVDriver
+
+    args = ServerArgs(model_path=model_dir, dtype="float32", device="cpu", max_total_tokens=1024,
+                      max_running_requests=8, tp_size=2, dist_init_addr=addr, chunked_prefill_size=CHUNK)
+    runner = ModelRunner(ModelConfig.from_pretrained(model_dir), args, rank, 2)
+    rows = runner.req_to_token_pool.alloc(2)
+    drv = KVDriver(runner, scatter_seed=1)
+    long, short = _prompts(13, (5 * WINDOW, 2 * WINDOW))
+    out = [drv.extend(rows, [0, 0], [long[:3 * WINDOW], short]).all_logits,
+           drv.extend(rows[:1], [3 * WINDOW], [long[3 * WINDOW:]]).all_logits]
+    lens = [len(long), len(short)]
+    for t in range(3):
+        out.append(drv.decode(rows, lens, [20 + t, 30 + t]).next_token_logits)
+        lens = [n + 1 for n in lens]
+    pool = runner.token_to_kv_pool
+    torch.save({"logits": out, "swa": hasattr(pool, "swa_kv_pool"), "kv_heads": pool.head_num}, f"{out_path}.{rank}")
+    destroy_distributed_environment()
+
+
+def test_tensor_parallel_2_on_the_swa_pool(gemma3_dir, hf, tmp_path):
+    """--tp-size 2 with the SWA pool (the default for this model): each rank's pools hold half of
+    the KV heads, windowed layers' in the SWA pool, and the logits are transformers'."""
+    import multiprocessing as mp
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from processes import free_port, run_processes
+
+    out = tmp_path / "tp2.pt"
+    addr = f"127.0.0.1:{free_port()}"
+    ctx = mp.get_context("spawn")
+    run_processes([ctx.Process(target=_tp_rank, args=(r, addr, gemma3_dir, str(out))) for r in range(2)])
+    long, short = _prompts(13, (5 * WINDOW, 2 * WINDOW))
+    la, lb = hf_logits(hf, long + [20, 21, 22]), hf_logits(hf, short + [30, 31, 32])
+    n, m = len(long), len(short)
+    ref = [torch.cat([la[:3 * WINDOW], lb[:m]]), la[3 * WINDOW:n]] + [torch.stack([la[n + t], lb[m + t]]) for t in range(3)]
+    for rank in range(2):
+        res = torch.load(f"{out}.{rank}")
+        assert res["swa"] and res["kv_heads"] == 1
+        errs = [(a - b).abs().max().item() for a, b in zip(res["logits"], ref)]
+        assert max(errs) <= TOL, (rank, errs)
