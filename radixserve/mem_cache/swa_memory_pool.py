@@ -123,9 +123,11 @@ class SWATokenToKVPoolAllocator:
         ar = torch.arange(int(lens.max()) if len(lens) else 0)
         cols = (first[:, None] + ar).clamp(max=req_to_token.shape[1] - 1)
         # (past lens[i] a row holds other slots of the request: the kernels read lens[i] of it)
-        full = req_to_token[rows.cpu().long()[:, None], cols]
-        table = self.full_to_swa_index_mapping[full].to(torch.int32)  # what the decode kernels take as req_to_token
-        out = self.full_to_swa_index_mapping[out_cache_loc.cpu().long()]
+        flat = (rows.cpu().long()[:, None] * req_to_token.shape[1] + cols).view(-1)
+        full = req_to_token.view(-1).index_select(0, flat).long()  # (index_select: ~3x advanced indexing)
+        mapping = self.full_to_swa_index_mapping
+        table = mapping.index_select(0, full).view(cols.shape).to(torch.int32)  # what the decode kernels take as req_to_token
+        out = mapping.index_select(0, out_cache_loc.cpu().long())
         return SWAForwardLocs(out, table, lens)
 
     def free_group_begin(self) -> None:
