@@ -104,8 +104,10 @@ class ServerArgs:
 
     # The SWA pool (issue 42; mem_cache/swa_memory_pool.py): a model with sliding-window layers
     # keeps their KV only for the tokens inside some window, in a pool of its own (SGLang's hybrid
-    # SWA memory, on by default there; here asked for).
-    enable_hybrid_swa_memory: bool = False
+    # SWA memory). None (the default): on for such a model where it runs, else one KV pool with a
+    # log line (model_runner.use_swa_pool); True (--enable-hybrid-swa-memory): asked for, refused
+    # at start where it cannot run; False (--disable-hybrid-swa-memory): one KV pool.
+    enable_hybrid_swa_memory: Optional[bool] = None
     swa_full_tokens_ratio: float = 0.8  # SWA pool slots / full pool slots
 
     # HiCache (issue 29, SGLang's flags; mem_cache/hiradix_cache.py): radix nodes evicted from the
@@ -227,6 +229,8 @@ class ServerArgs:
         _choice("--radix-eviction-policy", self.radix_eviction_policy, ("lru", "lfu"))
         _choice("--device", self.device, ("auto", "cpu", "cuda"))
         _choice("--attention-backend", self.attention_backend, ("torch_native", "triton"))
+        if self.enable_hybrid_swa_memory not in (None, True, False):
+            raise ValueError(f"--enable-hybrid-swa-memory must be a bool (or None: where it runs), got {self.enable_hybrid_swa_memory!r}")
         if self.disable_overlap_schedule not in (None, True, False):
             raise ValueError(f"--disable-overlap-schedule must be a bool (or None: by device), got {self.disable_overlap_schedule!r}")
         if self.page_size < 1:
@@ -297,7 +301,7 @@ class ServerArgs:
         if self.disaggregation_mode != "null" and (self.tp_size > 1 or self.dp_size > 1):
             raise ValueError("--disaggregation-mode runs with --tp-size 1 and --dp-size 1 in radixserve; "
                              "scale out with several prefill and decode servers behind sglang-router")
-        if self.enable_hybrid_swa_memory:
+        if self.enable_hybrid_swa_memory is not False:
             self._check_hybrid_swa_memory()
         if self.enable_hierarchical_cache:
             self._check_hicache()
@@ -311,10 +315,17 @@ class ServerArgs:
             self._check_lora()
 
     def _check_hybrid_swa_memory(self) -> None:
-        """What the SWA pool does not run with is refused here, each with one line."""
+        """What the SWA pool does not run with is refused here, each with one line, where it was
+        asked for (--enable-hybrid-swa-memory); by default the model runner falls back to one pool."""
         if not (math.isfinite(self.swa_full_tokens_ratio) and self.swa_full_tokens_ratio > 0):
             raise ValueError(f"--swa-full-tokens-ratio must be a finite number > 0, got {self.swa_full_tokens_ratio}")
-        refused = [
+        what = self.hybrid_swa_memory_unsupported()
+        if self.enable_hybrid_swa_memory and what is not None:
+            raise ValueError(f"--enable-hybrid-swa-memory does not run with {what}")
+
+    def hybrid_swa_memory_unsupported(self) -> Optional[str]:
+        """The first flag the SWA pool does not run with (None: none)."""
+        unsupported = [
             (self.page_size > 1, "--page-size > 1 (the SWA pool hands out single slots)"),
             (self.enable_hierarchical_cache, "--enable-hierarchical-cache (the host tier keeps no windowed layers' KV)"),
             (self.speculative_algorithm is not None, "--speculative-algorithm (a verify forward's drafts are not windowed)"),
@@ -322,14 +333,8 @@ class ServerArgs:
             (self.chunked_prefill_size is None, "chunked prefill off (a prompt's window slots must fit the SWA pool chunk by chunk)"),
             (self.pp_size > 1, "--pp-size > 1"),
             (self.disaggregation_mode != "null", "--disaggregation-mode (the transfer moves full-pool KV only)"),
-            # The stash of a chunk frees or hands to the tree swa slots of tokens the forward in
-            # flight may still be writing (the windowed layers' slots are translated at forward time).
-            (self.disable_overlap_schedule is False, "--enable-overlap-schedule (a stashed chunk's swa slots may be "
-                                                     "in the forward still running; the normal loop is its default)"),
         ]
-        for bad, what in refused:
-            if bad:
-                raise ValueError(f"--enable-hybrid-swa-memory does not run with {what}")
+        return next((what for bad, what in unsupported if bad), None)
 
     def _check_hicache(self) -> None:
         if self.disable_radix_cache:
@@ -519,6 +524,12 @@ class ServerArgs:
             flag = "--" + f.name.replace("_", "-")
             default = f.default
             text = FLAG_HELP.get(f.name, "")
+            if f.name == "enable_hybrid_swa_memory":  # tri-state: asked for, off, or where it runs
+                parser.add_argument(flag, action="store_const", const=True, default=None,
+                                    help=f"{text} (default: on for a model with windowed layers where it runs)")
+                parser.add_argument("--disable-hybrid-swa-memory", dest=f.name, action="store_const", const=False,
+                                    help="keep every layer's KV in one pool, windowed layers too")
+                continue
             if f.name == "disable_overlap_schedule":  # tri-state: on, off, or by device
                 parser.add_argument(flag, action="store_const", const=True, default=None, help=text)
                 parser.add_argument("--enable-overlap-schedule", dest=f.name, action="store_const", const=False,
@@ -547,8 +558,6 @@ class ServerArgs:
             return False  # a mixed batch's decode part is laid out with the committed lengths
         if self.is_embedding:
             return False  # prefill only: a result must be processed before the next schedule
-        if self.enable_hybrid_swa_memory:
-            return False  # the SWA pool (refused with --enable-overlap-schedule: _check_hybrid_swa_memory)
         if self.pp_size > 1:
             return False  # the PP loop (scheduler_pp.py) keeps micro-batches in flight instead
         if self.disable_overlap_schedule is None:
@@ -616,8 +625,8 @@ FLAG_HELP = {
     "disable_overlap_schedule": "run the scheduler's normal loop instead of the overlap loop (default: the overlap loop on GPU, the normal loop on CPU)",
     "disable_consecutive_prefill_overlap": "overlap loop: process a prefill's result before launching the next prefill (lower TTFT)",
     "test_retract_interval": "testing: force a retraction every this many decode steps",
-    "enable_hybrid_swa_memory": "models with sliding-window layers: keep those layers' KV only for the tokens inside a window, in a pool of its own (the SWA pool)",
-    "swa_full_tokens_ratio": "with --enable-hybrid-swa-memory: the SWA pool's slots per full pool slot",
+    "enable_hybrid_swa_memory": "models with sliding-window layers: keep those layers' KV only for the tokens inside a window, in a pool of its own (the SWA pool); asked for, what it cannot run with is refused at start",
+    "swa_full_tokens_ratio": "with the SWA pool: its slots per full pool slot",
     "enable_hierarchical_cache": "HiCache: keep KV evicted from the device pool in a host memory pool and load it back on a prefix hit",
     "hicache_ratio": "HiCache: host pool size as a multiple of the device KV pool",
     "hicache_size": "HiCache: host pool size in GB; 0 = use --hicache-ratio",

@@ -737,6 +737,9 @@ class ScheduleBatch:
             lora_paths=[r.lora_path for r in self.reqs],
             multimodal_inputs=self.multimodal_inputs(),
             mamba_state_slots=self.ledger.state_slots(self.req_pool_indices),
+            swa_locs=self.ledger.swa_forward_locs(self.req_pool_indices, self.prefix_lens if extend else
+                                                  [s - 1 for s in self.seq_lens_cpu], self.seq_lens_cpu,
+                                                  self.out_cache_loc),
         )
 
     def multimodal_inputs(self) -> Optional[List[Any]]:

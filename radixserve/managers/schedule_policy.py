@@ -176,6 +176,13 @@ class PrefillAdder:
     rem_input_tokens  = --max-prefill-tokens minus admitted extend tokens
     rem_chunk_tokens  = --chunked-prefill-size minus admitted extend tokens; the last
                         request that does not fit whole is truncated into a chunk
+
+    With the SWA pool (mem_cache/swa_kv_ledger.py) a fourth, SGLang's budget from
+    `_get_swa_token_info`: rem_swa_tokens = free + evictable swa slots - what running requests'
+    windows may still grow by (remaining tokens x new_token_ratio, at most a window each) - what
+    was admitted (its extend tokens, all in the pool while they are computed, and the window its
+    decode will hold). A request holds about a window there, not its length, so the full pool's
+    totals would be wrong both ways.
     """
 
     def __init__(
@@ -206,11 +213,25 @@ class PrefillAdder:
         self.new_chunked_req: Optional[Req] = None
         self.log_hit_tokens = 0
         self.log_input_tokens = 0
+        self.swa_window = ledger.sliding_window_size  # None: no SWA pool
+        self.rem_swa_token_offset: float = mixed_with_decode_tokens
         if running_batch is not None:
             self.rem_total_token_offset += sum(self._running_offset(r) for r in running_batch.reqs)
+            if self.swa_window is not None:
+                self.rem_swa_token_offset += sum(min(self._running_offset(r), self.swa_window) for r in running_batch.reqs)
 
     def _running_offset(self, req: Req) -> float:
         return req.clipped_remaining_new_tokens() * self.new_token_ratio
+
+    @property
+    def rem_swa_tokens(self) -> Optional[float]:
+        """The SWA pool's budget left this round (None without one)."""
+        room = self.ledger.swa_room()
+        return None if room is None else room - self.rem_swa_token_offset
+
+    def _swa_short(self, need: int) -> bool:
+        rem = self.rem_swa_tokens
+        return rem is not None and need >= rem
 
     @property
     def rem_total_tokens(self) -> float:
@@ -226,7 +247,7 @@ class PrefillAdder:
         return -(-tokens // self.page_size) * self.page_size
 
     def budget_state(self) -> AddReqResult:
-        if self.rem_total_tokens <= 0 or self.cur_rem_tokens <= 0:
+        if self.rem_total_tokens <= 0 or self.cur_rem_tokens <= 0 or self._swa_short(0):
             return AddReqResult.NO_TOKEN
         if self.rem_input_tokens <= 0 or (self.rem_chunk_tokens is not None and self.rem_chunk_tokens <= 0):
             return AddReqResult.OTHER
@@ -236,6 +257,8 @@ class PrefillAdder:
         extend_input_len = self.ceil_paged_tokens(extend_input_len)
         self.rem_total_token_offset += extend_input_len + max_new_tokens
         self.cur_rem_token_offset += extend_input_len
+        if self.swa_window is not None:
+            self.rem_swa_token_offset += extend_input_len + min(max_new_tokens, self.swa_window)
         self.rem_input_tokens -= extend_input_len
         if self.rem_chunk_tokens is not None:
             self.rem_chunk_tokens -= extend_input_len
@@ -249,10 +272,10 @@ class PrefillAdder:
     def _chunk_budget(self) -> Optional[int]:
         """rem_chunk_tokens, and with the SWA pool no more than it has room for after what this
         round admitted (its windowed layers' slots: mem_cache/swa_kv_ledger.py)."""
-        swa_room = getattr(self.ledger, "swa_room", None)
+        swa_room = self.ledger.swa_room()
         if swa_room is None or self.rem_chunk_tokens is None:
             return self.rem_chunk_tokens
-        room = (swa_room() - self.cur_rem_token_offset) // self.page_size * self.page_size
+        room = (swa_room - self.cur_rem_token_offset) // self.page_size * self.page_size
         return min(self.rem_chunk_tokens, room)
 
     def add_chunked_req(self, req: Req) -> Optional[Req]:
@@ -296,6 +319,8 @@ class PrefillAdder:
                 prefix_len, input_tokens = len(req.prefix_indices), self.ceil_paged_tokens(req.extend_input_len)
             chunk = self._chunk_budget()
             if chunk is None or input_tokens <= chunk:
+                if self.swa_window is not None and self._swa_short(input_tokens + min(self._max_new(req), self.swa_window)):
+                    return AddReqResult.NO_TOKEN  # its extend and window do not fit the SWA pool's budget
                 self.can_run_list.append(req)
                 self.ledger.lock(req.last_node)
                 self._update_prefill_budget(prefix_len, input_tokens, self._max_new(req))
@@ -303,6 +328,8 @@ class PrefillAdder:
                 trunc_len = chunk // self.page_size * self.page_size
                 if trunc_len <= 0:
                     return AddReqResult.OTHER
+                if self._swa_short(trunc_len):
+                    return AddReqResult.NO_TOKEN
                 req.extend_input_len = trunc_len
                 req.fill_ids = req.fill_ids[: len(req.prefix_indices) + trunc_len]
                 self.can_run_list.append(req)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, List, Optional, Protocol, Tuple
+from typing import Any, Iterator, List, Optional, Protocol, Tuple
 
 import torch
 
@@ -95,6 +95,13 @@ class KVLedger:
     def budget(self) -> int:
         """Slots a new request may take: free ones and the tree's evictable ones."""
         return self.allocator.available_size() + self.tree_cache.evictable_size()
+
+    # The SWA pool's budget (SWAKVLedger); a ledger without one has none.
+    sliding_window_size: Optional[int] = None
+
+    def swa_room(self) -> Optional[int]:
+        """Swa slots a prefill may take now (free and evictable); None without a SWA pool."""
+        return None
 
     def free_rows(self) -> int:
         return self.req_to_token_pool.available_size()
@@ -307,6 +314,12 @@ class KVLedger:
         forward must use these: by the time it runs in the overlap loop, a finished request's row
         may be freed and handed on, and its extra step must not write another request's slot."""
         return self.req_to_token_pool.mamba_indices(req_pool_indices) if self.state_pool is not None else None
+
+    def swa_forward_locs(self, req_pool_indices: torch.Tensor, prefix_lens: List[int], seq_lens: List[int],
+                         out_cache_loc: torch.Tensor) -> Optional[Any]:
+        """A batch's windowed-layer slots, read as it is scheduled (the SWA pool: SWAKVLedger);
+        None without one."""
+        return None
 
     def make_state_room(self, num_states: int) -> bool:
         """Drop snapshots until num_states state slots are free; False if it cannot."""

@@ -7,8 +7,11 @@ SWA-aware tree (swa_radix_cache.py), plus what only the windowed layers' pool ne
   overlap loop the previous forward may still be running when the next is scheduled;
 - room is made in both pools (`make_room`): the full one by evicting tree leaves as before, the
   SWA one by turning unlocked live nodes into tombstones (their full slots stay);
-- `swa_room()` is what a prefill chunk may take from the SWA pool (the PrefillAdder clamps its
-  chunk to it); `budget()` stays the full pool's, since windowed tokens come and go;
+- `swa_room()` is the SWA pool's free and evictable slots: the PrefillAdder clamps a chunk to it
+  and admits against it (rem_swa_tokens, a window per request); `budget()` stays the full pool's;
+- `swa_forward_locs`: a batch's windowed-layer slots, read as it is scheduled (the overlap loop's
+  next schedule frees and moves swa slots in the map while the forward runs; the K/V in a freed
+  slot stays until a later forward writes it, and forwards run in order);
 - the invariants cover both pools.
 
 Per request row: `swa_evicted_seqlen` (SGLang's name: positions before it hold no swa slot of
@@ -24,7 +27,7 @@ import torch
 from radixserve.mem_cache.base_prefix_cache import BasePrefixCache, CacheReq, MemoryLeakError
 from radixserve.mem_cache.kv_ledger import KVLedger, LedgerReq, held_len
 from radixserve.mem_cache.memory_pool import ReqToTokenPool
-from radixserve.mem_cache.swa_memory_pool import SWAKVPool, SWATokenToKVPoolAllocator
+from radixserve.mem_cache.swa_memory_pool import SWAForwardLocs, SWAKVPool, SWATokenToKVPoolAllocator
 
 
 class SWAKVLedger(KVLedger):
@@ -67,6 +70,15 @@ class SWAKVLedger(KVLedger):
         info = self.get_swa_token_info()
         return (f"full: {super().mem_report()}; swa: available={info['swa_available_tokens']}, "
                 f"evictable={info['swa_evictable_tokens']}, protected={info['swa_protected_tokens']}")
+
+    def swa_forward_locs(self, req_pool_indices: torch.Tensor, prefix_lens: List[int], seq_lens: List[int],
+                         out_cache_loc: torch.Tensor) -> Optional[SWAForwardLocs]:
+        """The windowed layers' slots of a batch being scheduled (SWAForwardLocs: the overlap loop
+        may free or move them in the map before the forward runs; their K/V stays till then)."""
+        if not seq_lens:
+            return None
+        return self.swa_allocator.forward_locs(self.rows_cpu, req_pool_indices, prefix_lens, seq_lens,
+                                               self.sliding_window_size, out_cache_loc)
 
     # ---- rows: the per-row window state starts afresh --------------------------------------------
     def alloc_rows(self, n: int) -> Optional[List[int]]:

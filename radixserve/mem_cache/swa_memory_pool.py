@@ -15,11 +15,36 @@ full slot stays. `free` of a full slot also frees its swa slot where it still ha
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import List, Optional
 
 import torch
 
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool, TokenToKVPoolAllocator
+
+
+@dataclass
+class SWAForwardLocs:
+    """A forward's windowed-layer slots, translated from full slots when its batch is scheduled.
+
+    In the overlap loop the scheduler frees, hands on or moves swa slots (a stash, an eviction, a
+    retraction) while the forward scheduled before runs; the K/V *in* a swa slot stays until a
+    later forward writes it (forwards run in order), so slots read at schedule time are right
+    where a translation at forward time could read a mapping changed under it.
+
+        table[i, :lens[i]]  swa slots of request i's keys first_i .. seq_len_i - 1, the keys its
+                            queries see (first_i = max(0, prefix_len_i - W + 1)); unread past lens[i]
+        out_cache_loc       swa slots of the forward's new tokens
+    """
+
+    out_cache_loc: torch.Tensor  # [num_tokens] int64
+    table: torch.Tensor  # [bs, width] int32
+    lens: torch.Tensor  # [bs] int64
+
+    def to(self, device) -> "SWAForwardLocs":
+        """On the forward's device (lens stays on the host: the kernels take it from there)."""
+        return SWAForwardLocs(self.out_cache_loc.to(device, non_blocking=True), self.table.to(device, non_blocking=True),
+                              self.lens)
 
 
 class SWATokenToKVPoolAllocator:
@@ -90,6 +115,21 @@ class SWATokenToKVPoolAllocator:
         swa = self.full_to_swa_index_mapping[full_index.to(torch.int64).cpu()]
         return swa.to(device=full_index.device, dtype=full_index.dtype)
 
+    def forward_locs(self, req_to_token: torch.Tensor, rows: torch.Tensor, prefix_lens: List[int],
+                     seq_lens: List[int], window: int, out_cache_loc: torch.Tensor) -> SWAForwardLocs:
+        """A batch's windowed-layer slots now (SWAForwardLocs); req_to_token is the host copy."""
+        first = (torch.tensor(prefix_lens, dtype=torch.int64) - window + 1).clamp(min=0)
+        lens = torch.tensor(seq_lens, dtype=torch.int64) - first
+        ar = torch.arange(int(lens.max()) if len(lens) else 0)
+        cols = (first[:, None] + ar).clamp(max=req_to_token.shape[1] - 1)
+        # (past lens[i] a row holds other slots of the request: the kernels read lens[i] of it)
+        flat = (rows.cpu().long()[:, None] * req_to_token.shape[1] + cols).view(-1)
+        full = req_to_token.view(-1).index_select(0, flat).long()  # (index_select: ~3x advanced indexing)
+        mapping = self.full_to_swa_index_mapping
+        table = mapping.index_select(0, full).view(cols.shape).to(torch.int32)  # what the decode kernels take as req_to_token
+        out = mapping.index_select(0, out_cache_loc.cpu().long())
+        return SWAForwardLocs(out, table, lens)
+
     def free_group_begin(self) -> None:
         self.full.free_group_begin()
         self.swa.free_group_begin()
@@ -150,10 +190,13 @@ class SWAKVPool:
         pool, i = self.layers_mapping[layer_id]
         return pool.get_value_buffer(i)
 
-    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      loc_swa: Optional[torch.Tensor] = None) -> None:
+        """loc: full slots; a windowed layer writes at loc_swa (translated when the batch was
+        scheduled: SWAForwardLocs), or at loc's swa slots now where none is given."""
         pool, i = self.layers_mapping[layer_id]
         if pool is self.swa_kv_pool:
-            loc = self.translate_loc(loc)
+            loc = self.translate_loc(loc) if loc_swa is None else loc_swa
         pool.set_kv_buffer(i, loc, k, v)
 
     def move_kv_cache(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import torch
 
+from radixserve.mem_cache.swa_memory_pool import SWAForwardLocs
+
 if TYPE_CHECKING:
     from radixserve.layers.attention.spec_tree import SpecTree
     from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
@@ -82,6 +84,9 @@ class ModelWorkerBatch:
     # A hybrid model's speculative verify: an empty dict its linear layers fill with what advancing
     # their states by the accepted tokens needs (gated_delta_net.VerifyTrace, by layer); None: not one
     linear_traces: Optional[Dict[int, Any]] = None
+    # The SWA pool: the windowed layers' slots of this batch, translated when it was scheduled
+    # (the overlap loop moves swa slots while a forward runs); None: translated at the forward
+    swa_locs: Optional[SWAForwardLocs] = None
 
     @property
     def batch_size(self) -> int:
@@ -116,6 +121,7 @@ class ForwardBatch:
     multimodal_inputs: Optional[List[Any]] = None  # see ModelWorkerBatch
     mamba_state_slots: Optional[torch.Tensor] = None  # (ModelWorkerBatch's)
     linear_traces: Optional[Dict[int, Any]] = None  # (ModelWorkerBatch's)
+    swa_locs: Optional[SWAForwardLocs] = None  # (ModelWorkerBatch's, on the device)
 
     @classmethod
     def init_new(cls, batch: ModelWorkerBatch, model_runner: Any) -> "ForwardBatch":
@@ -155,6 +161,7 @@ class ForwardBatch:
             multimodal_inputs=batch.multimodal_inputs,
             mamba_state_slots=batch.mamba_state_slots,
             linear_traces=batch.linear_traces,
+            swa_locs=None if batch.swa_locs is None else batch.swa_locs.to(device),
         )
         # A batch a CUDA graph will replay needs none of the eager metadata.
         graph_runner = getattr(model_runner, "cuda_graph_runner", None)

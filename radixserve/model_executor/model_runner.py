@@ -266,20 +266,40 @@ class ModelRunner:
                     str(self.kv_cache_dtype).removeprefix("torch."), max_reqs, self.context_len)
 
     def use_swa_pool(self) -> bool:
-        """--enable-hybrid-swa-memory on a model with sliding-window layers (a no-op on others)."""
-        if not self.server_args.enable_hybrid_swa_memory:
+        """The SWA pool for a model with sliding-window layers: where it was asked for
+        (--enable-hybrid-swa-memory; what it cannot run with was refused at start, or is here),
+        and by default where it runs; elsewhere one KV pool, with a log line saying why."""
+        asked = self.server_args.enable_hybrid_swa_memory
+        name = self.model_config.model_path or self.model_config.architecture
+        if asked is False:
             return False
         if self.model_config.sliding_window is None:
-            logger.info("--enable-hybrid-swa-memory: %s has no sliding-window layers; one KV pool",
-                        self.model_config.model_path or self.model_config.architecture)
+            if asked:
+                logger.info("--enable-hybrid-swa-memory: %s has no sliding-window layers; one KV pool", name)
             return False
-        if self.is_hybrid:
-            raise LoadError("--enable-hybrid-swa-memory does not run with a linear-attention (state pool) model")
-        return True
+        why = "a linear-attention (state pool) model" if self.is_hybrid else self.server_args.hybrid_swa_memory_unsupported()
+        if why is None:
+            size, size_swa = self.swa_pool_sizes()
+            need = self.swa_pool_min_size()
+            if size_swa < need:
+                why = (f"a SWA pool of {size_swa} slots: it needs {need} (3 x sliding window {self.model_config.sliding_window} "
+                       f"+ --chunked-prefill-size {self.server_args.chunked_prefill_size} + 8); raise --swa-full-tokens-ratio "
+                       f"or the KV budget")
+        if why is None:
+            return True
+        if asked:
+            raise LoadError(f"--enable-hybrid-swa-memory does not run with {why}")
+        logger.info("one KV pool for %s's windowed layers too: the SWA pool does not run with %s "
+                    "(--disable-hybrid-swa-memory: this without the line)", name, why)
+        return False
 
-    def init_swa_memory_pool(self) -> None:
-        """The SWA pool (mem_cache/swa_memory_pool.py): full layers' KV for every slot, windowed
-        layers' KV in swa_full_tokens_ratio as many slots, handed out and dropped by the ledger."""
+    def swa_pool_min_size(self) -> int:
+        """A prefill chunk beside a decoding request must fit: the windows their prefixes lock, the
+        decoding one's own window (kept a forward late) and the chunk."""
+        return 3 * self.model_config.sliding_window + self.server_args.chunked_prefill_size + 8
+
+    def swa_pool_sizes(self) -> Tuple[int, int]:
+        """(full slots, swa slots) of the SWA pool layout, the same on every rank."""
         args, cfg = self.server_args, self.model_config
         window_layers = cfg.window_layers
         n_swa = sum(window_layers)
@@ -290,14 +310,15 @@ class ModelRunner:
             per_layer_token = MHATokenToKVPool.bytes_per_token(self.kv_heads_per_rank(), cfg.head_dim, 1, self.kv_cache_dtype)
             size, size_swa = SWAKVPool.sizes_for_budget(self.memory_budget_bytes(), per_layer_token,
                                                         len(window_layers) - n_swa, n_swa, args.swa_full_tokens_ratio)
-        size, size_swa = all_reduce_min(size), all_reduce_min(size_swa)
-        # A prefill chunk beside a decoding request must fit: the windows their prefixes lock, the
-        # decoding one's own window (kept a forward late) and the chunk.
-        need = 3 * cfg.sliding_window + args.chunked_prefill_size + 8
-        if size_swa < need:
-            raise RuntimeError(f"--enable-hybrid-swa-memory: the SWA pool has {size_swa} slots, it needs {need} "
-                               f"(3 x sliding window {cfg.sliding_window} + --chunked-prefill-size "
-                               f"{args.chunked_prefill_size} + 8); raise --swa-full-tokens-ratio or the KV budget")
+        return all_reduce_min(size), all_reduce_min(size_swa)
+
+    def init_swa_memory_pool(self) -> None:
+        """The SWA pool (mem_cache/swa_memory_pool.py): full layers' KV for every slot, windowed
+        layers' KV in swa_full_tokens_ratio as many slots, handed out and dropped by the ledger."""
+        args, cfg = self.server_args, self.model_config
+        window_layers = cfg.window_layers
+        n_swa = sum(window_layers)
+        size, size_swa = self.swa_pool_sizes()
         self.max_total_num_tokens = size
         max_reqs = args.max_running_requests or min(max(size // self.context_len * 512, 2048), 4096)
         self.max_running_requests = max_reqs

@@ -79,9 +79,11 @@ class KVDriver:
         self.rows: List[int] = []
         self.lens: List[int] = []
         # Hand out slots in a shuffled order so a request's KV is non-contiguous.
-        alloc = runner.token_to_kv_pool_allocator
         g = torch.Generator().manual_seed(scatter_seed)
-        alloc.free_pages = alloc.free_pages[torch.randperm(len(alloc.free_pages), generator=g)]
+        alloc = runner.token_to_kv_pool_allocator
+        # (a windowed model's SWA pool, its default: both of its free lists)
+        for a in (alloc.full, alloc.swa) if hasattr(alloc, "free_swa") else (alloc,):
+            a.free_pages = a.free_pages[torch.randperm(len(a.free_pages), generator=g)]
 
     def _alloc(self, n: int) -> torch.Tensor:
         out = self.r.token_to_kv_pool_allocator.alloc(n)

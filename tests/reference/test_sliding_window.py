@@ -75,11 +75,18 @@ def test_the_premise_past_the_window_the_answers_differ(windowed_mistral):
     assert (hf_logits(hf, ids)[-1] - hf_logits(hf_full, ids)[-1]).abs().max() > 1e-2
 
 
+# Both KV layouts: the SWA pool (a windowed model's default) and one pool for every layer
+# (--disable-hybrid-swa-memory, and where the SWA pool does not run: --page-size > 1, Triton, ...).
+POOLS = pytest.mark.parametrize("pool", ["swa", "one"])
+
+
+@POOLS
 @pytest.mark.parametrize("cpu_kernels", [True, False], ids=["cpp_kernels", "torch"])
 @pytest.mark.parametrize("model", ["windowed_mistral", "mixed_qwen3", "mixed_qwen2"])
-def test_every_path_matches_transformers_past_the_window(model, cpu_kernels, request):
+def test_every_path_matches_transformers_past_the_window(model, cpu_kernels, pool, request):
     model_dir = request.getfixturevalue(model)
-    runner = make_runner(model_dir)
+    runner = make_runner(model_dir, enable_hybrid_swa_memory=pool == "swa")
+    assert hasattr(runner.token_to_kv_pool, "swa_kv_pool") == (pool == "swa")
     assert isinstance(runner.attn_backend, TorchNativeAttnBackend) and runner.attn_backend.sliding_window == WINDOW
     runner.attn_backend = TorchNativeAttnBackend("cpu", use_cpu_kernels=cpu_kernels, sliding_window=WINDOW)
     hf = load_hf(model_dir)
@@ -108,14 +115,17 @@ def test_every_path_matches_transformers_past_the_window(model, cpu_kernels, req
         assert err <= TOL, f"sequence {i}: max |logit error| {err:.2e} over {len(ours)} positions"
 
 
-def test_the_engine_serves_past_the_window(mixed_qwen3):
+@pytest.mark.parametrize("swa", [None, False], ids=["default_swa_pool", "one_pool"])
+def test_the_engine_serves_past_the_window(mixed_qwen3, swa):
     """Chunked prefill (chunks of 8), a prefix cache hit on the second request, greedy tokens and
     their logprobs as transformers gives them."""
     hf = load_hf(mixed_qwen3)
     g = torch.Generator().manual_seed(2)
     prompt = torch.randint(0, 512, (3 * WINDOW,), generator=g).tolist()
-    engine = Engine(mixed_qwen3, dtype="float32", skip_tokenizer_init=True, chunked_prefill_size=8)
+    engine = Engine(mixed_qwen3, dtype="float32", skip_tokenizer_init=True, chunked_prefill_size=8,
+                    enable_hybrid_swa_memory=swa)
     try:
+        assert (engine.scheduler.ledger.swa_room() is not None) == (swa is None)
         assert engine.scheduler.context_len == 1024  # the model's, not its window
         for _ in range(2):  # the second one finds the first's prompt in the radix cache
             out = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 6, "temperature": 0},

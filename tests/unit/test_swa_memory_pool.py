@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from radixserve.mem_cache.base_prefix_cache import MemoryLeakError
+from radixserve.mem_cache.kv_ledger import KVLedger
 from radixserve.mem_cache.memory_pool import ReqToTokenPool
 from radixserve.mem_cache.swa_kv_ledger import SWAKVLedger
 from radixserve.mem_cache.swa_memory_pool import SWATokenToKVPoolAllocator
@@ -147,16 +148,97 @@ def test_conservation_catches_a_dropped_window_slot():
     (dict(speculative_algorithm="NGRAM"), "--speculative-algorithm"),
     (dict(attention_backend="triton"), "--attention-backend triton"),
     (dict(chunked_prefill_size=-1), "chunked prefill off"),
-    (dict(disable_overlap_schedule=False), "--enable-overlap-schedule"),
 ])
 def test_what_the_swa_pool_does_not_run_with_is_refused_with_one_line(flags, what):
     with pytest.raises(ValueError) as e:
         ServerArgs(enable_hybrid_swa_memory=True, **flags).check()
     msg = str(e.value)
     assert msg.startswith("--enable-hybrid-swa-memory does not run with") and what in msg and "\n" not in msg
+    # Not asked for (the default): no refusal; the model runner keeps one pool and says why.
+    default = ServerArgs(**flags)
+    default.check()
+    assert default.enable_hybrid_swa_memory is None and what in default.hybrid_swa_memory_unsupported()
 
 
-def test_the_swa_pool_runs_the_normal_loop_by_default_on_every_device():
+def test_the_flag_is_tri_state_on_the_command_line():
+    import argparse
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    parse = lambda *a: ServerArgs.from_cli_args(parser.parse_args(list(a))).enable_hybrid_swa_memory  # noqa: E731
+    assert parse() is None and parse("--enable-hybrid-swa-memory") is True and parse("--disable-hybrid-swa-memory") is False
+    assert ServerArgs().hybrid_swa_memory_unsupported() is None
+
+
+def test_the_swa_pool_runs_either_loop_by_the_device_default():
     args = ServerArgs(enable_hybrid_swa_memory=True)
-    assert not args.overlap_schedule_enabled("cuda") and not args.overlap_schedule_enabled("cpu")
-    assert ServerArgs().overlap_schedule_enabled("cuda")
+    args.check()
+    assert args.overlap_schedule_enabled("cuda") and not args.overlap_schedule_enabled("cpu")
+    assert ServerArgs(enable_hybrid_swa_memory=True, disable_overlap_schedule=False).overlap_schedule_enabled("cpu")
+
+
+def test_forward_locs_are_read_at_schedule_time_and_survive_later_frees():
+    """A batch's windowed-layer slots (SWAForwardLocs) are the swa slots of each request's keys
+    first..seq_len-1 (first = prefix_len - W + 1) as mapped when it was scheduled: freeing or
+    moving them in the map afterwards (what the overlap loop's next schedule does while this
+    forward runs) leaves the batch's copy as it was."""
+    ledger, alloc = _ledger()
+    rows = ledger.alloc_rows(2)
+    a, b = ledger.reserve([0], [10], [-1]), ledger.reserve([0], [3], [-1])
+    ledger.write_spans(rows, [0, 0], [10, 3], torch.cat([a, b]))
+    new = ledger.reserve([10, 3], [11, 4], [-1, -1])  # a decode step for each
+    ledger.write_at(torch.tensor(rows), torch.tensor([10, 3]), new)
+    locs = ledger.swa_forward_locs(torch.tensor(rows), [10, 3], [11, 4], new)
+    m = alloc.full_to_swa_index_mapping
+    assert locs.lens.tolist() == [W, 4]  # a's last W keys; all 4 of b's
+    assert locs.table[0].tolist() == m[torch.cat([a[-3:], new[:1]])].tolist()
+    assert locs.table[1].tolist() == m[torch.cat([b, new[1:]])].tolist()
+    assert locs.out_cache_loc.tolist() == m[new].tolist() and (locs.out_cache_loc > 0).all()
+    before = locs.table.clone()
+    alloc.free(torch.cat([a, b, new]))  # the map forgets them ...
+    assert (m[torch.cat([a, b, new])] == 0).all()
+    assert torch.equal(locs.table, before)  # ... the scheduled batch's copy does not
+    # An extend: keys from prefix_len - W + 1 (the first query's window), 0-padded per row.
+    ext = ledger.swa_forward_locs(torch.tensor(rows[:1]), [6], [10], torch.empty(0, dtype=torch.int64))
+    assert ext.lens.tolist() == [10 - 3] and ext.table.shape == (1, 7)
+
+
+def _adder(ledger, running, chunk=None, ratio=1.0):
+    from radixserve.managers.schedule_policy import PrefillAdder
+    return PrefillAdder(1, ledger, running, ratio, rem_input_tokens=10000, rem_chunk_tokens=chunk)
+
+
+def _new_req(rid: str, n: int, max_new: int):
+    from radixserve.managers.schedule_batch import Req
+    from radixserve.sampling_params import SamplingParams
+    sp = SamplingParams(max_new_tokens=max_new)
+    sp.normalize()
+    return Req(rid, None, [1000 + i for i in range(n)], sp)
+
+
+def test_admission_stops_on_the_swa_pool_with_the_full_pool_wide_open():
+    """A SWA pool of 32 slots beside 512 full ones (W = 4): each request takes its extend and a
+    window there (6 + 4), so the fourth does not fit though the full pool has room for dozens;
+    running requests reserve what their windows may still grow by (at most W each)."""
+    from radixserve.managers.schedule_batch import ScheduleBatch
+    from radixserve.managers.schedule_policy import AddReqResult
+    alloc, r2t, tree = _pools(512, 32)
+    ledger = SWAKVLedger(r2t, alloc, tree, None, sliding_window_size=W)
+    empty = ScheduleBatch(reqs=[], tree_cache=tree)
+    adder = _adder(ledger, empty)
+    reqs = [_new_req(str(i), 6, 100) for i in range(4)]
+    results = []
+    for r in reqs:
+        r.init_next_round_input(ledger)
+        results.append(adder.add_one_req(r))
+    assert results[:3] == [AddReqResult.CONTINUE] * 3 and adder.rem_swa_tokens == 32 - 3 * (6 + W)
+    assert results[3] == AddReqResult.NO_TOKEN and adder.can_run_list == reqs[:3]
+    assert adder.rem_total_tokens > 6 + 100  # the full pool would have taken it
+    # Eight running requests with many tokens to go: a window each is reserved, so nothing new fits.
+    running = ScheduleBatch(reqs=[_new_req(f"run{i}", 3, 100) for i in range(8)], tree_cache=tree)
+    adder = _adder(ledger, running, ratio=0.5)
+    assert adder.rem_swa_tokens == 32 - 8 * W and adder.budget_state() == AddReqResult.NO_TOKEN
+    late = _new_req("late", 6, 100)
+    late.init_next_round_input(ledger)
+    assert adder.add_one_req(late) == AddReqResult.NO_TOKEN and adder.can_run_list == []
+    # A plain ledger has no SWA budget.
+    assert _adder(KVLedger(r2t, alloc.full, tree), empty).rem_swa_tokens is None

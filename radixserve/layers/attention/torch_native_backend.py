@@ -23,7 +23,8 @@ than W: decode rows read a table of each request's last W slots (the C++ kernel 
 block take it as they take req_to_token), and extend requests run one SDPA call each over their
 slots from the first key any of their queries sees, with the window in the mask. With the SWA
 pool (mem_cache/swa_memory_pool.py: windowed layers' K/V in buffers of their own) every forward
-takes that metadata, its slots translated to the SWA pool's (`translate_loc`).
+takes that metadata, its slots the SWA pool's: translated when the batch was scheduled
+(`fb.swa_locs`; the overlap loop changes the map while a forward runs), else here (`translate_loc`).
 """
 
 from __future__ import annotations
@@ -170,11 +171,16 @@ class TorchNativeAttnBackend(AttentionBackend):
         md = TorchNativeMetadata()
         req_to_token = fb.req_to_token_pool.req_to_token
         rows = fb.req_pool_indices.to(req_to_token.device).long()
-        # The SWA pool (mem_cache/swa_memory_pool.py): full slots -> the windowed layers' own slots.
+        # The SWA pool (mem_cache/swa_memory_pool.py): full slots -> the windowed layers' own slots,
+        # translated when the batch was scheduled (fb.swa_locs), or here where no scheduler did.
         translate = getattr(fb.token_to_kv_pool, "translate_loc", lambda slots: slots)
+        locs = getattr(fb, "swa_locs", None)
         if fb.forward_mode.is_decode():
-            table, seen = window_table(req_to_token, rows, fb.seq_lens_cpu, window)
-            table = translate(table)
+            if locs is not None:
+                table, seen = locs.table, locs.lens
+            else:
+                table, seen = window_table(req_to_token, rows, fb.seq_lens_cpu, window)
+                table = translate(table)
             n, width = table.shape
             md.all_decode = True
             if self.cpu_ops is not None:
@@ -187,7 +193,10 @@ class TorchNativeAttnBackend(AttentionBackend):
         for i, (start, n, p) in enumerate(zip(_starts(fb.extend_seq_lens_cpu), fb.extend_seq_lens_cpu,
                                               fb.extend_prefix_lens_cpu)):
             first = max(0, p - window + 1)
-            slots = translate(req_to_token[rows[i], first : p + n].long())
+            if locs is not None:
+                slots = locs.table[i, : p + n - first].long()
+            else:
+                slots = translate(req_to_token[rows[i], first : p + n].long())
             q_pos = torch.arange(p, p + n, device=self.device)[:, None]
             k_pos = torch.arange(first, p + n, device=self.device)[None, :]
             md.extend_seqs.append(ExtendSeq(start, n, p, slots, (k_pos <= q_pos) & (k_pos > q_pos - window)))
@@ -213,9 +222,16 @@ class TorchNativeAttnBackend(AttentionBackend):
         return ExtendRows(rows, pick(fb.extend_prefix_lens_cpu), pick(fb.extend_seq_lens_cpu), pick(starts),
                           fb.req_to_token_pool.req_to_token)
 
+    @staticmethod
+    def _set_kv(pool, layer, fb, k, v) -> None:
+        if getattr(fb, "swa_locs", None) is None:
+            pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
+        else:  # the SWA pool: a windowed layer writes at the swa slots translated at schedule time
+            pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v, loc_swa=fb.swa_locs.out_cache_loc)
+
     def forward_decode(self, q, k, v, layer, fb) -> torch.Tensor:
         pool = fb.token_to_kv_pool
-        pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
+        self._set_kv(pool, layer, fb, k, v)
         out = torch.empty_like(q)
         self._decode_into(out, q, layer, self._metadata(layer, fb), pool)
         return out
@@ -283,7 +299,7 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     def forward_extend(self, q, k, v, layer, fb) -> torch.Tensor:
         pool = fb.token_to_kv_pool
-        pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
+        self._set_kv(pool, layer, fb, k, v)
         md = self._metadata(layer, fb)
         out = torch.empty_like(q)
         if md.decode_groups or md.decode_rows is not None:
