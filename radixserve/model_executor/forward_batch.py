@@ -79,6 +79,16 @@ class ModelWorkerBatch:
     # A hybrid model: each request's state slot, read when the batch was scheduled (in the overlap
     # loop a row may be freed or handed on before this forward runs); None: read at the forward
     mamba_state_slots: Optional[torch.Tensor] = None
+    # return_hidden_states: the final hidden state (after the final norm) at each request's last
+    # position comes back in LogitsProcessorOutput.last_hidden_states
+    return_hidden_states: bool = False
+    # token_ids_logprob at prompt positions: [positions, k] the ids scored at each
+    # input_logprob_positions row (padded with 0; each request reads its own k columns)
+    input_token_ids_logprob_ids: Optional[torch.Tensor] = None
+    # input_embeds (SGLang's): the rows of input_ids whose embedding is given ([n] flat token
+    # indices) and those embeddings ([n, hidden]); the model uses them instead of embed_tokens
+    input_embeds_rows: Optional[torch.Tensor] = None
+    input_embeds: Optional[torch.Tensor] = None
 
     @property
     def batch_size(self) -> int:
@@ -112,6 +122,10 @@ class ForwardBatch:
     pp_proxy_tensors: Any = None  # --pp-size, a stage after the first: models.llama.PPProxyTensors
     multimodal_inputs: Optional[List[Any]] = None  # see ModelWorkerBatch
     mamba_state_slots: Optional[torch.Tensor] = None  # (ModelWorkerBatch's)
+    return_hidden_states: bool = False  # (ModelWorkerBatch's)
+    input_token_ids_logprob_ids: Optional[torch.Tensor] = None
+    input_embeds_rows: Optional[torch.Tensor] = None
+    input_embeds: Optional[torch.Tensor] = None
 
     @classmethod
     def init_new(cls, batch: ModelWorkerBatch, model_runner: Any) -> "ForwardBatch":
@@ -150,6 +164,10 @@ class ForwardBatch:
             pp_proxy_tensors=batch.pp_proxy_tensors,
             multimodal_inputs=batch.multimodal_inputs,
             mamba_state_slots=batch.mamba_state_slots,
+            return_hidden_states=batch.return_hidden_states,
+            input_token_ids_logprob_ids=batch.input_token_ids_logprob_ids,
+            input_embeds_rows=None if batch.input_embeds_rows is None else batch.input_embeds_rows.to(device),
+            input_embeds=None if batch.input_embeds is None else batch.input_embeds.to(device),
         )
         # A batch a CUDA graph will replay needs none of the eager metadata.
         graph_runner = getattr(model_runner, "cuda_graph_runner", None)
