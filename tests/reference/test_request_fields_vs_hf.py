@@ -118,3 +118,23 @@ def test_input_embeds_give_the_token_path(hf, kw):
         e.scheduler.check_memory()
     finally:
         e.shutdown()
+
+
+def test_input_embeds_and_hidden_states_through_retractions(hf):
+    """A retracted input_embeds request re-prefills its prompt from the embeddings and its
+    output tokens from their ids; its hidden-state rows stay one per output token."""
+    e = Engine(max_total_tokens=2048, disable_radix_cache=True, test_retract_interval=3, chunked_prefill_size=8)
+    try:
+        prompts = [[(k * 131 + i * 17) % 8000 + 3 for i in range(20)] for k in range(3)]
+        by_ids = e.generate(input_ids=prompts, sampling_params=greedy(24))
+        embeds = [hf.model.embed_tokens.weight[torch.tensor(p)].tolist() for p in prompts]
+        by_embeds = e.generate(input_embeds=embeds, sampling_params=greedy(24), return_hidden_states=True)
+        assert any(o["meta_info"].get("retraction_count") for o in by_embeds)  # the path under test ran
+        for ids, ref, out in zip(prompts, by_ids, by_embeds):
+            assert out["output_ids"] == ref["output_ids"]
+            hs = out["meta_info"]["hidden_states"]
+            want = hf_run(hf, ids + out["output_ids"][:-1]).hidden_states[-1][0, len(ids) - 1:]
+            assert (torch.tensor([hs[0][0], *hs[1:]]) - want).abs().max().item() <= 1e-4
+        e.scheduler.check_memory()
+    finally:
+        e.shutdown()
