@@ -22,7 +22,9 @@ from radixserve.managers.admin_requests import (
 )
 from radixserve.managers.detokenizer import DetokenizerManager
 from radixserve.managers.embedding_frontend import EmbeddingFrontend, check_request_kind
-from radixserve.managers.request_frontend import ReqState, RequestFrontend, is_single, token_ids_logprob_refusal
+from radixserve.managers.request_frontend import (
+    ReqState, RequestFrontend, hidden_states_refusal, input_embeds_refusal, is_single, token_ids_logprob_refusal,
+)
 from radixserve.managers.scheduler import Scheduler
 from radixserve.managers.scheduler_builder import build_scheduler_parts
 from radixserve.managers.schedule_policy import configure_lora_admission
@@ -64,6 +66,9 @@ class Engine:
         self.frontend.allow_auto_truncate = self.server_args.allow_auto_truncate
         self.frontend.enable_custom_logit_processor = self.server_args.enable_custom_logit_processor
         self.frontend.token_ids_logprob_refusal = token_ids_logprob_refusal(self.server_args)
+        self.frontend.hidden_states_refusal = hidden_states_refusal(self.server_args)
+        self.frontend.input_embeds_refusal = input_embeds_refusal(self.server_args, self.scheduler.model_config.architecture)
+        self.frontend.hidden_size = self.scheduler.model_config.hidden_size
         self.embeddings = EmbeddingFrontend(self.frontend, self.scheduler.model_config.hidden_size)
 
     def _drain_inbox(self) -> List[Any]:
@@ -88,6 +93,8 @@ class Engine:
         image_data: Optional[Any] = None,
         custom_logit_processor: Optional[str] = None,
         token_ids_logprob: Optional[Union[List[int], List[List[int]]]] = None,
+        return_hidden_states: Union[bool, List[bool]] = False,
+        input_embeds: Optional[List[Any]] = None,
     ) -> Union[Dict[str, Any], List[Dict[str, Any]], Iterator[Dict[str, Any]]]:
         """SGLang-shaped results, the same as POST /generate's: {"text", "output_ids",
         "meta_info": {...}}; a list for a list of prompts or n > 1; with stream=True an
@@ -104,6 +111,7 @@ class Engine:
             top_logprobs_num=top_logprobs_num, return_text_in_logprobs=return_text_in_logprobs,
             stream=stream, priority=priority, lora_path=lora_path, image_data=image_data,
             custom_logit_processor=custom_logit_processor, token_ids_logprob=token_ids_logprob,
+            return_hidden_states=return_hidden_states, input_embeds=input_embeds,
         )
         self._check_not_paused()
         states = self.submit(obj)

@@ -14,6 +14,7 @@ LOGPROB_KEYS = (
     "input_token_logprobs_val", "input_token_logprobs_idx", "output_token_logprobs_val",
     "output_token_logprobs_idx", "output_top_logprobs_val", "output_top_logprobs_idx",
     "output_token_ids_logprobs_val", "output_token_ids_logprobs_idx",
+    "input_token_ids_logprobs_val", "input_token_ids_logprobs_idx",
 )
 # Speculative decoding's per-request counters (SGLang's names), in BatchTokenIDOutput and BatchStrOutput.
 SPEC_KEYS = ("spec_verify_ct", "spec_num_correct_drafts", "spec_num_proposed_drafts")
@@ -44,6 +45,10 @@ class TokenizedGenerateReqInput:
     data_parallel_rank: Optional[int] = None  # --dp-size: the replica that must serve it
     custom_logit_processor: Optional[str] = None  # a registered processor's name (custom_params: its args)
     token_ids_logprob: Optional[List[int]] = None  # with return_logprob: these ids' logprobs at each output position
+    return_hidden_states: bool = False  # meta_info.hidden_states (SGLang's)
+    # SGLang's input_embeds: [len(input_ids), hidden] float32 (a CPU tensor) the prefill uses instead
+    # of embed_tokens(input_ids); input_ids then only hold placeholders (0) of the prompt's length
+    input_embeds: Any = None
 
 
 def is_health_check_generate_req(obj: Any) -> bool:
@@ -214,6 +219,11 @@ class BatchTokenIDOutput:
     output_top_logprobs_idx: List[List[List[int]]] = field(default_factory=list)
     output_token_ids_logprobs_val: List[List[List[float]]] = field(default_factory=list)  # token_ids_logprob
     output_token_ids_logprobs_idx: List[List[List[int]]] = field(default_factory=list)
+    # token_ids_logprob at prompt positions (logprob_start_len): None for the prompt's first token
+    input_token_ids_logprobs_val: List[List[Optional[List[float]]]] = field(default_factory=list)
+    input_token_ids_logprobs_idx: List[List[Optional[List[int]]]] = field(default_factory=list)
+    # return_hidden_states: the final hidden state each new output token was sampled from
+    output_hidden_states: List[List[List[float]]] = field(default_factory=list)
     retraction_counts: List[int] = field(default_factory=list)
     # seconds from the waiting queue to the first forward (SGLang's meta_info queue_time); None: not yet
     queue_times: List[Optional[float]] = field(default_factory=list)
@@ -259,6 +269,12 @@ class GenerateReqInput:
     # with return_logprob: the logprobs of these token ids at each output position (a list, or
     # one list per prompt of a batch)
     token_ids_logprob: Optional[Any] = None
+    # meta_info.hidden_states: the final hidden states (after the final norm) of the prompt's last
+    # position and of each generated token but the last (true/false, or one per prompt of a batch)
+    return_hidden_states: Any = False
+    # instead of text / input_ids: the prompt's embeddings, [seq, hidden] floats (a list of such
+    # for a batch); needs --disable-radix-cache, as in SGLang (the prefix cache keys on token ids)
+    input_embeds: Optional[Any] = None
 
 
 @dataclass
@@ -284,6 +300,11 @@ class BatchStrOutput:
     output_top_logprobs_idx: List[List[List[int]]] = field(default_factory=list)
     output_token_ids_logprobs_val: List[List[List[float]]] = field(default_factory=list)  # token_ids_logprob
     output_token_ids_logprobs_idx: List[List[List[int]]] = field(default_factory=list)
+    # token_ids_logprob at prompt positions (logprob_start_len): None for the prompt's first token
+    input_token_ids_logprobs_val: List[List[Optional[List[float]]]] = field(default_factory=list)
+    input_token_ids_logprobs_idx: List[List[Optional[List[int]]]] = field(default_factory=list)
+    # return_hidden_states: the final hidden state each new output token was sampled from
+    output_hidden_states: List[List[List[float]]] = field(default_factory=list)
     retraction_counts: List[int] = field(default_factory=list)
     # seconds from the waiting queue to the first forward (SGLang's meta_info queue_time); None: not yet
     queue_times: List[Optional[float]] = field(default_factory=list)

@@ -84,6 +84,11 @@ class GenerateRequest(BaseModel):
     custom_logit_processor: Optional[StrictStr] = None
     # with return_logprob: these ids' logprobs at each output position (checked by the front end)
     token_ids_logprob: Optional[TokenIds] = None
+    # meta_info.hidden_states: the final hidden states (the prompt's last position, then each output token's)
+    return_hidden_states: Union[StrictBool, List[StrictBool]] = False
+    # instead of text / input_ids: the prompt's embeddings, [seq, hidden] numbers (a list of such for
+    # a batch); needs --disable-radix-cache (checked by the front end, with the hidden size)
+    input_embeds: Optional[List[Any]] = Field(None, description="The prompt's embeddings: [seq, hidden] numbers.")
 
     def to_input(self) -> GenerateReqInput:
         return GenerateReqInput(**self.model_dump())  # session_params becomes a dict, as it arrived

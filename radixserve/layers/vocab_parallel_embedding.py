@@ -25,6 +25,16 @@ def gguf_blocks(weight: torch.Tensor) -> Optional[QuantizedWeight]:
     return getattr(weight, "gguf_blocks", None)
 
 
+def embed_with_input_embeds(embed_tokens: nn.Module, input_ids: torch.Tensor, forward_batch) -> torch.Tensor:
+    """embed_tokens(input_ids), with the rows a request gave as input_embeds (SGLang's field)
+    taken from it instead: their ids are only placeholders."""
+    hidden = embed_tokens(input_ids)
+    rows = getattr(forward_batch, "input_embeds_rows", None)
+    if rows is None:
+        return hidden
+    return hidden.index_copy(0, rows, forward_batch.input_embeds.to(hidden.dtype))
+
+
 class VocabParallelEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__()

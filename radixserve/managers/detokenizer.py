@@ -132,6 +132,7 @@ class DetokenizerManager:
             for key in LOGPROB_KEYS:
                 src = getattr(out, key)
                 getattr(res, key).append(src[i] if i < len(src) else [])
+            res.output_hidden_states.append(out.output_hidden_states[i] if i < len(out.output_hidden_states) else [])
             res.retraction_counts.append(out.retraction_counts[i] if i < len(out.retraction_counts) else 0)
             res.queue_times.append(out.queue_times[i] if i < len(out.queue_times) else None)
             for key in SPEC_KEYS:

@@ -156,6 +156,8 @@ class SchedulerOutputProcessor:
                 status_code=500, err_type="InternalServerError",
             )
         self.append_logprobs(req, result, i)
+        if req.return_hidden_states:
+            self.append_hidden_state(req, result, i)
 
     @staticmethod
     def _accept_grammar_token(req: Req, token: int) -> None:
@@ -185,20 +187,38 @@ class SchedulerOutputProcessor:
             req.output_token_ids_logprobs_idx.append(list(req.token_ids_logprob))
 
     @staticmethod
+    def append_hidden_state(req: Req, result: GenerationBatchResult, i: int) -> None:
+        """return_hidden_states: the final hidden state the token just appended was sampled from."""
+        states = None if result.logits_output is None else result.logits_output.last_hidden_states
+        if states is None:  # a path that does not compute them (refused at the front end)
+            raise RuntimeError("return_hidden_states was asked but the batch's forward did not return them")
+        req.hidden_states.append(states[i].tolist())
+
+    @staticmethod
     def _add_input_logprobs(batch: ScheduleBatch, result: GenerationBatchResult) -> None:
         values = result.logits_output.input_token_logprobs
         values = values.tolist() if values is not None else []
+        asked = result.logits_output.input_token_ids_logprobs  # [positions, k]: token_ids_logprob
         offset = 0
         for req, n in zip(batch.reqs, batch.input_logprob_counts):
             if n == 0 or req.req_pool_idx is None:  # retracted while in flight: recomputed later
                 offset += n
                 continue
+            ids = req.token_ids_logprob
             if not req.input_token_logprobs_idx and req.logprob_start_len == 0:
                 req.input_token_logprobs_val.append(None)  # the first token has no context
                 req.input_token_logprobs_idx.append(req.origin_input_ids[0])
+                if ids is not None:
+                    req.input_token_ids_logprobs_val.append(None)
+                    req.input_token_ids_logprobs_idx.append(None)
             first = req.next_input_logprob_token()
             req.input_token_logprobs_val += values[offset : offset + n]
             req.input_token_logprobs_idx += req.origin_input_ids[first : first + n]
+            if ids is not None:
+                if asked is None:
+                    raise RuntimeError("token_ids_logprob was asked but the forward did not score the prompt's positions")
+                req.input_token_ids_logprobs_val += asked[offset : offset + n, : len(ids)].tolist()
+                req.input_token_ids_logprobs_idx += [list(ids)] * n
             offset += n
 
     # ---- output (seed 001 §21) ---------------------------------------------------------------
@@ -235,12 +255,15 @@ class SchedulerOutputProcessor:
             out.no_stop_trim.append(sp.no_stop_trim)
             out.retraction_counts.append(req.retraction_count)
             out.queue_times.append(req.queue_time)
+            out.output_hidden_states.append(req.hidden_states[start:] if req.return_hidden_states else [])
             for key in SPEC_KEYS:
                 getattr(out, key).append(getattr(req, key))
             if req.return_logprob:
                 k = req.input_logprob_send_offset
                 out.input_token_logprobs_val.append(req.input_token_logprobs_val[k:])
                 out.input_token_logprobs_idx.append(req.input_token_logprobs_idx[k:])
+                out.input_token_ids_logprobs_val.append(req.input_token_ids_logprobs_val[k:])
+                out.input_token_ids_logprobs_idx.append(req.input_token_ids_logprobs_idx[k:])
                 req.input_logprob_send_offset = len(req.input_token_logprobs_idx)
                 out.output_token_logprobs_val.append(req.output_token_logprobs_val[start:])
                 out.output_token_logprobs_idx.append(req.output_token_logprobs_idx[start:])

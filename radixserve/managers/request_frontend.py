@@ -20,6 +20,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+import torch
+
 from radixserve.managers.session import SessionError, SessionStore
 from radixserve.multimodal.mm_inputs import MultimodalInputError
 from radixserve.protocol import LOGPROB_KEYS, SPEC_KEYS, BatchStrOutput, GenerateReqInput, TokenizedGenerateReqInput
@@ -62,6 +64,8 @@ class ReqState:
     return_text_in_logprobs: bool
     parent_rid: Optional[str] = None  # the rid an n > 1 request's samples were made from
     token_ids_logprob: Optional[List[int]] = None  # meta_info output_token_ids_logprobs
+    return_hidden_states: bool = False  # meta_info.hidden_states
+    hidden_states: List[List[float]] = field(default_factory=list)  # row j: output token j's
     session_id: Optional[str] = None
     created: float = field(default_factory=time.monotonic)
     event: asyncio.Event = field(default_factory=asyncio.Event)  # set on news (TokenizerManager)
@@ -141,6 +145,9 @@ class RequestFrontend:
         self.enable_custom_logit_processor = False  # --enable-custom-logit-processor
         # why this server cannot answer token_ids_logprob (a decoding path that does not compute it)
         self.token_ids_logprob_refusal: Optional[str] = None
+        self.hidden_states_refusal: Optional[str] = None  # ... return_hidden_states
+        self.input_embeds_refusal: Optional[str] = None  # ... input_embeds
+        self.hidden_size: Optional[int] = None  # an input_embeds row's length
 
     # ---- intake ---------------------------------------------------------------------------
     def encode(self, text: str) -> List[int]:
@@ -177,8 +184,10 @@ class RequestFrontend:
 
     def _prompts(self, obj: GenerateReqInput) -> Tuple[List[Optional[str]], List[List[int]], bool]:
         """(texts, token ids, is_batch) of the request's prompts."""
-        if (obj.text is None) == (obj.input_ids is None):
-            raise RequestError("Either text or input_ids should be provided (exactly one of them).")
+        embeds = getattr(obj, "input_embeds", None)  # (GenerateReqInput's; /v1/embeddings has none)
+        if sum(x is not None for x in (obj.text, obj.input_ids, embeds)) != 1:
+            also = " (or input_embeds alone)" if hasattr(obj, "input_embeds") else ""
+            raise RequestError(f"Either text or input_ids should be provided (exactly one of them){also}.")
         if obj.text is not None:
             if isinstance(obj.text, str):
                 texts: List[Optional[str]] = [obj.text]
@@ -215,7 +224,13 @@ class RequestFrontend:
         """tokenize() without the registration: the requests, the rid each sample of an n > 1
         request was made from, and the session id. Touches no state, so the TokenizerManager
         runs it off the event loop (a huge prompt does not stall /health)."""
-        texts, ids_list, is_batch = self._prompts(obj)
+        if obj.input_embeds is not None and obj.text is None and obj.input_ids is None:
+            embeds, is_batch = self._input_embeds(obj.input_embeds)
+            # placeholder ids: the prompt's length for the scheduler's budgets, never embedded
+            texts, ids_list = [None] * len(embeds), [[0] * len(e) for e in embeds]
+        else:
+            texts, ids_list, is_batch = self._prompts(obj)
+            embeds = [None] * len(ids_list)
         num = len(ids_list)
         if num == 0:
             raise RequestError("The batch is empty.")
@@ -232,6 +247,13 @@ class RequestFrontend:
         sp_dicts = per_prompt(obj.sampling_params, "sampling_params", None)
         rids = per_prompt(obj.rid, "rid", None)
         return_logprobs = per_prompt(obj.return_logprob, "return_logprob", False)
+        hidden = per_prompt(obj.return_hidden_states, "return_hidden_states", False)
+        if not all(isinstance(x, bool) for x in hidden):
+            raise RequestError("return_hidden_states must be true or false (a list of them, one per prompt, for a batch).")
+        if any(hidden) and self.hidden_states_refusal is not None:
+            raise RequestError(self.hidden_states_refusal)
+        if obj.input_embeds is not None:
+            self._check_input_embeds_request(obj, return_logprobs)
         asked = obj.token_ids_logprob  # one list for every prompt, or (a batch) one list per prompt
         per_prompt_lists = (is_batch and isinstance(asked, list) and any(isinstance(x, list) for x in asked)
                             and all(x is None or isinstance(x, list) for x in asked))
@@ -269,9 +291,9 @@ class RequestFrontend:
         reqs: List[TokenizedGenerateReqInput] = []
         parents: Dict[str, str] = {}
         batch_rids: set = set()  # two outputs of one batch could not share one request state
-        for text, ids, sp_dict, rid, ret_lp, bootstrap, lora_path, mm, token_ids_lp in zip(
-                texts, ids_list, sp_dicts, rids, return_logprobs, bootstraps, lora_paths, mm_list, asked_ids):
-            if self.allow_auto_truncate and mm is None:  # an image's pad ids are never cut
+        for text, ids, sp_dict, rid, ret_lp, bootstrap, lora_path, mm, token_ids_lp, ret_hidden, embed in zip(
+                texts, ids_list, sp_dicts, rids, return_logprobs, bootstraps, lora_paths, mm_list, asked_ids, hidden, embeds):
+            if self.allow_auto_truncate and mm is None and embed is None:  # an image's pad ids, embeddings: never cut
                 ids, text = auto_truncate(ids, text, self.context_len)
             error = input_ids_error(ids if mm is None else mm.unpadded(ids), self.context_len, self.vocab_size)
             if error is not None:
@@ -307,7 +329,7 @@ class RequestFrontend:
                     bootstrap_host=bootstrap[0], bootstrap_port=bootstrap[1], bootstrap_room=bootstrap[2],
                     lora_path=lora_path, is_health_check=obj.is_health_check, mm_inputs=mm,
                     data_parallel_rank=obj.data_parallel_rank, custom_logit_processor=obj.custom_logit_processor,
-                    token_ids_logprob=token_ids_lp,
+                    token_ids_logprob=token_ids_lp, return_hidden_states=ret_hidden, input_embeds=embed,
                 ))
                 if n > 1:
                     parents[sub_rid] = base
@@ -341,6 +363,41 @@ class RequestFrontend:
             out_ids.append(ids)
             out_mm.append(mm)
         return out_ids, out_mm
+
+    def _input_embeds(self, value: Any) -> Tuple[List[Any], bool]:
+        """SGLang's input_embeds: one prompt's [seq, hidden] floats, or a list of such; returns
+        (one float32 tensor per prompt, is_batch), or a 400 saying what is wrong."""
+        if self.input_embeds_refusal is not None:
+            raise RequestError(self.input_embeds_refusal)
+        if not isinstance(value, list) or not value:
+            raise RequestError("input_embeds must be a non-empty list of embeddings ([seq, hidden] numbers), or a list of such.")
+        is_batch = isinstance(value[0], list) and bool(value[0]) and isinstance(value[0][0], list)
+        prompts = value if is_batch else [value]
+        out = []
+        for i, p in enumerate(prompts):
+            where = f"input_embeds[{i}]" if is_batch else "input_embeds"
+            try:
+                t = torch.tensor(p, dtype=torch.float32)
+            except (TypeError, ValueError, RuntimeError):
+                raise RequestError(f"{where} must be a list of rows of {self.hidden_size} numbers each.") from None
+            if t.dim() != 2 or t.shape[0] == 0:
+                raise RequestError(f"{where} must be a non-empty list of rows of {self.hidden_size} numbers each.")
+            if t.shape[1] != self.hidden_size:
+                raise RequestError(f"{where} has rows of {t.shape[1]} numbers; this model's hidden size is {self.hidden_size}.")
+            if not torch.isfinite(t).all():
+                raise RequestError(f"{where} must hold finite numbers (no NaN or infinity).")
+            out.append(t)
+        return out, is_batch
+
+    @staticmethod
+    def _check_input_embeds_request(obj: GenerateReqInput, return_logprobs: List[bool]) -> None:
+        """What an input_embeds prompt cannot do: it has no token ids to score or to continue."""
+        if obj.image_data is not None:
+            raise RequestError("input_embeds takes no image_data (the prompt's embeddings are given).")
+        if obj.session_params is not None:
+            raise RequestError("input_embeds cannot continue a session (a session continues token ids).")
+        if obj.logprob_start_len >= 0 and any(return_logprobs):
+            raise RequestError("Input logprobs (logprob_start_len >= 0) score the prompt's token ids; an input_embeds prompt has none.")
 
     def check_token_ids_logprob(self, ids: Any, return_logprob: bool) -> None:
         """SGLang's token_ids_logprob: token ids in the vocabulary, with return_logprob."""
@@ -385,7 +442,7 @@ class RequestFrontend:
             self.rid_to_state[r.rid] = ReqState(
                 r.rid, r.input_ids, r.sampling_params, r.stream, r.return_logprob, r.top_logprobs_num,
                 bool(obj.return_text_in_logprobs), parent_rid=parents.get(r.rid), session_id=session_id,
-                token_ids_logprob=r.token_ids_logprob,
+                token_ids_logprob=r.token_ids_logprob, return_hidden_states=r.return_hidden_states,
             )
 
     def abort_targets(self, rid: str) -> List[str]:
@@ -420,6 +477,8 @@ class RequestFrontend:
             if state.return_logprob:
                 for key in LOGPROB_KEYS:
                     state.logprobs[key].extend(getattr(out, key)[i])
+            if state.return_hidden_states and i < len(out.output_hidden_states):
+                state.hidden_states.extend(out.output_hidden_states[i])
             reason = out.finished_reasons[i]
             if reason is not None:
                 state.finished_reason, state.finished = reason, True
@@ -475,6 +534,13 @@ class RequestFrontend:
                     self._logprob_triples(v, ix, with_text)
                     for v, ix in zip(lp["output_token_ids_logprobs_val"], lp["output_token_ids_logprobs_idx"])
                 ]
+                # ... and per prompt token from logprob_start_len (None: the first token has no context)
+                meta["input_token_ids_logprobs"] = [
+                    None if v is None else self._logprob_triples(v, ix, with_text)
+                    for v, ix in zip(lp["input_token_ids_logprobs_val"], lp["input_token_ids_logprobs_idx"])
+                ]
+        if state.return_hidden_states:
+            meta["hidden_states"] = hidden_states_meta(state.hidden_states)
         return {"text": text, "output_ids": list(state.output_ids), "meta_info": meta}
 
     def _logprob_triples(self, vals: List[float], ids: List[int], with_text: bool) -> List[list]:
@@ -493,6 +559,39 @@ def token_ids_logprob_refusal(server_args: Any) -> Optional[str]:
                      (server_args.disaggregation_mode != "null", "--disaggregation-mode")):
         if on:
             return f"token_ids_logprob is not supported with {what}."
+    return None
+
+
+def hidden_states_meta(rows: List[List[float]]) -> List[Any]:
+    """SGLang's meta_info.hidden_states: first the prompt's entry (a list of rows: here its last
+    position's only, the one the first token came from), then one row per later output token
+    (the state it was sampled from; the last token's own state is never computed)."""
+    return [[rows[0]], *rows[1:]] if rows else []
+
+
+def hidden_states_refusal(server_args: Any) -> Optional[str]:
+    """Why this server cannot answer return_hidden_states (None: it can): a speculative step, a
+    pipeline's last stage and a PD decode server keep no final hidden state per token."""
+    for on, what in ((server_args.speculative_algorithm, "--speculative-algorithm"), (server_args.pp_size > 1, "--pp-size > 1"),
+                     (server_args.disaggregation_mode != "null", "--disaggregation-mode")):
+        if on:
+            return f"return_hidden_states is not supported with {what}."
+    return None
+
+
+def input_embeds_refusal(server_args: Any, architecture: Optional[str]) -> Optional[str]:
+    """Why this server cannot take input_embeds (None: it can). As in SGLang the prefix cache must
+    be off: it keys on token ids, and an input_embeds prompt has only placeholders."""
+    from radixserve.models.registry import get_model_class
+
+    if not server_args.disable_radix_cache:
+        return "input_embeds needs a server started with --disable-radix-cache (the prefix cache keys on token ids)."
+    for on, what in ((server_args.speculative_algorithm, "--speculative-algorithm"), (server_args.pp_size > 1, "--pp-size > 1"),
+                     (server_args.disaggregation_mode != "null", "--disaggregation-mode")):
+        if on:
+            return f"input_embeds is not supported with {what}."
+    if architecture is None or not getattr(get_model_class(architecture), "supports_input_embeds", False):
+        return f"input_embeds is not supported for {architecture} models."
     return None
 
 

@@ -256,6 +256,14 @@ class Req:
         self.token_ids_logprob: Optional[List[int]] = None  # SGLang's: these ids' logprobs at each output position
         self.output_token_ids_logprobs_val: List[List[float]] = []
         self.output_token_ids_logprobs_idx: List[List[int]] = []
+        # ... and at prompt positions (logprob_start_len), in step with input_token_logprobs_*
+        self.input_token_ids_logprobs_val: List[Optional[List[float]]] = []
+        self.input_token_ids_logprobs_idx: List[Optional[List[int]]] = []
+        # return_hidden_states: row j is the final hidden state output token j was sampled from
+        self.return_hidden_states = False
+        self.hidden_states: List[List[float]] = []
+        # input_embeds: the prompt's embeddings [len(origin_input_ids), hidden] (its ids are placeholders)
+        self.input_embeds: Optional[torch.Tensor] = None
 
         self.disagg = DisaggState(bootstrap_host, bootstrap_port, bootstrap_room)  # PD: bootstrap_*, disagg_*
         self.spec_stats = SpecStats()  # speculative decoding: spec_verify_ct, spec_num_*_drafts
@@ -274,6 +282,8 @@ class Req:
         )
         req.custom_logit_processor = getattr(recv, "custom_logit_processor", None)
         req.token_ids_logprob = getattr(recv, "token_ids_logprob", None)
+        req.return_hidden_states = bool(getattr(recv, "return_hidden_states", False))
+        req.input_embeds = getattr(recv, "input_embeds", None)
         return req
 
     # ---- state ---------------------------------------------------------------------------
@@ -458,6 +468,11 @@ class ScheduleBatch:
     input_logprob_positions: Optional[torch.Tensor] = None
     input_logprob_token_ids: Optional[torch.Tensor] = None
     input_logprob_counts: List[int] = field(default_factory=list)
+    # ... token_ids_logprob there: [positions, k] the ids each position scores (see ModelWorkerBatch)
+    input_token_ids_logprob_ids: Optional[torch.Tensor] = None
+    # input_embeds: the flat rows of input_ids whose embeddings are given, and those embeddings
+    input_embeds_rows: Optional[torch.Tensor] = None
+    input_embeds: Optional[torch.Tensor] = None
     # Mixed chunk: the running requests that decode inside this extend batch.
     decoding_reqs: Optional[List[Req]] = None
     chunked_req: Optional[Req] = None
@@ -561,6 +576,7 @@ class ScheduleBatch:
         self.top_logprobs_nums = [r.top_logprobs_num for r in reqs]
         self.sampling_info = SamplingBatchInfo.from_reqs(reqs, self.vocab_size, self.device)
         self._prepare_input_logprobs()
+        self._prepare_input_embeds()
 
     def _prepare_input_logprobs(self) -> None:
         if not any(r.wants_input_logprobs() for r in self.reqs):
@@ -575,6 +591,25 @@ class ScheduleBatch:
         self.input_logprob_positions = torch.tensor(positions, dtype=torch.int64)
         self.input_logprob_token_ids = torch.tensor(token_ids, dtype=torch.int64)
         self.input_logprob_counts = counts
+        asked = [(r.token_ids_logprob or []) if r.wants_input_logprobs() else [] for r in self.reqs]
+        width = max(len(a) for a in asked)
+        if width:  # token_ids_logprob at prompt positions: each position's row of ids, padded with 0
+            rows = [a + [0] * (width - len(a)) for a, c in zip(asked, counts) for _ in range(c)]
+            self.input_token_ids_logprob_ids = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), width)
+
+    def _prepare_input_embeds(self) -> None:
+        """input_embeds: this round's prompt positions [prefix_len, min(seq_len, prompt_len)) of
+        each such request take its embeddings (a retraction's re-prefill of its output tokens
+        embeds their ids as usual)."""
+        rows, embeds, offset = [], [], 0
+        for r, p, n in zip(self.reqs, self.prefix_lens, self.extend_lens):
+            end = min(p + n, len(r.origin_input_ids))
+            if r.input_embeds is not None and end > p:
+                rows.append(torch.arange(offset, offset + end - p, dtype=torch.int64))
+                embeds.append(r.input_embeds[p:end])
+            offset += n
+        self.input_embeds_rows = torch.cat(rows) if rows else None
+        self.input_embeds = torch.cat(embeds) if embeds else None
 
     def mix_with_running(self, running_batch: "ScheduleBatch") -> None:
         """--enable-mixed-chunk: append the decode requests (already prepared for decode)
@@ -740,6 +775,10 @@ class ScheduleBatch:
             swa_locs=self.ledger.swa_forward_locs(self.req_pool_indices, self.prefix_lens if extend else
                                                   [s - 1 for s in self.seq_lens_cpu], self.seq_lens_cpu,
                                                   self.out_cache_loc),
+            return_hidden_states=any(r.return_hidden_states for r in self.reqs),
+            input_token_ids_logprob_ids=self.input_token_ids_logprob_ids if extend else None,
+            input_embeds_rows=self.input_embeds_rows if extend else None,
+            input_embeds=self.input_embeds if extend else None,
         )
 
     def multimodal_inputs(self) -> Optional[List[Any]]:

@@ -266,6 +266,7 @@ def run_scheduler_process(
         "context_len": scheduler.context_len,
         "vocab_size": scheduler.vocab_size,
         "hidden_size": scheduler.model_config.hidden_size,  # what /v1/embeddings' `dimensions` may ask
+        "architecture": scheduler.model_config.architecture,  # which models take input_embeds
         "device": str(scheduler.device),
     })
     Watchdog(lambda: scheduler.forward_ct, lambda: expects_progress(scheduler), server_args.watchdog_timeout,

@@ -26,6 +26,8 @@ from radixserve.managers.request_frontend import (
     ReqState,
     RequestError,
     RequestFrontend,
+    hidden_states_refusal,
+    input_embeds_refusal,
     is_single,
     token_ids_logprob_refusal,
 )
@@ -112,6 +114,9 @@ class TokenizerManager:
         self.frontend.allow_auto_truncate = server_args.allow_auto_truncate
         self.frontend.enable_custom_logit_processor = server_args.enable_custom_logit_processor
         self.frontend.token_ids_logprob_refusal = token_ids_logprob_refusal(server_args)
+        self.frontend.hidden_states_refusal = hidden_states_refusal(server_args)
+        self.frontend.input_embeds_refusal = input_embeds_refusal(server_args, model_info.get("architecture"))
+        self.frontend.hidden_size = model_info.get("hidden_size")
         self.embeddings = EmbeddingFrontend(self.frontend, model_info.get("hidden_size"))
         self.weight_updates = TokenizerUpdateWeights(self)  # update_weights_* and weight_version
         self.rid_to_state: Dict[str, ReqState] = self.frontend.rid_to_state

@@ -194,6 +194,7 @@ class CudaGraphRunner:
             and not batch.capture_all_logits
             and (positions is None or positions.numel() == 0)
             and getattr(batch, "multimodal_inputs", None) is None  # M-RoPE deltas: eager
+            and not getattr(batch, "return_hidden_states", False)  # the graph returns logits only
         )
 
     @torch.inference_mode()

@@ -87,6 +87,16 @@ class ModelWorkerBatch:
     # The SWA pool: the windowed layers' slots of this batch, translated when it was scheduled
     # (the overlap loop moves swa slots while a forward runs); None: translated at the forward
     swa_locs: Optional[SWAForwardLocs] = None
+    # return_hidden_states: the final hidden state (after the final norm) at each request's last
+    # position comes back in LogitsProcessorOutput.last_hidden_states
+    return_hidden_states: bool = False
+    # token_ids_logprob at prompt positions: [positions, k] the ids scored at each
+    # input_logprob_positions row (padded with 0; each request reads its own k columns)
+    input_token_ids_logprob_ids: Optional[torch.Tensor] = None
+    # input_embeds (SGLang's): the rows of input_ids whose embedding is given ([n] flat token
+    # indices) and those embeddings ([n, hidden]); the model uses them instead of embed_tokens
+    input_embeds_rows: Optional[torch.Tensor] = None
+    input_embeds: Optional[torch.Tensor] = None
 
     @property
     def batch_size(self) -> int:
@@ -122,6 +132,10 @@ class ForwardBatch:
     mamba_state_slots: Optional[torch.Tensor] = None  # (ModelWorkerBatch's)
     linear_traces: Optional[Dict[int, Any]] = None  # (ModelWorkerBatch's)
     swa_locs: Optional[SWAForwardLocs] = None  # (ModelWorkerBatch's, on the device)
+    return_hidden_states: bool = False  # (ModelWorkerBatch's)
+    input_token_ids_logprob_ids: Optional[torch.Tensor] = None
+    input_embeds_rows: Optional[torch.Tensor] = None
+    input_embeds: Optional[torch.Tensor] = None
 
     @classmethod
     def init_new(cls, batch: ModelWorkerBatch, model_runner: Any) -> "ForwardBatch":
@@ -162,6 +176,10 @@ class ForwardBatch:
             mamba_state_slots=batch.mamba_state_slots,
             linear_traces=batch.linear_traces,
             swa_locs=None if batch.swa_locs is None else batch.swa_locs.to(device),
+            return_hidden_states=batch.return_hidden_states,
+            input_token_ids_logprob_ids=batch.input_token_ids_logprob_ids,
+            input_embeds_rows=None if batch.input_embeds_rows is None else batch.input_embeds_rows.to(device),
+            input_embeds=None if batch.input_embeds is None else batch.input_embeds.to(device),
         )
         # A batch a CUDA graph will replay needs none of the eager metadata.
         graph_runner = getattr(model_runner, "cuda_graph_runner", None)

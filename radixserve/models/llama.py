@@ -26,7 +26,7 @@ from radixserve.layers.linear import MergedColumnParallelLinear, QKVParallelLine
 from radixserve.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from radixserve.layers.radix_attention import RadixAttention
 from radixserve.layers.rotary_embedding import RotaryEmbedding
-from radixserve.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from radixserve.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding, embed_with_input_embeds
 from radixserve.models.model_config import ModelConfig
 from radixserve.models.weight_utils import NamedWeight, call_weight_loader, load_named_weights
 
@@ -151,7 +151,7 @@ class LlamaModel(nn.Module):
                 forward_batch) -> Union[torch.Tensor, PPProxyTensors]:
         proxy = getattr(forward_batch, "pp_proxy_tensors", None)
         if self.is_first_stage:
-            hidden_states, residual = self.embed_tokens(input_ids), None
+            hidden_states, residual = embed_with_input_embeds(self.embed_tokens, input_ids, forward_batch), None
         else:
             hidden_states, residual = proxy.hidden_states, proxy.residual
         for i in range(self.start_layer, self.end_layer):
@@ -163,6 +163,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    supports_input_embeds = True  # LlamaModel.forward takes a request's input_embeds (SGLang's field)
     qkv_bias = False
     qk_norm = False
     # checkpoint name -> (our fused parameter, shard id)

@@ -150,7 +150,9 @@ class SamplingBatchInfo:
         if any(f != 0.0 for f in freq) or any(p != 0.0 for p in pres):
             info.output_token_counts = _dense_from_ids(outs, v, device, torch.float32)
         if any(r != 1.0 for r in rep):
-            prompts = [list(getattr(r, "origin_input_ids", None) or []) for r in reqs]
+            # an input_embeds prompt's ids are placeholders: it has no prompt tokens to penalize
+            prompts = [[] if getattr(r, "input_embeds", None) is not None else list(getattr(r, "origin_input_ids", None) or [])
+                       for r in reqs]
             seen = [p + o for p, o in zip(prompts, outs)]
             info.seen_token_mask = _dense_from_ids(seen, v, device, torch.bool)
         if any(m > 0 for m in min_new):

@@ -1,5 +1,7 @@
 """Issue 43 items 4, 7 and stream_interval on /v1, through real servers: token_ids_logprob
-against the full-vocabulary logprobs, custom_logit_processor refused without its flag and
+against the full-vocabulary logprobs (and at prompt positions against transformers),
+return_hidden_states against transformers, input_embeds equal to the token path (on a
+--disable-radix-cache server) and their 400s, custom_logit_processor refused without its flag and
 working with it, --allow-auto-truncate, data_parallel_rank routing (and its 400), and the DP
 methods minimum_tokens and decode_round_robin routing where they say."""
 
@@ -10,10 +12,19 @@ import signal
 import time
 
 import pytest
+import torch
+import transformers
 
 from conftest import ServerProcess, assert_children_gone, greedy, stream_in_background
 
 PROMPT = [3894, 7952, 5248, 1234, 2346]
+
+
+@pytest.fixture(scope="module")
+def hf():
+    from radixserve.tiny_model import get_tiny_model_path  # the model the servers here serve
+
+    return transformers.AutoModelForCausalLM.from_pretrained(str(get_tiny_model_path()), dtype=torch.float32).eval()
 
 
 # ---- the shared server (flags off) --------------------------------------------------------------
@@ -30,6 +41,61 @@ def test_token_ids_logprob_through_generate(http):
         assert [v for v, _, _ in row] == pytest.approx([by_id[t] for t in (7, 99, 8000)], abs=1e-5)
     bad = http.post("/generate", json={**body, "token_ids_logprob": [8192]})
     assert bad.status_code == 400 and "token_ids_logprob" in bad.json()["error"]["message"]
+
+
+def test_hidden_states_and_prompt_token_ids_logprob_through_generate(http, hf):
+    """meta_info.hidden_states against transformers' final hidden states, input_token_ids_logprobs
+    against its log_softmax (the shared server: radix cache and overlap on)."""
+    body = {"input_ids": PROMPT, "sampling_params": greedy(5, ignore_eos=True), "return_hidden_states": True,
+            "return_logprob": True, "logprob_start_len": 0, "token_ids_logprob": [7, 99]}
+    r = http.post("/generate", json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    with torch.no_grad():
+        ref = hf(torch.tensor([PROMPT + out["output_ids"][:-1]]), output_hidden_states=True)
+    hs = out["meta_info"]["hidden_states"]
+    got = torch.tensor([hs[0][0], *hs[1:]])
+    assert got.shape == (5, 256)
+    assert (got - ref.hidden_states[-1][0, len(PROMPT) - 1:]).abs().max().item() <= 1e-4
+    rows = out["meta_info"]["input_token_ids_logprobs"]
+    lp = torch.log_softmax(ref.logits[0].float(), -1)
+    assert rows[0] is None and len(rows) == len(PROMPT)
+    for j, row in enumerate(rows[1:], start=1):
+        assert [t for _, t, _ in row] == [7, 99]
+        assert max(abs(v - lp[j - 1, t].item()) for v, t, _ in row) <= 1e-4
+    bad = http.post("/generate", json={**body, "return_hidden_states": "yes"})
+    assert bad.status_code == 400, bad.text
+
+
+def test_input_embeds_is_400_with_the_radix_cache_on(http):
+    r = http.post("/generate", json={"input_embeds": [[0.0] * 256] * 3, "sampling_params": greedy(2)})
+    assert r.status_code == 400 and "--disable-radix-cache" in r.json()["error"]["message"], r.text
+
+
+def test_input_embeds_through_generate_equal_the_token_path(hf):
+    srv = ServerProcess("--disable-radix-cache", "--max-total-tokens", "2000", "--chunked-prefill-size", "4")
+    try:
+        with srv.client() as c:
+            embeds = hf.model.embed_tokens.weight[torch.tensor(PROMPT)].tolist()
+            body = {"sampling_params": greedy(6, ignore_eos=True), "return_logprob": True}
+            by_ids = c.post("/generate", json={**body, "input_ids": PROMPT}).json()
+            r = c.post("/generate", json={**body, "input_embeds": embeds})
+            assert r.status_code == 200, r.text
+            by_embeds = r.json()
+            assert by_embeds["output_ids"] == by_ids["output_ids"]
+            assert by_embeds["text"] == by_ids["text"]
+            assert [v for v, _, _ in by_embeds["meta_info"]["output_token_logprobs"]] == pytest.approx(
+                [v for v, _, _ in by_ids["meta_info"]["output_token_logprobs"]], abs=1e-4)
+            for bad, message in [({"input_embeds": [row[:100] for row in embeds]}, "hidden size is 256"),
+                                 ({"input_embeds": []}, "non-empty list"),
+                                 ({"input_embeds": embeds, "input_ids": PROMPT}, "exactly one of them"),
+                                 ({"input_embeds": [["x"] * 256]}, "rows of 256 numbers")]:
+                r = c.post("/generate", json={**bad, "sampling_params": greedy(2)})
+                assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+            assert c.get("/health").status_code == 200  # still serving
+    finally:
+        assert srv.stop(signal.SIGTERM) == 0
+    assert_children_gone(srv.children)
 
 
 def test_custom_logit_processor_is_400_without_the_flag(http):

@@ -4,9 +4,12 @@ token_ids_logprob against the full-vocabulary logprobs, custom_logit_processor f
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from radixserve.engine import Engine
+from radixserve.managers.request_frontend import hidden_states_refusal, input_embeds_refusal
 
 CONTEXT = 64
 
@@ -145,3 +148,76 @@ def test_token_ids_logprob_in_both_loops_with_chunked_mixed_batches(overlap):
                 assert [v for v, _, _ in row] == pytest.approx([by_id[t] for t in ask], abs=1e-4)
     finally:
         e.shutdown()
+
+
+# ---- return_hidden_states / input_embeds: what is refused (their values: tests/reference/test_request_fields_vs_hf.py)
+def test_input_embeds_need_the_radix_cache_off(engine):
+    with pytest.raises(ValueError, match="--disable-radix-cache"):
+        engine.generate(input_embeds=[[0.0] * 256] * 3, sampling_params=greedy(2))
+
+
+@pytest.fixture(scope="module")
+def no_radix():
+    e = Engine(max_total_tokens=1024, context_length=CONTEXT, disable_radix_cache=True)
+    yield e
+    e.shutdown()
+
+
+ROW = [0.5] * 256  # the tiny model's hidden size
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(input_embeds=[[0.5] * 255] * 3), "rows of 255 numbers; this model's hidden size is 256"),
+    (dict(input_embeds=[]), "non-empty list"),
+    (dict(input_embeds=[[]]), "rows of 0 numbers; this model.s hidden size is 256"),
+    (dict(input_embeds=[ROW, ROW[:10]]), "rows of 256 numbers each"),
+    (dict(input_embeds=[ROW, ["a"] * 256]), "rows of 256 numbers each"),
+    (dict(input_embeds=[ROW, [float("nan")] * 256]), "finite"),
+    (dict(input_embeds=[ROW] * 3, input_ids=[1, 2, 3]), "Either text or input_ids"),
+    (dict(input_embeds=[ROW] * 3, prompt="hi"), "Either text or input_ids"),
+    (dict(input_embeds=[[ROW] * 3, [ROW[:7]]]), r"input_embeds\[1\] has rows of 7 numbers"),
+    (dict(input_embeds=[ROW] * 3, return_logprob=True, logprob_start_len=0), "an input_embeds prompt has none"),
+    (dict(input_embeds=[ROW] * CONTEXT), "context length"),
+])
+def test_input_embeds_refusals(no_radix, kw, message):
+    with pytest.raises(ValueError, match=message):
+        no_radix.generate(sampling_params=greedy(2), **kw)
+    assert not no_radix.frontend.rid_to_state
+
+
+def test_input_embeds_batch_and_n_samples(no_radix):
+    """A batch of embeddings and n > 1 samples of one: each sample runs from the same embeddings."""
+    outs = no_radix.generate(input_embeds=[[ROW] * 4, [[0.1 * (i % 7) for i in range(256)]] * 6],
+                             sampling_params=greedy(3))
+    assert [o["meta_info"]["prompt_tokens"] for o in outs] == [4, 6]
+    samples = no_radix.generate(input_embeds=[ROW] * 4, sampling_params={**greedy(3), "n": 2})
+    assert samples[0]["output_ids"] == samples[1]["output_ids"] == outs[0]["output_ids"]
+    no_radix.scheduler.check_memory()
+
+
+def test_hidden_states_are_refused_where_no_forward_keeps_them(engine):
+    with pytest.raises(ValueError, match="return_hidden_states must be true or false"):
+        engine.generate(input_ids=_prompt(1), sampling_params=greedy(2), return_hidden_states="yes")
+    engine.frontend.hidden_states_refusal = hidden_states_refusal(_args(speculative_algorithm="EAGLE"))
+    try:
+        with pytest.raises(ValueError, match="return_hidden_states is not supported with --speculative-algorithm"):
+            engine.generate(input_ids=_prompt(1), sampling_params=greedy(2), return_hidden_states=True)
+        engine.generate(input_ids=_prompt(1), sampling_params=greedy(2))  # without it: served
+    finally:
+        engine.frontend.hidden_states_refusal = None
+    assert hidden_states_refusal(_args(pp_size=2)) == "return_hidden_states is not supported with --pp-size > 1."
+    assert "--disaggregation-mode" in hidden_states_refusal(_args(disaggregation_mode="decode"))
+    assert hidden_states_refusal(_args()) is None
+
+
+def test_input_embeds_refusal_by_server_and_model():
+    assert input_embeds_refusal(_args(), "Qwen3ForCausalLM") is None
+    assert "--disable-radix-cache" in input_embeds_refusal(_args(disable_radix_cache=False), "Qwen3ForCausalLM")
+    assert "--speculative-algorithm" in input_embeds_refusal(_args(speculative_algorithm="NGRAM"), "LlamaForCausalLM")
+    assert input_embeds_refusal(_args(), "Qwen2_5_VLForConditionalGeneration") == \
+        "input_embeds is not supported for Qwen2_5_VLForConditionalGeneration models."
+
+
+def _args(**kw):
+    base = dict(speculative_algorithm=None, pp_size=1, disaggregation_mode="null", disable_radix_cache=True)
+    return SimpleNamespace(**{**base, **kw})

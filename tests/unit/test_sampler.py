@@ -388,6 +388,17 @@ def test_from_reqs_flags_and_shapes():
     assert len(empty) == 0 and empty.is_all_greedy
 
 
+def test_repetition_penalty_skips_an_input_embeds_prompts_placeholder_ids():
+    """An input_embeds prompt's ids are placeholders (0): no prompt token counts as seen."""
+    sp = req(repetition_penalty=1.5).sampling_params
+    plain = FakeReq(sampling_params=sp, origin_input_ids=[0, 0, 4], output_ids=[7])
+    embeds = FakeReq(sampling_params=sp, origin_input_ids=[0, 0, 0], output_ids=[7])
+    embeds.input_embeds = torch.zeros(3, 8)
+    info = info_for([plain, embeds])
+    assert info.seen_token_mask[0].nonzero().view(-1).tolist() == [0, 4, 7]
+    assert info.seen_token_mask[1].nonzero().view(-1).tolist() == [7]
+
+
 def test_merge_and_filter_keep_rows_aligned():
     greedy = info_for([req(temperature=0.0), req(temperature=0.0)])
     topk = info_for([req(top_k=2, temperature=2.0)])
