@@ -21,6 +21,7 @@ from radixserve.constrained.factory import create_grammar_backend
 from radixserve.distributed.parallel_state import broadcast_pyobj, destroy_distributed_environment
 from radixserve.hf_transformers_utils import get_tokenizer, resolve_model_path
 from radixserve.managers.batch_runner import select_batch_runner
+from radixserve.managers.encode_queue import EncodeQueue
 from radixserve.managers.grammar import GrammarQueue
 from radixserve.managers.output_processor import SchedulerOutputProcessor
 from radixserve.managers.overlap import TpModelWorkerClient
@@ -123,6 +124,8 @@ class Scheduler:
         self.grammar_backend = create_grammar_backend(args, self.tokenizer, self.vocab_size, self.model_config.eos_token_ids)
         # Structured output: requests wait here while their grammar compiles (seed 000).
         self.grammar_queue = GrammarQueue(args, self.grammar_backend, self._reject_bad_grammar, tp_rank, tp_size)
+        # Images: requests wait here while the encoder thread encodes them (beside the decode of others).
+        self.encode_queue = EncodeQueue(None if args.disable_mm_encode_ahead else tp_worker.image_embedder())
         self.embedding = SchedulerEmbedding(args, tp_worker, self._validate_request, self._enqueue, self.output_processor.finish)
         self.batch_runner = select_batch_runner(tp_worker, self.embedding, self.spec_worker, self.overlap_worker, self.grammar_backend)
         self.waiting_queue: List[Req] = []
@@ -256,7 +259,7 @@ class Scheduler:
             self.last_batch is not None and self.last_batch.forward_mode is not None
             and self.last_batch.forward_mode.is_extend() and not self.last_batch.is_empty()
         )
-        return bool(self.waiting_queue or len(self.grammar_queue) or self.results_pending()) or (
+        return bool(self.waiting_queue or len(self.grammar_queue) or len(self.encode_queue) or self.results_pending()) or (
             not self.running_batch.is_empty() or self.chunked_req is not None or last_prefill_to_merge
         )
 
@@ -268,6 +271,7 @@ class Scheduler:
         if self.last_batch is not None:
             yield from self.last_batch.reqs
         yield from (r for r in self.grammar_queue if hasattr(r, "lora_path"))
+        yield from self.encode_queue
         if self.chunked_req is not None:
             yield self.chunked_req
 
@@ -294,6 +298,7 @@ class Scheduler:
         if self.kv_manager is not None:
             self.kv_manager.close()
         self.grammar_queue.shutdown()
+        self.encode_queue.shutdown()
         if self.pp is not None:
             self.pp.shutdown()
         elif self.tp_size > 1:
@@ -345,7 +350,7 @@ class Scheduler:
             message, status = error
             err_type = "BadRequestError" if status == 400 else "ServiceUnavailable"
             self.output_processor.finish(req, FINISH_ABORT(message, status_code=status, err_type=err_type))
-        elif self.grammar_queue.admit(req):
+        elif self.grammar_queue.admit(req) and self.encode_queue.admit(req):
             self._enqueue(req)
 
     def _enqueue(self, req: Req) -> None:
@@ -372,7 +377,7 @@ class Scheduler:
         room = self.context_len - len(req.origin_input_ids) - 1
         sp.max_new_tokens = room if sp.max_new_tokens is None else min(sp.max_new_tokens, room)
         max_queued = self.server_args.max_queued_requests
-        if max_queued is not None and len(self.waiting_queue) + len(self.grammar_queue) >= max_queued:
+        if max_queued is not None and len(self.waiting_queue) + len(self.grammar_queue) + len(self.encode_queue) >= max_queued:
             return "The request queue is full.", 503
         return None
 
@@ -419,6 +424,9 @@ class Scheduler:
         # 3. Prefill first; 4. otherwise decode.
         idle = not self.waiting_queue and self.running_batch.is_empty() and self.chunked_req is None and not self.results_pending()
         for req in self.grammar_queue.pop_ready(scheduler_idle=idle):
+            if self.encode_queue.admit(req):
+                self._enqueue(req)
+        for req in self.encode_queue.pop_ready(scheduler_idle=idle):
             self._enqueue(req)
         new_batch = self.get_new_batch_prefill()
         if new_batch is not None:
@@ -542,7 +550,7 @@ class Scheduler:
         for disagg in (self.disagg_prefill, self.disagg_decode):
             if disagg is not None:
                 disagg.abort(match, message)
-        queued = [r for r in self.waiting_queue if match(r)] + self.grammar_queue.remove(match)
+        queued = [r for r in self.waiting_queue if match(r)] + self.grammar_queue.remove(match) + self.encode_queue.remove(match)
         self.waiting_queue = [r for r in self.waiting_queue if not match(r)]
         for r in queued:  # holds no KV: finish now
             r.grammar = None
@@ -606,6 +614,7 @@ class Scheduler:
             new_token_ratio=self.new_token_ratio.value,
             num_waiting_reqs=len(self.waiting_queue),
             num_grammar_queue_reqs=len(self.grammar_queue),
+            num_encode_queue_reqs=len(self.encode_queue),
             num_running_reqs=self.running_batch.batch_size(),
             disaggregation_mode=self.disaggregation_mode.value,
             num_disagg_queue_reqs=len(self.disagg_prefill or self.disagg_decode or ()),

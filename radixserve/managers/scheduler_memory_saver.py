@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple, Type
 
+from radixserve.managers.encode_queue import EncodeQueue
 from radixserve.managers.grammar import GrammarQueue
 from radixserve.managers.output_processor import SchedulerOutputProcessor
 from radixserve.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch
@@ -54,6 +55,7 @@ class MemorySaverLoop(Protocol):
 
     waiting_queue: List[Req]
     grammar_queue: GrammarQueue
+    encode_queue: EncodeQueue
     running_batch: ScheduleBatch
     chunked_req: Optional[Req]
     ledger: KVLedger
@@ -89,7 +91,7 @@ class SchedulerMemorySaver:
         if not self.blocks_generation():
             return False
         s = self.sched
-        queued = s.waiting_queue + s.grammar_queue.remove(lambda r: True)
+        queued = s.waiting_queue + s.grammar_queue.remove(lambda r: True) + s.encode_queue.remove(lambda r: True)
         s.waiting_queue = []
         for r in queued:
             r.grammar = None
@@ -146,7 +148,7 @@ class SchedulerMemorySaver:
         if running or s.waiting_on_peer():
             return (f"Cannot release memory while {running} request(s) are running: pause with mode abort or "
                     "retract, or wait for them to finish.")
-        queued = len(s.waiting_queue) + len(s.grammar_queue)
+        queued = len(s.waiting_queue) + len(s.grammar_queue) + len(s.encode_queue)
         if queued and not s.generation_pause.engine_paused:
             return f"Cannot release memory while {queued} request(s) are waiting: pause generation first, or wait."
         return self.adapter.check_can_release(tags)
