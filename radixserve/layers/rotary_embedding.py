@@ -97,7 +97,9 @@ class MRotaryEmbedding(RotaryEmbedding):
                  interleaved: bool = False, partial_rotary_factor: float = 1.0):
         super().__init__(head_dim, max_position, base, partial_rotary_factor=partial_rotary_factor)
         half = self.rotary_dim // 2
-        if sum(mrope_section) != half or len(mrope_section) != 3:
+        # interleaved, transformers takes the axes in turn whatever the sum (a section past the
+        # rotary dim is cut there); consecutive groups must tile it exactly
+        if len(mrope_section) != 3 or (not interleaved and sum(mrope_section) != half):
             raise ValueError(f"mrope_section {mrope_section} must be 3 numbers adding up to the rotary dim / 2 = {half}")
         if interleaved:  # transformers' Qwen3VLTextRotaryEmbedding: index j%3 of axis j%3, below 3 x its share
             j = torch.arange(half)
