@@ -33,4 +33,3 @@ class Qwen3_5MoeForCausalLM(Qwen3NextForCausalLM):
 
     def make_mlp(self, config: ModelConfig, layer_id: int) -> nn.Module:
         return sparse_moe_block(config, renormalize=True)
-
