@@ -298,7 +298,7 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
 
     # ---- weights --------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[NamedWeight], require_all: bool = True) -> None:
-        self.mm_cache.clear()  # a weight update: the cached encoder outputs are the old weights'
+        self.embedder.clear()  # a weight update: the cached encoder outputs are the old weights'
         vision = VisionWeights(self.visual, type(self).__name__)
         load_named_weights(self, vision.take((_canonical_name(n), t, fn) for n, t, fn in weights),
                            self.stacked_params_mapping, require_all, not_required=("visual.",))

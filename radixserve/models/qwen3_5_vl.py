@@ -75,7 +75,7 @@ class Qwen3_5VisionMixin:
 
     def load_weights(self, weights: Iterable[NamedWeight], require_all: bool = True) -> None:
         """transformers' names: model.visual.*, model.language_model.*, lm_head.*, mtp.* (skipped)."""
-        self.mm_cache.clear()  # a weight update: the cached encoder outputs are the old weights'
+        self.embedder.clear()  # a weight update: the cached encoder outputs are the old weights'
         vision = VisionWeights(self.visual, type(self).__name__)
         super().load_weights(vision.take((_canonical_name(n), t, fn) for n, t, fn in weights), require_all)
         vision.check_all_loaded(require_all, self.config.model_path)

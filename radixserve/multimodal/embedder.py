@@ -46,6 +46,9 @@ class ImageEmbedder:
                 found.update(more)
                 if missing:
                     found.update(self._encode(missing))
+        for emb in found.values():
+            if emb.is_cuda:  # made on the encoder thread's stream: not reused while this stream reads it
+                emb.record_stream(torch.cuda.current_stream(emb.device))
         return found
 
     # ---- the encoder thread's side ------------------------------------------------------------
@@ -59,6 +62,12 @@ class ImageEmbedder:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="vit-encoder")
         return self._executor.submit(self._encode_ahead, todo)
+
+    def clear(self) -> None:
+        """Forget every embedding (new weights), after the encode in flight, whose output is the old
+        weights' too."""
+        with self._encode_lock, self._cache_lock:
+            self.cache.clear()
 
     def shutdown(self) -> None:
         if self._executor is not None:
