@@ -91,7 +91,7 @@ def test_a_moe_vision_language_checkpoint_serves_images(tmp_path):
     images, and a text-only request in one batch, greedy tokens and logprobs equal to transformers'."""
     path = make_vl_model_dir(str(tmp_path), family="qwen3_5_moe")
     model = transformers.AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
-    hf = (model, transformers.AutoTokenizer.from_pretrained(path), transformers.AutoImageProcessor.from_pretrained(path))
+    ref = (model, transformers.AutoTokenizer.from_pretrained(path), transformers.AutoImageProcessor.from_pretrained(path))
     prompts = [f"look {IMAGE_PLACEHOLDER} and say", "only text here", f"{IMAGE_PLACEHOLDER} and {IMAGE_PLACEHOLDER} two"]
     images = [[random_image(1)], [], [random_image(2, (20, 44)), random_image(3, (48, 48))]]
     e = Engine(model_path=path, dtype="float32", device="cpu", max_total_tokens=4096)
@@ -102,7 +102,7 @@ def test_a_moe_vision_language_checkpoint_serves_images(tmp_path):
     finally:
         e.shutdown()
     for prompt, im, result in zip(prompts, images, results):
-        tokens, logprobs = hf_greedy(hf, prompt, im, 5)
+        tokens, logprobs = hf_greedy(ref, prompt, im, 5)
         assert result["output_ids"] == tokens
         ours = [lp for lp, _, _ in result["meta_info"]["output_token_logprobs"]]
         assert max(abs(a - b) for a, b in zip(ours, logprobs)) < 1e-3
