@@ -154,6 +154,7 @@ class ServerArgs:
     max_image_pixels: int = 4096 * 4096
     max_image_bytes: int = 20 * 1024 * 1024
     mm_embedding_cache_mb: int = 512
+    disable_mm_encode_ahead: bool = False  # encode a queued request's images in the prefill instead
 
     # PD disaggregation (seed 001 §8): this server prefills or decodes; sglang-router in front
     disaggregation_mode: str = "null"  # "null" (unified), "prefill" or "decode"
@@ -657,6 +658,7 @@ FLAG_HELP = {
     "max_image_pixels": "images: largest width x height taken (checked before decoding); larger is a 400",
     "max_image_bytes": "images: largest encoded image taken; larger is a 400",
     "mm_embedding_cache_mb": "images: MB of vision-encoder outputs kept by image hash (least recently used out first)",
+    "disable_mm_encode_ahead": "images: run the vision encoder inside the prefill step (default: on an encoder thread as the request is queued, beside the decode of others)",
     "disaggregation_mode": "PD disaggregation: null (prefill and decode here), prefill, or decode; put sglang-router --pd-disaggregation in front",
     "disaggregation_bootstrap_port": "prefill server: port of the handshake socket decode servers connect to (give it to the router after the prefill URL)",
     "disaggregation_transfer_backend": "how KV moves from prefill to decode: mooncake (Mooncake transfer engine, TCP or RDMA) or fake (through ZeroMQ)",

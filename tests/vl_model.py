@@ -1,4 +1,4 @@
-"""Tiny random Qwen2.5-VL and Qwen3-VL checkpoints for the tests, built by transformers 5 itself: the
+"""Tiny random Qwen2.5-VL, Qwen3-VL and Qwen3.5 (dense, MoE) checkpoints for the tests, built by transformers 5 itself: the
 config (Qwen2_5_VLConfig / Qwen3VLConfig with a small vision_config), the weights, the embedded model's tokenizer with
 Qwen's three vision tokens added and a chat template that places an image part, and the Qwen2-VL
 image processor (the Pillow backend) at a small patch size. Also images as data URLs."""
@@ -40,9 +40,27 @@ VISION_QWEN3 = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, 
                     temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16,
                     deepstack_visual_indexes=[0, 1])
 TEXT_QWEN3 = dict(TEXT, num_hidden_layers=3, head_dim=16)
+# Qwen3.5: Qwen3-VL's tower without DeepStack in front of the hybrid language model (GatedDeltaNet
+# layers and gated full attention), interleaved M-RoPE on half of each head
+VISION_QWEN3_5 = {k: v for k, v in VISION_QWEN3.items() if k != "deepstack_visual_indexes"}
+TEXT_QWEN3_5 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                    linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                    layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+                    max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
+                                     "mrope_interleaved": True, "partial_rotary_factor": 0.5})
+TEXT_QWEN3_5_MOE = dict({k: v for k, v in TEXT_QWEN3_5.items() if k != "intermediate_size"}, moe_intermediate_size=32,
+                        shared_expert_intermediate_size=48, num_experts=4, num_experts_per_tok=2)
 FAMILIES = {
     "qwen2_5_vl": (transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration, TEXT, VISION),
     "qwen3_vl": (transformers.Qwen3VLConfig, transformers.Qwen3VLForConditionalGeneration, TEXT_QWEN3, VISION_QWEN3),
+    "qwen3_5": (transformers.Qwen3_5Config, transformers.Qwen3_5ForConditionalGeneration, TEXT_QWEN3_5, VISION_QWEN3_5),
+}
+# built by make_vl_model_dir too, tested in test_qwen3_5.py only (test_qwen_vl.py runs FAMILIES)
+MORE_FAMILIES = {
+    "qwen3_5_moe": (transformers.Qwen3_5MoeConfig, transformers.Qwen3_5MoeForConditionalGeneration, TEXT_QWEN3_5_MOE,
+                    VISION_QWEN3_5),
 }
 MIN_PIXELS, MAX_PIXELS = 8 * 8, 48 * 48  # images resize to at most 12x12 patches = 36 tokens
 
@@ -56,7 +74,7 @@ def make_vl_model_dir(out_dir: str, seed: int = 0, family: str = "qwen2_5_vl") -
     tok.save_pretrained(str(out))
     ids = tok.convert_tokens_to_ids(list(VISION_TOKENS))
     vocab = -(-len(tok) // 8) * 8
-    config_class, model_class, text, vision = FAMILIES[family]
+    config_class, model_class, text, vision = {**FAMILIES, **MORE_FAMILIES}[family]
     config = config_class(
         text_config=dict(text, vocab_size=vocab, eos_token_id=[0, 2], bos_token_id=None, pad_token_id=0),
         vision_config=vision, vision_start_token_id=ids[0], vision_end_token_id=ids[1], image_token_id=ids[2],
@@ -69,6 +87,8 @@ def make_vl_model_dir(out_dir: str, seed: int = 0, family: str = "qwen2_5_vl") -
             if p.dim() >= 2:
                 fan_in = p[0].numel()
                 p.normal_(0, fan_in ** -0.5)
+            elif name.endswith("A_log"):  # GatedDeltaNet's decays moderate: float32 stays near float64
+                p.copy_(torch.empty_like(p).uniform_(0.05, 0.5).log())
             elif ("norm" in name or "ln_q" in name) and name.endswith("weight"):
                 p.copy_(1 + 0.1 * torch.randn_like(p))
             else:

@@ -91,14 +91,16 @@ class MRotaryEmbedding(RotaryEmbedding):
     position: Qwen2.5-VL gives the axes consecutive groups of mrope_section frequencies;
     Qwen3-VL (interleaved) takes them in turn, t h w t h w ..., until an axis has its share.
     For text the three axes are equal and it is the ordinary rotary embedding, so 1-D
-    positions take that path."""
+    positions take that path. Qwen3.5 rotates only the first partial_rotary_factor of head_dim."""
 
     def __init__(self, head_dim: int, max_position: int, base: float, mrope_section: List[int],
-                 interleaved: bool = False):
-        super().__init__(head_dim, max_position, base)
+                 interleaved: bool = False, partial_rotary_factor: float = 1.0):
+        super().__init__(head_dim, max_position, base, partial_rotary_factor=partial_rotary_factor)
         half = self.rotary_dim // 2
-        if sum(mrope_section) != half or len(mrope_section) != 3:
-            raise ValueError(f"mrope_section {mrope_section} must be 3 numbers adding up to head_dim / 2 = {half}")
+        # interleaved, transformers takes the axes in turn whatever the sum (a section past the
+        # rotary dim is cut there); consecutive groups must tile it exactly
+        if len(mrope_section) != 3 or (not interleaved and sum(mrope_section) != half):
+            raise ValueError(f"mrope_section {mrope_section} must be 3 numbers adding up to the rotary dim / 2 = {half}")
         if interleaved:  # transformers' Qwen3VLTextRotaryEmbedding: index j%3 of axis j%3, below 3 x its share
             j = torch.arange(half)
             axis = torch.where((j % 3 > 0) & (j < 3 * torch.tensor(mrope_section)[j % 3]), j % 3, 0)

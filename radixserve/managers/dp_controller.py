@@ -46,7 +46,7 @@ _SUMMED = {
     "protected_tokens", "forward_ct", "gen_throughput", "num_held_reqs",
     "spec_verify_ct", "spec_num_accept_tokens", "spec_num_correct_drafts", "spec_num_proposed_drafts",
     "num_grammar_queue_reqs", "num_grammar_total", "num_grammar_cache_hit", "num_grammar_aborted", "num_grammar_timeout",
-    "grammar_compilation_time_sum",
+    "grammar_compilation_time_sum", "num_encode_queue_reqs",
 }
 
 
@@ -93,8 +93,10 @@ class DataParallelController:
 
     # ---- routing --------------------------------------------------------------------------
     def dispatch(self, req: Any) -> None:
+        items = getattr(getattr(req, "mm_inputs", None), "items", None) or ()  # images: ViT DP (dp_budget.py)
         i = self.budget.choose(len(req.input_ids), getattr(req, "bootstrap_room", None),
-                               getattr(req, "data_parallel_rank", None))
+                               getattr(req, "data_parallel_rank", None), [it.hash for it in items],
+                               sum(it.pixel_values.shape[0] for it in items))
         self.workers[i].send_pyobj(req)
 
     def handle_tokenizer_message(self, obj: Any) -> None:

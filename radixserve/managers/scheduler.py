@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from radixserve.distributed.parallel_state import broadcast_pyobj, destroy_distributed_environment
 from radixserve.managers.batch_runner import select_batch_runner
+from radixserve.managers.encode_queue import EncodeQueue
 from radixserve.managers.grammar import GrammarQueue
 from radixserve.managers.loop_state import BatchSlot, LoopState, LoopSteps, loop_field
 from radixserve.managers.output_processor import SchedulerOutputProcessor
@@ -119,6 +120,8 @@ class Scheduler:
         self.grammar_backend = parts.grammar_backend
         # Structured output: requests wait here while their grammar compiles (seed 000).
         self.grammar_queue = GrammarQueue(args, self.grammar_backend, self._reject_bad_grammar, tp_rank, tp_size)
+        # Images: requests wait here while the encoder thread encodes them (beside the decode of others).
+        self.encode_queue = EncodeQueue(None if args.disable_mm_encode_ahead else tp_worker.image_embedder())
         self.embedding = SchedulerEmbedding(args, tp_worker, self._validate_request, self._enqueue, self.output_processor.finish)
         self.batch_runner = select_batch_runner(tp_worker, self.embedding, self.spec_worker, self.overlap_worker, self.grammar_backend)
         self.loop = LoopState(BatchSlot(self.empty_batch()))  # waiting_queue, running/last batch, chunked_req
@@ -134,7 +137,7 @@ class Scheduler:
                                                      self.forward_thread, self.tree_cache, args.pp_size)  # weight updates without a restart
         self.generation_pause = GenerationPause(self.loop, self.ledger, self.output_processor, LoopSteps(
             self.drain_results, self.get_next_batch_to_run, self.abort_request, self.empty_batch, self.requeue))
-        self.memory_saver = SchedulerMemorySaver(tp_worker.memory_saver(), args, self.loop, self.grammar_queue, self.ledger,
+        self.memory_saver = SchedulerMemorySaver(tp_worker.memory_saver(), args, self.loop, self.grammar_queue, self.encode_queue, self.ledger,
                                                  self.new_token_ratio, self.output_processor, self.generation_pause, self.waiting_on_peer)
         self.profiler = SchedulerProfiler(tp_rank, lambda: self.forward_ct)
         self.hicache = parts.hicache  # its storage tier, /clear_hicache_storage_backend
@@ -246,7 +249,7 @@ class Scheduler:
             self.last_batch is not None and self.last_batch.forward_mode is not None
             and self.last_batch.forward_mode.is_extend() and not self.last_batch.is_empty()
         )
-        return bool(self.waiting_queue or len(self.grammar_queue) or self.results_pending()) or (
+        return bool(self.waiting_queue or len(self.grammar_queue) or len(self.encode_queue) or self.results_pending()) or (
             not self.running_batch.is_empty() or self.chunked_req is not None or last_prefill_to_merge
         )
 
@@ -258,6 +261,7 @@ class Scheduler:
         if self.last_batch is not None:
             yield from self.last_batch.reqs
         yield from (r for r in self.grammar_queue if hasattr(r, "lora_path"))
+        yield from self.encode_queue
         if self.chunked_req is not None:
             yield self.chunked_req
 
@@ -284,6 +288,7 @@ class Scheduler:
         if self.kv_manager is not None:
             self.kv_manager.close()
         self.grammar_queue.shutdown()
+        self.encode_queue.shutdown()
         if self.pp is not None:
             self.pp.shutdown()
         elif self.tp_size > 1:
@@ -335,7 +340,7 @@ class Scheduler:
             message, status = error
             err_type = "BadRequestError" if status == 400 else "ServiceUnavailable"
             self.output_processor.finish(req, FINISH_ABORT(message, status_code=status, err_type=err_type))
-        elif self.grammar_queue.admit(req):
+        elif self.grammar_queue.admit(req) and self.encode_queue.admit(req):
             self._enqueue(req)
 
     def _enqueue(self, req: Req) -> None:
@@ -362,7 +367,7 @@ class Scheduler:
         room = self.context_len - len(req.origin_input_ids) - 1
         sp.max_new_tokens = room if sp.max_new_tokens is None else min(sp.max_new_tokens, room)
         max_queued = self.server_args.max_queued_requests
-        if max_queued is not None and len(self.waiting_queue) + len(self.grammar_queue) >= max_queued:
+        if max_queued is not None and len(self.waiting_queue) + len(self.grammar_queue) + len(self.encode_queue) >= max_queued:
             return "The request queue is full.", 503
         return None
 
@@ -409,6 +414,9 @@ class Scheduler:
         # 3. Prefill first; 4. otherwise decode.
         idle = not self.waiting_queue and self.running_batch.is_empty() and self.chunked_req is None and not self.results_pending()
         for req in self.grammar_queue.pop_ready(scheduler_idle=idle):
+            if self.encode_queue.admit(req):
+                self._enqueue(req)
+        for req in self.encode_queue.pop_ready(scheduler_idle=idle):
             self._enqueue(req)
         new_batch = self.get_new_batch_prefill()
         if new_batch is not None:
@@ -546,7 +554,7 @@ class Scheduler:
         for disagg in (self.disagg_prefill, self.disagg_decode):
             if disagg is not None:
                 disagg.abort(match, message)
-        queued = [r for r in self.waiting_queue if match(r)] + self.grammar_queue.remove(match)
+        queued = [r for r in self.waiting_queue if match(r)] + self.grammar_queue.remove(match) + self.encode_queue.remove(match)
         self.waiting_queue = [r for r in self.waiting_queue if not match(r)]
         for r in queued:  # holds no KV: finish now
             r.grammar = None
@@ -612,6 +620,7 @@ class Scheduler:
             new_token_ratio=self.new_token_ratio.value,
             num_waiting_reqs=len(self.waiting_queue),
             num_grammar_queue_reqs=len(self.grammar_queue),
+            num_encode_queue_reqs=len(self.encode_queue),
             num_running_reqs=self.running_batch.batch_size(),
             disaggregation_mode=self.disaggregation_mode.value,
             num_disagg_queue_reqs=len(self.disagg_prefill or self.disagg_decode or ()),

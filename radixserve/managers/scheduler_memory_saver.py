@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Dict, List, Optional, Tuple, Type
 
+from radixserve.managers.encode_queue import EncodeQueue
 from radixserve.managers.grammar import GrammarQueue
 from radixserve.managers.loop_state import LoopState
 from radixserve.managers.output_processor import SchedulerOutputProcessor
@@ -54,12 +55,13 @@ class SchedulerMemorySaver:
     flushes the KV cache (the ledger); while released, the waiting requests are answered 503."""
 
     def __init__(self, adapter: Optional[MemorySaverAdapter], server_args: ServerArgs, loop: LoopState,
-                 grammar_queue: GrammarQueue, ledger: KVLedger, new_token_ratio: NewTokenRatio,
+                 grammar_queue: GrammarQueue, encode_queue: EncodeQueue, ledger: KVLedger, new_token_ratio: NewTokenRatio,
                  output_processor: SchedulerOutputProcessor, pause: GenerationPause,
                  waiting_on_peer: Callable[[], bool]):
         self.adapter = adapter  # the worker's (None: the simulator's worker has nothing to release)
         self.server_args = server_args
         self.loop, self.grammar_queue, self.ledger, self.new_token_ratio = loop, grammar_queue, ledger, new_token_ratio
+        self.encode_queue = encode_queue  # image requests waiting for their encoder run
         self.output_processor, self.pause, self.waiting_on_peer = output_processor, pause, waiting_on_peer
 
     @property
@@ -81,7 +83,7 @@ class SchedulerMemorySaver:
         if not self.blocks_generation():
             return False
         s = self.loop
-        queued = s.waiting_queue + self.grammar_queue.remove(lambda r: True)
+        queued = s.waiting_queue + self.grammar_queue.remove(lambda r: True) + self.encode_queue.remove(lambda r: True)
         s.waiting_queue = []
         for r in queued:
             r.grammar = None
@@ -138,7 +140,7 @@ class SchedulerMemorySaver:
         if running or self.waiting_on_peer():
             return (f"Cannot release memory while {running} request(s) are running: pause with mode abort or "
                     "retract, or wait for them to finish.")
-        queued = len(s.waiting_queue) + len(self.grammar_queue)
+        queued = len(s.waiting_queue) + len(self.grammar_queue) + len(self.encode_queue)
         if queued and not self.pause.engine_paused:
             return f"Cannot release memory while {queued} request(s) are waiting: pause generation first, or wait."
         return self.adapter.check_can_release(tags)

@@ -14,6 +14,7 @@ from radixserve.model_executor.forward_batch import ForwardBatch, ModelWorkerBat
 from radixserve.model_executor.memory_saver import MemorySaverAdapter
 from radixserve.model_executor.model_runner import ModelRunner
 from radixserve.models.model_config import ModelConfig
+from radixserve.multimodal.embedder import ImageEmbedder
 from radixserve.protocol import (
     DestroyWeightsUpdateGroupReqInput, GetWeightsByNameReqInput, InitWeightsUpdateGroupReqInput,
     UpdateWeightFromDiskReqInput, UpdateWeightsFromDistributedReqInput, UpdateWeightsFromTensorReqInput,
@@ -73,6 +74,10 @@ class TpModelWorker:
         """The token embedding and the LM head (EAGLE's head shares both)."""
         model = self.model_runner.model
         return model.model.embed_tokens, model.lm_head
+
+    def image_embedder(self) -> Optional[ImageEmbedder]:
+        """A model that takes images: its encoder and embedding cache (the EncodeQueue encodes ahead)."""
+        return getattr(self.model_runner.model, "embedder", None)
 
     def memory_saver(self) -> MemorySaverAdapter:
         return MemorySaverAdapter(self.model_runner)

@@ -8,7 +8,8 @@ needs of the model is a method here.
                       them), get_kv_pool (the K/V buffers; None: nothing is computed)
     features          lora_manager (None: --enable-lora off), pooling_config (--is-embedding),
                       embed_and_head (EAGLE's head shares them), memory_saver (release/resume),
-                      expert_recorder (MoE models: EPLB's expert distribution record)
+                      expert_recorder (MoE models: EPLB's expert distribution record),
+                      image_embedder (a model that takes images: the EncodeQueue encodes ahead)
     weight updates    SchedulerUpdateWeights calls the update_weights_* family (TpModelWorker's)
 """
 
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from radixserve.model_executor.memory_saver import MemorySaverAdapter
     from radixserve.model_executor.tp_worker import GenerationBatchResult
     from radixserve.models.model_config import ModelConfig
+    from radixserve.multimodal.embedder import ImageEmbedder
 
 
 class ModelWorker(Protocol):
@@ -57,6 +59,9 @@ class ModelWorker(Protocol):
 
     def memory_saver(self) -> Optional["MemorySaverAdapter"]:
         """Release/resume of the KV pool, the weights and the CUDA graphs (None: nothing to release)."""
+
+    def image_embedder(self) -> Optional["ImageEmbedder"]:
+        """The vision encoder and its embedding cache (None: a model without images)."""
 
 
 class EmbeddingWorker(ModelWorker, Protocol):

@@ -37,13 +37,10 @@ GGUF_ARCHITECTURES = {
 # GGUF architectures whose Hugging Face model_type is spelled otherwise.
 _GGUF_MODEL_TYPES = {"qwen3moe": "qwen3_moe"}
 
-# Vision-language checkpoints served as their language model (text prompts only): config.json
-# nests its entries under text_config.
-SERVED_AS_TEXT = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
-# Vision-language checkpoints served with their vision encoder (models/qwen2_5_vl.py): the
-# language model's entries are under text_config too; vision_config stays in hf_config.
-WITH_VISION = ("Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")
-
+# Vision-language checkpoints, served with their vision encoder (models/qwen2_5_vl.py, qwen3_vl.py,
+# qwen3_5_vl.py): the language model's entries are under text_config; vision_config stays in hf_config.
+WITH_VISION = ("Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
+               "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
 
 @dataclass
 class ModelConfig:
@@ -107,7 +104,7 @@ class ModelConfig:
         archs = cfg.get("architectures") or []
         if not archs:
             raise LoadError(f"{_where(model_path, 'config.json')}: no 'architectures' entry")
-        if archs[0] in SERVED_AS_TEXT + WITH_VISION and isinstance(cfg.get("text_config"), dict):
+        if archs[0] in WITH_VISION and isinstance(cfg.get("text_config"), dict):
             # the language model's entries (those it leaves unset, as eos_token_id may be, kept from the top)
             cfg = {**cfg, **{k: v for k, v in cfg["text_config"].items() if v is not None}, "architectures": archs}
         rope = cfg.get("rope_parameters") or {}

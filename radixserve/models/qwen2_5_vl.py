@@ -21,7 +21,7 @@ a token past the prompt (decode) sits at its position + the request's mrope_posi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +34,7 @@ from radixserve.layers.vocab_parallel_embedding import ParallelLMHead
 from radixserve.models.llama import LlamaForCausalLM, LlamaModel
 from radixserve.models.model_config import LoadError, ModelConfig
 from radixserve.models.weight_utils import NamedWeight, load_named_weights
+from radixserve.multimodal.embedder import ImageEmbedder
 from radixserve.multimodal.mm_cache import MultimodalEmbeddingCache
 from radixserve.multimodal.mm_inputs import MM_PAD_BASE, MultimodalDataItem, MultimodalInputs
 from radixserve.server_args import ServerArgs
@@ -263,7 +264,12 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.logits_processor = LogitsProcessor(config.vocab_size)
         self.mm_cache = mm_cache if mm_cache is not None else MultimodalEmbeddingCache()
-        self.images_encoded = 0  # images the vision encoder has run on (the cache's misses that ran)
+        self.embedder = ImageEmbedder(self.visual, self.mm_cache, lambda: self.lm_head.weight.device)
+
+    @property
+    def images_encoded(self) -> int:
+        """Images the vision encoder has run on (the cache's misses that ran)."""
+        return self.embedder.images_encoded
 
     def make_visual(self, vision_config: dict) -> nn.Module:
         return Qwen2_5_VisionTransformer(VisionConfig.from_dict(vision_config))
@@ -278,7 +284,7 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
         else:
             hidden = self.model.embed_tokens(input_ids.masked_fill(input_ids >= MM_PAD_BASE, 0))
             if forward_batch.forward_mode.is_extend():
-                hidden, deepstack = self._merge_image_embeddings(hidden, mm, forward_batch)
+                hidden, deepstack = merge_image_embeddings(hidden, mm, forward_batch, self.embedder)
             positions = batch_mrope_positions(positions, mm, forward_batch)
         residual = None
         for i, layer in enumerate(self.model.layers):
@@ -290,84 +296,71 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
             return hidden
         return self.logits_processor(hidden, self.lm_head, forward_batch)
 
-    # ---- images ---------------------------------------------------------------------------
-    def _merge_image_embeddings(self, hidden: torch.Tensor, mm: List[Optional[MultimodalInputs]], forward_batch
-                                ) -> Tuple[torch.Tensor, Optional[Tuple[torch.Tensor, torch.Tensor]]]:
-        """The rows of this forward's tokens that are image tokens take the encoder's output; a
-        chunk may hold any part of an image (chunked prefill), or none of it (a cached prefix).
-        Also (those rows, [num_deepstack, rows, hidden]) where the encoder gives DeepStack
-        features (Qwen3-VL: the columns after the first hidden_size), else None."""
-        spans: List[Tuple[int, MultimodalDataItem, int, int]] = []  # (row in batch, item, first, end row of item)
-        start = 0
-        for m, pre, ext in zip(mm, forward_batch.extend_prefix_lens_cpu, forward_batch.extend_seq_lens_cpu):
-            for item in (m.items if m is not None else ()):
-                lo, hi = max(item.offset, pre), min(item.end, pre + ext)
-                if lo < hi:
-                    spans.append((start + lo - pre, item, lo - item.offset, hi - item.offset))
-            start += ext
-        if not spans:
-            return hidden, None
-        embeddings = self.image_embeddings([s[1] for s in spans])
-        rows = torch.cat([torch.arange(row, row + b - a) for row, _, a, b in spans]).to(hidden.device)
-        image = torch.cat([embeddings[item.hash][a:b] for _, item, a, b in spans]).to(hidden.dtype)
-        width = hidden.shape[1]
-        hidden[rows] = image[:, :width]
-        if image.shape[1] == width:
-            return hidden, None
-        return hidden, (rows, image[:, width:].reshape(len(rows), -1, width).transpose(0, 1))
-
-    def image_embeddings(self, items: Sequence[MultimodalDataItem]) -> Dict[int, torch.Tensor]:
-        """Each item's encoder output by hash: from the cache, else one encoder run over all the
-        missing images together (then cached)."""
-        found: Dict[int, torch.Tensor] = {}
-        missing: Dict[int, MultimodalDataItem] = {}
-        for item in items:
-            if item.hash in found or item.hash in missing:
-                continue
-            emb = self.mm_cache.get(item.hash)
-            if emb is not None:
-                found[item.hash] = emb
-            else:
-                missing[item.hash] = item
-        if missing:
-            todo = list(missing.values())
-            device = self.lm_head.weight.device
-            pixels = torch.cat([i.pixel_values for i in todo]).to(device)
-            out = self.visual(pixels, [i.image_grid_thw for i in todo])
-            self.images_encoded += len(todo)
-            for item, emb in zip(todo, out.split([i.num_tokens for i in todo])):
-                found[item.hash] = emb
-                self.mm_cache.put(item.hash, emb)
-        return found
-
     # ---- weights --------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[NamedWeight], require_all: bool = True) -> None:
-        self.mm_cache.clear()  # a weight update: the cached encoder outputs are the old weights'
-        vision_params = dict(self.visual.named_parameters())
-        loaded = set()
+        self.embedder.clear()  # a weight update: the cached encoder outputs are the old weights'
+        vision = VisionWeights(self.visual, type(self).__name__)
+        load_named_weights(self, vision.take((_canonical_name(n), t, fn) for n, t, fn in weights),
+                           self.stacked_params_mapping, require_all, not_required=("visual.",))
+        vision.check_all_loaded(require_all, self.config.model_path)
 
-        def language_model(ws: Iterable[NamedWeight]):
-            for name, tensor, fn in ws:
-                name = _canonical_name(name)
-                if not name.startswith("visual."):
-                    yield name, tensor, fn
-                    continue
-                key = name[len("visual."):]
-                param = vision_params.get(key)
-                if param is None:
-                    raise LoadError(f"{fn}: unexpected tensor {name!r} for {type(self).__name__}")
-                if tuple(param.shape) != tuple(tensor.shape):
-                    raise LoadError(f"{fn}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
-                with torch.no_grad():
-                    param.copy_(tensor.to(param.dtype))
-                loaded.add(key)
 
-        load_named_weights(self, language_model(weights), self.stacked_params_mapping, require_all,
-                           not_required=("visual.",))
-        missing = sorted(set(vision_params) - loaded)
+class VisionWeights:
+    """The vision tower's tensors (visual.*) copied into `visual` as they stream by; the
+    language model's passed on."""
+
+    def __init__(self, visual: nn.Module, model_name: str):
+        self.params = dict(visual.named_parameters())
+        self.model_name = model_name
+        self.loaded: set = set()
+
+    def take(self, weights: Iterable[NamedWeight]) -> Iterable[NamedWeight]:
+        """The language model's weights of `weights` (names already canonical: visual.* / model.*)."""
+        for name, tensor, fn in weights:
+            if not name.startswith("visual."):
+                yield name, tensor, fn
+                continue
+            key = name[len("visual."):]
+            param = self.params.get(key)
+            if param is None:
+                raise LoadError(f"{fn}: unexpected tensor {name!r} for {self.model_name}")
+            if tuple(param.shape) != tuple(tensor.shape):
+                raise LoadError(f"{fn}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+            with torch.no_grad():
+                param.copy_(tensor.to(param.dtype))
+            self.loaded.add(key)
+
+    def check_all_loaded(self, require_all: bool, where: Optional[str]) -> None:
+        missing = sorted(set(self.params) - self.loaded)
         if missing and require_all:
-            raise LoadError(f"{self.config.model_path or 'checkpoint'}: no tensor for parameter 'visual.{missing[0]}' "
+            raise LoadError(f"{where or 'checkpoint'}: no tensor for parameter 'visual.{missing[0]}' "
                             f"({len(missing)} missing)")
+
+
+def merge_image_embeddings(hidden: torch.Tensor, mm: List[Optional[MultimodalInputs]], forward_batch,
+                           embedder: ImageEmbedder) -> Tuple[torch.Tensor, Optional[Tuple[torch.Tensor, torch.Tensor]]]:
+    """The rows of this forward's tokens that are image tokens take the encoder's output; a
+    chunk may hold any part of an image (chunked prefill), or none of it (a cached prefix).
+    Also (those rows, [num_deepstack, rows, hidden]) where the encoder gives DeepStack
+    features (Qwen3-VL: the columns after the first hidden_size), else None."""
+    spans: List[Tuple[int, MultimodalDataItem, int, int]] = []  # (row in batch, item, first, end row of item)
+    start = 0
+    for m, pre, ext in zip(mm, forward_batch.extend_prefix_lens_cpu, forward_batch.extend_seq_lens_cpu):
+        for item in (m.items if m is not None else ()):
+            lo, hi = max(item.offset, pre), min(item.end, pre + ext)
+            if lo < hi:
+                spans.append((start + lo - pre, item, lo - item.offset, hi - item.offset))
+        start += ext
+    if not spans:
+        return hidden, None
+    embeddings = embedder.embeddings([s[1] for s in spans])
+    rows = torch.cat([torch.arange(row, row + b - a) for row, _, a, b in spans]).to(hidden.device)
+    image = torch.cat([embeddings[item.hash][a:b] for _, item, a, b in spans]).to(hidden.dtype)
+    width = hidden.shape[1]
+    hidden[rows] = image[:, :width]
+    if image.shape[1] == width:
+        return hidden, None
+    return hidden, (rows, image[:, width:].reshape(len(rows), -1, width).transpose(0, 1))
 
 
 def _canonical_name(name: str) -> str:

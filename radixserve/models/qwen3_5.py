@@ -9,12 +9,9 @@ hybrid of GatedDeltaNet and gated full attention (models/qwen3_next.py), with
     position, which makes it the ordinary (partial) rotary embedding.
 
 The vision-language checkpoints (Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration:
-the released Qwen3.5 models) are served as their language model, for text prompts: the config's
-text_config (ModelConfig), the tensors under model.language_model., the vision tower's skipped."""
+the released Qwen3.5 models) are served with their vision encoder: models/qwen3_5_vl.py."""
 
 from __future__ import annotations
-
-from typing import Iterable, Iterator
 
 from torch import nn
 
@@ -22,7 +19,6 @@ from radixserve.layers.gated_delta_net import Qwen3_5GatedDeltaNet
 from radixserve.models.llama import LlamaMLP
 from radixserve.models.model_config import ModelConfig
 from radixserve.models.qwen3_next import Qwen3NextForCausalLM, sparse_moe_block
-from radixserve.models.weight_utils import NamedWeight
 
 
 class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
@@ -37,22 +33,3 @@ class Qwen3_5MoeForCausalLM(Qwen3NextForCausalLM):
 
     def make_mlp(self, config: ModelConfig, layer_id: int) -> nn.Module:
         return sparse_moe_block(config, renormalize=True)
-
-
-def language_model_weights(weights: Iterable[NamedWeight]) -> Iterator[NamedWeight]:
-    """A vision-language checkpoint's language-model tensors, named as a *ForCausalLM's."""
-    for name, tensor, fn in weights:
-        if name.startswith("model.language_model."):
-            yield "model." + name[len("model.language_model."):], tensor, fn
-        elif not name.startswith(("model.visual.", "mtp.")):
-            yield name, tensor, fn
-
-
-class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
-    def load_weights(self, weights: Iterable[NamedWeight], require_all: bool = True) -> None:
-        super().load_weights(language_model_weights(weights), require_all)
-
-
-class Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeForCausalLM):
-    def load_weights(self, weights: Iterable[NamedWeight], require_all: bool = True) -> None:
-        super().load_weights(language_model_weights(weights), require_all)

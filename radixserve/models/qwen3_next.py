@@ -156,7 +156,9 @@ class Qwen3NextModel(nn.Module):
                                     for i, t in enumerate(self.layer_types))
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch,
+                input_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """input_embeds: the tokens' embeddings where the caller made them (Qwen3.5's image rows)."""
         # The state slots as the batch was scheduled (in the overlap loop a finished request's row
         # may be freed and handed on before this forward runs); the rows' map for a batch built
         # without the scheduler
@@ -170,7 +172,8 @@ class Qwen3NextModel(nn.Module):
             raise RuntimeError("a hybrid model's verify forward needs linear_traces (its states advance by them)")
         meta = LinearAttnMetadata.build(slots, forward_batch.forward_mode.is_decode(), forward_batch.extend_seq_lens_cpu,
                                         forward_batch.extend_prefix_lens_cpu, traces)
-        hidden_states, residual = self.embed_tokens(input_ids), None
+        hidden_states = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
+        residual = None
         for layer in self.layers:
             hidden_states, residual = layer.forward(positions, hidden_states, residual, forward_batch, meta)
         hidden_states, _ = self.norm.forward(hidden_states, residual)
@@ -179,6 +182,7 @@ class Qwen3NextModel(nn.Module):
 
 class Qwen3NextForCausalLM(nn.Module):
     gdn_class: Type[GatedDeltaNet] = GatedDeltaNet  # the linear layers' projections (Qwen3.5 has its own)
+    loaded_elsewhere: Tuple[str, ...] = ()  # parameter prefixes a subclass loads itself (Qwen3.5's visual.)
     # checkpoint name -> (our fused parameter, shard id): the dense MLPs' and the shared experts'
     stacked_params_mapping = [
         (".qkv_proj", ".q_proj", "q"),
@@ -224,7 +228,7 @@ class Qwen3NextForCausalLM(nn.Module):
         expert_params = tuple(name for name, _ in self.named_parameters() if name.endswith((".w13_weight", ".w2_weight")))
         loaded: set = set()
         load_named_weights(self, load_expert_weights(self, self._without_mtp(weights), loaded),
-                           self.stacked_params_mapping, require_all, not_required=expert_params)
+                           self.stacked_params_mapping, require_all, not_required=expert_params + self.loaded_elsewhere)
         if require_all:
             check_experts_loaded(self, loaded)
 

@@ -15,12 +15,8 @@ from radixserve.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from radixserve.models.qwen3_vl import Qwen3VLForConditionalGeneration
 from radixserve.models.qwen3 import Qwen3ForCausalLM
 from radixserve.models.qwen3_moe import Qwen3MoeForCausalLM
-from radixserve.models.qwen3_5 import (
-    Qwen3_5ForCausalLM,
-    Qwen3_5ForConditionalGeneration,
-    Qwen3_5MoeForCausalLM,
-    Qwen3_5MoeForConditionalGeneration,
-)
+from radixserve.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
+from radixserve.models.qwen3_5_vl import Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration
 from radixserve.models.qwen3_next import Qwen3NextForCausalLM
 from radixserve.models.qwen3_next_mtp import Qwen3_5ForCausalLMMTP, Qwen3_5MoeForCausalLMMTP, Qwen3NextForCausalLMMTP
 
@@ -34,10 +30,10 @@ MODEL_REGISTRY: Dict[str, Type[nn.Module]] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
     "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
-    # the released Qwen3.5 checkpoints (vision-language), served as their language model
+    # served with their vision encoder: images in (radixserve/multimodal/); the released Qwen3.5
+    # checkpoints are these
     "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,
     "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeForConditionalGeneration,
-    # served with its vision encoder: images in (radixserve/multimodal/)
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
     "Qwen3VLForConditionalGeneration": Qwen3VLForConditionalGeneration,
     "LlamaForCausalLMEagle": LlamaForCausalLMEagle,  # a draft head (--speculative-algorithm EAGLE)

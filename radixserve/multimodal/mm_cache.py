@@ -44,6 +44,10 @@ class MultimodalEmbeddingCache:
         self.stats.hits += 1
         return emb
 
+    def peek(self, key: int) -> Optional[torch.Tensor]:
+        """The entry under key, not counted as a use (neither a hit nor more recent)."""
+        return self._entries.get(key)
+
     def put(self, key: int, emb: torch.Tensor) -> None:
         """Keep emb under key; evicts the least recently used to fit. One larger than the whole
         cache is not kept (its request uses it; the next one recomputes it)."""

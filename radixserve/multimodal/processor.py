@@ -28,8 +28,10 @@ from radixserve.multimodal.mm_inputs import (
     pad_input_ids,
 )
 
-# Architectures whose images this module prepares (their models: models/qwen2_5_vl.py, qwen3_vl.py).
-QWEN_VL_ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")
+# Architectures whose images this module prepares (their models: models/qwen2_5_vl.py, qwen3_vl.py,
+# qwen3_5_vl.py).
+QWEN_VL_ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
+                         "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
 
 
 @dataclass

@@ -88,6 +88,9 @@ class SimModelWorker:
 
     lora_manager = None  # no adapters: nothing is computed
 
+    def image_embedder(self) -> None:
+        return None
+
     def memory_saver(self) -> None:
         return None  # nothing to release
 

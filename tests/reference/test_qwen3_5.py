@@ -25,7 +25,9 @@ from test_qwen3_next import (  # noqa: F401  (collected here with this module's 
 )
 
 from hf_utils import KVDriver, make_runner
+from vl_model import IMAGE_PLACEHOLDER, data_url, hf_greedy, make_vl_model_dir, random_image
 
+from radixserve.engine import Engine
 from radixserve.layers.gated_delta_net import Qwen3_5GatedDeltaNet
 from radixserve.layers.moe import SparseMoeBlock
 from radixserve.models.llama import LlamaMLP
@@ -62,10 +64,10 @@ VISION_LANGUAGE = {
 
 
 @pytest.mark.parametrize("family", list(VISION_LANGUAGE))
-def test_a_vision_language_checkpoint_is_served_as_its_language_model(family, tmp_path):
+def test_a_vision_language_checkpoint_on_text_prompts(family, tmp_path):
     """The released Qwen3.5 checkpoints are vision-language models (text_config, the weights under
-    model.language_model., a vision tower): on text prompts, the logits of the model that holds
-    them, over a ragged prefill and a decode step."""
+    model.language_model., a vision tower; served with it: models/qwen3_5_vl.py): on text prompts,
+    the logits of the model that holds them, over a ragged prefill and a decode step."""
     config_class, model_class = VISION_LANGUAGE[family]
     torch.manual_seed(0)
     model = model_class(config_class(text_config=FAMILIES[family][1], vision_config=VISION)).float().eval()
@@ -82,3 +84,25 @@ def test_a_vision_language_checkpoint_is_served_as_its_language_model(family, tm
         lb = model(torch.tensor([SHORT + [9]])).logits[0]
     assert (prefill - torch.cat([la[:100], lb[:30]])).abs().max() <= TOL
     assert (decode - torch.stack([la[100], lb[30]])).abs().max() <= TOL
+
+
+def test_a_moe_vision_language_checkpoint_serves_images(tmp_path):
+    """Qwen3.5-MoE with images (the dense one runs every test of test_qwen_vl.py): one image, two
+    images, and a text-only request in one batch, greedy tokens and logprobs equal to transformers'."""
+    path = make_vl_model_dir(str(tmp_path), family="qwen3_5_moe")
+    model = transformers.AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    ref = (model, transformers.AutoTokenizer.from_pretrained(path), transformers.AutoImageProcessor.from_pretrained(path))
+    prompts = [f"look {IMAGE_PLACEHOLDER} and say", "only text here", f"{IMAGE_PLACEHOLDER} and {IMAGE_PLACEHOLDER} two"]
+    images = [[random_image(1)], [], [random_image(2, (20, 44)), random_image(3, (48, 48))]]
+    e = Engine(model_path=path, dtype="float32", device="cpu", max_total_tokens=4096)
+    try:
+        assert type(e.scheduler.tp_worker.model_runner.model).__name__ == "Qwen3_5MoeForConditionalGeneration"
+        results = e.generate(prompts, {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True},
+                             image_data=[[data_url(i) for i in im] or None for im in images], return_logprob=True)
+    finally:
+        e.shutdown()
+    for prompt, im, result in zip(prompts, images, results):
+        tokens, logprobs = hf_greedy(ref, prompt, im, 5)
+        assert result["output_ids"] == tokens
+        ours = [lp for lp, _, _ in result["meta_info"]["output_token_logprobs"]]
+        assert max(abs(a - b) for a, b in zip(ours, logprobs)) < 1e-3

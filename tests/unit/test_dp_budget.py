@@ -60,3 +60,18 @@ def test_server_args_accept_the_four_methods_and_refuse_others():
         ServerArgs(load_balance_method=method)
     with pytest.raises(ValueError, match="--load-balance-method must be one of"):
         ServerArgs(load_balance_method="random")
+
+
+def test_vit_dp_spreads_image_requests_by_encoder_work_and_keeps_an_image_where_it_was_encoded():
+    """Text and image requests interleaved: plain round robin would send every image to replica 0;
+    image requests go to the replica sent the fewest patches, the same image again where it was."""
+    b = DPBudget(2, "round_robin")
+    picks = []
+    for n in range(4):  # text, image, text, image, ... each image new, 100 patches
+        picks.append(b.choose(10))
+        picks.append(b.choose(10, image_hashes=[n], image_patches=100))
+    assert picks[1::2] == [0, 1, 0, 1] and b.image_patches_sent == [200, 200]
+    assert b.choose(10, image_hashes=[7, 2], image_patches=400) == 0  # image 2 was encoded on replica 0
+    assert b.choose(10, image_hashes=[8], image_patches=50) == 1  # replica 1 has less encoder work now
+    assert b.choose(10, image_hashes=[7], image_patches=400) == 0  # image 7 went with image 2
+    assert DPBudget(2, "shortest_queue").choose(10, image_hashes=[1], image_patches=9) == 0  # other methods: theirs

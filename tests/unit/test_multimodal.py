@@ -7,8 +7,10 @@ from __future__ import annotations
 import base64
 import struct
 import sys
+import threading
 import types
 import zlib
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,8 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/vl_model.py
 from vl_model import data_url, png_bytes, random_image  # noqa: E402
 
+from radixserve.managers.encode_queue import EncodeQueue  # noqa: E402
+from radixserve.multimodal.embedder import ImageEmbedder  # noqa: E402
 from radixserve.multimodal.image_loader import MediaLimits, load_image  # noqa: E402
 from radixserve.multimodal.mm_cache import MultimodalEmbeddingCache  # noqa: E402
 from radixserve.multimodal.mm_inputs import MM_PAD_BASE, MultimodalDataItem, MultimodalInputError, pad_input_ids  # noqa: E402
@@ -161,3 +165,87 @@ def test_the_embedding_cache_evicts_the_least_recently_used_to_stay_in_bounds():
     assert (cache.stats.hits, cache.stats.misses, cache.stats.evictions) == (1, 1, 1)
     cache.put(4, torch.zeros(200, 4))  # larger than the whole cache: not kept, nothing evicted
     assert 4 not in cache and len(cache) == 2
+
+
+# ---- the encoder off the decode path (managers/encode_queue.py, multimodal/embedder.py) ----------
+def _item(seed: int) -> MultimodalDataItem:
+    g = torch.Generator().manual_seed(seed)
+    return MultimodalDataItem(hash=seed, offset=0, num_tokens=1, pixel_values=torch.randn(4, 3, generator=g),
+                              image_grid_thw=(1, 2, 2))
+
+
+class _Visual(torch.nn.Module):
+    """An encoder that records the thread it runs on, and may be held until released."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(3, 5))
+        self.gate = threading.Event()
+        self.gate.set()
+        self.threads = []
+
+    def forward(self, pixels, grids):
+        self.threads.append(threading.current_thread().name)
+        assert self.gate.wait(30)
+        return (pixels @ self.w).view(len(grids), 4, 5).sum(1)  # one row per image
+
+
+def test_encode_ahead_runs_on_the_encoder_thread_and_the_forward_finds_it_cached():
+    visual = _Visual()
+    embedder = ImageEmbedder(visual, MultimodalEmbeddingCache(), lambda: torch.device("cpu"))
+    try:
+        a, b = _item(1), _item(2)
+        visual.gate.clear()
+        future = embedder.encode_ahead([a, b, a])
+        queue = EncodeQueue(embedder)
+        assert queue.pop_ready(scheduler_idle=True) == []
+        assert not future.done()  # held: the encode is in progress
+        visual.gate.set()
+        future.result(timeout=30)
+        assert visual.threads == ["vit-encoder_0"] and embedder.images_encoded_ahead == 2
+        out = embedder.embeddings([b, a])  # the forward's lookup: cached, no second run
+        assert visual.threads == ["vit-encoder_0"] and embedder.images_encoded == 2
+        assert torch.equal(out[a.hash], visual(a.pixel_values, [a.image_grid_thw]))
+        assert embedder.encode_ahead([a]) is None  # cached: nothing to do
+    finally:
+        embedder.shutdown()
+
+
+class _Req:
+    def __init__(self, rid, items):
+        self.rid = rid
+        self.multimodal_inputs = types.SimpleNamespace(items=items) if items else None
+
+
+class _Embedder:
+    """encode_ahead hands out futures the test completes by hand."""
+
+    def __init__(self):
+        self.futures = []
+
+    def encode_ahead(self, items):
+        if all(i == "cached" for i in items):
+            return None
+        self.futures.append(Future())
+        return self.futures[-1]
+
+    def shutdown(self):
+        pass
+
+
+def test_the_encode_queue_holds_requests_until_their_images_are_encoded():
+    emb = _Embedder()
+    queue = EncodeQueue(emb)
+    text, cached, first, second, third = (_Req("t", None), _Req("c", ["cached"]), _Req("a", ["x"]), _Req("b", ["y"]),
+                                          _Req("c2", ["z"]))
+    assert queue.admit(text) and queue.admit(cached)  # nothing to wait for
+    assert not queue.admit(first) and not queue.admit(second) and not queue.admit(third)
+    assert list(queue) == [first, second, third] and queue.pop_ready(scheduler_idle=True) == []
+    emb.futures[1].set_result(None)
+    assert queue.pop_ready(scheduler_idle=False) == [second] and list(queue) == [first, third]
+    assert queue.remove(lambda r: r.rid == "c2") == [third] and list(queue) == [first]
+    emb.futures[0].set_exception(RuntimeError("encoder crashed"))
+    with pytest.raises(RuntimeError, match="encoder crashed"):  # loud, on the scheduler's thread
+        queue.pop_ready(scheduler_idle=False)
+    off = EncodeQueue(None)  # --disable-mm-encode-ahead
+    assert off.admit(first) and len(off) == 0
