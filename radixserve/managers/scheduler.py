@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 from radixserve.constrained.factory import create_grammar_backend
 from radixserve.distributed.parallel_state import broadcast_pyobj, destroy_distributed_environment
 from radixserve.hf_transformers_utils import get_tokenizer, resolve_model_path
-from radixserve.managers.batch_runner import select_batch_runner
+from radixserve.managers.batch_runner import GrammarMaskRunner, select_batch_runner
 from radixserve.managers.grammar import GrammarQueue
 from radixserve.managers.output_processor import SchedulerOutputProcessor
 from radixserve.managers.overlap import TpModelWorkerClient
@@ -225,14 +225,16 @@ class Scheduler:
     def is_disable_overlap_for_batch(self, batch: Optional[ScheduleBatch]) -> bool:
         """Seed 001 §20: with --disable-consecutive-prefill-overlap, a prefill after a prefill
         first processes the previous result (its first token goes out a step earlier).
-        Structured output: a decode (or mixed) batch with grammar requests needs the token in
-        flight accepted by their matchers before its mask can be filled, so it waits too."""
+        Structured output with speculative decoding (the seed's one exception): a decode (or
+        mixed) batch with grammar requests waits for the token in flight to be accepted before
+        its drafts are verified against the mask. Without speculation it overlaps: its mask is
+        filled while its forward runs (batch_runner.GrammarMaskRunner)."""
         return (
             self.server_args.disable_consecutive_prefill_overlap
             and batch is not None and batch.forward_mode.is_extend()
             and self.last_batch is not None and self.last_batch.forward_mode.is_extend()
         ) or (
-            batch is not None and self.results_pending()
+            self.spec_worker is not None and batch is not None and self.results_pending()
             and (batch.forward_mode.is_decode() or batch.forward_mode.is_mixed())
             and any(r.grammar is not None for r in batch.reqs)
         )
@@ -241,7 +243,15 @@ class Scheduler:
         item = self.overlap_worker.pop_result(self.stats)
         if item is not None:
             t0 = time.perf_counter()
-            self.output_processor.process_batch_result(*item)
+            masks = self.batch_runner if isinstance(self.batch_runner, GrammarMaskRunner) else None
+            try:
+                self.output_processor.process_batch_result(*item)
+            except BaseException as e:  # the batch in flight must not wait for its mask forever
+                if masks is not None:
+                    masks.fail_deferred(e)
+                raise
+            if masks is not None:  # the tokens are accepted: the next batch's grammar mask now
+                masks.on_result_processed()
             self.stats.process_s += time.perf_counter() - t0
 
     def results_pending(self) -> bool:
