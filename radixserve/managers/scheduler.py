@@ -378,6 +378,9 @@ class Scheduler:
         error = input_ids_error(ids, self.context_len, self.vocab_size)
         if error is not None:
             return error, 400
+        if len(req.origin_input_ids) >= self.max_total_num_tokens:  # could never be prefilled (§9.2)
+            return (f"The prompt ({len(req.origin_input_ids)} tokens) does not fit in the KV cache pool "
+                    f"({self.max_total_num_tokens} tokens)."), 400
         sp = req.sampling_params
         room = self.context_len - len(req.origin_input_ids) - 1
         sp.max_new_tokens = room if sp.max_new_tokens is None else min(sp.max_new_tokens, room)
@@ -519,13 +522,19 @@ class Scheduler:
         force_retract = interval is not None and self.forward_ct % interval == 0 and batch.batch_size() > 1
         if force_retract or not batch.check_decode_mem():
             priority_key = self.policy.priority_key if self.server_args.enable_priority_scheduling else None
-            retracted, self.new_token_ratio.value = batch.retract_decode(priority_key)
+            retracted, self.new_token_ratio.value, reqs_to_abort = batch.retract_decode(priority_key)
             self.stats.num_retractions += 1
             self.stats.num_retracted_reqs += len(retracted)
             logger.info("KV cache pool is full. Retract requests. #retracted_reqs: %d, #new_token_ratio: %.4f",
                         len(retracted), self.new_token_ratio.value)
             for req in retracted:
                 self.requeue(req)
+            if reqs_to_abort:  # outgrew the whole pool alone (§9.2): ended, not retracted forever
+                logger.warning("Aborted %d request(s) that do not fit in the KV cache pool", len(reqs_to_abort))
+                self.output_processor.stream_output(reqs_to_abort)
+                if batch.is_empty():
+                    batch.batch_is_full = False
+                    return batch
         else:
             self.new_token_ratio.step()
         if batch.batch_size() < initial_bs:

@@ -96,6 +96,10 @@ class KVLedger:
         """Slots a new request may take: free ones and the tree's evictable ones."""
         return self.allocator.available_size() + self.tree_cache.evictable_size()
 
+    def total_size(self) -> int:
+        """Slots of the whole pool: what one request alone can hold at most."""
+        return self.allocator.size
+
     def free_rows(self) -> int:
         return self.req_to_token_pool.available_size()
 
