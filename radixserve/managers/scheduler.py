@@ -260,6 +260,7 @@ class Scheduler:
     def on_idle(self) -> None:
         self.self_check_during_idle()
         self.new_token_ratio.reset()
+        self.hicache.wait_idle()  # requests held for their storage prefetch: wait, do not spin
 
     def has_work(self) -> bool:
         last_prefill_to_merge = (
@@ -368,6 +369,7 @@ class Scheduler:
             self.disagg_decode.add(req)
         else:
             self.waiting_queue.append(req)
+            self.hicache.on_enqueue(req)  # HiCache storage: its prefetch starts now
 
     def _validate_request(self, req: Req) -> Optional[Tuple[str, int]]:
         """The front end has validated the request; the scheduler checks its input again (it
@@ -480,7 +482,7 @@ class Scheduler:
             self.chunked_req.init_next_round_input()
             self.chunked_req = adder.add_chunked_req(self.chunked_req)
 
-        adder.add_waiting_reqs(self.waiting_queue, self.get_num_allocatable_reqs, try_preemption,
+        adder.add_waiting_reqs(self.hicache.admissible(self.waiting_queue), self.get_num_allocatable_reqs, try_preemption,
                                has_chunked_req=self.chunked_req is not None)
         for r in adder.preempt_list:
             self.stats.num_preempted_reqs += 1
