@@ -158,6 +158,32 @@ class TokenBitmask:
         return logits
 
 
+class DeferredTokenBitmask:
+    """The grammar mask of a forward launched before the tokens of the forward in flight were
+    accepted by the matchers (the overlap loop, as SGLang's `sampling_info_done`): the model
+    forward runs meanwhile, and only the sampler waits here until the scheduler thread has
+    processed the previous result and filled the mask (`set`), or gave up (`fail`)."""
+
+    def __init__(self) -> None:
+        self._ready = threading.Event()
+        self.mask: Optional[TokenBitmask] = None  # None once set: no live grammar row was left
+        self._error: Optional[BaseException] = None
+
+    def set(self, mask: Optional[TokenBitmask]) -> None:
+        self.mask = mask
+        self._ready.set()
+
+    def fail(self, error: BaseException) -> None:
+        self._error = error
+        self._ready.set()
+
+    def apply_(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        self._ready.wait()
+        if self._error is not None:
+            raise RuntimeError("the grammar mask of this forward was never filled") from self._error
+        return logits if self.mask is None else self.mask.apply_(logits, vocab_size)
+
+
 _SHIFTS: Dict[torch.device, torch.Tensor] = {}
 
 

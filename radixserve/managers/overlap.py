@@ -250,6 +250,7 @@ class TpModelWorkerClient:
         batch, pending = self.result_queue.popleft()
         stats.results_processed += 1
         stats.results_processed_while_busy += self.forward_thread.busy.is_set()
+        stats.results_processed_overlapped += bool(self.result_queue)  # the next batch is launched
         t0 = time.perf_counter()
         result = pending.wait()
         self.fence.done += 1  # (in launch order: every batch before it is done too)

@@ -682,7 +682,9 @@ class ScheduleBatch:
         """Seed 001 §9: retract requests until the rest can decode; least progress first
         (fewest output tokens, then longest prompt), and with priority scheduling (§9.2,
         priority_key: larger is worse) the worst priority before that. Returns (retracted,
-        new_token_ratio)."""
+        new_token_ratio, reqs_to_abort): the last request left, when it alone still has no room
+        for its next token (it outgrew the whole pool), is finished with an abort, its KV given
+        to the tree, instead of being retracted (and readmitted, and retracted) forever."""
         def worth_keeping(i: int) -> tuple:
             r = self.reqs[i]
             return (-priority_key(r) if priority_key else 0, len(r.output_ids), -len(r.origin_input_ids))
@@ -699,11 +701,21 @@ class ScheduleBatch:
             retracted.append(req)
             # The tree part just unlocked is evictable now; use it for the remaining requests.
             self.ledger.make_room(len(order) * RETRACT_DECODE_STEPS)
+        reqs_to_abort: List[Req] = []
+        if len(order) == 1 and not self.check_decode_mem(order):
+            req = self.reqs[order.pop()]
+            req.finished_reason = FINISH_ABORT(
+                f"The request needs more KV cache than the whole pool holds ({req.seqlen()} tokens so far, "
+                f"pool {self.ledger.total_size()}): lower max_new_tokens or raise --max-total-tokens.",
+                status_code=500, err_type="InternalServerError")
+            req.grammar = None
+            self.ledger.cache_finished_req(req)
+            reqs_to_abort.append(req)
         self.filter_batch(keep_indices=sorted(order))
         decoded = sum(len(r.output_ids) for r in self.reqs)
         max_new = sum(r.clipped_max_new_tokens() for r in self.reqs)
         new_ratio = min(1.0, (decoded + RETRACT_DECODE_STEPS * len(self.reqs)) / (max_new + 1))
-        return retracted, new_ratio
+        return retracted, new_ratio, reqs_to_abort
 
     # ---- filter / merge ----------------------------------------------------------------------
     def filter_batch(self, keep_indices: Optional[List[int]] = None, chunked_req_to_exclude: Optional[List[Req]] = None) -> None:

@@ -265,9 +265,11 @@ class PrefillAdder:
         self.log_hit_tokens += prefix_len
         self.log_input_tokens += extend_input_len
 
-    @staticmethod
-    def _max_new(req: Req) -> int:
-        return req.clipped_max_new_tokens()
+    def _max_new(self, req: Req) -> int:
+        """The decode room admission reserves: never more than the pool has beside the request's
+        tokens, or a request whose prompt + max_new_tokens exceed the whole pool would wait
+        forever; it runs, and if it truly outgrows the pool it is aborted (retract_decode)."""
+        return min(req.clipped_max_new_tokens(), max(self.ledger.total_size() - len(req.fill_ids) - self.page_size, 0))
 
     def _chunk_budget(self) -> Optional[int]:
         """rem_chunk_tokens, and with the SWA pool no more than it has room for after what this

@@ -18,7 +18,7 @@ import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from radixserve.distributed.parallel_state import broadcast_pyobj, destroy_distributed_environment
-from radixserve.managers.batch_runner import select_batch_runner
+from radixserve.managers.batch_runner import GrammarMaskRunner, select_batch_runner
 from radixserve.managers.encode_queue import EncodeQueue
 from radixserve.managers.grammar import GrammarQueue
 from radixserve.managers.loop_state import BatchSlot, LoopState, LoopSteps, loop_field
@@ -213,14 +213,16 @@ class Scheduler:
     def is_disable_overlap_for_batch(self, batch: Optional[ScheduleBatch]) -> bool:
         """Seed 001 §20: with --disable-consecutive-prefill-overlap, a prefill after a prefill
         first processes the previous result (its first token goes out a step earlier).
-        Structured output: a decode (or mixed) batch with grammar requests needs the token in
-        flight accepted by their matchers before its mask can be filled, so it waits too."""
+        Structured output with speculative decoding (the seed's one exception): a decode (or
+        mixed) batch with grammar requests waits for the token in flight to be accepted before
+        its drafts are verified against the mask. Without speculation it overlaps: its mask is
+        filled while its forward runs (batch_runner.GrammarMaskRunner)."""
         return (
             self.server_args.disable_consecutive_prefill_overlap
             and batch is not None and batch.forward_mode.is_extend()
             and self.last_batch is not None and self.last_batch.forward_mode.is_extend()
         ) or (
-            batch is not None and self.results_pending()
+            self.spec_worker is not None and batch is not None and self.results_pending()
             and (batch.forward_mode.is_decode() or batch.forward_mode.is_mixed())
             and any(r.grammar is not None for r in batch.reqs)
         )
@@ -229,7 +231,15 @@ class Scheduler:
         item = self.overlap_worker.pop_result(self.stats)
         if item is not None:
             t0 = time.perf_counter()
-            self.output_processor.process_batch_result(*item)
+            masks = self.batch_runner if isinstance(self.batch_runner, GrammarMaskRunner) else None
+            try:
+                self.output_processor.process_batch_result(*item)
+            except BaseException as e:  # the batch in flight must not wait for its mask forever
+                if masks is not None:
+                    masks.fail_deferred(e)
+                raise
+            if masks is not None:  # the tokens are accepted: the next batch's grammar mask now
+                masks.on_result_processed()
             self.stats.process_s += time.perf_counter() - t0
 
     def drain_results(self) -> None:
@@ -243,6 +253,7 @@ class Scheduler:
     def on_idle(self) -> None:
         self.self_check_during_idle()
         self.new_token_ratio.reset()
+        self.hicache.wait_idle()  # requests held for their storage prefetch: wait, do not spin
 
     def has_work(self) -> bool:
         last_prefill_to_merge = (
@@ -353,6 +364,7 @@ class Scheduler:
             self.disagg_decode.add(req)
         else:
             self.waiting_queue.append(req)
+            self.hicache.on_enqueue(req)  # HiCache storage: its prefetch starts now
 
     def _validate_request(self, req: Req) -> Optional[Tuple[str, int]]:
         """The front end has validated the request; the scheduler checks its input again (it
@@ -363,6 +375,9 @@ class Scheduler:
         error = input_ids_error(ids, self.context_len, self.vocab_size)
         if error is not None:
             return error, 400
+        if len(req.origin_input_ids) >= self.max_total_num_tokens:  # could never be prefilled (§9.2)
+            return (f"The prompt ({len(req.origin_input_ids)} tokens) does not fit in the KV cache pool "
+                    f"({self.max_total_num_tokens} tokens)."), 400
         sp = req.sampling_params
         room = self.context_len - len(req.origin_input_ids) - 1
         sp.max_new_tokens = room if sp.max_new_tokens is None else min(sp.max_new_tokens, room)
@@ -475,7 +490,7 @@ class Scheduler:
             self.chunked_req.init_next_round_input()
             self.chunked_req = adder.add_chunked_req(self.chunked_req)
 
-        adder.add_waiting_reqs(self.waiting_queue, self.get_num_allocatable_reqs, try_preemption,
+        adder.add_waiting_reqs(self.hicache.admissible(self.waiting_queue), self.get_num_allocatable_reqs, try_preemption,
                                has_chunked_req=self.chunked_req is not None)
         for r in adder.preempt_list:
             self.stats.num_preempted_reqs += 1
@@ -517,13 +532,19 @@ class Scheduler:
         force_retract = interval is not None and self.forward_ct % interval == 0 and batch.batch_size() > 1
         if force_retract or not batch.check_decode_mem():
             priority_key = self.policy.priority_key if self.server_args.enable_priority_scheduling else None
-            retracted, self.new_token_ratio.value = batch.retract_decode(priority_key)
+            retracted, self.new_token_ratio.value, reqs_to_abort = batch.retract_decode(priority_key)
             self.stats.num_retractions += 1
             self.stats.num_retracted_reqs += len(retracted)
             logger.info("KV cache pool is full. Retract requests. #retracted_reqs: %d, #new_token_ratio: %.4f",
                         len(retracted), self.new_token_ratio.value)
             for req in retracted:
                 self.requeue(req)
+            if reqs_to_abort:  # outgrew the whole pool alone (§9.2): ended, not retracted forever
+                logger.warning("Aborted %d request(s) that do not fit in the KV cache pool", len(reqs_to_abort))
+                self.output_processor.stream_output(reqs_to_abort)
+                if batch.is_empty():
+                    batch.batch_is_full = False
+                    return batch
         else:
             self.new_token_ratio.step()
         if batch.batch_size() < initial_bs:

@@ -34,6 +34,8 @@ class SchedulerStats:
     # overlap loop: results processed, and those processed while the next forward ran
     results_processed: int = 0
     results_processed_while_busy: int = 0
+    # ... and those processed after the next batch was launched (the overlap share's numerator)
+    results_processed_overlapped: int = 0
     # seconds of the scheduling thread per phase (bench offline's breakdown)
     schedule_s: float = 0.0
     forward_s: float = 0.0  # normal loop: the forward ran inline on this thread

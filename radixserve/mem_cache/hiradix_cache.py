@@ -17,7 +17,8 @@ How HiCache works here:
     forwards that wrote its source and before the forwards that read its target.
  8. Conservation: host slots held by nodes + free host slots == host pool (check_other_tiers).
  9. The storage tier plugs in with set_storage(controller): on_host_backup(node) after every
-    backup, storage_hit(...) where a match's host continuation ends.
+    backup, prefetch_from_storage(key) when a request is queued, storage_hit(...) where a
+    match's host continuation ends (it takes what the prefetch brought, never waits).
 """
 
 from __future__ import annotations
@@ -107,6 +108,17 @@ class HiRadixCache(RadixCache):
                 values, last_node = self._match_prefix_helper(key, extra_key)
                 indices, device_node, host_hit_length = self._split_tiers(values, last_node)
         return MatchResult(indices, device_node, last_node, host_hit_length)
+
+    def prefetch_from_storage(self, key: List[int], extra_key: Optional[str] = None) -> Optional[Any]:
+        """A request was queued: start the storage prefetch of what the tree lacks of `key` (or
+        find the one in flight). Returns its PrefetchOperation; None when nothing is fetched."""
+        key = self._page_align(key)
+        if self.storage is None or len(key) == 0:
+            return None
+        values, last_node = self._match_prefix_helper(key, extra_key)
+        indices, _, host_hit_length = self._split_tiers(values, last_node)
+        matched = len(indices) + host_hit_length
+        return self.storage.prefetch(last_node, key[matched:], extra_key) if matched < len(key) else None
 
     def evict(self, num_tokens: int) -> int:
         """Free at least `num_tokens` device slots: least recently used unlocked nodes whose

@@ -103,6 +103,10 @@ class KVLedger:
         """Swa slots a prefill may take now (free and evictable); None without a SWA pool."""
         return None
 
+    def total_size(self) -> int:
+        """Slots of the whole pool: what one request alone can hold at most."""
+        return self.allocator.size
+
     def free_rows(self) -> int:
         return self.req_to_token_pool.available_size()
 

@@ -397,6 +397,8 @@ def test_a_second_cache_on_the_same_store_loads_the_first_ones_kv(tmp_path):
 
     second = tier_on(tmp_path)  # a restarted server: empty pools, the same directory
     cache_b, kv_b = make_cache(second)
+    cache_b.match_prefix(key + [99, 98])  # starts the prefetch; a match never waits for it
+    assert next(iter(second.pending.values())).wait(5)  # (the scheduler holds the request meanwhile)
     match = cache_b.match_prefix(key + [99, 98])
     assert len(match.device_indices) == 0 and match.host_hit_length == 24
     slots, _ = cache_b.init_load_back(match.last_host_node, match.host_hit_length)

@@ -48,7 +48,7 @@ def run(engine: Engine, workload) -> List[Dict]:
 def storage_engine(backend: str, extra: Dict, **kw) -> Engine:
     return Engine(max_total_tokens=1024, page_size=PAGE, enable_hierarchical_cache=True, hicache_ratio=2,
                   hicache_storage_backend=backend, hicache_storage_backend_extra_config=extra,
-                  hicache_storage_prefetch_policy="wait_complete", test_check_memory=True, **kw)
+                  test_check_memory=True, **{"hicache_storage_prefetch_policy": "wait_complete", **kw})
 
 
 def tier(engine: Engine):
@@ -97,7 +97,9 @@ def test_a_weight_update_empties_the_store(tmp_path, workload):
 
 
 def test_a_second_engine_on_the_same_mooncake_master_gets_the_first_ones_prefixes(workload, reference):
-    master = MooncakeMaster()
+    # Reads run while other requests' forwards do (per request prefetch): on a loaded CPU a read can
+    # outlast a 50 ms lease (LEASE_EXPIRED, a miss); nothing is cleared here, so a longer lease.
+    master = MooncakeMaster(lease_ms=2000)
     extra = {**master.extra_config(), "prefetch_threshold": 16}
     first = storage_engine("mooncake", extra)  # its pages live in its segment: it stays up
     assert_same_greedy(run(first, workload), reference)
@@ -166,3 +168,46 @@ def test_a_killed_mooncake_master_mid_run_costs_recomputation_not_a_wrong_answer
     out = json.loads(result[0][len("RESULT "):])
     assert out["written"] > 0 and out["lookups_after_kill"] >= 4, out  # the dead store was asked
     assert out["storage"] == 0 and out["cached"] == 0, out  # and everything was recomputed
+
+
+@pytest.mark.parametrize("policy", ["wait_complete", "timeout"])
+def test_only_the_request_whose_prefetch_runs_waits(tmp_path, workload, reference, policy):
+    """Seed 003 §24: a request's prefetch starts when it is queued, and with a blocking policy only
+    that request stays in the waiting queue while storage is slow: a request behind it is admitted
+    and served meanwhile; once its pages arrive it gets its prefix from storage."""
+    import threading
+
+    extra = {"path": str(tmp_path), "prefetch_threshold": 16}
+    first = storage_engine("file", extra)
+    run(first, workload)
+    assert tier(first).controller.wait_backups(30)
+    first.shutdown()
+
+    # timeout: a bound far above the test's time, so only the prefetch's end releases the request
+    slow_extra = dict(extra, prefetch_timeout_base=60) if policy == "timeout" else extra
+    second = storage_engine("file", slow_extra, hicache_storage_prefetch_policy=policy)
+    try:
+        backend = tier(second).controller.backend
+        storage_open, real_get = threading.Event(), backend.get
+        backend.get = lambda keys: (storage_open.wait(20), real_get(keys))[1]  # a slow store
+        prompts, params = workload
+        stored = second.submit(input_ids=prompts[0], sampling_params=params[0], return_logprob=True,
+                               top_logprobs_num=2)[0]
+        other = second.submit(input_ids=list(range(3, 40)), sampling_params={"max_new_tokens": 6, "temperature": 0})[0]
+        for _ in range(500):
+            if other.finished:
+                break
+            second.step()
+        sched = second.scheduler
+        assert other.finished and other.finished_reason == {"type": "length", "length": 6}
+        assert not stored.output_ids and [r.rid for r in sched.waiting_queue] == [stored.rid]
+        assert stored.rid in sched.hicache.prefetching
+        storage_open.set()
+        second.wait_until_idle()
+        out = second.frontend.make_output(stored)
+        assert out["meta_info"]["cached_tokens_details"]["storage"] >= PREFIX_LEN // PAGE * PAGE - PAGE
+        assert_same_greedy([out], [reference[0]])
+        assert not sched.hicache.prefetching
+        sched.check_memory()
+    finally:
+        second.shutdown()

@@ -108,11 +108,17 @@ def test_prefill_adder_budgets_and_chunking():
     r3.init_next_round_input(cache)
     adder.add_one_req(r3)
     assert adder.new_chunked_req is r3 and r3.extend_input_len == 40 and len(r3.fill_ids) == 40
-    # total budget: input + reserved output must fit free + evictable tokens
+    # total budget: input + reserved output must fit free + evictable tokens (200 slots held elsewhere)
+    held = alloc.alloc(200)
     adder = PrefillAdder(1, KVLedger(cache.req_to_token_pool, alloc, cache), empty, 0.7, rem_input_tokens=10000, rem_chunk_tokens=None)
     r4 = _req("4", list(range(10, 900)), max_new=200)
     r4.init_next_round_input(cache)
     assert adder.add_one_req(r4) == AddReqResult.NO_TOKEN
+    # ... but the reserve is capped at what the whole pool has beside the request: prompt +
+    # max_new_tokens beyond the pool is admitted into an empty pool, not kept waiting forever
+    alloc.free(held)
+    adder = PrefillAdder(1, KVLedger(cache.req_to_token_pool, alloc, cache), empty, 0.7, rem_input_tokens=10000, rem_chunk_tokens=None)
+    assert adder.add_one_req(r4) == AddReqResult.CONTINUE
 
 
 def test_running_requests_reserve_decode_space():

@@ -1,11 +1,12 @@
 """HiCacheStorageController: the storage tier's two threads beside the scheduler (SGLang's
 HiCacheController prefetch and backup threads), so a step never waits on storage.
 
-    scheduler thread                      backup thread               prefetch thread
+    scheduler thread                      backup thread               prefetch thread + its io thread
     backup(keys, pages) --queue-->        backend.set(batch)
     prefetch(keys) -> op --queue------------------------------------> n = backend.exists(keys)
+                                                                      (a hit: --queue--> io thread)
     op.pages_ready(), op.done                                          op.pages += backend.get(batch)
-    can_take(op)  (the policy)                                         ... in order, to the first miss
+    can_take(op)  (the policy: may the request go on?)                 ... in order, to the first miss
     op.take() -> the pages arrived                                     (stops once taken or cancelled)
 
 --hicache-storage-prefetch-policy, as SGLang's:
@@ -113,11 +114,13 @@ class HiCacheStorageController:
         self.io_batch_pages = io_batch_pages
         self.counters = StorageCounters()
         self._counters_lock = threading.Lock()  # both threads count
-        self._prefetch_queue: "queue.Queue" = queue.Queue()
+        self._prefetch_queue: "queue.Queue" = queue.Queue()  # lookups (exists)
+        self._read_queue: "queue.Queue" = queue.Queue()  # hits to read: a slow read delays no lookup
         self._backup_queue: "queue.Queue" = queue.Queue(maxsize=max_queued_writes)
         self._io_lock = threading.Lock()  # clear() waits for the write in flight
         self._threads = [
             threading.Thread(target=self._prefetch_loop, name="hicache-prefetch", daemon=True),
+            threading.Thread(target=self._read_loop, name="hicache-prefetch-io", daemon=True),
             threading.Thread(target=self._backup_loop, name="hicache-backup", daemon=True),
         ]
         for t in self._threads:
@@ -152,22 +155,9 @@ class HiCacheStorageController:
             return elapsed > self.timeout.max  # the cap that keeps a stuck store from hanging a request
         return elapsed > self.timeout.seconds(len(op.keys) * self.page_size)
 
-    def wait_per_policy(self, op: PrefetchOperation) -> None:
-        """The blocking policies' wait: wait_complete until op ends (at most timeout.max, so a
-        stuck store cannot hang the caller), timeout until its bound; best_effort not at all."""
-        if self.prefetch_policy == "best_effort" or op.done:
-            return
-        if self.prefetch_policy == "wait_complete":
-            bound = self.timeout.max
-        else:
-            bound = self.timeout.seconds(len(op.keys) * self.page_size)
-        if not op.wait(max(0.0, bound - (time.monotonic() - op.start_time))) and self.prefetch_policy == "wait_complete":
-            logger.warning("HiCache storage: a prefetch of %d pages is not done after %.0f s; going on without the rest",
-                           len(op.keys), bound)
-
     def clear(self) -> bool:
         """Drop the queued work (queued prefetches end empty) and remove every stored page."""
-        for item in _drain(self._prefetch_queue):
+        for item in _drain(self._prefetch_queue) + _drain(self._read_queue):
             if isinstance(item, PrefetchOperation):
                 item.cancel()
                 item._done.set()
@@ -195,6 +185,7 @@ class HiCacheStorageController:
 
     def shutdown(self) -> None:
         self._prefetch_queue.put(_STOP)
+        self._read_queue.put(_STOP)
         for item in _drain(self._backup_queue):
             self._count("pages_dropped", len(item[0]))
         self._backup_queue.put(_STOP)
@@ -208,23 +199,38 @@ class HiCacheStorageController:
 
     # ---- threads -------------------------------------------------------------------------------
     def _prefetch_loop(self) -> None:
+        """Lookups (SGLang's prefetch thread): which leading pages storage has; a hit goes on to
+        the read thread, so a slow read never holds back another request's lookup (a miss ends here)."""
         while True:
             op = self._prefetch_queue.get()
             if op is _STOP:
                 return
             try:
-                self._run_prefetch(op)
+                if not op.cancelled:
+                    self._count("lookups", 1)
+                    op.hit_pages = self.backend.exists(op.keys)
+            except Exception as e:
+                logger.warning("HiCache storage: prefetch failed (%s) at the lookup; those pages are recomputed", e)
+            if op.cancelled or not op.hit_pages:
+                op._done.set()
+            else:
+                self._read_queue.put(op)
+
+    def _read_loop(self) -> None:
+        """Reads of the hit pages (SGLang's prefetch io thread), in order, to the first missing page."""
+        while True:
+            op = self._read_queue.get()
+            if op is _STOP:
+                return
+            try:
+                self._read_pages(op)
             except Exception as e:
                 logger.warning("HiCache storage: prefetch failed (%s); those pages are recomputed", e)
                 self._count("pages_failed", max(0, (op.hit_pages or 0) - len(op.pages)))
             finally:
                 op._done.set()
 
-    def _run_prefetch(self, op: PrefetchOperation) -> None:
-        if op.cancelled:
-            return
-        self._count("lookups", 1)
-        op.hit_pages = self.backend.exists(op.keys)
+    def _read_pages(self, op: PrefetchOperation) -> None:
         for start in range(0, op.hit_pages, self.io_batch_pages):
             if op.cancelled:
                 return

@@ -3,6 +3,8 @@ the storage controller's page operations.
 
     on_host_backup(cache, node)   a node got a host copy: queue its pages for storage
                                   (read from the host pool on io_thread, after the copy landed)
+    prefetch(last_host_node, key, extra_key)
+                                  the request was queued: start key's prefetch (or find it)
     storage_hit(cache, last_host_node, key, extra_key)
                                   the match ended at last_host_node; `key` is what is left:
                                   the first time, start a prefetch of key's pages; once the policy
@@ -16,9 +18,11 @@ page it fetches, which pins everything before it.
 Host slots the storage tier fills are written on io_thread too (run_io): a host slot freed and
 handed out again must not be overwritten before a read queued earlier has run.
 
-Blocking policies (wait_complete, timeout) wait here, at match time, on the scheduler thread:
-radixserve's scheduler has no per-request hold for a prefetch in flight (SGLang holds only that
-request back). best_effort never waits.
+Nothing here waits on storage. The policies (wait_complete, timeout) say when a request may go on
+with what its prefetch brought (controller.can_take); until then a match takes nothing. The
+scheduler starts a request's prefetch when the request is queued (`prefetch`) and holds only that
+request in the waiting queue until its prefetch may be taken (managers/scheduler_hicache.py), as
+SGLang does; the other requests are admitted meanwhile.
 """
 
 from __future__ import annotations
@@ -68,19 +72,17 @@ class HiCacheStorageTier:
 
         cache.run_io(read_pages)
 
+    def prefetch(self, last_host_node: Any, key: List[int], extra_key: Optional[str]) -> Optional[PrefetchOperation]:
+        """The prefetch of `key`'s pages after last_host_node: the one in flight (or a recent miss),
+        else a new one. None: too short to fetch."""
+        hashes = self._hashes(last_host_node, key, extra_key)
+        return self._find_or_start(hashes) if hashes else None
+
     def storage_hit(self, cache: Any, last_host_node: Any, key: List[int], extra_key: Optional[str]) -> int:
-        if len(key) < self.prefetch_threshold:
-            return 0
-        prefix = _path_tokens(last_host_node)
-        hashes = page_hash_chain(prefix + list(key), self.page_size, extra_key)[len(prefix) // self.page_size:]
+        hashes = self._hashes(last_host_node, key, extra_key)
         if not hashes:
             return 0
-        op = self.pending.get(hashes[0])
-        if op is not None and op.done and not op.pages and time.monotonic() - op.start_time > MISS_REMEMBERED_S:
-            op = None  # an old miss: ask again (another server may have stored it since)
-        if op is None:
-            op = self._start(hashes)
-        self.controller.wait_per_policy(op)
+        op = self._find_or_start(hashes)
         if not op.pages or not self.controller.can_take(op):
             return 0  # nothing yet (it goes on for a later match), or a miss remembered for a while
         del self.pending[hashes[0]]
@@ -96,6 +98,19 @@ class HiCacheStorageTier:
         self.pending.clear()
 
     # ---- internals ----------------------------------------------------------------------------
+    def _hashes(self, last_host_node: Any, key: List[int], extra_key: Optional[str]) -> List[str]:
+        """The keys of key's pages after last_host_node; none when key is too short to fetch."""
+        if len(key) < self.prefetch_threshold:
+            return []
+        prefix = _path_tokens(last_host_node)
+        return page_hash_chain(prefix + list(key), self.page_size, extra_key)[len(prefix) // self.page_size:]
+
+    def _find_or_start(self, hashes: List[str]) -> PrefetchOperation:
+        op = self.pending.get(hashes[0])
+        if op is not None and op.done and not op.pages and time.monotonic() - op.start_time > MISS_REMEMBERED_S:
+            op = None  # an old miss: ask again (another server may have stored it since)
+        return op if op is not None else self._start(hashes)
+
     def _start(self, hashes: List[str]) -> PrefetchOperation:
         op = self.controller.prefetch(hashes)
         self.pending.pop(hashes[0], None)  # an old miss: the new one goes to the end
