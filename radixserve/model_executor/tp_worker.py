@@ -137,6 +137,7 @@ class TpModelWorker:
         if skip_sample:
             return GenerationBatchResult(logits_output, torch.empty(0, dtype=torch.int64))
         out = self.model_runner.sample(logits_output, batch)
+        self.model_runner.on_forward_pass_end()  # a step boundary (EPLB)
         return GenerationBatchResult(
             logits_output,
             out.next_token_ids,
