@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -76,6 +76,9 @@ class TpModelWorker:
 
     def memory_saver(self) -> MemorySaverAdapter:
         return MemorySaverAdapter(self.model_runner)
+
+    def eplb_rebalance(self) -> Dict[str, float]:
+        return self.model_runner.eplb_rebalance()
 
     # ---- weight updates (SGLang's TpModelWorker: a request in, (success, message) out) ----------
     def update_weights_from_disk(self, recv_req: UpdateWeightFromDiskReqInput) -> Tuple[bool, str]:

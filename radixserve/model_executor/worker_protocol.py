@@ -8,13 +8,14 @@ needs of the model is a method here.
                       them), get_kv_pool (the K/V buffers; None: nothing is computed)
     features          lora_manager (None: --enable-lora off), pooling_config (--is-embedding),
                       embed_and_head (EAGLE's head shares them), memory_saver (release/resume),
-                      expert_recorder (MoE models: EPLB's expert distribution record)
+                      expert_recorder (MoE models: EPLB's expert distribution record),
+                      eplb_rebalance (EPLB: re-place the experts now)
     weight updates    SchedulerUpdateWeights calls the update_weights_* family (TpModelWorker's)
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional, Protocol, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Optional, Protocol, Tuple
 
 import torch
 
@@ -57,6 +58,9 @@ class ModelWorker(Protocol):
 
     def memory_saver(self) -> Optional["MemorySaverAdapter"]:
         """Release/resume of the KV pool, the weights and the CUDA graphs (None: nothing to release)."""
+
+    def eplb_rebalance(self) -> Dict[str, float]:
+        """EPLB: re-place the experts now from the recorded load (ValueError: EPLB is off)."""
 
 
 class EmbeddingWorker(ModelWorker, Protocol):
