@@ -67,6 +67,12 @@ def test_rebalance_balances_the_ranks():
     assert BalanceStats.of(load, rebalance_experts(load, 16, 4), 4).max_over_mean < BalanceStats.of(load, trivial_placement(3, 16, 16), 4).max_over_mean
 
 
+def test_packing_puts_each_expert_on_the_least_loaded_rank():
+    """Heaviest first onto the lighter rank: 8+5+4+1 and 7+6+3+2, where turn-taking gives 20 / 16."""
+    load = torch.tensor([[8, 7, 6, 5, 4, 3, 2, 1]])
+    assert rank_loads(load, rebalance_experts(load, 8, 2), 2).tolist() == [[18.0, 18.0]]
+
+
 def test_bad_shapes_are_refused():
     with pytest.raises(ValueError, match="do not split over"):
         rebalance_experts(skewed_load(), 18, 4)
