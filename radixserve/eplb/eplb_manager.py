@@ -107,7 +107,8 @@ class EPLBManager:
         self.num_rebalances += 1
         b, a = BalanceStats.of(load, before, self.num_ranks), BalanceStats.of(load, after, self.num_ranks)
         return {"max_over_mean_before": b.max_over_mean, "max_over_mean_after": a.max_over_mean,
-                "worst_layer_before": b.worst_layer, "worst_layer_after": a.worst_layer}
+                "worst_layer_before": b.worst_layer, "worst_layer_after": a.worst_layer,
+                "num_rebalances": self.num_rebalances, "forward_passes": self.forward_passes}
 
     def _check_shape(self, load: torch.Tensor) -> None:
         want = (len(self.layers), self.layers[0].num_experts)
