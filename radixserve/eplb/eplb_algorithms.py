@@ -20,6 +20,8 @@ from typing import List
 
 import torch
 
+CPU = torch.device("cpu")  # placements are host data, whatever device the model is built under
+
 
 @dataclass(frozen=True)
 class Placement:
@@ -54,7 +56,7 @@ class LayerPlacement:
     def is_identity(self) -> bool:
         """Slot e holds expert e and nothing else: the router's ids are already physical."""
         p2l = self.physical_to_logical_map
-        return len(p2l) == len(self.logical_count) and bool((p2l == torch.arange(len(p2l))).all())
+        return len(p2l) == len(self.logical_count) and bool((p2l.cpu() == torch.arange(len(p2l), device=CPU)).all())
 
 
 def replicate_experts(load: torch.Tensor, num_physical: int) -> torch.Tensor:
@@ -62,8 +64,8 @@ def replicate_experts(load: torch.Tensor, num_physical: int) -> torch.Tensor:
     num_layers, num_logical = load.shape
     if num_physical < num_logical:
         raise ValueError(f"{num_physical} physical expert slots cannot hold {num_logical} experts")
-    counts = torch.ones(num_layers, num_logical, dtype=torch.int64)
-    rows = torch.arange(num_layers)
+    counts = torch.ones(num_layers, num_logical, dtype=torch.int64, device=CPU)
+    rows = torch.arange(num_layers, device=CPU)
     for _ in range(num_physical - num_logical):  # vectorized over layers
         heaviest = (load / counts).argmax(dim=-1)
         counts[rows, heaviest] += 1
@@ -96,13 +98,13 @@ def rebalance_experts(load: torch.Tensor, num_physical: int, num_ranks: int) -> 
         raise ValueError(f"the expert load must be [layers, experts], got shape {tuple(load.shape)}")
     if num_physical % num_ranks:
         raise ValueError(f"{num_physical} physical expert slots do not split over {num_ranks} ranks")
-    load = load.double().clamp(min=0)
+    load = load.to(CPU, torch.float64).clamp(min=0)
     num_layers, num_logical = load.shape
     counts = replicate_experts(load, num_physical)
     per_rank = num_physical // num_ranks
-    phy2log = torch.empty(num_layers, num_physical, dtype=torch.int64)
+    phy2log = torch.empty(num_layers, num_physical, dtype=torch.int64, device=CPU)
     for layer in range(num_layers):
-        experts = torch.repeat_interleave(torch.arange(num_logical), counts[layer]).tolist()
+        experts = torch.repeat_interleave(torch.arange(num_logical, device=CPU), counts[layer]).tolist()
         share = (load[layer] / counts[layer]).tolist()
         packs = balanced_packing([share[e] for e in experts], experts, num_ranks)
         filled = [0] * num_ranks
@@ -115,12 +117,13 @@ def rebalance_experts(load: torch.Tensor, num_physical: int, num_ranks: int) -> 
 def placement_of(phy2log: torch.Tensor, num_logical: int) -> Placement:
     """The inverse maps of a [L, P] physical-to-logical map."""
     num_layers, num_physical = phy2log.shape
-    counts = torch.zeros(num_layers, num_logical, dtype=torch.int64)
+    phy2log = phy2log.to(CPU)
+    counts = torch.zeros(num_layers, num_logical, dtype=torch.int64, device=CPU)
     counts.scatter_add_(1, phy2log, torch.ones_like(phy2log))
     if (counts == 0).any():
         layer, expert = (counts == 0).nonzero()[0].tolist()
         raise ValueError(f"layer {layer}: logical expert {expert} has no physical copy")
-    log2phy = torch.full((num_layers, num_logical, int(counts.max())), -1, dtype=torch.int64)
+    log2phy = torch.full((num_layers, num_logical, int(counts.max())), -1, dtype=torch.int64, device=CPU)
     for layer in range(num_layers):
         seen = [0] * num_logical
         for slot, expert in enumerate(phy2log[layer].tolist()):
@@ -132,12 +135,12 @@ def placement_of(phy2log: torch.Tensor, num_logical: int) -> Placement:
 def trivial_placement(num_layers: int, num_logical: int, num_physical: int) -> Placement:
     """SGLang's trivial expert location: slot p holds logical expert p % E (the redundant slots
     copy experts 0, 1, ...)."""
-    return placement_of((torch.arange(num_physical) % num_logical).repeat(num_layers, 1), num_logical)
+    return placement_of((torch.arange(num_physical, device=CPU) % num_logical).repeat(num_layers, 1), num_logical)
 
 
 def rank_loads(load: torch.Tensor, placement: Placement, num_ranks: int) -> torch.Tensor:
     """[L, R] the load each rank serves under `placement`, a logical expert's load split equally
     over its copies (as the dispatch spreads its tokens)."""
-    share = load.double() / placement.logical_count
+    share = load.to(CPU, torch.float64) / placement.logical_count
     slot_load = share.gather(1, placement.physical_to_logical_map)
     return slot_load.view(load.shape[0], num_ranks, -1).sum(-1)
