@@ -124,6 +124,28 @@ def test_redundant_copies_and_rebalance_keep_the_output():
     assert torch.allclose(copies.forward(x, w, ids), ref, atol=1e-6)
 
 
+def test_rebalance_moves_the_packed_experts_of_the_cpu_bf16_mode():
+    """The CPU's bf16 mode: the packed stacks (the C++ MoE kernel's operands) are what moves."""
+    from radixserve.layers.cpu_weight_only import weight_only_available
+
+    if not weight_only_available(torch.bfloat16, "cpu"):
+        pytest.fail("this test needs a CPU with AVX512_BF16 (the CI machines have it)")
+    plain, copies = _moe(0), _moe(4)
+    for m in (plain, copies):
+        m.w13_weight = torch.nn.Parameter(m.w13_weight.data.bfloat16(), requires_grad=False)
+        m.w2_weight = torch.nn.Parameter(m.w2_weight.data.bfloat16(), requires_grad=False)
+        assert m.pack_cpu_weight() and m._moe_kernel(torch.zeros(1, 32)) is not None
+    x, w, ids = _route()
+    ref = plain.forward(x, w, ids)
+    load = torch.zeros(1, 8, dtype=torch.int64)
+    load[0, 6] = 1000
+    EPLBManager([copies], 1, lambda: None, lambda t: t).rebalance(load)
+    assert copies.placement.physical_to_logical_map.tolist().count(6) == 5
+    assert copies.weight_packed[0][0].data.data_ptr() == copies.w13_packed[0].data_ptr()  # views of the moved stack
+    assert torch.allclose(copies.forward(x, w, ids), ref, atol=1e-5)
+    assert torch.allclose(copies.forward_loop(x, w, copies.to_physical(ids)), ref, atol=1e-5)
+
+
 def test_rebalance_without_a_record_or_with_a_wrong_shape_says_why(tmp_path):
     manager = EPLBManager([_moe(4)], 1, lambda: None, lambda t: t)
     with pytest.raises(ValueError, match="No expert load recorded"):
