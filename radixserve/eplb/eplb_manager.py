@@ -87,7 +87,10 @@ class EPLBManager:
         """A step boundary (every TP rank counts the same passes)."""
         self.forward_passes += 1
         if self.rebalance_num_iterations and self.forward_passes % self.rebalance_num_iterations == 0:
-            stats = self.rebalance()
+            load = self.logical_count()
+            if load is None or int(load.sum()) == 0:
+                return  # nothing routed since the record (re)started: keep the placement
+            stats = self.rebalance(load)
             logger.info("EPLB rebalance %d after %d forward passes: %s", self.num_rebalances, self.forward_passes, stats)
 
     def rebalance(self, load: Optional[torch.Tensor] = None) -> Dict[str, float]:
@@ -98,6 +101,8 @@ class EPLBManager:
             if load is None:
                 raise ValueError("No expert load recorded: call /start_expert_distribution_record (or start with --enable-eplb) first.")
         self._check_shape(load)
+        if int(load.sum()) == 0:
+            raise ValueError("No tokens were routed since the expert distribution record started: nothing to balance yet.")
         load = self.broadcast(load.to(torch.int64).cpu().clone())
         before = self.placement()
         after = rebalance_experts(load, self.layers[0].num_physical_experts, self.num_ranks)

@@ -254,6 +254,8 @@ class FusedMoE(nn.Module):
             raise ValueError("EPLB cannot move experts kept in GGUF blocks yet")
         old = self.placement.physical_to_logical_map.tolist()
         new = placement.physical_to_logical_map.tolist()
+        if new == old:
+            return  # every rank sees the same placements, so every rank skips the gather together
         n_local, mine = self.num_local_experts, range(self.expert_start, self.expert_start + self.num_local_experts)
         source: Dict[int, int] = {}  # logical expert -> a physical slot holding it, this rank's if any
         for slot, expert in enumerate(old):

@@ -124,6 +124,20 @@ def test_redundant_copies_and_rebalance_keep_the_output():
     assert torch.allclose(copies.forward(x, w, ids), ref, atol=1e-6)
 
 
+def test_periodic_rebalance_every_n_passes_skips_an_empty_record():
+    moe = _moe(4)
+    counts = {"load": torch.zeros(1, 8, dtype=torch.int64)}
+    manager = EPLBManager([moe], 1, lambda: counts["load"], lambda t: t, rebalance_num_iterations=2)
+    for _ in range(2):
+        manager.on_forward_pass_end()
+    assert manager.num_rebalances == 0  # nothing recorded yet: the trivial placement stays
+    counts["load"] = torch.tensor([[0, 0, 0, 0, 0, 900, 0, 0]])
+    manager.on_forward_pass_end()
+    assert manager.num_rebalances == 0  # pass 3 of every 2
+    manager.on_forward_pass_end()
+    assert manager.num_rebalances == 1 and moe.placement.physical_to_logical_map.tolist().count(5) == 5
+
+
 def test_rebalance_moves_the_packed_experts_of_the_cpu_bf16_mode():
     """The CPU's bf16 mode: the packed stacks (the C++ MoE kernel's operands) are what moves."""
     from radixserve.layers.cpu_weight_only import weight_only_available
@@ -152,6 +166,8 @@ def test_rebalance_without_a_record_or_with_a_wrong_shape_says_why(tmp_path):
         manager.rebalance()
     with pytest.raises(ValueError, match=r"need \(1, 8\)"):
         manager.rebalance(torch.ones(2, 8, dtype=torch.int64))
+    with pytest.raises(ValueError, match="No tokens were routed"):
+        manager.rebalance(torch.zeros(1, 8, dtype=torch.int64))
     path = tmp_path / "dump.pt"
     torch.save({"logical_count": torch.arange(8)[None]}, path)
     assert load_logical_count(str(path)).tolist() == [list(range(8))]
