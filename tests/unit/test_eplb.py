@@ -186,3 +186,21 @@ def test_bad_flag_combinations_are_refused_with_one_line(flags, message):
     with pytest.raises(ValueError, match=message) as e:
         ServerArgs(**flags)
     assert "\n" not in str(e.value)
+
+
+def test_eplb_on_a_model_without_experts_is_refused_with_one_line(tmp_path):
+    """The flags pass ServerArgs (they need --ep-size > 1, set after it here to stay on one
+    process); the model runner refuses a dense model before serving it wrongly."""
+    import transformers
+
+    from radixserve.model_executor.model_runner import ModelRunner
+    from radixserve.models.model_config import LoadError, ModelConfig
+
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(str(tmp_path))
+    args = ServerArgs(model_path=str(tmp_path), dtype="float32", device="cpu", max_total_tokens=256, max_running_requests=2)
+    args.enable_eplb = True
+    with pytest.raises(LoadError, match="need a model with experts") as e:
+        ModelRunner(ModelConfig.from_pretrained(str(tmp_path)), args, 0, 1)
+    assert "\n" not in str(e.value)
