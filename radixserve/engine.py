@@ -31,7 +31,7 @@ from radixserve.managers.schedule_policy import configure_lora_admission
 from radixserve.managers.scheduler_pause import expects_progress
 from radixserve.managers.scheduler_stats import SchedulerStats
 from radixserve.protocol import (
-    ContinueGenerationReqInput, ExpertDistributionReq, ExpertDistributionReqType, ProfileReq, ProfileReqType,
+    ContinueGenerationReqInput, EplbRebalanceReqInput, ExpertDistributionReq, ExpertDistributionReqType, ProfileReq, ProfileReqType,
     AbortReq, BatchEmbeddingOutput, BatchTokenIDOutput, EmbeddingReqInput, FlushCacheReqInput, FlushCacheReqOutput,
     GenerateReqInput, DestroyWeightsUpdateGroupReqInput, GetWeightsByNameReqInput, InitWeightsUpdateGroupReqInput,
     UpdateWeightFromDiskReqInput, UpdateWeightsFromDistributedReqInput, UpdateWeightsFromTensorReqInput,
@@ -322,6 +322,11 @@ class Engine:
     def dump_expert_distribution_record(self) -> Dict[str, Any]:
         """{"path", "logical_count" [layers][experts], "num_forward_passes"}; the file holds the same."""
         return check_reply(self._control(ExpertDistributionReq(ExpertDistributionReqType.DUMP_RECORD))).record
+
+    def eplb_rebalance(self) -> Dict[str, float]:
+        """EPLB: re-place the experts now from the recorded load (radixserve/eplb/); the per-rank
+        load's max / mean before and after. Raises ValueError when EPLB is off or nothing is recorded."""
+        return check_reply(self._control(EplbRebalanceReqInput())).stats
 
     def set_internal_state(self, server_args: Dict[str, Any]) -> Dict[str, Any]:
         """SGLang's /set_internal_state: change max_running_requests / chunked_prefill_size now;

@@ -585,6 +585,21 @@ class ExpertDistributionReqOutput:
     query_id: str = ""
 
 
+@dataclass
+class EplbRebalanceReqInput:
+    """SGLang's EPLB rebalance (/eplb_rebalance): re-place the experts now from the recorded load."""
+
+    query_id: str = ""
+
+
+@dataclass
+class EplbRebalanceReqOutput:
+    success: bool = True
+    message: str = ""
+    stats: Optional[Dict[str, float]] = None  # per-rank load max / mean, before and after
+    query_id: str = ""
+
+
 class ProfileReqType(Enum):
     START_PROFILE = 1
     STOP_PROFILE = 2

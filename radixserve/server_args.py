@@ -165,6 +165,11 @@ class ServerArgs:
     # Parallelism (torch.distributed: gloo on CPU, NCCL on GPU)
     tp_size: int = 1
     ep_size: int = 1  # expert parallelism: groups of the TP ranks that each hold whole experts (MoE models)
+    # EPLB (radixserve/eplb/): redundant copies of the hot experts, re-placed from the recorded load
+    ep_num_redundant_experts: int = 0  # physical expert slots beyond the model's experts (copies)
+    enable_eplb: bool = False  # record the expert load and re-place the experts every N forward passes
+    eplb_rebalance_num_iterations: int = 1000  # N: forward passes between two rebalances
+    init_expert_location: Optional[str] = None  # a /dump_expert_distribution_record file: place by it at start
     dp_size: int = 1
     nnodes: int = 1  # machines the TP ranks span (rank r runs on node r // (tp_size // nnodes))
     node_rank: int = 0  # this machine; only node 0 serves HTTP
@@ -258,6 +263,7 @@ class ServerArgs:
             raise ValueError(f"--tp-size must be >= 1, got {self.tp_size}")
         if self.ep_size < 1 or self.tp_size % self.ep_size:
             raise ValueError(f"--ep-size must divide --tp-size (experts are placed on the TP ranks), got {self.ep_size}")
+        self.check_eplb_args()
         if self.stream_interval < 1:
             raise ValueError("--stream-interval must be >= 1")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size <= 0:
@@ -569,6 +575,21 @@ class ServerArgs:
         return dataclasses.replace(self, **changes)
 
 
+    def check_eplb_args(self) -> None:
+        """EPLB's flags: copies and re-placement only mean something across expert-parallel ranks."""
+        if self.ep_num_redundant_experts < 0:
+            raise ValueError(f"--ep-num-redundant-experts must be >= 0, got {self.ep_num_redundant_experts}")
+        if self.eplb_rebalance_num_iterations < 1:
+            raise ValueError(f"--eplb-rebalance-num-iterations must be >= 1, got {self.eplb_rebalance_num_iterations}")
+        wants = [flag for flag, on in (("--ep-num-redundant-experts", self.ep_num_redundant_experts > 0),
+                                       ("--enable-eplb", self.enable_eplb),
+                                       ("--init-expert-location", self.init_expert_location is not None)) if on]
+        if wants and self.ep_size == 1:
+            raise ValueError(f"{wants[0]} needs --ep-size > 1: placing experts balances load between expert-parallel ranks")
+        if wants and self.pp_size > 1:
+            raise ValueError(f"{wants[0]} with --pp-size > 1 is not supported yet (each stage would balance its own layers)")
+
+
 # Help text of every flag (`radixserve serve --help` adds each one's default).
 FLAG_HELP = {
     "nnodes": "number of machines the tensor-parallel ranks span",
@@ -577,6 +598,10 @@ FLAG_HELP = {
     "load_balance_method": "how --dp-size routes requests: round_robin, decode_round_robin, shortest_queue or minimum_tokens",
     "tp_size": "tensor parallelism: number of ranks (processes) that split every layer",
     "ep_size": "expert parallelism (MoE models): split the TP ranks into this many groups, each holding whole experts (must divide --tp-size)",
+    "ep_num_redundant_experts": "EPLB: physical expert slots beyond the model's experts, holding copies of the most loaded ones (needs --ep-size > 1)",
+    "enable_eplb": "EPLB: record the experts' load and re-place them (with their copies) every --eplb-rebalance-num-iterations forward passes",
+    "eplb_rebalance_num_iterations": "EPLB: forward passes between two automatic rebalances (--enable-eplb)",
+    "init_expert_location": "EPLB: place the experts at start from a /dump_expert_distribution_record file (.pt)",
     "pp_size": "pipeline parallelism: number of stages (each with --tp-size ranks) the layers are split over",
     "pp_partition": "decoder layers per pipeline stage, comma-separated (e.g. 3,1); default: an even split",
     "pp_max_micro_batch_size": "requests per pipeline micro-batch (default: --max-running-requests // --pp-size)",

@@ -99,22 +99,25 @@ class MoEParallel:
     ep_rank: int = 0
     tp_size: int = 1
     tp_rank: int = 0
+    num_redundant_experts: int = 0  # --ep-num-redundant-experts: physical slots beyond the model's experts
 
 
 _MOE_EP_SIZE = 1
+_MOE_NUM_REDUNDANT = 0
 
 
-def set_moe_ep_size(ep_size: int) -> None:
-    """--ep-size, once at start-up (after the TP group), before the model is built."""
-    global _MOE_EP_SIZE
+def set_moe_ep_size(ep_size: int, num_redundant_experts: int = 0) -> None:
+    """--ep-size (and --ep-num-redundant-experts), once at start-up (after the TP group), before
+    the model is built."""
+    global _MOE_EP_SIZE, _MOE_NUM_REDUNDANT
     if ep_size < 1 or _TP.size % ep_size:
         raise ValueError(f"--ep-size {ep_size} must divide --tp-size {_TP.size}")
-    _MOE_EP_SIZE = ep_size
+    _MOE_EP_SIZE, _MOE_NUM_REDUNDANT = ep_size, num_redundant_experts
 
 
 def get_moe_parallel() -> MoEParallel:
     moe_tp = _TP.size // _MOE_EP_SIZE
-    return MoEParallel(_MOE_EP_SIZE, _TP.rank // moe_tp, moe_tp, _TP.rank % moe_tp)
+    return MoEParallel(_MOE_EP_SIZE, _TP.rank // moe_tp, moe_tp, _TP.rank % moe_tp, _MOE_NUM_REDUNDANT)
 
 
 def set_tp_group(rank: int, size: int, group: Any = None) -> None:

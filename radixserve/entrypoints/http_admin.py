@@ -12,6 +12,7 @@ scheduler_memory_saver.py, scheduler_pause.py, scheduler_profiler.py and schedul
     GET|POST /start_expert_distribution_record               -> "Start recording the expert distribution.\\n"
     GET|POST /stop_expert_distribution_record                -> "Stop recording the expert distribution.\\n"
     GET|POST /dump_expert_distribution_record                -> {"path": ..., "logical_count": [[...]], "num_forward_passes": N}
+    GET|POST /eplb_rebalance                                 -> {"max_over_mean_before": ..., "max_over_mean_after": ..., ...}
     POST|PUT /set_internal_state  {"server_args": {"max_running_requests": 8}}
                                   -> {"updated": true, "server_args": {"max_running_requests": 8, "chunked_prefill_size": 2048}}
 
@@ -141,6 +142,11 @@ def add_admin_routes(app: FastAPI, tm: TokenizerManager) -> None:
     async def dump_expert_distribution_record() -> JSONResponse:
         """The counts so far, also saved (SGLang's file: a torch.save'd {"logical_count": [layers, experts]})."""
         return JSONResponse(await admin.expert_distribution(ExpertDistributionReqType.DUMP_RECORD))
+
+    @app.api_route("/eplb_rebalance", methods=["GET", "POST"])
+    async def eplb_rebalance() -> JSONResponse:
+        """EPLB: re-place the experts now from the recorded load; 400 when EPLB is off."""
+        return JSONResponse(await admin.eplb_rebalance())
 
     @app.api_route("/clear_hicache_storage_backend", methods=["GET", "POST"])
     async def clear_hicache_storage_backend() -> PlainTextResponse:

@@ -25,6 +25,17 @@ GGUF kernels (layers/quantization/gguf.py), and memory is about the file's size.
 
 While /start_expert_distribution_record is on, each layer adds its routed (token, expert) pairs to
 the model's ExpertDistributionRecorder (layers/expert_distribution.py), for EPLB.
+
+EPLB (radixserve/eplb/): the layer holds physical expert slots, num_experts +
+--ep-num-redundant-experts of them, rank r the slots [r * P/ep_size, (r+1) * P/ep_size), each
+holding one logical expert (physical_to_logical_map); a hot expert may have several. The router's
+logical ids are mapped to one of their copies, chosen by token index (deterministic, and spreads
+an expert's tokens evenly over its copies), so outputs do not depend on the placement.
+set_expert_location re-places the experts at a step boundary, moving their weights between ranks.
+
+    physical slot:   0   1   2   3 | 4   5   6   7 | 8   9        (E = 8, 2 redundant, ep 2)
+    logical expert:  0   1   2   3 | 4   5   6   7 | 0   1        (SGLang's trivial location)
+    rank:            ---- ep rank 0 ----  |  ----- ep rank 1 -----
 """
 
 from __future__ import annotations
@@ -35,7 +46,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixserve.distributed.parallel_state import get_moe_parallel, get_tp_group, tensor_model_parallel_all_reduce
+from radixserve.distributed.parallel_state import (
+    get_moe_parallel,
+    get_tp_group,
+    tensor_model_parallel_all_gather,
+    tensor_model_parallel_all_reduce,
+)
+from radixserve.eplb.eplb_algorithms import LayerPlacement, trivial_placement
 from radixserve.layers import cpu_kernels
 from radixserve.layers.expert_distribution import ExpertDistributionRecorder
 from radixserve.layers.quantization import QuantizedWeight
@@ -73,20 +90,28 @@ class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
         moe = get_moe_parallel()
-        if num_experts % moe.ep_size:
-            raise ValueError(f"{num_experts} experts are not divisible by --ep-size {moe.ep_size}")
+        num_physical = num_experts + moe.num_redundant_experts
+        if num_physical % moe.ep_size:
+            raise ValueError(f"{num_experts} experts + {moe.num_redundant_experts} redundant ones are not divisible by "
+                             f"--ep-size {moe.ep_size}")
         if intermediate_size % moe.tp_size:
             raise ValueError(f"moe_intermediate_size {intermediate_size} is not divisible by --tp-size / --ep-size {moe.tp_size}")
         self.tp_rank, self.tp_size = moe.tp_rank, moe.tp_size  # the split of each expert
         self.reduce_results = get_tp_group().size > 1
         self.ep_size = moe.ep_size
-        self.num_experts = num_experts  # the model's
-        self.num_local_experts = num_experts // moe.ep_size  # this rank's (all of them without EP)
-        self.expert_start = moe.ep_rank * self.num_local_experts  # the global id of local expert 0
+        self.num_experts = num_experts  # the model's (logical) experts
+        self.num_physical_experts = num_physical  # slots, copies of hot experts included
+        self.num_local_experts = num_physical // moe.ep_size  # this rank's slots (all of them without EP)
+        self.expert_start = moe.ep_rank * self.num_local_experts  # the physical id of local slot 0
         self.inter = intermediate_size // moe.tp_size  # this rank's share
         self.hidden_size = hidden_size
         self.w13_weight = nn.Parameter(torch.empty(self.num_local_experts, 2 * self.inter, hidden_size), requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(self.num_local_experts, hidden_size, self.inter), requires_grad=False)
+        # Where each logical expert lives (EPLB): set_expert_location keeps these
+        self.placement: LayerPlacement = trivial_placement(1, num_experts, num_physical).layer(0)
+        self.local_slots: List[List[int]] = []  # per logical expert: this rank's slots holding it
+        self.dispatch_maps: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # None: ids are physical already
+        self._set_maps(self.placement)
         # Set by the model runner: the recorder and this layer's row in it
         self.expert_recorder: Optional[ExpertDistributionRecorder] = None
         self.moe_layer_index = 0
@@ -146,9 +171,13 @@ class FusedMoE(nn.Module):
         that expert (its global id); this rank keeps its own experts, and its slice of their
         intermediate dimension."""
         expert, which = shard_id
-        expert -= self.expert_start
-        if not 0 <= expert < self.num_local_experts:
-            return  # another expert-parallel rank's
+        if not 0 <= expert < self.num_experts:
+            raise WeightShapeError(f"expert {expert} {which}: the layer has {self.num_experts} experts")
+        for slot in self.local_slots[expert]:  # none: another expert-parallel rank's
+            self._load_slot(slot, which, param, loaded)
+
+    def _load_slot(self, expert: int, which: str, param: torch.Tensor, loaded: torch.Tensor) -> None:
+        """Local slot `expert`'s copy of the loaded matrix (this rank's slice of it)."""
         n, start = self.inter, self.tp_rank * self.inter
         if self.expert_blocks is not None:
             return self._load_expert_matrix(expert, which, loaded.narrow(1, start, n) if which == "w2" else loaded.narrow(0, start, n))
@@ -176,7 +205,9 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         if self.expert_recorder is not None:
-            self.expert_recorder.record(self.moe_layer_index, topk_ids)
+            self.expert_recorder.record(self.moe_layer_index, topk_ids)  # logical ids: EPLB's load
+        if self.dispatch_maps is not None:
+            topk_ids = self.to_physical(topk_ids)
         if self.ep_size > 1:  # local ids; another rank's experts -1 (skipped)
             local = topk_ids - self.expert_start
             topk_ids = torch.where((local >= 0) & (local < self.num_local_experts), local, -1)
@@ -190,6 +221,65 @@ class FusedMoE(nn.Module):
         if self.reduce_results:
             out = tensor_model_parallel_all_reduce(out)
         return out
+
+    # ---- EPLB: where the experts live -------------------------------------------------------------
+    def to_physical(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        """The router's logical ids -> one physical copy each: copy (token index mod copies), so a
+        hot expert's tokens spread evenly over its copies (SGLang dispatches among them too)."""
+        log2phy, count = self.dispatch_maps
+        ids = topk_ids.long()
+        token = torch.arange(ids.shape[0], device=ids.device)[:, None]
+        return log2phy[ids, token % count[ids]]
+
+    def _set_maps(self, placement: LayerPlacement) -> None:
+        self.placement = placement
+        p2l = placement.physical_to_logical_map.tolist()
+        self.local_slots = [[] for _ in range(self.num_experts)]
+        for slot in range(self.num_local_experts):
+            self.local_slots[p2l[self.expert_start + slot]].append(slot)
+        device = self.w13_weight.device
+        self.dispatch_maps = None if placement.is_identity() else (
+            placement.logical_to_all_physical_map.to(device), placement.logical_count.to(device))
+
+    def set_expert_location(self, placement: LayerPlacement) -> None:
+        """Re-place the experts (EPLB, at a step boundary; a collective over the TP group with
+        --ep-size > 1, so every rank calls it with the same placement): each local slot gets the
+        weights of its new logical expert, from a copy on this rank where there is one, else from
+        the rank holding it (an all-gather of the slots: simple, and the layer's experts pass
+        through memory once)."""
+        if tuple(placement.physical_to_logical_map.shape) != (self.num_physical_experts,):
+            raise ValueError(f"a placement of {tuple(placement.physical_to_logical_map.shape)} slots for a layer "
+                             f"with {self.num_physical_experts}")
+        if self.expert_blocks is not None:
+            raise ValueError("EPLB cannot move experts kept in GGUF blocks yet")
+        old = self.placement.physical_to_logical_map.tolist()
+        new = placement.physical_to_logical_map.tolist()
+        if new == old:
+            return  # every rank sees the same placements, so every rank skips the gather together
+        n_local, mine = self.num_local_experts, range(self.expert_start, self.expert_start + self.num_local_experts)
+        source: Dict[int, int] = {}  # logical expert -> a physical slot holding it, this rank's if any
+        for slot, expert in enumerate(old):
+            if expert not in source or (slot in mine and source[expert] not in mine):
+                source[expert] = slot
+        picks = [source[new[self.expert_start + s]] for s in range(n_local)]
+        # the rank holding slot p with this rank's slice of the intermediate dimension
+        rows = torch.tensor([((p // n_local) * self.tp_size + self.tp_rank) * n_local + p % n_local for p in picks])
+        local_rows = torch.tensor([p - self.expert_start for p in picks]) if all(p in mine for p in picks) else None
+        for name in self._expert_stack_names():
+            stack = getattr(self, name)
+            if self.ep_size > 1:  # every rank joins the gather, whatever it needs
+                moved = tensor_model_parallel_all_gather(stack.data, dim=0).index_select(0, rows.to(stack.device))
+            else:
+                moved = stack.data.index_select(0, local_rows.to(stack.device))
+            setattr(self, name, nn.Parameter(moved, requires_grad=False) if isinstance(stack, nn.Parameter) else moved)
+        if self.weight_packed is not None:
+            self.weight_packed = [(PackedWeight(self.w13_packed[e], 2 * self.inter), PackedWeight(self.w2_packed[e], self.hidden_size))
+                                  for e in range(n_local)]
+        self._set_maps(placement)
+
+    def _expert_stack_names(self) -> List[str]:
+        """The tensors whose rows are this rank's slots: the packed stacks in the CPU's bf16 mode."""
+        return ["w13_packed", "w2_packed"] if self.w13_packed is not None else ["w13_weight", "w2_weight"]
 
     def _moe_kernel(self, x: torch.Tensor):
         """The C++ kernels when the MoE kernel can take this call: packed experts, float32

@@ -26,7 +26,7 @@ from radixserve.managers.scheduler_memory_saver import parse_memory_tags
 from radixserve.managers.scheduler_profiler import activities_problem
 from radixserve.model_executor.memory_saver import GPU_MEMORY_ALL_TYPES
 from radixserve.protocol import (
-    ClearHiCacheReqInput, ContinueGenerationReqInput, ExpertDistributionReq, ExpertDistributionReqType, PauseGenerationReqInput, ProfileReq, ProfileReqType, ReleaseMemoryOccupationReqInput,
+    ClearHiCacheReqInput, ContinueGenerationReqInput, EplbRebalanceReqInput, ExpertDistributionReq, ExpertDistributionReqType, PauseGenerationReqInput, ProfileReq, ProfileReqType, ReleaseMemoryOccupationReqInput,
     ResumeMemoryOccupationReqInput, SetInternalStateReq,
 )
 
@@ -120,6 +120,12 @@ class TokenizerAdmin:
         if self.tm.dead_reason is not None:
             raise RequestError(self.tm.dead_reason, 503, "ServiceUnavailable")
         return check_reply(await self.tm.communicator(ExpertDistributionReq(action))).record or {}
+
+    async def eplb_rebalance(self) -> Dict[str, Any]:
+        """Re-place the experts now (EPLB); the balance before and after."""
+        if self.tm.dead_reason is not None:
+            raise RequestError(self.tm.dead_reason, 503, "ServiceUnavailable")
+        return check_reply(await self.tm.communicator(EplbRebalanceReqInput())).stats or {}
 
     async def clear_hicache_storage(self) -> str:
         return await self._call(ClearHiCacheReqInput())

@@ -32,6 +32,7 @@ from radixserve.managers.scheduler_lora import SchedulerLoRA
 from radixserve.managers.scheduler_memory_saver import SchedulerMemorySaver
 from radixserve.managers.scheduler_pause import GenerationPause
 from radixserve.managers.scheduler_pp import PPLoop, SchedulerPP
+from radixserve.managers.scheduler_eplb import SchedulerEPLB
 from radixserve.managers.scheduler_expert_distribution import SchedulerExpertDistribution
 from radixserve.managers.scheduler_profiler import SchedulerProfiler
 from radixserve.managers.schedule_policy import NewTokenRatio, PrefillAdder, SchedulePolicy
@@ -155,6 +156,7 @@ class Scheduler:
                 self.enable_overlap, self.pp is not None), self.settable_state, self.apply_internal_state,
             ).dispatch_entries(),  # /set_internal_state
             *SchedulerExpertDistribution(tp_worker.expert_recorder).dispatch_entries(),  # EPLB's record
+            *SchedulerEPLB(tp_worker.eplb_rebalance, self.forward_thread).dispatch_entries(),  # EPLB's rebalance
         ])
         logger.info("Scheduler ready (pid %d): max_total_num_tokens=%d, max_running_requests=%d, context_len=%d, page_size=%d",
                     os.getpid(), self.max_total_num_tokens, self.max_running_requests, self.context_len, self.page_size)

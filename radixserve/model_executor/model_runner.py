@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -16,6 +16,7 @@ from radixserve.distributed.parallel_state import (
     set_moe_ep_size,
     stage_layers,
 )
+from radixserve.eplb.eplb_manager import EPLBManager, load_logical_count
 from radixserve.layers.attention.base_attn_backend import AttentionBackend
 from radixserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from radixserve.layers.cpu_weight_only import convert_to_weight_only, resolve_kv_cache_dtype, weight_only_available
@@ -90,7 +91,7 @@ class ModelRunner:
         if tp_size > 1 or server_args.pp_size > 1:  # --pp-size: this stage's TP group and the stages' group
             init_distributed_environment(tp_rank, tp_size, server_args.dist_init_addr, self.device, pp_rank,
                                          server_args.pp_size, server_args.pp_partition_list(), server_args.watchdog_timeout)
-        set_moe_ep_size(server_args.ep_size)  # --ep-size: which experts this rank's MoE layers hold
+        set_moe_ep_size(server_args.ep_size, server_args.ep_num_redundant_experts)  # which expert slots this rank's MoE layers hold
         torch.manual_seed(server_args.seed)
         # --quantization: the GGUF types the linear layers keep in their blocks (layers/quantization/)
         self.gguf_block_types = gguf_block_types(server_args.quantization, model_config, self.dtype, self.device)
@@ -105,6 +106,7 @@ class ModelRunner:
         self.activation_dtype = torch.float32 if self.weight_only else self.dtype
         self.lora_manager = self.init_lora_manager()
         self.expert_recorder = ExpertDistributionRecorder.for_model(self.model, FusedMoE)
+        self.eplb_manager = self.init_eplb_manager()  # EPLB: re-placing the experts (radixserve/eplb/)
         self.weight_updater = ModelWeightUpdater(self)  # weight updates without a restart
         self.kv_cache_dtype = resolve_kv_cache_dtype(server_args.kv_cache_dtype, self.activation_dtype, self.weight_only)
         # Both attention backends apply a sliding window (serving_context_len keeps the cap for one that would not).
@@ -125,6 +127,42 @@ class ModelRunner:
         # Adapters in the weights' dtype, like the base weights (bf16 in the CPU's bf16 mode, where
         # activations are float32): half the bytes the kernel reads per step (benchmarks/NOTES.md).
         return LoRAManager.from_server_args(self.model, self.server_args, self.dtype, self.device)
+
+    def init_eplb_manager(self) -> Optional[EPLBManager]:
+        """--enable-eplb / --init-expert-location / --ep-num-redundant-experts: the experts'
+        placement manager; a model it cannot serve is refused with one line."""
+        a = self.server_args
+        if not (a.enable_eplb or a.init_expert_location or a.ep_num_redundant_experts):
+            return None
+        path = self.model_config.model_path or self.model_config.architecture
+        rec = self.expert_recorder
+        if rec is None:
+            raise LoadError(f"{path}: EPLB flags (--enable-eplb, --ep-num-redundant-experts, --init-expert-location) "
+                            f"need a model with experts")
+        if any(layer.expert_blocks is not None for layer in rec.layers):
+            raise LoadError(f"{path}: EPLB with the experts kept in GGUF blocks is not supported yet (load them as floats: --quantization none)")
+        manager = EPLBManager(rec.layers, a.ep_size, lambda: rec.counts, broadcast_from_first_rank,
+                              a.eplb_rebalance_num_iterations if a.enable_eplb else None)
+        if a.init_expert_location:
+            try:
+                stats = manager.rebalance(load_logical_count(a.init_expert_location))
+            except (OSError, ValueError, RuntimeError) as e:
+                raise LoadError(f"--init-expert-location {a.init_expert_location}: {e}") from None
+            logger.info("Experts placed from %s: %s", a.init_expert_location, stats)
+        if a.enable_eplb:
+            rec.start()  # the load the periodic rebalances read
+        return manager
+
+    def eplb_rebalance(self) -> Dict[str, float]:
+        """Re-place the experts now from the recorded load (every TP rank, at a step boundary)."""
+        if self.eplb_manager is None:
+            raise ValueError("EPLB is off: start the server with --enable-eplb or --ep-num-redundant-experts (and --ep-size > 1).")
+        return self.eplb_manager.rebalance()
+
+    def on_forward_pass_end(self) -> None:
+        """A step boundary: EPLB's periodic rebalance may run here."""
+        if self.eplb_manager is not None:
+            self.eplb_manager.on_forward_pass_end()
 
     def init_attention_backend(self) -> AttentionBackend:
         if self.server_args.attention_backend == "triton":

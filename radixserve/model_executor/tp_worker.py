@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -82,6 +82,9 @@ class TpModelWorker:
     def memory_saver(self) -> MemorySaverAdapter:
         return MemorySaverAdapter(self.model_runner)
 
+    def eplb_rebalance(self) -> Dict[str, float]:
+        return self.model_runner.eplb_rebalance()
+
     # ---- weight updates (SGLang's TpModelWorker: a request in, (success, message) out) ----------
     def update_weights_from_disk(self, recv_req: UpdateWeightFromDiskReqInput) -> Tuple[bool, str]:
         return self.model_runner.update_weights_from_disk(recv_req.model_path, recv_req.load_format)
@@ -142,6 +145,7 @@ class TpModelWorker:
         if skip_sample:
             return GenerationBatchResult(logits_output, torch.empty(0, dtype=torch.int64))
         out = self.model_runner.sample(logits_output, batch)
+        self.model_runner.on_forward_pass_end()  # a step boundary (EPLB)
         return GenerationBatchResult(
             logits_output,
             out.next_token_ids,

@@ -9,13 +9,14 @@ needs of the model is a method here.
     features          lora_manager (None: --enable-lora off), pooling_config (--is-embedding),
                       embed_and_head (EAGLE's head shares them), memory_saver (release/resume),
                       expert_recorder (MoE models: EPLB's expert distribution record),
-                      image_embedder (a model that takes images: the EncodeQueue encodes ahead)
+                      image_embedder (a model that takes images: the EncodeQueue encodes ahead),
+                      eplb_rebalance (EPLB: re-place the experts now)
     weight updates    SchedulerUpdateWeights calls the update_weights_* family (TpModelWorker's)
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional, Protocol, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Optional, Protocol, Tuple
 
 import torch
 
@@ -62,6 +63,9 @@ class ModelWorker(Protocol):
 
     def image_embedder(self) -> Optional["ImageEmbedder"]:
         """The vision encoder and its embedding cache (None: a model without images)."""
+
+    def eplb_rebalance(self) -> Dict[str, float]:
+        """EPLB: re-place the experts now from the recorded load (ValueError: EPLB is off)."""
 
 
 class EmbeddingWorker(ModelWorker, Protocol):

@@ -10,7 +10,7 @@ ignore_eos): output lengths come from the workload, as in a benchmark with ignor
 from __future__ import annotations
 
 import logging
-from typing import List, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 
@@ -93,6 +93,10 @@ class SimModelWorker:
 
     def memory_saver(self) -> None:
         return None  # nothing to release
+
+    @staticmethod
+    def eplb_rebalance() -> Dict[str, float]:
+        raise ValueError("A simulated model has no experts to re-place.")
 
     @staticmethod
     def to_host(t: torch.Tensor) -> Tuple[torch.Tensor, None]:

@@ -296,3 +296,57 @@ def test_release_frees_the_packed_experts_and_resume_restores_them(moe_dir):
     finally:
         engine.shutdown()
     assert [o["output_ids"] for o in after] == [o["output_ids"] for o in before]
+
+
+# EPLB (radixserve/eplb/): skewed loads, per MoE layer (layers 0 and 2), of the 8 experts
+SKEWED = [[10, 600, 10, 10, 10, 10, 1000, 10], [10, 10, 1000, 10, 10, 600, 10, 10]]
+
+
+def _eplb_rank(rank: int, addr: str, model_dir: str, out_path: str, dump_path: str) -> None:
+    """tp 2 / ep 2 with 2 redundant expert slots (5 per rank), placed at start from a skewed dump,
+    then re-placed at run time from the load recorded while serving the driver's steps."""
+    from radixserve.distributed.parallel_state import destroy_distributed_environment
+    from radixserve.model_executor.model_runner import ModelRunner
+    from radixserve.server_args import ServerArgs
+
+    args = ServerArgs(model_path=model_dir, dtype="float32", device="cpu", max_total_tokens=2048, max_running_requests=8,
+                      tp_size=2, ep_size=2, ep_num_redundant_experts=2, init_expert_location=dump_path, dist_init_addr=addr)
+    runner = ModelRunner(ModelConfig.from_pretrained(model_dir), args, rank, 2)
+    moe = [m for m in runner.model.modules() if isinstance(m, FusedMoE)]
+    placed = [m.placement.physical_to_logical_map.tolist() for m in moe]
+    runner.expert_recorder.start()
+    first = _driver_logits(runner)
+    recorded = runner.expert_recorder.counts.clone()
+    stats = runner.eplb_rebalance()
+    replaced = [m.placement.physical_to_logical_map.tolist() for m in moe]
+    torch.save({"first": first, "second": _driver_logits(runner), "placed": placed, "replaced": replaced,
+                "recorded": recorded, "stats": stats, "slots": moe[0].w13_weight.shape[0]}, f"{out_path}.{rank}")
+    destroy_distributed_environment()
+
+
+def test_eplb_redundant_experts_and_a_rebalance_keep_transformers_logits(moe_dir, tmp_path):
+    """--tp-size 2 --ep-size 2 --ep-num-redundant-experts 2 --init-expert-location <skewed dump>:
+    the two hottest experts of each layer get a copy on each rank (one of them moved there from
+    the other rank), the logits are transformers' (every token goes to one copy), and after a
+    rebalance from the recorded load (weights moved between the ranks again) they still are."""
+    dump = tmp_path / "skewed.pt"
+    torch.save({"logical_count": torch.tensor(SKEWED)}, dump)
+    ctx = mp.get_context("spawn")
+    out, addr = tmp_path / "eplb.pt", f"127.0.0.1:{free_port()}"
+    run_processes([ctx.Process(target=_eplb_rank, args=(r, addr, moe_dir, str(out), str(dump))) for r in range(2)])
+    ranks = [torch.load(f"{out}.{r}") for r in range(2)]
+    assert ranks[0]["placed"] == ranks[1]["placed"] and ranks[0]["replaced"] == ranks[1]["replaced"]
+    res = ranks[0]
+    assert res["slots"] == 5
+    for layer, hot in enumerate([(6, 1), (2, 5)]):
+        p2l = res["placed"][layer]
+        assert sorted(p2l) == sorted(list(range(8)) + list(hot))  # every expert once, the two hot ones twice
+        for e in hot:
+            assert e in p2l[:5] and e in p2l[5:], p2l  # a copy on each rank
+    assert 6 in res["placed"][0][:5]  # expert 6 lived on rank 1 only (slots 5..9 in the trivial location)
+    assert res["replaced"] != res["placed"]  # the served load is not the file's: the experts moved
+    assert res["recorded"].sum() > 0 and res["stats"]["max_over_mean_after"] <= res["stats"]["max_over_mean_before"]
+    ref = _reference(load_hf(moe_dir))
+    for run in ("first", "second"):
+        for i, (a, b) in enumerate(zip(res[run], ref)):
+            assert (a - b).abs().max().item() <= TOL, f"{run} step {i}: {(a - b).abs().max().item():.2e}"
