@@ -55,7 +55,8 @@ cat "$RES/machine.txt"
 kernels() {
   RADIXSERVE_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider -rfE \
     tests/unit/test_triton_kernels.py tests/unit/test_fused_kernels.py tests/unit/test_lora_kernels.py \
-    tests/unit/test_spec_tree.py tests/unit/test_cuda_graph_runner.py
+    tests/unit/test_spec_tree.py tests/unit/test_cuda_graph_runner.py tests/unit/test_triton_gguf.py \
+    tests/unit/test_gdn_triton.py tests/unit/test_moe_triton.py
 }
 parity() {
   python3 benchmarks/gpu/gpu_checks.py make-model qwen3-0.6b /tmp/qwen3-0.6b &&

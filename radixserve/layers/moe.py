@@ -5,7 +5,8 @@ The router picks each token's top-k experts from a softmax over all of them (in 
 transformers does; renormalized over the k when the config's norm_topk_prob says so). The experts
 then run one at a time over the tokens routed to them (gathered, then scattered back weighted):
 a Python loop over the experts the batch hits, never over tokens. That loop reads which experts
-are hit on the host, so a model with experts runs without CUDA graphs.
+are hit on the host, so a model with experts runs without CUDA graphs. On a GPU the experts run as
+one Triton grouped GEMM per projection instead (moe_triton.py, SGLang's fused_moe design).
 
 In the CPU's bf16 mode each expert's matrices are packed for the C++ bf16 GEMM, as the linear
 layers are (activations stay float32), and stacked, so that the C++ MoE kernel
@@ -40,7 +41,7 @@ set_expert_location re-places the experts at a step boundary, moving their weigh
 
 from __future__ import annotations
 
-from typing import Dict, Iterator, List, Optional, Tuple, Union
+from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -212,8 +213,11 @@ class FusedMoE(nn.Module):
             local = topk_ids - self.expert_start
             topk_ids = torch.where((local >= 0) & (local < self.num_local_experts), local, -1)
         ops = self._moe_kernel(x)
+        gpu_moe = gpu_fused_moe(x) if self.expert_blocks is None else None
         if self.expert_blocks is not None:
             out = self.forward_blocks(x, topk_weights, topk_ids)
+        elif gpu_moe is not None:
+            out = gpu_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
         elif ops is not None:
             out = ops.fused_moe_bf16(x, self.w13_packed, self.w2_packed, topk_weights, topk_ids, self.inter)
         else:
@@ -333,6 +337,22 @@ class FusedMoE(nn.Module):
 
 
 ExpertMatrix = Union[QuantizedWeight, torch.Tensor]
+
+
+def gpu_fused_moe(x: torch.Tensor) -> Optional[Callable[..., torch.Tensor]]:
+    """Triton's fused MoE (moe_triton.py) for a CUDA tensor, unless RADIXSERVE_DISABLE_FUSED_KERNELS
+    is set or triton is missing; None elsewhere (the C++ kernel or the loop)."""
+    if not x.is_cuda:
+        return None
+    from radixserve.layers import fused
+
+    if not fused.ENABLED:
+        return None
+    try:
+        from radixserve.layers.moe_triton import fused_moe  # imports triton: GPUs only
+    except ImportError:
+        return None
+    return fused_moe
 
 
 def _expert_matmul(x: torch.Tensor, w: ExpertMatrix) -> torch.Tensor:
