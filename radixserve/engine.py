@@ -28,7 +28,6 @@ from radixserve.managers.request_frontend import (
 from radixserve.managers.scheduler import Scheduler
 from radixserve.managers.scheduler_builder import build_scheduler_parts
 from radixserve.managers.schedule_policy import configure_lora_admission
-from radixserve.managers.scheduler_pause import expects_progress
 from radixserve.managers.scheduler_stats import SchedulerStats
 from radixserve.protocol import (
     ContinueGenerationReqInput, EplbRebalanceReqInput, ExpertDistributionReq, ExpertDistributionReqType, ProfileReq, ProfileReqType,
@@ -215,7 +214,7 @@ class Engine:
     def wait_until_idle(self) -> None:
         """Step until nothing is submitted or scheduled (the last batch retired), or until only
         what a paused generation holds is left (it waits for continue_generation)."""
-        while self._inbox or expects_progress(self.scheduler):
+        while self._inbox or self.scheduler.expects_progress():
             self.step()
 
     # ---- control ----------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from radixserve.managers.scheduler_embedding import EmbeddingOutputProcessor, Sc
 from radixserve.managers.scheduler_internal_state import SETTABLE_AT_RUN_TIME, SchedulerInternalState
 from radixserve.managers.scheduler_lora import SchedulerLoRA
 from radixserve.managers.scheduler_memory_saver import SchedulerMemorySaver
-from radixserve.managers.scheduler_pause import GenerationPause
+from radixserve.managers.scheduler_pause import GenerationPause, expects_progress
 from radixserve.managers.scheduler_pp import PPLoop, SchedulerPP
 from radixserve.managers.scheduler_eplb import SchedulerEPLB
 from radixserve.managers.scheduler_expert_distribution import SchedulerExpertDistribution
@@ -256,6 +256,10 @@ class Scheduler:
         self.self_check_during_idle()
         self.new_token_ratio.reset()
         self.hicache.wait_idle()  # requests held for their storage prefetch: wait, do not spin
+
+    def expects_progress(self) -> bool:
+        """It has work and is not paused: what the watchdog and the idle poll wait on."""
+        return expects_progress(self.has_work(), self.generation_pause)
 
     def has_work(self) -> bool:
         last_prefill_to_merge = (

@@ -20,7 +20,7 @@ A pause in a pause applies the new mode (in_place, then abort: everything ends).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Protocol, Tuple, Type
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Type
 
 from radixserve.managers.loop_state import LoopState, LoopSteps
 from radixserve.managers.scheduler_input_blocker import PAUSE_MODES, SchedulerInputBlocker
@@ -38,19 +38,10 @@ logger = logging.getLogger(__name__)
 ABORT_MESSAGE = "Aborted by pause_generation."
 
 
-class ProgressView(Protocol):
-    """What the idle poll and the watchdog read of the Scheduler (generation_pause: optional)."""
-
-    forward_ct: int
-
-    def has_work(self) -> bool: ...
-
-
-def expects_progress(scheduler: ProgressView) -> bool:
+def expects_progress(has_work: bool, pause: Optional["GenerationPause"]) -> bool:
     """Whether the loop should be making forward progress: it has work and is not paused
-    (the idle poll and the watchdog of scheduler_process ask this)."""
-    pause = getattr(scheduler, "generation_pause", None)
-    return scheduler.has_work() and not (pause is not None and pause.engine_paused)
+    (the idle poll and the watchdog of scheduler_process ask this, through Scheduler.expects_progress)."""
+    return has_work and not (pause is not None and pause.engine_paused)
 
 
 class GenerationPause:

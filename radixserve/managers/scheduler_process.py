@@ -21,15 +21,20 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Callable, List, Optional, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, List, Optional
 
 from radixserve.managers.dp_controller import dp_port_args
 from radixserve.managers.process_utils import configure_process_logging, watch_parent
 from radixserve.managers.schedule_policy import configure_lora_admission
 from radixserve.managers.loop_state import LoopState
-from radixserve.managers.scheduler_pause import expects_progress
 from radixserve.protocol import BatchTokenIDOutput, GetInternalStateReqOutput, SchedulerHeartbeat, SchedulerLoad
 from radixserve.server_args import PortArgs, ServerArgs
+
+if TYPE_CHECKING:
+    from radixserve.managers.scheduler_stats import SchedulerStats
+    from radixserve.mem_cache.base_prefix_cache import BasePrefixCache
+    from radixserve.mem_cache.kv_ledger import KVLedger
 
 logger = logging.getLogger("radixserve.scheduler")
 
@@ -53,25 +58,27 @@ def zmq_recv_drain(sock: Any) -> Callable[[], List[Any]]:
     return recv
 
 
-class MetricsView(Protocol):
-    """What the metrics logger reads of the Scheduler (it changes nothing)."""
+@dataclass(frozen=True)
+class MetricsSources:
+    """What the metrics logger reads (it changes nothing): the KV ledger and tree for the token
+    usage, the loop's queue and batch, the counters, and whether speculation runs."""
 
+    ledger: KVLedger
+    tree_cache: BasePrefixCache
+    stats: SchedulerStats
+    loop: LoopState
     max_total_num_tokens: int
-    forward_ct: int
-    ledger: Any  # the KVLedger (available_size)
-    tree_cache: Any  # (evictable_size)
-    stats: Any  # SchedulerStats
-    spec_worker: Any  # None: no speculative decoding
-    waiting_queue: List[Any]
-    running_batch: Any
+    speculative: bool
+    forward_ct: Callable[[], int]
+    dp_rank: Callable[[], int]
 
 
 class SchedulerMetricsLogger:
     """Prefill / decode log lines like SGLang's, and the numbers /get_server_info adds
     (token usage, cache hit rate, generation throughput). Reads the scheduler; changes nothing."""
 
-    def __init__(self, scheduler: MetricsView, decode_log_interval: int):
-        self.sched = scheduler
+    def __init__(self, sources: MetricsSources, decode_log_interval: int):
+        self.sched = sources
         self.decode_log_interval = decode_log_interval
         self.num_decode_steps = 0
         self.decode_tokens_since_log = 0
@@ -123,7 +130,7 @@ class SchedulerMetricsLogger:
                 logger.info(
                     "Decode batch. #running-req: %d, #token: %d, token usage: %s, "
                     "gen throughput (token/s): %.2f, #queue-req: %d%s",
-                    batch.batch_size(), num_tokens, self._usage_text(), self.gen_throughput, len(s.waiting_queue),
+                    batch.batch_size(), num_tokens, self._usage_text(), self.gen_throughput, len(s.loop.waiting_queue),
                     f", accept len: {self.spec_accept_length:.2f}, accept rate: {self.spec_accept_rate:.2f}"
                     if spec is not None and spec[0] else "",
                 )
@@ -135,14 +142,14 @@ class SchedulerMetricsLogger:
         logger.info(
             "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %s, "
             "#running-req: %d, #queue-req: %d",
-            len(new), new_tokens, cached, self._usage_text(), s.running_batch.batch_size(), len(s.waiting_queue),
+            len(new), new_tokens, cached, self._usage_text(), s.loop.slot.running_batch.batch_size(), len(s.loop.waiting_queue),
         )
 
     def _spec_since_log(self) -> Any:
         """(verify steps, tokens committed, drafts accepted, drafts proposed) since the last log
         line; None without speculation."""
         stats = self.sched.stats
-        if self.sched.spec_worker is None:
+        if not self.sched.speculative:
             return None
         now = (stats.spec_verify_ct, stats.spec_num_accept_tokens, stats.spec_num_correct_drafts, stats.spec_num_proposed_drafts)
         delta, self.spec_seen = tuple(a - b for a, b in zip(now, self.spec_seen)), now
@@ -155,8 +162,8 @@ class SchedulerMetricsLogger:
                 **({} if self.swa_token_usage() is None else {"swa_token_usage": self.swa_token_usage()}),
                 cache_hit_rate=self.cache_hit_rate(),
                 gen_throughput=self.gen_throughput,
-                forward_ct=self.sched.forward_ct,
-                dp_rank=self.sched.profiler.dp_rank or 0,  # the DP controller orders replicas' states by it
+                forward_ct=self.sched.forward_ct(),
+                dp_rank=self.sched.dp_rank(),  # the DP controller orders replicas' states by it
                 spec_accept_length=self.spec_accept_length,  # the last decode log's window, as SGLang's gauges
                 spec_accept_rate=self.spec_accept_rate,
             )
@@ -251,7 +258,10 @@ def run_scheduler_process(
         scheduler = Scheduler(server_args, recv_fn=recv_fn, send_fn=send_fn, tp_rank=tp_rank, tp_size=server_args.tp_size,
                               parts=parts)
         configure_lora_admission(scheduler.policy, server_args)
-        holder["metrics"] = metrics = SchedulerMetricsLogger(scheduler, server_args.decode_log_interval)
+        holder["metrics"] = metrics = SchedulerMetricsLogger(MetricsSources(
+            scheduler.ledger, scheduler.tree_cache, scheduler.stats, scheduler.loop, scheduler.max_total_num_tokens,
+            scheduler.spec_worker is not None, lambda: scheduler.forward_ct, lambda: scheduler.profiler.dp_rank or 0),
+            server_args.decode_log_interval)
         scheduler.profiler.dp_rank = dp_rank  # in its trace files' names
     except Exception as e:  # a model path that cannot load (LoadError): its one-line message, no traceback
         pipe.send({"status": "error", "error": str(e) if type(e).__name__ in ("LoadError", "LoRAError") else traceback.format_exc()})
@@ -269,7 +279,7 @@ def run_scheduler_process(
         "architecture": scheduler.model_config.architecture,  # which models take input_embeds
         "device": str(scheduler.device),
     })
-    Watchdog(lambda: scheduler.forward_ct, lambda: expects_progress(scheduler), server_args.watchdog_timeout,
+    Watchdog(lambda: scheduler.forward_ct, scheduler.expects_progress, server_args.watchdog_timeout,
              lambda: os._exit(1)).start()
 
     poller = None
@@ -292,7 +302,7 @@ def run_scheduler_process(
                     if load != last_load:
                         send_fn(load)
                         last_load = load
-            if poller is not None and batch is None and not expects_progress(scheduler):
+            if poller is not None and batch is None and not scheduler.expects_progress():
                 # Idle: block until a message arrives. Other TP ranks wait in the broadcast.
                 # PD: a handshake or a transfer can end any moment (on the KVManager's thread).
                 poller.poll(PEER_POLL_MS if scheduler.waiting_on_peer() else IDLE_POLL_MS)

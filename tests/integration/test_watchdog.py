@@ -42,7 +42,7 @@ class ProgressingScheduler(StuckScheduler):
 
 
 def watchdog_of(sched: StuckScheduler, **kwargs) -> Watchdog:
-    return Watchdog(lambda: sched.forward_ct, lambda: expects_progress(sched), **kwargs)
+    return Watchdog(lambda: sched.forward_ct, lambda: expects_progress(sched.has_work(), None), **kwargs)
 
 
 def checks_made(sched: StuckScheduler, n: int, timeout: float = 60) -> None:
