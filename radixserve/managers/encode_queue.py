@@ -37,6 +37,7 @@ class EncodeQueue:
     def __init__(self, embedder: Optional[EncodesAhead]):
         self.embedder = embedder  # None: a text model, or --disable-mm-encode-ahead
         self.queue: List[Tuple[Req, futures.Future]] = []
+        self.running: List[futures.Future] = []  # every encode not known done, a removed request's too
         self.num_encoded_ahead = 0  # requests that waited here
 
     def __len__(self) -> int:
@@ -54,7 +55,13 @@ class EncodeQueue:
         if future is None:  # all cached
             return True
         self.queue.append((req, future))
+        self.running = [f for f in self.running if not f.done()] + [future]
         return False
+
+    def wait_idle(self) -> None:
+        """Until no encode runs (before the weights are released: the encoder thread reads them)."""
+        futures.wait(self.running)
+        self.running = []
 
     def pop_ready(self, scheduler_idle: bool) -> List[Req]:
         """The requests whose images are encoded, in arrival order."""

@@ -703,14 +703,23 @@ class ScheduleBatch:
             self.ledger.make_room(len(order) * RETRACT_DECODE_STEPS)
         reqs_to_abort: List[Req] = []
         if len(order) == 1 and not self.check_decode_mem(order):
+            need = self.new_tokens_next_decode(order)
             req = self.reqs[order.pop()]
-            req.finished_reason = FINISH_ABORT(
-                f"The request needs more KV cache than the whole pool holds ({req.seqlen()} tokens so far, "
-                f"pool {self.ledger.total_size()}): lower max_new_tokens or raise --max-total-tokens.",
-                status_code=500, err_type="InternalServerError")
-            req.grammar = None
-            self.ledger.cache_finished_req(req)
-            reqs_to_abort.append(req)
+            if req.seqlen() + need <= self.ledger.total_size():
+                # It fits the pool alone: other batches (PP's micro-batches, a chunked prefill)
+                # hold the rest now, so it waits in the queue like any retracted request.
+                self.release_req(req)
+                retracted.append(req)
+            else:
+                req.finished_reason = FINISH_ABORT(
+                    f"The request needs more KV cache than the whole pool holds ({req.seqlen()} tokens so far, "
+                    f"pool {self.ledger.total_size()}): lower max_new_tokens or raise --max-total-tokens.",
+                    status_code=500, err_type="InternalServerError")
+                req.grammar = None
+                if req.kv_allocated_len:  # slots reserved ahead (speculation in the overlap loop) go back first
+                    self.ledger.commit(req, req.kv_committed_len)
+                self.ledger.cache_finished_req(req)
+                reqs_to_abort.append(req)
         self.filter_batch(keep_indices=sorted(order))
         decoded = sum(len(r.output_ids) for r in self.reqs)
         max_new = sum(r.clipped_max_new_tokens() for r in self.reqs)

@@ -230,19 +230,20 @@ class Scheduler:
         )
 
     def pop_and_process(self) -> None:
-        item = self.overlap_worker.pop_result(self.stats)
-        if item is not None:
-            t0 = time.perf_counter()
-            masks = self.batch_runner if isinstance(self.batch_runner, GrammarMaskRunner) else None
-            try:
-                self.output_processor.process_batch_result(*item)
-            except BaseException as e:  # the batch in flight must not wait for its mask forever
-                if masks is not None:
-                    masks.fail_deferred(e)
-                raise
-            if masks is not None:  # the tokens are accepted: the next batch's grammar mask now
-                masks.on_result_processed()
-            self.stats.process_s += time.perf_counter() - t0
+        masks = self.batch_runner if isinstance(self.batch_runner, GrammarMaskRunner) else None
+        t0 = time.perf_counter()
+        try:  # a failed forward (raised by pop_result) or processing: the batch in flight must not wait for its mask forever
+            item = self.overlap_worker.pop_result(self.stats)
+            if item is None:
+                return
+            self.output_processor.process_batch_result(*item)
+        except BaseException as e:
+            if masks is not None:
+                masks.fail_deferred(e)
+            raise
+        if masks is not None:  # the tokens are accepted: the next batch's grammar mask now
+            masks.on_result_processed()
+        self.stats.process_s += time.perf_counter() - t0
 
     def drain_results(self) -> None:
         """Process every result in flight (a pause settles the loop with it)."""
@@ -548,9 +549,9 @@ class Scheduler:
             if reqs_to_abort:  # outgrew the whole pool alone (§9.2): ended, not retracted forever
                 logger.warning("Aborted %d request(s) that do not fit in the KV cache pool", len(reqs_to_abort))
                 self.output_processor.stream_output(reqs_to_abort)
-                if batch.is_empty():
-                    batch.batch_is_full = False
-                    return batch
+            if batch.is_empty():  # the last one ended, or waits for other batches' KV (PP, a chunk)
+                batch.batch_is_full = False
+                return batch
         else:
             self.new_token_ratio.step()
         if batch.batch_size() < initial_bs:

@@ -98,6 +98,7 @@ class SchedulerMemorySaver:
             return ReleaseMemoryOccupationReqOutput(False, error, recv.query_id)
         if GPU_MEMORY_TYPE_KV_CACHE in tags:
             self._flush_radix_cache()
+        self.encode_queue.wait_idle()  # the encoder thread reads the weights (a removed request's encode too)
         try:
             freed = self.adapter.release(tags)
         except Exception as e:  # e.g. no room for the weights' bytes: nothing was freed

@@ -249,3 +249,21 @@ def test_the_encode_queue_holds_requests_until_their_images_are_encoded():
         queue.pop_ready(scheduler_idle=False)
     off = EncodeQueue(None)  # --disable-mm-encode-ahead
     assert off.admit(first) and len(off) == 0
+
+
+def test_wait_idle_waits_for_every_encode_a_removed_requests_too():
+    """A release of the weights waits for it: the encoder thread reads them."""
+    import threading
+
+    emb = _Embedder()
+    queue = EncodeQueue(emb)
+    req = _Req("a", ["x"])
+    assert not queue.admit(req)
+    assert queue.remove(lambda r: True) == [req] and len(queue) == 0  # aborted: its encode still runs
+    waited = threading.Event()
+    waiter = threading.Thread(target=lambda: (queue.wait_idle(), waited.set()))
+    waiter.start()
+    assert not waited.wait(0.3)  # still encoding
+    emb.futures[0].set_result(None)
+    assert waited.wait(10)
+    waiter.join()
