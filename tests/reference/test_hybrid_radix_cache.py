@@ -142,7 +142,11 @@ def test_state_slots_are_conserved_under_a_storm_on_shared_prefixes(next_dir, hf
                 aborted.add(victim.rid)
         while sched.has_work():
             engine.step()
-        assert sched.stats.num_retracted_reqs > 0 and sched.stats.cached_tokens > 0
+        assert sched.stats.cached_tokens > 0
+        # Forced retractions happen on decode-only batches; with mixed chunks most decodes ride in
+        # the prefills, and whether one of the few decode-only ones lands on the forced step
+        # depends on the late forwards' timing (CI saw 0). That variant is about the row fence.
+        assert sched.stats.num_retracted_reqs > 0 or loop == "overlap_mixed"
         if gate is not None:  # the forwards ran late, and none found a row of its batch handed on
             assert gate.held > 20 and gate.admitted_while_held > 0 and gate.handed_on == 0
         info = engine.get_server_info()
