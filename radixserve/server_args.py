@@ -24,6 +24,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 QUANTIZATION_METHODS = ("auto", "none", "gguf", "w8a8_int8")  # layers/quantization/
+CPU_GEMM_PATHS = ("auto", "int8", "onednn_bf16", "f32")  # layers/gemm_select.py
 GRAMMAR_BACKENDS = ("xgrammar", "none")
 SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "NEXTN")  # SGLang's names
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
@@ -57,6 +58,7 @@ class ServerArgs:
     sampling_defaults: str = "openai"  # "model": unset sampling fields come from generation_config.json
     load_format: str = "auto"
     quantization: str = "auto"
+    cpu_gemm_path: str = "auto"  # auto: measured at start per matrix shape and row count (gemm_select.py)
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"  # auto: the activations' dtype (fp16 in the CPU's bf16 mode)
     device: str = "auto"  # "cpu", "cuda" or "auto" (cuda when available)
@@ -229,6 +231,7 @@ class ServerArgs:
             raise ValueError(f"--allowed-local-media-path {self.allowed_local_media_path!r} is not a directory")
         _choice("--load-format", self.load_format, LOAD_FORMATS)
         _choice("--quantization", self.quantization, QUANTIZATION_METHODS)
+        _choice("--cpu-gemm-path", self.cpu_gemm_path, CPU_GEMM_PATHS)
         _choice("--dtype", self.dtype, DTYPES)
         _choice("--kv-cache-dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _choice("--schedule-policy", self.schedule_policy, SCHEDULE_POLICIES)
@@ -619,6 +622,10 @@ FLAG_HELP = {
                     "Q5_1/Q8_0 and Q2_K..Q6_K in blocks for the Triton kernels); w8a8_int8 quantizes a safetensors "
                     "checkpoint's linear layers to 8 bits at load (Q8_0 blocks on the same integer kernel, or "
                     "Triton's Q8_0 kernel on a GPU)",
+    "cpu_gemm_path": "how a CPU multiplies the matrices kept in GGUF blocks: auto times every path at start on "
+                     "the model's own shapes, at decode and prefill row counts, and takes the fastest (cached per "
+                     "machine); int8 (the integer kernel), onednn_bf16 (dequantized to bf16, oneDNN) or f32 "
+                     "(dequantized to float32, torch's GEMM) force one wherever a matrix can take it",
     "dtype": f"model dtype: {', '.join(DTYPES)}; auto: bf16 where the device has native bf16 (a CPU with AVX512_BF16 / AMX, a GPU with bf16 tensor cores), float32 checkpoints included (logged; float32 keeps them exact; the embedded tiny model stays float32); else float32 (a GPU keeps a float16 checkpoint's dtype). bf16 on a CPU with the C++ GEMM keeps the weights in bf16 and the activations in float32",
     "kv_cache_dtype": f"KV cache dtype: {', '.join(KV_CACHE_DTYPES)}; auto: the activations' dtype, except fp16 in the CPU's bf16 mode (bf16 weights, float32 activations; as llama.cpp's default)",
     "device": "cpu, cuda, or auto (cuda when available)",

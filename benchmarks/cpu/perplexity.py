@@ -8,11 +8,12 @@ figure is comparable). Engines:
 
   float32          radixserve on the file dequantized to float32 (--quantization none --dtype
                    float32): the reference
-  blocks           radixserve as it serves the file: its blocks, the prefill path (the weight
-                   dequantized to bf16 a tile at a time, oneDNN bf16 GEMM) from
-                   PREFILL_MIN_ROWS rows of x on, the integer kernel below
-  blocks-integer   the same with the prefill path off: every row through the integer kernel
-                   (x quantized to 8 bits per block, as llama.cpp multiplies)
+  blocks           radixserve as it serves the file: its blocks, each matrix on the path measured
+                   fastest for its shape and row count (layers/gemm_select.py)
+  blocks-integer   --cpu-gemm-path int8: every row through the integer kernel (x quantized to 8
+                   bits per block, as llama.cpp multiplies)
+  blocks-bf16      --cpu-gemm-path onednn_bf16: dequantized to bf16 a tile at a time, x rounded to
+                   bf16, oneDNN's GEMM (the integer kernel where that path cannot take a matrix)
   llama.cpp        `llama-perplexity` on the file (--llama-perplexity BINARY): its PPL only
 
 Per radixserve engine, against float32 on the same tokens: PPL, mean / p99 / max
@@ -44,7 +45,8 @@ sys.path.insert(0, str(REPO))
 ENGINES = {
     "float32": {"dtype": "float32", "quantization": "none"},
     "blocks": {},
-    "blocks-integer": {},
+    "blocks-integer": {"cpu_gemm_path": "int8"},
+    "blocks-bf16": {"cpu_gemm_path": "onednn_bf16"},
 }
 
 
@@ -68,19 +70,12 @@ def scored(engine, chunks: List[List[int]], first: int) -> Dict[str, List]:
 
 def run_radixserve(name: str, gguf: Path, chunks: List[List[int]], first: int) -> Dict[str, List]:
     from radixserve import Engine
-    from radixserve.layers.quantization import gguf as quant_gguf
 
-    saved = quant_gguf.PREFILL_MIN_ROWS
-    if name == "blocks-integer":
-        quant_gguf.PREFILL_MIN_ROWS = 1 << 62
-    try:
-        engine = Engine(str(gguf), max_total_tokens=8192, **ENGINES[name])
-        t0 = time.perf_counter()
-        res = scored(engine, chunks, first)
-        res["seconds"] = time.perf_counter() - t0
-        engine.shutdown()
-    finally:
-        quant_gguf.PREFILL_MIN_ROWS = saved
+    engine = Engine(str(gguf), max_total_tokens=8192, **ENGINES[name])
+    t0 = time.perf_counter()
+    res = scored(engine, chunks, first)
+    res["seconds"] = time.perf_counter() - t0
+    engine.shutdown()
     del engine
     gc.collect()
     return res

@@ -25,6 +25,7 @@ from radixserve.layers.expert_distribution import ExpertDistributionRecorder
 from radixserve.layers.moe import FusedMoE
 from radixserve.layers.pooler import EmbeddingPoolerOutput, Pooler, PoolingConfig
 from radixserve.layers.sampler import Sampler, SamplerOutput
+from radixserve.layers.quantization.gguf import select_cpu_gemm_paths
 from radixserve.lora.lora_manager import LoRAManager
 from radixserve.mem_cache.mamba_pool import HybridReqToTokenPool, MambaPool
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
@@ -104,6 +105,8 @@ class ModelRunner:
         if self.weight_only:
             convert_to_weight_only(self.model)
         self.activation_dtype = torch.float32 if self.weight_only else self.dtype
+        if self.device == "cpu":  # which GEMM multiplies each GGUF-block matrix: measured (gemm_select.py)
+            select_cpu_gemm_paths(self.model, server_args.cpu_gemm_path)
         self.lora_manager = self.init_lora_manager()
         self.expert_recorder = ExpertDistributionRecorder.for_model(self.model, FusedMoE)
         self.eplb_manager = self.init_eplb_manager()  # EPLB: re-placing the experts (radixserve/eplb/)

@@ -183,17 +183,20 @@ def test_dequantize_bf16_bad_arguments(ops):
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q5_0], ids=["Q4_K", "Q6_K", "Q5_0"])
-def test_prefill_rows_take_the_dequantized_bf16_path(ops, qtype, monkeypatch):
-    """quant_matmul from PREFILL_MIN_ROWS rows of x on: the weight dequantized to bf16 a tile of
-    output rows at a time and multiplied by torch's bf16 GEMM with x rounded to bf16, so the result
-    is that product (float32 sums, rounded to bf16 once): close to the float product, closer than
-    the 8-bit activations of the integer kernel, and the same for any tile size."""
+def test_the_dequantized_bf16_path_is_the_bf16_product(ops, qtype, monkeypatch):
+    """quant_matmul on the onednn_bf16 path (layers/gemm_select.py; forced here): the weight
+    dequantized to bf16 a tile of output rows at a time and multiplied by torch's bf16 GEMM with x
+    rounded to bf16, so the result is that product (float32 sums, rounded to bf16 once): close to
+    the float product, closer than the 8-bit activations of the integer kernel, and the same for
+    any tile size. The int8 path is the integer kernel itself."""
+    from radixserve.layers import gemm_select
     from radixserve.layers.quantization import gguf as quant_gguf
     from radixserve.layers.quantization import QuantizedWeight, quant_matmul
 
+    monkeypatch.setattr(gemm_select, "_plan", gemm_select.GemmPlan(forced="onednn_bf16"))
     k, n = SHAPES[256 if qtype in K_QUANTS else 32][0]
     data, w = make_weight(qtype, n, k)
-    m = quant_gguf.PREFILL_MIN_ROWS + 5
+    m = 133
     x = make_x(m, k)
     qw = QuantizedWeight(int(qtype), torch.from_numpy(data), k)
     y = quant_matmul(torch.from_numpy(x), qw)
@@ -208,5 +211,5 @@ def test_prefill_rows_take_the_dequantized_bf16_path(ops, qtype, monkeypatch):
     assert (y.double() - exact).norm() < (integer - exact).norm()
     monkeypatch.setattr(quant_gguf, "PREFILL_TILE_BYTES", 2 * k * 16)  # 16 rows a tile: 3 tiles
     assert torch.equal(quant_matmul(torch.from_numpy(x), qw), y)
-    monkeypatch.setattr(quant_gguf, "PREFILL_MIN_ROWS", m + 1)  # below the threshold: the integer kernel
+    monkeypatch.setattr(gemm_select, "_plan", gemm_select.GemmPlan(forced="int8"))
     assert torch.equal(quant_matmul(torch.from_numpy(x), qw), ops.quant_linear(torch.from_numpy(x), torch.from_numpy(data), int(qtype), k))

@@ -7,13 +7,12 @@ row (row-parallel ones), so a rank holds its slice in the file's bytes too.
 
 GGUFLinearMethod keeps each checkpoint tensor a layer was given as one segment of its output
 rows: a fused q|k|v or gate|up layer of a Q4_K_M file holds Q4_K and Q6_K segments side by side.
-apply() multiplies each with the C++ kernel (csrc/quant_kernels.cpp: activations quantized per
-block to 8 bits, integer dot products, as llama.cpp does) where it takes the type; otherwise it
-dequantizes a tile of rows at a time (never the whole matrix) and uses F.linear.
-At prefill sizes (PREFILL_MIN_ROWS rows of x or more) the integer kernel is compute-bound and
-torch's oneDNN bf16 GEMM is faster: there the C++ kernel dequantizes a tile of output rows to
-bf16 (~4 MB) at a time and oneDNN multiplies it with x rounded to bf16 (benchmarks/NOTES.md,
-issue 38 prefill: 1.3-1.5x at 256-512 rows; the accuracy against float32 is measured there).
+apply() multiplies each with quant_matmul, on one of three CPU paths: the C++ integer kernel
+(csrc/quant_kernels.cpp: activations quantized per block to 8 bits, integer dot products, as
+llama.cpp does), or the blocks dequantized a tile of output rows (~4 MB) at a time to bf16 for
+oneDNN or to float32 for torch's float32 GEMM. Which path a call takes is measured at start per
+matrix shape and row count (layers/gemm_select.py): the integer kernel is memory-bound at decode
+sizes and wins there; at prefill sizes the winner depends on the machine.
 
 On a CUDA device (on_triton_device) the same blocks go to the Triton kernels instead
 (triton_gguf.py: a fused dequantize-matmul for few rows of x, a dequantized tile and the vendor
@@ -26,20 +25,19 @@ after load is then about the file's size."""
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
-from typing import Any, Dict, FrozenSet, List, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from radixserve.layers import cpu_kernels
+from radixserve.layers import cpu_kernels, gemm_select
 from radixserve.layers.quantization.base import LinearMethodBase
 
-FALLBACK_TILE_ROWS = 256  # rows dequantized at once by the torch fallback
-# Rows of x from which the dequantize-to-bf16 + oneDNN path beats the integer kernel (measured on
-# Qwen2.5-1.5B's shapes: level at 64 rows, 1.3x at 128-256; benchmarks/cpu/quant_gemm.py)
-PREFILL_MIN_ROWS = 128
-PREFILL_TILE_BYTES = 4 << 20  # bf16 bytes of weight dequantized at once on that path
+logger = logging.getLogger(__name__)
+
+PREFILL_TILE_BYTES = 4 << 20  # bytes of weight dequantized at once by the bf16 and float32 paths
 # The ggml types triton_gguf.py multiplies (Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K Q4_K Q5_K Q6_K):
 # here, so a loader can ask without importing triton
 TRITON_TYPES = frozenset({2, 3, 6, 7, 8, 10, 11, 12, 13, 14})
@@ -172,35 +170,127 @@ class GGUFLinearMethod(LinearMethodBase):
 
 
 def quant_matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
-    """float32 x [M, K] @ w^T: the C++ kernel where it takes w's type, else the torch fallback,
-    a tile of rows at a time, so the float32 matrix never exists whole. On a GPU: the Triton
-    kernels, in x's dtype."""
+    """float32 x [M, K] @ w^T on the path the start-up measurement chose for w's shape and M rows
+    (layers/gemm_select.py: the integer kernel, or a tile at a time dequantized to bf16 or float32
+    for torch's GEMM; the float32 matrix never exists whole). On a GPU: the Triton kernels, in
+    x's dtype."""
     if on_triton_device(x):
         if w.qtype not in TRITON_TYPES:  # the loader keeps only these in blocks on a GPU
             raise ValueError(f"{type_name(w.qtype)} blocks on a GPU: no Triton kernel for them")
         return triton_kernels().gguf_matmul(x, w.data, w.qtype, w.cols)
-    if w.qtype in kernel_types():
-        ops = cpu_kernels.get()
-        if x.shape[0] >= PREFILL_MIN_ROWS and ops.has_bf16_gemm():  # oneDNN's bf16 needs AVX512_BF16 to be fast
-            return dequantized_bf16_matmul(ops, x, w)
-        return ops.quant_linear(x, w.data, w.qtype, w.cols)
-    out = x.new_empty(x.shape[0], w.shape[0])
-    for r in range(0, w.shape[0], FALLBACK_TILE_ROWS):
-        tile = w.narrow(0, r, min(FALLBACK_TILE_ROWS, w.shape[0] - r)).dequantize()
-        out[:, r : r + tile.shape[0]] = F.linear(x, tile)
-    return out
+    available = cpu_paths(w.qtype)
+    path = gemm_select.current_plan().path(gemm_shape(w), x.shape[0], available)
+    return CPU_PATHS[path](x, w)
 
 
-def dequantized_bf16_matmul(ops: Any, x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
-    """The prefill path: x rounded to bf16 once, the weight dequantized to bf16 a tile of output
-    rows at a time (the C++ kernel's unpacking) and multiplied by oneDNN; float32 out."""
+def gemm_shape(w: QuantizedWeight) -> gemm_select.GemmShape:
+    return gemm_select.GemmShape(type_name(w.qtype), w.cols, w.shape[0])
+
+
+def cpu_paths(qtype: int) -> Tuple[str, ...]:
+    """The paths that can multiply blocks of this type here, the default (unmeasured) one first."""
+    if qtype in kernel_types():
+        return ("int8", "f32", "onednn_bf16")
+    return ("f32",)
+
+
+def int8_matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """The C++ integer kernel: x quantized to 8 bits per block, integer dot products."""
+    return cpu_kernels.get().quant_linear(x, w.data, w.qtype, w.cols)
+
+
+def dequantized_bf16_matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """x rounded to bf16 once, the weight dequantized to bf16 a tile of output rows at a time (the
+    C++ kernel's unpacking) and multiplied by oneDNN; float32 out."""
+    ops = cpu_kernels.get()
     xb = x.to(torch.bfloat16)
+    return _tiled(x, w, 2, lambda rows: F.linear(xb, ops.quant_dequantize_bf16(rows.data, w.qtype, w.cols)))
+
+
+def dequantized_f32_matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """The weight dequantized to float32 a tile of output rows at a time (the C++ kernel's
+    unpacking where it takes the type, else the gguf package's), torch's float32 GEMM."""
+    ops = cpu_kernels.get()
+    fast = ops is not None and hasattr(ops, "quant_dequantize_f32") and w.qtype in kernel_types()
+
+    def tile(rows: QuantizedWeight) -> torch.Tensor:
+        weight = ops.quant_dequantize_f32(rows.data, w.qtype, w.cols) if fast else rows.dequantize()
+        return F.linear(x, weight)
+
+    return _tiled(x, w, 4, tile)
+
+
+def _tiled(x: torch.Tensor, w: QuantizedWeight, elem_bytes: int, matmul_rows) -> torch.Tensor:
+    """matmul_rows(a QuantizedWeight of some output rows) for tiles of ~PREFILL_TILE_BYTES of
+    dequantized weight, into one float32 [M, N]."""
     n = w.shape[0]
-    tile = max(16, PREFILL_TILE_BYTES // (2 * w.cols) // 16 * 16)
+    tile = max(16, PREFILL_TILE_BYTES // (elem_bytes * w.cols) // 16 * 16)
     if tile >= n:
-        return F.linear(xb, ops.quant_dequantize_bf16(w.data, w.qtype, w.cols)).float()
-    out = x.new_empty(x.shape[0], n)
+        return matmul_rows(w).float()
+    out = x.new_empty(x.shape[0], n, dtype=torch.float32)
     for r in range(0, n, tile):
         rows = min(tile, n - r)
-        out[:, r : r + rows] = F.linear(xb, ops.quant_dequantize_bf16(w.data[r : r + rows], w.qtype, w.cols))
+        out[:, r : r + rows] = matmul_rows(w.narrow(0, r, rows))
     return out
+
+
+CPU_PATHS: Dict[str, Callable[[torch.Tensor, QuantizedWeight], torch.Tensor]] = {
+    "int8": int8_matmul, "onednn_bf16": dequantized_bf16_matmul, "f32": dequantized_f32_matmul}
+
+
+def quantized_weights(model: torch.nn.Module) -> List[QuantizedWeight]:
+    """Every matrix of the model kept in GGUF blocks: linear layers' segments, the LM head /
+    embedding, the experts."""
+    found: List[QuantizedWeight] = []
+    for m in model.modules():
+        method = getattr(m, "quant_method", None)
+        if isinstance(method, GGUFLinearMethod):
+            found += [QuantizedWeight(s.qtype, s.data, m.in_features) for s in method.ordered if s.qtype is not None]
+        blocks = getattr(getattr(m, "weight", None), "gguf_blocks", None)
+        if isinstance(blocks, QuantizedWeight):
+            found.append(blocks)
+        for expert in getattr(m, "expert_blocks", None) or ():
+            found += [w for w in expert.values() if isinstance(w, QuantizedWeight)]
+    return found
+
+
+def gemm_candidates(weights: List[QuantizedWeight], seed: int = 0):
+    """For gemm_select.select_paths: the calls of each path on (up to TIMED_MAX_ROWS rows of) the
+    model's own matrix of a shape, with random x of the bucket's rows."""
+    by_shape = {}
+    for w in weights:
+        by_shape.setdefault(gemm_shape(w), w)
+
+    def candidates(shape: gemm_select.GemmShape, rows: int) -> Dict[str, Callable[[], object]]:
+        w = by_shape[shape]
+        w = w.narrow(0, 0, min(w.shape[0], gemm_select.TIMED_MAX_ROWS))
+        x = torch.randn(rows, w.cols, generator=torch.Generator().manual_seed(seed))
+        return {p: functools.partial(CPU_PATHS[p], x, w) for p in cpu_paths(w.qtype)}
+
+    return list(by_shape), candidates
+
+
+def select_cpu_gemm_paths(model: torch.nn.Module, forced: str = "auto") -> Optional[gemm_select.Selection]:
+    """At start, after loading: time the paths of every matrix shape the model keeps in blocks (or
+    read the cached times), install the plan quant_matmul follows, and log what it chose and why.
+    None where there is nothing to choose (no blocks, or on a GPU)."""
+    weights = [w for w in quantized_weights(model) if not on_triton_device(w.data)]
+    gemm_select.set_plan(gemm_select.GemmPlan())  # nothing of an earlier model's choices
+    if not weights:
+        return None
+    if forced != "auto" and not any(forced in cpu_paths(w.qtype) for w in weights):
+        raise ValueError(f"--cpu-gemm-path {forced}: no matrix of this model can take it here "
+                         f"(paths here: {sorted({p for w in weights for p in cpu_paths(w.qtype)})})")
+    shapes, candidates = gemm_candidates(weights)
+    ops = cpu_kernels.get()
+    build = cpu_kernels.extension_name() + (f"/{ops.quant_gemm_isa()}" if ops is not None and hasattr(ops, "quant_gemm_isa") else "")
+    with torch.inference_mode():
+        selection = gemm_select.select_paths(shapes, candidates, build, forced, cache=gemm_select.cache_path())
+    gemm_select.set_plan(selection.plan)
+    how = f"measured in {selection.measured_s:.1f} s" if selection.measured_s else "timings from the cache"
+    forced_note = f"; --cpu-gemm-path {forced} forces it where it applies" if forced != "auto" else ""
+    logger.info("CPU GEMM paths for %d GGUF matrix shapes (%s, %d threads; %s%s):", len(shapes),
+                gemm_select.cpu_model(), torch.get_num_threads(), how, forced_note)
+    for line in gemm_select.summarize(selection):
+        logger.info("  %s", line)
+    return selection
