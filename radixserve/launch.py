@@ -252,6 +252,23 @@ def _uvicorn_server_class() -> Any:
     return DrainingServer
 
 
+def _start_warmup(server_args: ServerArgs, server: Any, tm: Any, state: Dict[str, Any], stopping: Any) -> threading.Thread:
+    """SGLang's warm-up thread (entrypoints/warmup.py): once uvicorn listens, one short request
+    through the HTTP path; /health is 503 until it is answered. If it fails, the server stops
+    with exit code 1."""
+    from radixserve.entrypoints.warmup import wait_and_warmup
+
+    def on_failure(message: str) -> None:
+        logger.error("%s", message)
+        state["exit_code"] = 1
+        server.should_exit = True
+
+    t = threading.Thread(target=wait_and_warmup, args=(server_args, tm, lambda: server.started, stopping, on_failure),
+                         name="warmup", daemon=True)
+    t.start()
+    return t
+
+
 def launch_server(server_args: ServerArgs) -> int:
     """Run the server until SIGINT / SIGTERM (exit code 0) or a child's death (1)."""
     import uvicorn
@@ -335,11 +352,16 @@ def launch_server(server_args: ServerArgs) -> int:
         if stop_requested.is_set():
             return 0
         logger.info("Serving %s on http://%s:%d", tm.served_model_name, server_args.host, server_args.port)
+        run_ended = threading.Event()
+        _start_warmup(server_args, server, tm, state, stopping=lambda: (
+            run_ended.is_set() or server.should_exit or stop_requested.is_set() or tm.draining or tm.dead_reason is not None))
         try:
             server.run()
         except SystemExit as e:  # uvicorn exits when it cannot start (port taken meanwhile)
             if e.code:
                 state["exit_code"] = 1
+        finally:
+            run_ended.set()
         if not server.started and state["exit_code"] == 0 and not stop_requested.is_set():
             state["exit_code"] = 1
         return state["exit_code"]

@@ -191,6 +191,7 @@ class ServerArgs:
     weight_version: str = "default"  # the weights' version in every meta_info (RL: set by weight updates)
     log_level: str = "info"
     skip_tokenizer_init: bool = False
+    skip_server_warmup: bool = False  # no warm-up /generate before /health turns 200 (entrypoints/warmup.py)
     api_key: Optional[str] = None  # every route but /health needs "Authorization: Bearer KEY"
     admin_api_key: Optional[str] = None  # the operations routes need it (entrypoints/admin_auth.py)
     max_request_body_bytes: int = 32 * 1024 * 1024  # larger request bodies get 413
@@ -701,6 +702,8 @@ FLAG_HELP = {
     "weight_version": "version of the served weights, reported in every response's meta_info; weight updates and /update_weight_version set it",
     "log_level": "debug, info, warning or error",
     "skip_tokenizer_init": "no tokenizer: input_ids in, output_ids out",
+    "skip_server_warmup": "do not send the warm-up request (a short /generate, or /encode) that the server runs once "
+                          "it listens and before /health turns 200",
     "api_key": "require 'Authorization: Bearer KEY' on every route but /health",
     "admin_api_key": "the operations routes (weights, LoRA load/unload, release/resume, pause, profile, flush) take "
                      "only 'Authorization: Bearer KEY'; without it they answer only on a loopback --host",

@@ -11,6 +11,7 @@ It also keeps the Prometheus metrics (managers/metrics.py).
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import time
 import uuid
@@ -61,6 +62,14 @@ __all__ = ["ClientDisconnected", "RequestError", "TokenizerManager", "TokenizerM
 DISCONNECT_CHECK_INTERVAL = 0.5  # s between "is the client still there?" checks while waiting
 RPC_TIMEOUT = 60.0  # s to wait for the scheduler's reply to flush / state requests
 RESEND_INTERVAL = 0.05  # s between tries to send control messages the full socket refused
+
+
+class ServerStatus(enum.Enum):
+    """SGLang's: Starting until the warm-up request is answered (entrypoints/warmup.py), then Up;
+    /health answers 503 while Starting."""
+
+    Starting = "Starting"
+    Up = "Up"
 
 
 class ClientDisconnected(Exception):
@@ -127,6 +136,7 @@ class TokenizerManager:
         self.admin = TokenizerAdmin(self)  # memory release, pause, profiling (admin_requests.py)
         self.dead_reason: Optional[str] = None  # set when a child process died
         self.draining = False  # SIGTERM: finish what runs, refuse what comes (503)
+        self.server_status = ServerStatus.Starting  # Up once the warm-up request is answered
         self.created_time = int(time.time())
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._unsent: List[Any] = []  # control messages waiting for room on the socket
@@ -264,12 +274,14 @@ class TokenizerManager:
             raise RequestError("The server is shutting down.", 503, "ServiceUnavailable")
 
     def health_problem(self) -> Optional[str]:
-        """Why /health should answer 503 (a dead child, shutting down, a scheduler whose loop
-        stopped turning), or None."""
+        """Why /health should answer 503 (a dead child, shutting down, still starting, a scheduler
+        whose loop stopped turning), or None."""
         if self.dead_reason is not None:
             return self.dead_reason
         if self.draining:
             return "The server is shutting down."
+        if self.server_status is not ServerStatus.Up:
+            return "The server is starting: its warm-up request has not finished."
         age = time.monotonic() - min(self.last_heartbeat.values())
         # An update from disk holds the scheduler's loop while it reads the checkpoint (generation
         # waits, as documented): a busy scheduler, not a dead one; a dead process still reports

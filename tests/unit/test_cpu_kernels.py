@@ -451,19 +451,3 @@ def test_model_weights_are_packed_once(ops):
     mean_err, mean_err_all_bf16 = (out - ref).abs().mean().item(), (all_bf16 - ref).abs().mean().item()
     assert mean_err < 0.75 * mean_err_all_bf16  # closer than the torch path's bf16 activations
     assert (out.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.9
-
-
-def test_a_lock_left_by_a_killed_build_is_removed(tmp_path):
-    """torch waits without end on a build's lock; one left by a build that was killed (older than
-    any build takes) is removed so the next start builds, while a fresh one (a build running now)
-    is left alone."""
-    import os
-    import time
-
-    lock = tmp_path / "lock"
-    assert not cpu_kernels.remove_stale_lock(tmp_path)  # no lock
-    lock.touch()
-    assert not cpu_kernels.remove_stale_lock(tmp_path) and lock.exists()
-    old = time.time() - cpu_kernels.STALE_LOCK_SECONDS - 1
-    os.utime(lock, (old, old))
-    assert cpu_kernels.remove_stale_lock(tmp_path) and not lock.exists()

@@ -74,10 +74,10 @@ def test_a_stale_heartbeat_is_healthy_only_while_weights_load_from_disk():
     import time
     from types import SimpleNamespace
 
-    from radixserve.managers.tokenizer_manager import TokenizerManager
+    from radixserve.managers.tokenizer_manager import ServerStatus, TokenizerManager
 
     updates = SimpleNamespace(loading_from_disk=False)
-    tm = SimpleNamespace(dead_reason=None, draining=False, last_heartbeat={0: time.monotonic() - 100.0},
+    tm = SimpleNamespace(dead_reason=None, draining=False, server_status=ServerStatus.Up, last_heartbeat={0: time.monotonic() - 100.0},
                          server_args=SimpleNamespace(health_check_timeout=20.0), weight_updates=updates)
     assert "has not reported" in TokenizerManager.health_problem(tm)
     updates.loading_from_disk = True
