@@ -51,9 +51,14 @@ CONFIGS: Dict[str, Tuple[Dict[str, str], Optional[int]]] = {
     "spin100k": ({"GOMP_SPINCOUNT": "100000"}, None),
     "active": ({"OMP_WAIT_POLICY": "ACTIVE"}, None),
     "threads1": ({}, 1),
+    # the C++ kernels' static division (at::parallel_for) instead of parallel_for_dynamic
+    "static": ({"RADIXSERVE_PARALLEL_STATIC": "1"}, None),
+    # what the engine sets by default (radixserve/__init__.py), not overridden
+    "engine": ({"RADIXSERVE_OMP_DEFAULTS": "1"}, None),
 }
 # Variables a configuration must not inherit from the caller (each config sets its own).
-POLICY_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS", "OMP_PROC_BIND", "OMP_SCHEDULE")
+POLICY_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS", "OMP_PROC_BIND", "OMP_SCHEDULE",
+               "RADIXSERVE_PARALLEL_STATIC", "RADIXSERVE_OMP_DEFAULTS")
 
 
 # ---- worker ----------------------------------------------------------------------------------
