@@ -47,12 +47,15 @@ CONFIGS: Dict[str, Tuple[Dict[str, str], Optional[int]]] = {
     "default": ({}, None),
     "passive": ({"OMP_WAIT_POLICY": "PASSIVE"}, None),
     "spin0": ({"GOMP_SPINCOUNT": "0"}, None),
+    "spin1k": ({"GOMP_SPINCOUNT": "1000"}, None),
+    "spin3k": ({"GOMP_SPINCOUNT": "3000"}, None),
     "spin10k": ({"GOMP_SPINCOUNT": "10000"}, None),
     "spin100k": ({"GOMP_SPINCOUNT": "100000"}, None),
     "active": ({"OMP_WAIT_POLICY": "ACTIVE"}, None),
     "threads1": ({}, 1),
     # the C++ kernels' static division (at::parallel_for) instead of parallel_for_dynamic
     "static": ({"RADIXSERVE_PARALLEL_STATIC": "1"}, None),
+    "passive_static": ({"OMP_WAIT_POLICY": "PASSIVE", "RADIXSERVE_PARALLEL_STATIC": "1"}, None),
     # what the engine sets by default (radixserve/__init__.py), not overridden
     "engine": ({"RADIXSERVE_OMP_DEFAULTS": "1"}, None),
 }
