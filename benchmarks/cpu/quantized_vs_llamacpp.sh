@@ -5,6 +5,8 @@
 #
 #   bash benchmarks/cpu/quantized_vs_llamacpp.sh            # Qwen2.5-Coder-1.5B-Instruct Q4_K_M
 #   MODEL=qwen2.5-coder-0.5b ENGINES="llamacpp radixserve" bash benchmarks/cpu/quantized_vs_llamacpp.sh
+#   BUSY="0 1" bash benchmarks/cpu/quantized_vs_llamacpp.sh   # each workload quiet, then beside a busy
+#                                                              # process pinned to one core (tag "+busy")
 #
 # Engines: llamacpp (llama-server on the file: its own quantized kernels), radixserve (default
 # flags: --quantization auto keeps the blocks), radixserve-dequant (--quantization none: the file
@@ -28,6 +30,7 @@ ONE_USER_PROMPTS=${ONE_USER_PROMPTS:-8}
 NUM_PROMPTS=${NUM_PROMPTS:-32}
 CONCURRENCY=${CONCURRENCY:-16}
 PORT=${PORT:-18090}
+BUSY=${BUSY:-0}  # "0 1": each workload quiet and then with a competing busy process on core 1
 OUT=${OUT:-$REPO/benchmarks/cpu/quantized_vs_llamacpp.jsonl}
 
 GGUF=$("$PYTHON" "$REPO/benchmarks/cpu/fetch_gguf.py" "$MODEL" | tail -n 1)
@@ -66,6 +69,12 @@ for engine in $ENGINES; do
   log "starting $engine on $(basename "$GGUF")"
   start "$engine"
   for workload in $WORKLOADS; do
+   for busy in $BUSY; do
+    suffix=
+    if [[ $busy = 1 ]]; then  # another program using one core fully, as on a laptop or a shared VM
+      taskset -c 1 "$PYTHON" -c "while True: pass" & BUSY_PID=$!
+      suffix=+busy
+    fi
     case $workload in
       one-user) args=(--num-prompts "$ONE_USER_PROMPTS" --max-concurrency 1) ;;
       concurrent) args=(--num-prompts "$NUM_PROMPTS" --max-concurrency "$CONCURRENCY") ;;
@@ -73,11 +82,13 @@ for engine in $ENGINES; do
     log "bench $engine/$workload"
     (cd "$REPO" && "$PYTHON" -m radixserve.cli bench serving --backend openai --base-url "http://127.0.0.1:$PORT" \
       --tokenizer "$GGUF" --dataset-name random --random-input-len "$INPUT_LEN" --random-output-len "$OUTPUT_LEN" \
-      --random-range-ratio 1.0 --seed 1 --disable-tqdm --output-file "$OUT" --tag "$MODEL/$engine/$workload" \
+      --random-range-ratio 1.0 --seed 1 --disable-tqdm --output-file "$OUT" --tag "$MODEL/$engine/$workload$suffix" \
       "${args[@]}") | grep -E "Output token throughput|Mean TTFT|Mean ITL" || true
     rss=$(tree_rss_mb "$SERVER_PID")
     log "$engine/$workload: server RSS $rss MB"
-    echo "{\"tag\": \"$MODEL/$engine/$workload\", \"server_rss_mb\": $rss, \"ctx\": $CTX}" >> "${OUT%.jsonl}_rss.jsonl"
+    echo "{\"tag\": \"$MODEL/$engine/$workload$suffix\", \"server_rss_mb\": $rss, \"ctx\": $CTX}" >> "${OUT%.jsonl}_rss.jsonl"
+    if [[ $busy = 1 ]]; then kill "$BUSY_PID"; wait "$BUSY_PID" 2>/dev/null || true; fi
+   done
   done
   kill -- -"$SERVER_PID" 2>/dev/null || kill "$SERVER_PID"; wait "$SERVER_PID" 2>/dev/null || true
   sleep 2

@@ -7,10 +7,14 @@
 // Every kernel computes in float32 and reads/writes float32, bfloat16 or float16 tensors (the bf16
 // GEMM and the decode attention over a bf16 pool multiply bf16 operands on vdpbf16ps, summing in
 // float32; that attention splits its float32 operands in bf16 hi + lo halves).
-// Parallel loops use at::parallel_for, i.e. torch's own OpenMP thread pool.
+// Parallel loops run on torch's own OpenMP thread pool: the attention, norm, rotary and activation
+// kernels through parallel_for_dynamic (parallel.h: chunks from an atomic counter, so a thread whose
+// core another process took does not hold each region up), the bf16 GEMM through at::parallel_for.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+
+#include "parallel.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -396,7 +400,7 @@ void shared_prefix_partials(const TQ* qp, int64_t qs0, int64_t qs1, int64_t B, i
                             const TKV* kp, const TKV* vp, int64_t ks0, int64_t vs0, const int32_t* slots, int64_t P,
                             float scale, float* part_acc, float* part_ml, int64_t ntot, int64_t first) {
   const int64_t G = H / Hkv, chunks = ceil_div(P, kSharedChunk), nrows = B * G;
-  at::parallel_for(0, Hkv * chunks, 1, [&](int64_t begin, int64_t end) {
+  radixserve::parallel_for_dynamic(Hkv * chunks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(nrows * D), acc(nrows * D), m(nrows), l(nrows), kt(D * 16), vt(16 * D), krow(D);
     std::vector<float> pbuf(kTileRows * 16);
     for (int64_t item = begin; item < end; ++item) {
@@ -492,7 +496,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
   const bool fast_bf16 = false;
 #endif
 
-  at::parallel_for(0, B * nsplit, 1, [&](int64_t begin, int64_t end) {
+  radixserve::parallel_for_dynamic(B * nsplit, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(H * D), acc(H * D), m(H), l(H), s(H * kBlockTokens), row(Hkv * D);
     std::vector<float> kf(fast ? 16 * Hkv * D : 0), vf(fast ? 16 * Hkv * D : 0);
 #if defined(__AVX512BF16__)
@@ -618,7 +622,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
   });
   if (ntot == 1) return;
 
-  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+  radixserve::parallel_for_dynamic(B * H, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> res(D);
     for (int64_t bh = begin; bh < end; ++bh) {
       const float* ml = part_ml.data() + bh * ntot * 2;
@@ -709,48 +713,47 @@ void extend_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
   for (int64_t r = 0; r < R; ++r)
     for (int64_t i0 = 0; i0 < ext[r]; i0 += kExtTokens)
       for (int64_t g = 0; g < Hkv; ++g) items.push_back({r, i0, g});
-  const int64_t nthreads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items.size()));
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
-  at::parallel_for(0, nthreads, 1, [&](int64_t t_begin, int64_t t_end) {
+  // Items from an atomic counter (their costs differ: a later chunk of a request sees more keys).
+  radixserve::parallel_for_dynamic(static_cast<int64_t>(items.size()), 1, [&](int64_t i_begin, int64_t i_end) {
     const int64_t nrows = kExtTokens * G;  // (token, head) rows of an item: row = token * G + head
     std::vector<float> qf(nrows * D), acc(nrows * D), m(nrows), l(nrows), kt(D * 16), vt(16 * D), krow(D);
     std::vector<float> pbuf(kTileRows * 16);
     TileRows rows{kt.data(), vt.data(), D, pbuf.data()};
-    for (int64_t tid = t_begin; tid < t_end; ++tid)
-      for (size_t it = tid; it < items.size(); it += nthreads) {
-        const int64_t r = items[it][0], i0 = items[it][1], g = items[it][2];
-        const int64_t nq = std::min<int64_t>(kExtTokens, ext[r] - i0), p0 = pre[r] + i0, nkeys = p0 + nq;
-        const int32_t* slots = r2t + pool_rows[r] * r2t_s0;
-        for (int64_t i = 0; i < nq; ++i)
-          for (int64_t h = 0; h < G; ++h) {
-            float* dst = qf.data() + (i * G + h) * D;
-            load_row(qp + (qs[r] + i0 + i) * qs0 + (g * G + h) * qs1, dst, D);
-            scale_row(dst, static_cast<float>(scale), D);
-          }
-        std::fill(acc.begin(), acc.end(), 0.f);
-        std::fill(m.begin(), m.end(), neg_inf);
-        std::fill(l.begin(), l.end(), 0.f);
-        for (int64_t k0 = 0; k0 < nkeys; k0 += 16) {
-          const int64_t nk = std::min<int64_t>(16, nkeys - k0);
-          load_kv_tile(kp + g * D, vp + g * D, ks0, vs0, slots + k0, nk, D, krow.data(), kt.data(), vt.data());
-          for (int64_t i = 0; i < nq; ++i) {
-            const int64_t visible = std::min<int64_t>(nk, p0 + i - k0 + 1);  // causal: keys <= its position
-            if (visible <= 0) continue;
-            for (int64_t h = 0; h < G; ++h) {
-              const int64_t row = i * G + h;
-              rows.add(qf.data() + row * D, acc.data() + row * D, &m[row], &l[row], visible);
-            }
-          }
-          rows.flush();
+    for (int64_t it = i_begin; it < i_end; ++it) {
+      const int64_t r = items[it][0], i0 = items[it][1], g = items[it][2];
+      const int64_t nq = std::min<int64_t>(kExtTokens, ext[r] - i0), p0 = pre[r] + i0, nkeys = p0 + nq;
+      const int32_t* slots = r2t + pool_rows[r] * r2t_s0;
+      for (int64_t i = 0; i < nq; ++i)
+        for (int64_t h = 0; h < G; ++h) {
+          float* dst = qf.data() + (i * G + h) * D;
+          load_row(qp + (qs[r] + i0 + i) * qs0 + (g * G + h) * qs1, dst, D);
+          scale_row(dst, static_cast<float>(scale), D);
         }
-        for (int64_t i = 0; i < nq; ++i)
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(m.begin(), m.end(), neg_inf);
+      std::fill(l.begin(), l.end(), 0.f);
+      for (int64_t k0 = 0; k0 < nkeys; k0 += 16) {
+        const int64_t nk = std::min<int64_t>(16, nkeys - k0);
+        load_kv_tile(kp + g * D, vp + g * D, ks0, vs0, slots + k0, nk, D, krow.data(), kt.data(), vt.data());
+        for (int64_t i = 0; i < nq; ++i) {
+          const int64_t visible = std::min<int64_t>(nk, p0 + i - k0 + 1);  // causal: keys <= its position
+          if (visible <= 0) continue;
           for (int64_t h = 0; h < G; ++h) {
-            float* a = acc.data() + (i * G + h) * D;
-            scale_row(a, 1.f / l[i * G + h], D);
-            store_row(a, op + (qs[r] + i0 + i) * os0 + (g * G + h) * os1, D);
+            const int64_t row = i * G + h;
+            rows.add(qf.data() + row * D, acc.data() + row * D, &m[row], &l[row], visible);
           }
+        }
+        rows.flush();
       }
+      for (int64_t i = 0; i < nq; ++i)
+        for (int64_t h = 0; h < G; ++h) {
+          float* a = acc.data() + (i * G + h) * D;
+          scale_row(a, 1.f / l[i * G + h], D);
+          store_row(a, op + (qs[r] + i0 + i) * os0 + (g * G + h) * os1, D);
+        }
+    }
   });
 }
 
@@ -797,7 +800,7 @@ void store_kv(at::Tensor k_buf, at::Tensor v_buf, const at::Tensor& loc_in, cons
   const int64_t bytes = row * k.element_size();
   char *kb = static_cast<char*>(k_buf.data_ptr()), *vb = static_cast<char*>(v_buf.data_ptr());
   const char *ks = static_cast<const char*>(k.data_ptr()), *vs = static_cast<const char*>(v.data_ptr());
-  at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
+  radixserve::parallel_for_dynamic(n, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       std::memcpy(kb + lp[i] * bytes, ks + i * bytes, bytes);
       std::memcpy(vb + lp[i] * bytes, vs + i * bytes, bytes);
@@ -824,7 +827,7 @@ void rmsnorm_impl(const at::Tensor& x, const at::Tensor* residual, const at::Ten
     const at::Tensor wf = weight.to(at::kFloat).contiguous();
     std::memcpy(w.data(), wf.data_ptr<float>(), N * sizeof(float));
   }
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  radixserve::parallel_for_dynamic(rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> a(N), r(N);
     for (int64_t i = begin; i < end; ++i) {
       load_row(xp + i * N, a.data(), N);
@@ -871,7 +874,7 @@ void rotary_impl(const at::Tensor& x, const int64_t* pos, const float* cos, cons
   const int64_t xs0 = x.stride(0), xs1 = x.stride(1);
   const T* xp = x.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  at::parallel_for(0, Tn * Hn, 64, [&](int64_t begin, int64_t end) {
+  radixserve::parallel_for_dynamic(Tn * Hn, 64, [&](int64_t begin, int64_t end) {
     std::vector<float> a(D), o(D);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t t = i / Hn, h = i % Hn;
@@ -920,7 +923,7 @@ void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
   const int64_t d = out.size(-1), rows = out.numel() / d;
   const T* xp = x.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+  radixserve::parallel_for_dynamic(rows, 8, [&](int64_t begin, int64_t end) {
     std::vector<float> g(d), u(d);
     for (int64_t i = begin; i < end; ++i) {
       load_row(xp + i * 2 * d, g.data(), d);
@@ -945,6 +948,19 @@ at::Tensor silu_and_mul(const at::Tensor& x_in) {
   DISPATCH_FLOAT_TYPES(x.scalar_type(), "silu_and_mul",
                                   [&] { silu_and_mul_impl<scalar_t>(x, out); });
   return out;
+}
+
+// ---- for tests: how many times parallel_for_dynamic visits each of n items (each must be 1) ----
+at::Tensor parallel_for_visits(int64_t n, int64_t grain) {
+  at::Tensor counts = at::zeros({n}, at::kInt);
+  int32_t* c = counts.data_ptr<int32_t>();
+  radixserve::parallel_for_dynamic(n, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+#pragma omp atomic
+      c[i] += 1;
+    }
+  });
+  return counts;
 }
 
 // ---- small-batch bf16 linear layers: y = x @ W^T on AVX512_BF16 ---------------------------------
@@ -1313,6 +1329,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_linear", &bf16_linear, "y = x @ W^T (+ bias) with a packed bf16 weight", py::arg("x"), py::arg("packed"),
         py::arg("out_features"), py::arg("bias") = py::none());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
+  m.def("parallel_for_visits", &parallel_for_visits, "visits per item of parallel_for_dynamic (tests)");
   m.def("refine_top_logits", &refine_top_logits, "recompute each row's k largest logits from float32 hidden states");
   m.def("fused_moe_bf16", &fused_moe_bf16, "a MoE layer's experts over their routed tokens, packed bf16 weights",
         py::arg("x"), py::arg("w13"), py::arg("w2"), py::arg("topk_weights"), py::arg("topk_ids"), py::arg("inter"));

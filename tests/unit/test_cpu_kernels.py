@@ -451,3 +451,36 @@ def test_model_weights_are_packed_once(ops):
     mean_err, mean_err_all_bf16 = (out - ref).abs().mean().item(), (all_bf16 - ref).abs().mean().item()
     assert mean_err < 0.75 * mean_err_all_bf16  # closer than the torch path's bf16 activations
     assert (out.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.9
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("n,grain", [(1, 1), (7, 1), (64, 1), (1000, 1), (1000, 16), (37, 8), (5, 100)])
+def test_parallel_for_dynamic_visits_every_item_once(ops, threads, n, grain):
+    """parallel_for_dynamic (csrc/parallel.h) hands out chunks from an atomic counter: every item
+    is run by exactly one thread, whatever the thread count (3 on a 2-core machine too) or chunking."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        counts = ops.parallel_for_visits(n, grain)
+    finally:
+        torch.set_num_threads(before)
+    assert counts.tolist() == [1] * n
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_decode_attention_does_not_depend_on_the_thread_count(ops, threads):
+    """Each work item of the decode kernel is computed alone, so the dynamic division gives the
+    same bits with 1, 2 or 3 threads (the split count depends on threads only through nsplit:
+    a batch of 16 is enough items that nsplit stays 1)."""
+    seq_lens = [5, 40, 130, 300] * 4
+    fb, q, k, v, layer = make_attention_batch(ForwardMode.DECODE, [s - 1 for s in seq_lens], [1] * len(seq_lens),
+                                              8, 2, 64, 1, seed=3, dtype=torch.float32)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        ref, _ = _run_both(fb, q, k, v, layer)
+        torch.set_num_threads(threads)
+        out, _ = _run_both(fb, q, k, v, layer)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(out, ref)
