@@ -853,6 +853,13 @@ inline float h2f(const uint8_t* p) {
   return _cvtsh_ss(v);
 }
 inline __m256i ld256(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+// A loaded vector kept in a register (as in the AVX-512 section): stops GCC from hoisting every
+// load of an unrolled loop to the top, where they no longer fit in 16 registers and spill.
+template <typename V>
+inline V in_reg(V v) {
+  __asm__("" : "+x"(v));
+  return v;
+}
 inline void st256(void* p, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
 
 inline float hsum8(__m256 v) {
@@ -1046,10 +1053,10 @@ __attribute__((always_inline)) inline void dot_unit(const uint8_t* w, const int8
   if constexpr (is_kq(T)) {
     __m256i iacc[C];
     for (int c = 0; c < C; ++c) iacc[c] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-    for (int k = 0; k < 8; ++k) {
-      const __m256i wv = _mm256_load_si256(reinterpret_cast<const __m256i*>(w + 32 * k));
-      const __m256i sv = _mm256_load_si256(reinterpret_cast<const __m256i*>(w + 256 + 32 * k));
+#pragma GCC unroll 1
+    for (int k = 0; k < 8; ++k) {  // not unrolled: see in_reg
+      const __m256i wv = in_reg(_mm256_load_si256(reinterpret_cast<const __m256i*>(w + 32 * k)));
+      const __m256i sv = in_reg(_mm256_load_si256(reinterpret_cast<const __m256i*>(w + 256 + 32 * k)));
 #pragma GCC unroll 4
       for (int c = 0; c < C; ++c)
         iacc[c] = _mm256_add_epi32(iacc[c], _mm256_madd_epi16(_mm256_maddubs_epi16(wv, ld256(a[c] + 32 * k)), sv));
@@ -1153,14 +1160,15 @@ inline void mk_kq(const uint8_t* const* uw, const float* const* udw, const int8_
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
       for (int c = 0; c < C; ++c) iacc[r][c] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-    for (int k = 0; k < 8; ++k) {
+#pragma GCC unroll 1
+    for (int k = 0; k < 8; ++k) {  // not unrolled: GCC hoists the loads of all chunks and spills
       __m256i wv[R];
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) wv[r] = _mm256_load_si256(reinterpret_cast<const __m256i*>(uw[r] + s * 512 + 32 * k));
+      for (int r = 0; r < R; ++r)
+        wv[r] = in_reg(_mm256_load_si256(reinterpret_cast<const __m256i*>(uw[r] + s * 512 + 32 * k)));
 #pragma GCC unroll 4
       for (int c = 0; c < C; ++c) {
-        const __m256i a = ld256(aq[c] + s * 256 + 32 * k);
+        const __m256i a = in_reg(ld256(aq[c] + s * 256 + 32 * k));
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
           const __m256i sv = _mm256_load_si256(reinterpret_cast<const __m256i*>(uw[r] + s * 512 + 256 + 32 * k));
@@ -1190,17 +1198,18 @@ inline void mk32(const uint8_t* const* uw, const float* const* udw, const int8_t
 #pragma GCC unroll 4
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_loadu_ps(F[r * C + c]);
   const __m256i ones = _mm256_set1_epi16(1);
+#pragma GCC unroll 1
   for (int64_t b = 0; b < nu; ++b) {
     __m256i wv[R];
     __m256 dw[R];
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-      wv[r] = _mm256_load_si256(reinterpret_cast<const __m256i*>(uw[r] + b * UW));
+      wv[r] = in_reg(_mm256_load_si256(reinterpret_cast<const __m256i*>(uw[r] + b * UW)));
       dw[r] = _mm256_broadcast_ss(udw[r] + b);
     }
 #pragma GCC unroll 4
     for (int c = 0; c < C; ++c) {
-      const __m256i a = ld256(aq[c] + b * 32);
+      const __m256i a = in_reg(ld256(aq[c] + b * 32));
       const __m256 da = _mm256_broadcast_ss(ad[c] + b);
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
@@ -1262,6 +1271,12 @@ void prefill_tiles(const uint8_t* W, int64_t ldw, int64_t t0, int64_t t1, int64_
     for (int64_t tile = t0; tile < t1; ++tile) {
       const int64_t n0 = tile * NT, nr = std::min(NT, N - n0);
       std::fill(Fb.get(), Fb.get() + NT * MC * 8, 0.f);
+      if (tile + 1 < t1) {  // the next tile's weight rows towards L2 while this one computes
+        const int64_t nn = std::min(NT, N - n0 - NT);
+        for (int64_t r = 0; r < nn; ++r)
+          for (int64_t b = 0; b < nunits * type_size(T); b += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(W + (n0 + NT + r) * ldw + b), _MM_HINT_T1);
+      }
       for (int64_t u0 = 0; u0 < nunits; u0 += UC) {
         const int64_t uc = std::min(UC, nunits - u0);
         for (int64_t r = 0; r < nr; ++r) {
