@@ -1,8 +1,15 @@
 // GGUF-quantized linear layers on the CPU (issue 38): y = x @ dequantize(W)^T with W kept in its
 // GGUF blocks, computed the way llama.cpp does it: every row of x quantized to 8 bits per block
 // (once per call, into a scratch buffer), then integer dot products of the weight's unsigned
-// 4/5/6/8-bit values with the signed 8-bit activations (AVX512-VNNI vpdpbusd), scaled by the
-// blocks' float scales and summed in float32.
+// 4/5/6/8-bit values with the signed 8-bit activations, scaled by the blocks' float scales and
+// summed in float32. Two builds of the same numerics (quant_gemm_isa() says which one runs):
+//   - AVX512-VNNI (vpdpbusd; the sections below up to "AVX2"), 64-byte vectors;
+//   - AVX2 + FMA + F16C (vpmaddubsw + vpmaddwd; the "AVX2" section), 32-byte vectors: the same
+//     activation quantization, the same exact int32 sums per block / super-block, the same
+//     offset / min terms (except Q8_0, whose signed products need no offset there: llama.cpp's
+//     sign trick), so the results differ only in the order of the float32 additions.
+// Without either, has_quant_gemm() is false and quant_linear refuses. quant_dequantize_f32 (and,
+// without AVX-512, quant_dequantize_bf16) is portable code built on every ISA.
 //
 // Supported ggml types (ids): Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8 (blocks of 32) and Q4_K=12,
 // Q5_K=13, Q6_K=14 (super-blocks of 256). The bit layouts are those of the gguf package's
@@ -14,16 +21,17 @@
 //     to even; q = 0 where amax = 0), and the block's sum of q (llama.cpp's Q8_0 / Q8_1 with a
 //     float32 d).
 //   - K-quants: the same per 256 values (llama.cpp's Q8_K), with the sums of q per 16 values.
-// Weights: the unsigned values (Q4: 0..15, Q5: 0..31, Q6_K: 0..63, Q8_0: w + 128 in 0..255) are
-// vpdpbusd's unsigned operand, the activations the signed one. The constant parts (offsets -8,
-// -16, -32, -128, and the mins of Q4_1 / Q5_1 / Q4_K / Q5_K) are not in the integer products:
-// they are  sum over blocks (or sub-blocks) of  wmin[slot] * (d_a * sum(q_a))[slot], a float dot
+// Weights (the AVX-512 build; the AVX2 one is described at its section): the unsigned values
+// (Q4: 0..15, Q5: 0..31, Q6_K: 0..63, Q8_0: w + 128 in 0..255) are vpdpbusd's unsigned operand,
+// the activations the signed one. The constant parts (offsets -8, -16, -32, -128, and the mins
+// of Q4_1 / Q5_1 / Q4_K / Q5_K) are not in the integer products: they are  sum over blocks (or sub-blocks) of  wmin[slot] * (d_a * sum(q_a))[slot], a float dot
 // product of a per-weight-row vector (-off * d, or the min) with a per-activation-row vector,
 // added at the end. The K-quants' integer sub-block scales multiply the vpdpbusd lanes (each
 // lane is 4 products, |lane| < 2^15) with vpdpwssd, so a super-block is one int32 accumulator,
 // scaled once by d_w * d_a.
 //
-// Structure, parallel over output rows (at::parallel_for, torch's OpenMP pool):
+// Structure, parallel over output rows (at::parallel_for, torch's OpenMP pool; the AVX2 build is
+// the same with 8-lane vectors, 4 rows of x per decode pass and K chunks of 2048 values):
 //   - decode (M <= 16 rows of x): each thread streams its weight rows once, in order (software
 //     prefetch 8 KiB ahead); each unit (a group of 4 blocks, or a super-block) is unpacked once
 //     into uint8 lanes in an L1 scratch and used for 8 rows of x at a time (a second group of 8
@@ -1366,6 +1374,61 @@ void quant_gemm(const float* x, int64_t M, int64_t K, const uint8_t* W, int64_t 
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Dequantization to float32 with the unpacking above (quant_dequantize_f32 / _bf16 on AVX2):
+// value = scale * u + min, one fma per value.
+
+// 8 unsigned bytes at u -> scale * u + min
+inline __m256 emit8(const uint8_t* u, __m256 scale, __m256 min) {
+  const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(u))));
+  return _mm256_fmadd_ps(v, scale, min);
+}
+
+template <int64_t T>
+void dequant_row_f32_simd(const uint8_t* row, int64_t K, float* out) {
+  alignas(32) uint8_t w[512];
+  alignas(32) float wm[16];
+  float d = 0.f;
+  for (int64_t u = 0; u < K / unit_values(T); ++u) {
+    float* o = out + u * unit_values(T);
+    unpack_unit<T>(row, u, w, &d, wm);
+    if constexpr (T == Q8_0) {  // the signed values are at w + 32
+      const __m256 dv = _mm256_set1_ps(d);
+      for (int i = 0; i < 32; i += 8)
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                  _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 32 + i)))),
+                                              dv));
+    } else if constexpr (!is_kq(T)) {
+      const __m256 sv = _mm256_set1_ps(d), mv = _mm256_set1_ps(wm[0]);
+      for (int i = 0; i < 32; i += 8) _mm256_storeu_ps(o + i, emit8(w + i, sv, mv));
+    } else {
+      for (int i = 0; i < 256; i += 16) {  // 16 values: one scale (the int16 lanes of the scale vectors)
+        int16_t sc;
+        std::memcpy(&sc, w + 256 + 32 * (i / 32) + (T == Q6_K ? (i % 32) : 0), 2);
+        const __m256 sv = _mm256_set1_ps(d * static_cast<float>(sc));
+        const __m256 mv = _mm256_set1_ps(wm[T == Q6_K ? i / 16 : i / 32]);
+        _mm256_storeu_ps(o + i, emit8(w + i, sv, mv));
+        _mm256_storeu_ps(o + i + 8, emit8(w + i + 8, sv, mv));
+      }
+    }
+  }
+}
+
+// true where done (the AVX2 build); the portable loop otherwise
+bool dequant_row_f32_fast(const uint8_t* row, int64_t K, int64_t qtype, float* out) {
+  switch (qtype) {
+    case Q4_0: dequant_row_f32_simd<Q4_0>(row, K, out); return true;
+    case Q4_1: dequant_row_f32_simd<Q4_1>(row, K, out); return true;
+    case Q5_0: dequant_row_f32_simd<Q5_0>(row, K, out); return true;
+    case Q5_1: dequant_row_f32_simd<Q5_1>(row, K, out); return true;
+    case Q8_0: dequant_row_f32_simd<Q8_0>(row, K, out); return true;
+    case Q4_K: dequant_row_f32_simd<Q4_K>(row, K, out); return true;
+    case Q5_K: dequant_row_f32_simd<Q5_K>(row, K, out); return true;
+    case Q6_K: dequant_row_f32_simd<Q6_K>(row, K, out); return true;
+    default: return false;
+  }
+}
+
 #endif  // RADIXSERVE_QUANT_AVX512 / RADIXSERVE_QUANT_AVX2
 
 // ---------------------------------------------------------------------------------------------
@@ -1383,6 +1446,9 @@ inline float half_bits_to_f32(const uint8_t* p) {
 
 // One row of K values of type qtype -> out[K] (float32).
 void dequant_row_f32(const uint8_t* row, int64_t K, int64_t qtype, float* out) {
+#if defined(RADIXSERVE_QUANT_AVX2)
+  if (dequant_row_f32_fast(row, K, qtype, out)) return;
+#endif
   const QInfo& qi = *find_type(qtype);
   for (int64_t b = 0; b < K / qi.block; ++b) {
     const uint8_t* p = row + b * qi.bytes;
