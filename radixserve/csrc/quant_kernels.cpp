@@ -1244,6 +1244,12 @@ inline void mk(const uint8_t* const* uw, const float* const* udw, const int8_t* 
     mk32<T, R, C>(uw, udw, aq, ad, nu, F);
 }
 
+// The register block of the micro-kernels: RB = 2 weight rows x CB = 4 rows of x (K-quants: 8 int32
+// accumulators, one of them spilled by GCC; 1 x 8 spills nothing but loads each activation vector
+// from L2 for one weight row only, and measured 1.2-1.5x slower on Zen 3).
+constexpr int RB = 2;
+constexpr int CB = 4;
+
 template <int64_t T>
 void mk_dispatch(int rr, int cc, const uint8_t* const* uw, const float* const* udw, const int8_t* const* aq,
                  const float* const* ad, int64_t nu, float* const* F) {
@@ -1259,9 +1265,12 @@ void mk_dispatch(int rr, int cc, const uint8_t* const* uw, const float* const* u
   }
 }
 
-// Prefill: tiles of NT weight rows; for a block of MC rows of x (quantized: held in L2) each
-// tile's rows are unpacked a K chunk at a time into an L1 buffer and used for every row of x in
-// the block (register blocks of 2 weight rows x 4 rows of x).
+// Prefill: K in chunks of KCHUNK values, outermost: for each chunk and block of MC rows of x
+// (their chunk of quantized bytes, MC x 2 KiB, held in L2) the weight rows are taken in tiles of
+// NT, each tile's chunk unpacked once into an L1 buffer and used for every row of x in the block
+// (register blocks of RB weight rows x CB rows of x). Each chunk's partial sums (with its share of
+// the offset / min terms) are added into y, so MC does not shrink with K (the weights are read
+// M / MC times whatever K is).
 template <int64_t T>
 void prefill_tiles(const uint8_t* W, int64_t ldw, int64_t t0, int64_t t1, int64_t N, int64_t M, int64_t MC, int64_t K,
                    const int8_t* Aq, const float* Ad, int64_t nad, const float* Am, int64_t spad, float* y,
@@ -1273,40 +1282,43 @@ void prefill_tiles(const uint8_t* W, int64_t ldw, int64_t t0, int64_t t1, int64_
   auto Udw = aligned_buffer<float>(NT * UC);
   auto Fb = aligned_buffer<float>(NT * MC * 8);
   auto Wm = aligned_buffer<float>(NT * spad);
-  std::fill(Wm.get(), Wm.get() + NT * spad, 0.f);
-  for (int64_t mb = 0; mb < M; mb += MC) {
-    const int64_t mc = std::min(MC, M - mb);
-    for (int64_t tile = t0; tile < t1; ++tile) {
-      const int64_t n0 = tile * NT, nr = std::min(NT, N - n0);
-      std::fill(Fb.get(), Fb.get() + NT * MC * 8, 0.f);
-      if (tile + 1 < t1) {  // the next tile's weight rows towards L2 while this one computes
-        const int64_t nn = std::min(NT, N - n0 - NT);
-        for (int64_t r = 0; r < nn; ++r)
-          for (int64_t b = 0; b < nunits * type_size(T); b += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(W + (n0 + NT + r) * ldw + b), _MM_HINT_T1);
-      }
-      for (int64_t u0 = 0; u0 < nunits; u0 += UC) {
-        const int64_t uc = std::min(UC, nunits - u0);
+  std::fill(Wm.get(), Wm.get() + NT * spad, 0.f);  // the slots past the last unit stay zero
+  for (int64_t u0 = 0; u0 < nunits; u0 += UC) {
+    const int64_t uc = std::min(UC, nunits - u0);
+    // this chunk's offset / min slots (multiples of 8 but at the end: there up to spad, zeros)
+    const int64_t s0 = u0 * SPU, s1 = u0 + uc == nunits ? spad : (u0 + uc) * SPU;
+    for (int64_t mb = 0; mb < M; mb += MC) {
+      const int64_t mc = std::min(MC, M - mb);
+      for (int64_t tile = t0; tile < t1; ++tile) {
+        const int64_t n0 = tile * NT, nr = std::min(NT, N - n0);
+        std::fill(Fb.get(), Fb.get() + NT * MC * 8, 0.f);
+        if (tile + 1 < t1) {  // the next tile's chunk towards L2 while this one computes
+          const int64_t nn = std::min(NT, N - n0 - NT);
+          for (int64_t r = 0; r < nn; ++r)
+            for (int64_t b = 0; b < uc * type_size(T); b += 64)
+              _mm_prefetch(reinterpret_cast<const char*>(W + (n0 + NT + r) * ldw + u0 * type_size(T) + b),
+                           _MM_HINT_T1);
+        }
         for (int64_t r = 0; r < nr; ++r) {
           const uint8_t* row = W + (n0 + r) * ldw;
           for (int64_t u = 0; u < uc; ++u)
             unpack_unit<T>(row, u0 + u, Uw.get() + (r * UC + u) * UW, Udw.get() + r * UC + u,
                            Wm.get() + r * spad + (u0 + u) * SPU);
         }
-        for (int64_t c0 = 0; c0 < mc; c0 += 4) {
-          const int cc = static_cast<int>(std::min<int64_t>(4, mc - c0));
-          const int8_t* aq[4];
-          const float* ad[4];
+        for (int64_t c0 = 0; c0 < mc; c0 += CB) {
+          const int cc = static_cast<int>(std::min<int64_t>(CB, mc - c0));
+          const int8_t* aq[CB];
+          const float* ad[CB];
           for (int c = 0; c < cc; ++c) {
             const int64_t m = mb + c0 + c;
             aq[c] = Aq + m * K + u0 * UV;
             ad[c] = Ad + m * nad + u0;
           }
-          for (int64_t r0 = 0; r0 < nr; r0 += 2) {
-            const int rr = static_cast<int>(std::min<int64_t>(2, nr - r0));
-            const uint8_t* uw[2];
-            const float* udw[2];
-            float* F[8];
+          for (int64_t r0 = 0; r0 < nr; r0 += RB) {
+            const int rr = static_cast<int>(std::min<int64_t>(RB, nr - r0));
+            const uint8_t* uw[RB];
+            const float* udw[RB];
+            float* F[RB * CB];
             for (int r = 0; r < rr; ++r) {
               uw[r] = Uw.get() + (r0 + r) * UC * UW;
               udw[r] = Udw.get() + (r0 + r) * UC;
@@ -1315,12 +1327,14 @@ void prefill_tiles(const uint8_t* W, int64_t ldw, int64_t t0, int64_t t1, int64_
             mk_dispatch<T>(rr, cc, uw, udw, aq, ad, uc, F);
           }
         }
-      }
-      for (int64_t c = 0; c < mc; ++c) {  // the sums + the offsets / mins (wmin . amin)
-        const float* am = Am + (mb + c) * spad;
-        float* yp = y + (mb + c) * ldy + n0;
-        for (int64_t r = 0; r < nr; ++r)
-          yp[r] = hsum8(wmin_dot(Wm.get() + r * spad, am, spad, _mm256_loadu_ps(Fb.get() + (r * MC + c) * 8)));
+        for (int64_t c = 0; c < mc; ++c) {  // the chunk's sums + its offsets / mins (wmin . amin) into y
+          const float* am = Am + (mb + c) * spad + s0;
+          float* yp = y + (mb + c) * ldy + n0;
+          for (int64_t r = 0; r < nr; ++r) {
+            const float v = hsum8(wmin_dot(Wm.get() + r * spad + s0, am, s1 - s0, _mm256_loadu_ps(Fb.get() + (r * MC + c) * 8)));
+            yp[r] = u0 == 0 ? v : yp[r] + v;
+          }
+        }
       }
     }
   }
@@ -1349,8 +1363,8 @@ void quant_gemm_t(const float* x, int64_t M, int64_t K, const uint8_t* W, int64_
     });
     return;
   }
-  // 2. rows of x in blocks of MC (their quantized bytes ~ 256 KiB, half an L2)
-  int64_t MC = (256 * 1024) / std::max<int64_t>(1, K + nad * 4 + spad * 4);
+  // 2. rows of x in blocks of MC (their quantized bytes of a K chunk ~ 256 KiB, half an L2)
+  int64_t MC = (256 * 1024) / (std::min(K, KCHUNK) + 64);
   MC = std::max<int64_t>(4, std::min<int64_t>(256, MC / 4 * 4));
   MC = std::min(MC, (M + 3) / 4 * 4);
   const int64_t ntiles = (N + NT - 1) / NT;
