@@ -932,13 +932,15 @@ inline void unpack_sb_q4k(const uint8_t* p, bool q5, uint8_t* w, float* dw, floa
   utmp[1] = (utmp[2] & kmask2) | (((utmp[0] >> 6) & kmask3) << 4);
   utmp[2] = uaux;
   utmp[0] &= kmask1;  // bytes 0..7: the 8 scales, 8..15: the 8 mins
-  uint8_t sm[16];
-  std::memcpy(sm, utmp, 16);
+  const __m128i sm = _mm_loadu_si128(reinterpret_cast<const __m128i*>(utmp));
+  const __m128i s16 = _mm_cvtepu8_epi16(sm);  // the 8 scales as int16
   uint8_t* sc = w + 256;
-  for (int s = 0; s < 8; ++s) {
-    st256(sc + 32 * s, _mm256_set1_epi16(sm[s]));
-    wmin[s] = static_cast<float>(sm[8 + s]) * -dmin;
+  for (int s = 0; s < 8; ++s) {  // int16 lane s everywhere (a shuffle: no trip through a scalar register)
+    const __m128i b = _mm_shuffle_epi8(s16, _mm_set1_epi16(static_cast<int16_t>(0x0100 + 0x0202 * s)));
+    st256(sc + 32 * s, _mm256_set_m128i(b, b));
   }
+  const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8)));
+  _mm256_storeu_ps(wmin, _mm256_mul_ps(mins, _mm256_set1_ps(-dmin)));
   *dw = d;
   const uint8_t* qs = p + (q5 ? 48 : 16);
   const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
