@@ -971,11 +971,19 @@ inline void unpack_sb_q6k(const uint8_t* p, uint8_t* w, float* dw, float* wmin) 
     st256(o + 96, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
                                   _mm256_and_si256(_mm256_srli_epi16(q, 2), m30)));
   }
-  const int8_t* s = reinterpret_cast<const int8_t*>(p + 192);  // one signed scale per 16 values
+  const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192));  // a signed scale per 16 values
+  const __m128i s16[2] = {_mm_cvtepi8_epi16(s8), _mm_cvtepi8_epi16(_mm_srli_si128(s8, 8))};  // scales 0-7, 8-15
   uint8_t* sc = w + 256;
-  for (int k = 0; k < 8; ++k)
-    st256(sc + 32 * k, _mm256_set_m128i(_mm_set1_epi16(s[2 * k + 1]), _mm_set1_epi16(s[2 * k])));
-  for (int i = 0; i < 16; ++i) wmin[i] = static_cast<float>(s[i]) * (-32.f * d);
+  for (int k = 0; k < 8; ++k) {  // [scale 2k x 8 | scale 2k+1 x 8], by shuffles
+    const __m128i v = s16[k / 4];
+    const int j = 2 * (k % 4);
+    const __m128i a = _mm_shuffle_epi8(v, _mm_set1_epi16(static_cast<int16_t>(0x0100 + 0x0202 * j)));
+    const __m128i b = _mm_shuffle_epi8(v, _mm_set1_epi16(static_cast<int16_t>(0x0100 + 0x0202 * (j + 1))));
+    st256(sc + 32 * k, _mm256_set_m128i(b, a));
+  }
+  const __m256 m32 = _mm256_set1_ps(-32.f * d);
+  _mm256_storeu_ps(wmin, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s8)), m32));
+  _mm256_storeu_ps(wmin + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(s8, 8))), m32));
   *dw = d;
 }
 
