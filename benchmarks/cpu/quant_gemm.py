@@ -4,14 +4,21 @@ heads and 2 KV heads of 128):
 
     gate/up  K=1536 N=8960     down  K=8960 N=1536     q/o  K=1536 N=1536     k/v  K=1536 N=256
 
-in Q4_K and Q6_K, for M = 1 and 16 rows of x (decode) and 512 (prefill). Columns:
+in Q4_K and Q6_K, for M = 1 and 16 rows of x (decode) and 128, 512 (prefill). Columns:
 
   quant     quant_linear(x float32, the GGUF blocks): x quantized to 8 bits per block, integer dots
+            (AVX512-VNNI, or AVX2: cpu_kernels.quant_gemm_isa() names the build; in the JSON as "isa")
   torch-bf16  torch.nn.functional.linear with x and the dequantized weight in bf16 (oneDNN)
   deq-bf16  the prefill path of the served layers (M >= 64 here): the blocks dequantized to bf16 a
             tile at a time (cpu_kernels.quant_dequantize_bf16), x rounded to bf16, oneDNN's GEMM
   rs-bf16   the engine's own bf16 GEMM today (cpu_kernels.bf16_linear: float32 x, packed bf16 weight)
+  deq-f32   the blocks dequantized to float32 a tile at a time (cpu_kernels.quant_dequantize_f32,
+            ~4 MB of float32 a tile) + torch's float32 GEMM (M >= 64): the candidate on any CPU
   fp32      torch.nn.functional.linear in float32
+
+Without AVX512_BF16 (cpu_kernels.has_bf16_gemm() false, e.g. AVX2) the bf16 columns do not apply:
+deq-bf16 and rs-bf16 are left out (n/a in the table), torch-bf16 is timed at M <= 16 only (oneDNN's
+bf16 there converts to float32 and is not a path the engine takes), and "x" is fp32 / quant.
 
 Times are the best (and the median) of --reps rounds; in each round the methods take turns, and
 each call gets the next of several copies of its weight, together more than twice the L3 (96 MiB
@@ -23,6 +30,8 @@ Q6_K 6.56, bf16 16). "err" is quant's relative L2 error against fp32 on the dequ
 K-quants); the values do not matter to the times.
 
     OMP_NUM_THREADS=2 python benchmarks/cpu/quant_gemm.py --threads 2,1 --out benchmarks/cpu/quant_gemm.json
+    OMP_NUM_THREADS=2 python benchmarks/cpu/quant_gemm.py --threads 2,1 --ms 1,16,64,256,512 \
+        --out benchmarks/cpu/quant_gemm_avx2.json          (the AVX2 run)
 
 (--threads 2,1: both thread counts in one run and one JSON; on a machine shared with other work,
 two OpenMP threads on two cores wait for each other's time slices, and the 1-thread rows show the
@@ -51,7 +60,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from radixserve.layers import cpu_kernels  # noqa: E402
-from radixserve.layers.quantization.gguf import QuantizedWeight, dequantized_bf16_matmul  # noqa: E402
+from radixserve.layers.quantization.gguf import PREFILL_TILE_BYTES, QuantizedWeight, dequantized_bf16_matmul  # noqa: E402
 
 SHAPES = [("gate/up", 1536, 8960), ("down", 8960, 1536), ("q/o", 1536, 1536), ("k/v", 1536, 256)]
 TYPES = [Q.Q4_K, Q.Q6_K]
@@ -81,6 +90,17 @@ def copies(t: torch.Tensor, budget: int = COLD_BYTES) -> List[torch.Tensor]:
     return [t] + [t.clone() for _ in range(n - 1)]
 
 
+def dequantized_f32_matmul(ops, x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """The blocks dequantized to float32 a tile of output rows at a time, torch's float32 GEMM."""
+    n = w.shape[0]
+    tile = max(16, PREFILL_TILE_BYTES // (4 * w.cols) // 16 * 16)
+    out = x.new_empty(x.shape[0], n)
+    for r in range(0, n, tile):
+        rows = min(tile, n - r)
+        out[:, r : r + rows] = F.linear(x, ops.quant_dequantize_f32(w.data[r : r + rows], w.qtype, w.cols))
+    return out
+
+
 def bench(fns: Dict[str, Callable[[int], object]], reps: int) -> Dict[str, Dict[str, float]]:
     """{name: {best_ms, median_ms}}; fns[name](i) runs call i (i picks the weight copy)."""
     times: Dict[str, List[float]] = {k: [] for k in fns}
@@ -106,15 +126,16 @@ def main() -> None:
     args = ap.parse_args()
     thread_counts = [int(v) for v in str(args.threads).split(",") if v.strip()] or [torch.get_num_threads()]
     ops = cpu_kernels.get()
-    assert ops is not None and ops.has_quant_gemm(), "quant_linear is not built (cpu_kernels, AVX512-VNNI)"
+    assert ops is not None and ops.has_quant_gemm(), "quant_linear is not built (cpu_kernels: AVX512-VNNI or AVX2)"
     rs_bf16 = bool(ops.has_bf16_gemm())
     ms = [int(v) for v in args.ms.split(",")]
     shapes = [s for s in SHAPES if not args.shapes or s[0] in args.shapes.split(",")]
     load0 = os.getloadavg()
 
     rows = []
-    header = (f"{'layer':8} {'type':5} {'M':>4} | {'quant ms':>9} {'deq-bf16':>9} {'torch-bf16':>10} {'rs-bf16':>8} {'fp32':>8} | "
-              f"{'x bf16':>6} | {'GB/s q':>6} {'bf16':>5} {'fp32':>5} | err")
+    header = (f"{'layer':8} {'type':5} {'M':>4} | {'quant ms':>9} {'deq-bf16':>9} {'deq-f32':>9} {'torch-bf16':>10} {'rs-bf16':>8} "
+              f"{'fp32':>8} | {'x ' + ('bf16' if rs_bf16 else 'fp32'):>6} | {'GB/s q':>6} {'bf16':>5} {'fp32':>5} | "
+              f"{'GFLOPS q':>8} {'deq-f32':>7} | err")
     for threads in thread_counts:
         torch.set_num_threads(threads)
         print(f"\nthreads {threads}, load average {os.getloadavg()[0]:.2f}; best of the rounds (ms)")
@@ -124,8 +145,10 @@ def main() -> None:
     load1 = os.getloadavg()
     out = {
         "label": "issue 38",
-        "what": "quant_linear (GGUF blocks, 8-bit activations, AVX512-VNNI) and the prefill path (deq_bf16) vs torch bf16 / the engine's bf16 GEMM / "
-        "fp32 F.linear on the dequantized weight; Qwen2.5-1.5B linear shapes; weights cycled through > 2x L3",
+        "what": "quant_linear (GGUF blocks, 8-bit activations, integer dots) and the prefill paths (deq_bf16, deq_f32) vs torch bf16 / "
+        "the engine's bf16 GEMM / fp32 F.linear on the dequantized weight; Qwen2.5-1.5B linear shapes; weights cycled through > 2x L3",
+        "isa": ops.quant_gemm_isa(),
+        "has_bf16_gemm": rs_bf16,
         "threads": thread_counts,
         "cpu": platform.processor() or platform.machine(),
         "torch": torch.__version__,
@@ -152,13 +175,16 @@ def run_shapes(ops, shapes, ms, reps_arg, rs_bf16, threads) -> list:
                 xb = x.to(torch.bfloat16)
                 fns = {
                     "quant": lambda i: ops.quant_linear(x, wq[i % len(wq)], int(qtype), k),
-                    "torch_bf16": lambda i: F.linear(xb, wb[i % len(wb)]),
                     "fp32": lambda i: F.linear(x, wf[i % len(wf)]),
                 }
+                if rs_bf16 or m <= 16:
+                    fns["torch_bf16"] = lambda i: F.linear(xb, wb[i % len(wb)])
                 if rs_bf16:
                     fns["rs_bf16"] = lambda i: ops.bf16_linear(x, wp[i % len(wp)], n)
-                if m >= 64:  # the prefill path: a bf16 tile dequantized at a time, oneDNN's GEMM
+                if m >= 64 and rs_bf16:  # the prefill path: a bf16 tile dequantized at a time, oneDNN's GEMM
                     fns["deq_bf16"] = lambda i: dequantized_bf16_matmul(ops, x, QuantizedWeight(int(qtype), wq[i % len(wq)], k))
+                if m >= 64:  # a float32 tile dequantized at a time, torch's float32 GEMM
+                    fns["deq_f32"] = lambda i: dequantized_f32_matmul(ops, x, QuantizedWeight(int(qtype), wq[i % len(wq)], k))
                 reps = reps_arg or (30 if m <= 16 else 6)
                 t = bench(fns, reps)
                 y = ops.quant_linear(x, data, int(qtype), k).double()
@@ -171,17 +197,21 @@ def run_shapes(ops, shapes, ms, reps_arg, rs_bf16, threads) -> list:
                     "ms": {name: v for name, v in t.items()},
                 }
                 best = {name: v["best_ms"] for name, v in t.items()}
-                row["gbps_best"] = {"quant": qbytes / best["quant"] / 1e6, "torch_bf16": bbytes / best["torch_bf16"] / 1e6,
-                                    "fp32": fbytes / best["fp32"] / 1e6}
+                nan = float("nan")
+                row["gbps_best"] = {"quant": qbytes / best["quant"] / 1e6, "fp32": fbytes / best["fp32"] / 1e6}
+                if "torch_bf16" in best:
+                    row["gbps_best"]["torch_bf16"] = bbytes / best["torch_bf16"] / 1e6
                 if rs_bf16:
                     row["gbps_best"]["rs_bf16"] = bbytes / best["rs_bf16"] / 1e6
+                row["gflops_best"] = {name: 2 * m * n * k / v / 1e6 for name, v in best.items()}
                 rows.append(row)
-                gb = row["gbps_best"]
-                print(f"{label:8} {qtype.name:5} {m:>4} | {best['quant']:9.3f} {best.get('deq_bf16', float('nan')):9.3f} "
-                      f"{best['torch_bf16']:10.3f} {best.get('rs_bf16', float('nan')):8.3f} {best['fp32']:8.3f} | "
-                      f"{best['torch_bf16'] / best['quant']:5.2f}x | "
-                      + (f"{gb['quant']:6.1f} {gb['torch_bf16']:5.1f} {gb['fp32']:5.1f}" if m == 1 else f"{'':6} {'':5} {'':5}")
-                      + f" | {err:.1e}", flush=True)
+                gb, gf = row["gbps_best"], row["gflops_best"]
+                speedup = (best["torch_bf16"] if rs_bf16 else best["fp32"]) / best["quant"]
+                print(f"{label:8} {qtype.name:5} {m:>4} | {best['quant']:9.3f} {best.get('deq_bf16', nan):9.3f} "
+                      f"{best.get('deq_f32', nan):9.3f} {best.get('torch_bf16', nan):10.3f} {best.get('rs_bf16', nan):8.3f} "
+                      f"{best['fp32']:8.3f} | {speedup:5.2f}x | "
+                      + (f"{gb['quant']:6.1f} {gb.get('torch_bf16', nan):5.1f} {gb['fp32']:5.1f}" if m == 1 else f"{'':6} {'':5} {'':5}")
+                      + f" | {gf['quant']:8.1f} {gf.get('deq_f32', nan):7.1f} | {err:.1e}", flush=True)
             del wq, wb, wf, wp
     return rows
 

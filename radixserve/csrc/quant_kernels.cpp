@@ -1,8 +1,15 @@
 // GGUF-quantized linear layers on the CPU (issue 38): y = x @ dequantize(W)^T with W kept in its
 // GGUF blocks, computed the way llama.cpp does it: every row of x quantized to 8 bits per block
 // (once per call, into a scratch buffer), then integer dot products of the weight's unsigned
-// 4/5/6/8-bit values with the signed 8-bit activations (AVX512-VNNI vpdpbusd), scaled by the
-// blocks' float scales and summed in float32.
+// 4/5/6/8-bit values with the signed 8-bit activations, scaled by the blocks' float scales and
+// summed in float32. Two builds of the same numerics (quant_gemm_isa() says which one runs):
+//   - AVX512-VNNI (vpdpbusd; the sections below up to "AVX2"), 64-byte vectors;
+//   - AVX2 + FMA + F16C (vpmaddubsw + vpmaddwd; the "AVX2" section), 32-byte vectors: the same
+//     activation quantization, the same exact int32 sums per block / super-block, the same
+//     offset / min terms (except Q8_0, whose signed products need no offset there: llama.cpp's
+//     sign trick), so the results differ only in the order of the float32 additions.
+// Without either, has_quant_gemm() is false and quant_linear refuses. quant_dequantize_f32 (and,
+// without AVX-512, quant_dequantize_bf16) is portable code built on every ISA.
 //
 // Supported ggml types (ids): Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8 (blocks of 32) and Q4_K=12,
 // Q5_K=13, Q6_K=14 (super-blocks of 256). The bit layouts are those of the gguf package's
@@ -14,16 +21,17 @@
 //     to even; q = 0 where amax = 0), and the block's sum of q (llama.cpp's Q8_0 / Q8_1 with a
 //     float32 d).
 //   - K-quants: the same per 256 values (llama.cpp's Q8_K), with the sums of q per 16 values.
-// Weights: the unsigned values (Q4: 0..15, Q5: 0..31, Q6_K: 0..63, Q8_0: w + 128 in 0..255) are
-// vpdpbusd's unsigned operand, the activations the signed one. The constant parts (offsets -8,
-// -16, -32, -128, and the mins of Q4_1 / Q5_1 / Q4_K / Q5_K) are not in the integer products:
-// they are  sum over blocks (or sub-blocks) of  wmin[slot] * (d_a * sum(q_a))[slot], a float dot
+// Weights (the AVX-512 build; the AVX2 one is described at its section): the unsigned values
+// (Q4: 0..15, Q5: 0..31, Q6_K: 0..63, Q8_0: w + 128 in 0..255) are vpdpbusd's unsigned operand,
+// the activations the signed one. The constant parts (offsets -8, -16, -32, -128, and the mins
+// of Q4_1 / Q5_1 / Q4_K / Q5_K) are not in the integer products: they are  sum over blocks (or sub-blocks) of  wmin[slot] * (d_a * sum(q_a))[slot], a float dot
 // product of a per-weight-row vector (-off * d, or the min) with a per-activation-row vector,
 // added at the end. The K-quants' integer sub-block scales multiply the vpdpbusd lanes (each
 // lane is 4 products, |lane| < 2^15) with vpdpwssd, so a super-block is one int32 accumulator,
 // scaled once by d_w * d_a.
 //
-// Structure, parallel over output rows (at::parallel_for, torch's OpenMP pool):
+// Structure, parallel over output rows (at::parallel_for, torch's OpenMP pool; the AVX2 build is
+// the same with 8-lane vectors, 4 rows of x per decode pass and K chunks of 2048 values):
 //   - decode (M <= 16 rows of x): each thread streams its weight rows once, in order (software
 //     prefetch 8 KiB ahead); each unit (a group of 4 blocks, or a super-block) is unpacked once
 //     into uint8 lanes in an L1 scratch and used for 8 rows of x at a time (a second group of 8
@@ -48,6 +56,11 @@
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define RADIXSERVE_QUANT_GEMM 1
+#define RADIXSERVE_QUANT_AVX512 1
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define RADIXSERVE_QUANT_GEMM 1
+#define RADIXSERVE_QUANT_AVX2 1
 #include <immintrin.h>
 #endif
 
@@ -70,7 +83,7 @@ const QInfo* find_type(int64_t id) {
   return nullptr;
 }
 
-#if defined(RADIXSERVE_QUANT_GEMM)
+#if defined(RADIXSERVE_QUANT_AVX512)
 
 constexpr int64_t NT = 4;      // output rows per tile (unpacked together)
 constexpr int64_t kDecodeRows = 16;  // up to this many rows of x: the decode path
@@ -804,7 +817,784 @@ void dequant_rows(const uint8_t* W, int64_t ldw, int64_t N, int64_t K, const QIn
   });
 }
 
-#endif  // RADIXSERVE_QUANT_GEMM
+#elif defined(RADIXSERVE_QUANT_AVX2)
+
+// ---------------------------------------------------------------------------------------------
+// AVX2 (+ FMA, F16C): the same numerics with 256-bit vectors and no VNNI. Products of unsigned
+// weight bytes and signed activation bytes by vpmaddubsw (pairs summed into int16, saturating:
+// safe here, |pair| <= 2 * 63 * 127 for Q6_K, 2 * 128 * 127 for Q8_0's sign trick), then
+// vpmaddwd: by ones (32-block types: int32 lanes of 4 products) or by the K-quants' sub-block
+// scales (int16 lanes: 8 products times the scale, exact in int32). Both the weights and the
+// activations are kept in their natural order (a 32-byte vector is 32 consecutive values).
+//   - Q4_0 .. Q5_1: the unsigned values 0..15 / 0..31; the offsets and mins are the wmin terms
+//     (as in the AVX-512 section).
+//   - Q8_0: llama.cpp's sign trick: vpmaddubsw(|w|, sign(a, w)) = the signed products w * a
+//     exactly (|w| <= 128 fits the unsigned operand), so no offset term (wmin = 0).
+//   - Q4_K / Q5_K: sub-block s = values 32s .. 32s+31; its 6-bit scale (int16 x 16) multiplies
+//     the vpmaddubsw pairs; the mins are wmin terms. Q6_K: a 32-value chunk holds two 16-value
+//     sub-blocks, scales [s0 x 8 | s1 x 8] (vpmaddubsw's int16 lanes 0-7 come from bytes 0-15);
+//     the -32 offset is a wmin term.
+// A unit is a block (32-block types) or a super-block; its unpacked form (UW bytes): the values,
+// then (K-quants) the eight 32-byte scale vectors or (Q8_0) the signed values.
+
+constexpr int64_t kDecodeRows = 16;  // up to this many rows of x: the decode path
+constexpr int64_t NT = 4;            // prefill: weight rows per tile (unpacked together)
+constexpr int64_t KCHUNK = 2048;     // prefill: values of K unpacked at a time
+
+constexpr bool is_kq(int64_t t) { return t == Q4_K || t == Q5_K || t == Q6_K; }
+constexpr int64_t type_size(int64_t t) {
+  return t == Q4_0 ? 18 : t == Q4_1 ? 20 : t == Q5_0 ? 22 : t == Q5_1 ? 24 : t == Q8_0 ? 34
+       : t == Q4_K ? 144 : t == Q5_K ? 176 : 210;
+}
+constexpr int64_t unit_values(int64_t t) { return is_kq(t) ? 256 : 32; }
+constexpr int64_t unpacked_bytes(int64_t t) { return is_kq(t) ? 512 : t == Q8_0 ? 64 : 32; }  // UW
+constexpr int64_t slots_per_unit(int64_t t) { return t == Q6_K ? 16 : is_kq(t) ? 8 : 1; }
+
+inline uint32_t ld32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+inline float h2f(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return _cvtsh_ss(v);
+}
+inline __m256i ld256(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+// A loaded vector kept in a register (as in the AVX-512 section): stops GCC from hoisting every
+// load of an unrolled loop to the top, where they no longer fit in 16 registers and spill.
+template <typename V>
+inline V in_reg(V v) {
+  __asm__("" : "+x"(v));
+  return v;
+}
+inline void st256(void* p, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
+
+inline float hsum8(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+inline int32_t hsum8i(__m256i v) {
+  const __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  const __m128i t = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(2, 3, 0, 1))));
+}
+inline float hmax8(__m256 v) {
+  const __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
+}
+
+// 16 bytes of nibbles -> 32 values: the low nibbles (values 0..15), then the high ones (16..31)
+inline __m256i nibbles32(const uint8_t* p) {
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0x0F));
+}
+
+// 32 bits -> 32 bytes, 0x10 where bit i is set (the 5th bit of Q5_0 / Q5_1 values)
+inline __m256i bits32_x16(uint32_t x) {
+  const __m256i shuf = _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303);
+  const __m256i bit = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ull));
+  const __m256i b = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(x)), shuf);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(b, bit), bit), _mm256_set1_epi8(0x10));
+}
+
+// One block of a 32-block type at p -> w (UW bytes), its d, its wmin slot.
+template <int64_t T>
+inline void unpack_block32(const uint8_t* p, uint8_t* w, float* dw, float* wmin) {
+  const float d = h2f(p);
+  *dw = d;
+  if constexpr (T == Q8_0) {
+    const __m256i q = ld256(p + 2);
+    st256(w, _mm256_abs_epi8(q));  // -128 -> 0x80 = 128 as the unsigned operand
+    st256(w + 32, q);
+    *wmin = 0.f;
+  } else {
+    constexpr int64_t QO = T == Q4_0 ? 2 : T == Q4_1 ? 4 : T == Q5_0 ? 6 : 8;
+    __m256i v = nibbles32(p + QO);
+    if constexpr (T == Q5_0 || T == Q5_1) v = _mm256_or_si256(v, bits32_x16(ld32(p + (T == Q5_0 ? 2 : 4))));
+    st256(w, v);
+    if constexpr (T == Q4_1 || T == Q5_1)
+      *wmin = h2f(p + 2);
+    else
+      *wmin = d * (T == Q4_0 ? -8.f : -16.f);
+  }
+}
+
+inline void unpack_sb_q4k(const uint8_t* p, bool q5, uint8_t* w, float* dw, float* wmin) {
+  const float d = h2f(p), dmin = h2f(p + 2);
+  uint32_t utmp[4];
+  std::memcpy(utmp, p + 4, 12);
+  constexpr uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
+  utmp[3] = ((utmp[2] >> 4) & kmask2) | (((utmp[1] >> 6) & kmask3) << 4);
+  const uint32_t uaux = utmp[1] & kmask1;
+  utmp[1] = (utmp[2] & kmask2) | (((utmp[0] >> 6) & kmask3) << 4);
+  utmp[2] = uaux;
+  utmp[0] &= kmask1;  // bytes 0..7: the 8 scales, 8..15: the 8 mins
+  const __m128i sm = _mm_loadu_si128(reinterpret_cast<const __m128i*>(utmp));
+  const __m128i s16 = _mm_cvtepu8_epi16(sm);  // the 8 scales as int16
+  uint8_t* sc = w + 256;
+  for (int s = 0; s < 8; ++s) {  // int16 lane s everywhere (a shuffle: no trip through a scalar register)
+    const __m128i b = _mm_shuffle_epi8(s16, _mm_set1_epi16(static_cast<int16_t>(0x0100 + 0x0202 * s)));
+    st256(sc + 32 * s, _mm256_set_m128i(b, b));
+  }
+  const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8)));
+  _mm256_storeu_ps(wmin, _mm256_mul_ps(mins, _mm256_set1_ps(-dmin)));
+  *dw = d;
+  const uint8_t* qs = p + (q5 ? 48 : 16);
+  const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+  const __m256i qh = q5 ? ld256(p + 16) : _mm256_setzero_si256();
+  for (int j = 0; j < 4; ++j) {  // qs[32j ..]: low nibbles sub-block 2j, high nibbles 2j + 1
+    const __m256i a = ld256(qs + 32 * j);
+    __m256i lo = _mm256_and_si256(a, m4), hi = _mm256_and_si256(_mm256_srli_epi16(a, 4), m4);
+    if (q5) {  // qh[l] bit s: the 5th bit of value l of sub-block s
+      const __m256i hl = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * j)), one);
+      const __m256i hh = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * j + 1)), one);
+      lo = _mm256_or_si256(lo, _mm256_slli_epi16(hl, 4));
+      hi = _mm256_or_si256(hi, _mm256_slli_epi16(hh, 4));
+    }
+    st256(w + 64 * j, lo);
+    st256(w + 64 * j + 32, hi);
+  }
+}
+
+inline void unpack_sb_q6k(const uint8_t* p, uint8_t* w, float* dw, float* wmin) {
+  const float d = h2f(p + 208);
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+  for (int h = 0; h < 2; ++h) {  // values 128h .. 128h+127
+    const __m256i l0 = ld256(p + 64 * h), l1 = ld256(p + 64 * h + 32), q = ld256(p + 128 + 32 * h);
+    uint8_t* o = w + 128 * h;
+    st256(o, _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(q, 4), m30)));
+    st256(o + 32, _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(q, 2), m30)));
+    st256(o + 64, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(q, m30)));
+    st256(o + 96, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                  _mm256_and_si256(_mm256_srli_epi16(q, 2), m30)));
+  }
+  const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192));  // a signed scale per 16 values
+  const __m128i s16[2] = {_mm_cvtepi8_epi16(s8), _mm_cvtepi8_epi16(_mm_srli_si128(s8, 8))};  // scales 0-7, 8-15
+  uint8_t* sc = w + 256;
+  for (int k = 0; k < 8; ++k) {  // [scale 2k x 8 | scale 2k+1 x 8], by shuffles
+    const __m128i v = s16[k / 4];
+    const int j = 2 * (k % 4);
+    const __m128i a = _mm_shuffle_epi8(v, _mm_set1_epi16(static_cast<int16_t>(0x0100 + 0x0202 * j)));
+    const __m128i b = _mm_shuffle_epi8(v, _mm_set1_epi16(static_cast<int16_t>(0x0100 + 0x0202 * (j + 1))));
+    st256(sc + 32 * k, _mm256_set_m128i(b, a));
+  }
+  const __m256 m32 = _mm256_set1_ps(-32.f * d);
+  _mm256_storeu_ps(wmin, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s8)), m32));
+  _mm256_storeu_ps(wmin + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(s8, 8))), m32));
+  *dw = d;
+}
+
+// Unit u of a row -> w (UW bytes), dw, wmin[slots of u].
+template <int64_t T>
+inline void unpack_unit(const uint8_t* row, int64_t u, uint8_t* w, float* dw, float* wmin) {
+  const uint8_t* p = row + u * type_size(T);
+  if constexpr (T == Q4_K || T == Q5_K)
+    unpack_sb_q4k(p, T == Q5_K, w, dw, wmin);
+  else if constexpr (T == Q6_K)
+    unpack_sb_q6k(p, w, dw, wmin);
+  else
+    unpack_block32<T>(p, w, dw, wmin);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Activation quantization (one row of x, natural order): per block of 32 (or super-block of 256)
+// d = amax / 127, q = rint(x * (127 / amax)); amin[slot] = d * sum(q) per 32 values (32-block
+// types, Q4_K, Q5_K) or 16 (Q6_K).
+
+// 32 floats scaled by id -> 32 int8 at q; the sums of q of values 0..15 and 16..31
+inline void quantize32(const float* x, __m256 id, int8_t* q, int32_t* s0, int32_t* s1) {
+  const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x), id));
+  const __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8), id));
+  const __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 16), id));
+  const __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 24), id));
+  *s0 = hsum8i(_mm256_add_epi32(i0, i1));
+  *s1 = hsum8i(_mm256_add_epi32(i2, i3));
+  // packs interleave the 128-bit lanes: the permutation restores the order
+  const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+  st256(q, _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
+inline float amax_of(const float* x, int64_t n) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 mx = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+  return hmax8(mx);
+}
+
+void quantize_row(const float* x, int64_t K, int64_t qtype, int8_t* q, float* ad, float* amin) {
+  const int64_t nv = is_kq(qtype) ? 256 : 32;
+  for (int64_t b = 0; b < K / nv; ++b) {
+    const float* xb = x + nv * b;
+    const float amax = amax_of(xb, nv);
+    const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+    ad[b] = d;
+    for (int64_t k = 0; k < nv / 32; ++k) {
+      int32_t s0, s1;
+      quantize32(xb + 32 * k, _mm256_set1_ps(id), q + nv * b + 32 * k, &s0, &s1);
+      if (qtype == Q6_K) {
+        amin[16 * b + 2 * k] = d * static_cast<float>(s0);
+        amin[16 * b + 2 * k + 1] = d * static_cast<float>(s1);
+      } else {
+        amin[(nv / 32) * b + k] = d * static_cast<float>(s0 + s1);
+      }
+    }
+  }
+}
+
+struct AlignedFree {
+  void operator()(void* p) const { std::free(p); }
+};
+template <typename V>
+std::unique_ptr<V[], AlignedFree> aligned_buffer(int64_t n) {
+  const size_t bytes = (static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(V) + 63) / 64 * 64;
+  return std::unique_ptr<V[], AlignedFree>(static_cast<V*>(std::aligned_alloc(64, bytes)));
+}
+
+inline int64_t pad8(int64_t n) { return (n + 7) / 8 * 8; }
+
+// sum_j wm[j] * am[j] over n (a multiple of 8) slots: the offsets' / mins' share of one output
+inline __m256 wmin_dot(const float* wm, const float* am, int64_t n, __m256 acc) {
+  for (int64_t j = 0; j < n; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(wm + j), _mm256_loadu_ps(am + j), acc);
+  return acc;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The integer dot products of one unpacked unit with C rows of x (a[c]: the unit's activation
+// bytes of row c; sd[c] = d_w * d_a): acc[c] += float(int32 lanes) * sd[c].
+
+template <int64_t T, int C>
+__attribute__((always_inline)) inline void dot_unit(const uint8_t* w, const int8_t* const* a, const float* sd,
+                                                    __m256* acc) {
+  if constexpr (is_kq(T)) {
+    __m256i iacc[C];
+    for (int c = 0; c < C; ++c) iacc[c] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+    for (int k = 0; k < 8; ++k) {  // not unrolled: see in_reg
+      const __m256i wv = in_reg(_mm256_load_si256(reinterpret_cast<const __m256i*>(w + 32 * k)));
+      const __m256i sv = in_reg(_mm256_load_si256(reinterpret_cast<const __m256i*>(w + 256 + 32 * k)));
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c)
+        iacc[c] = _mm256_add_epi32(iacc[c], _mm256_madd_epi16(_mm256_maddubs_epi16(wv, ld256(a[c] + 32 * k)), sv));
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[c]), _mm256_set1_ps(sd[c]), acc[c]);
+  } else {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i wv = _mm256_load_si256(reinterpret_cast<const __m256i*>(w));
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      __m256i av = ld256(a[c]);
+      if constexpr (T == Q8_0) av = _mm256_sign_epi8(av, _mm256_load_si256(reinterpret_cast<const __m256i*>(w + 32)));
+      const __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, av), ones);
+      acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(sd[c]), acc[c]);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decode (M <= 16 rows of x): one weight row at a time, read once, in order (software prefetch
+// 8 KiB ahead). The first pass over the row (rows of x 0..3) unpacks it unit by unit into a
+// row-sized L1 scratch (K-quants: 2 bytes per value; a few KiB .. 18 KiB at K = 8960); the other
+// passes (4 rows of x each: AVX2's 16 registers) read the scratch.
+
+template <int64_t T, int C, bool UNPACK>
+void decode_pass(const uint8_t* row, int64_t nunits, uint8_t* uw, float* udw, float* wm, const int8_t* Aq,
+                 int64_t K, const float* Ad, int64_t nad, const float* Am, int64_t spad, float* y, int64_t ldy) {
+  constexpr int64_t UW = unpacked_bytes(T), UV = unit_values(T), SPU = slots_per_unit(T);
+  __m256 acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
+  for (int64_t u = 0; u < nunits; ++u) {
+    if constexpr (UNPACK) {
+      _mm_prefetch(reinterpret_cast<const char*>(row) + u * type_size(T) + 8192, _MM_HINT_T0);
+      if constexpr (type_size(T) > 64) {
+        for (int64_t b = 64; b < type_size(T); b += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(row) + u * type_size(T) + 8192 + b, _MM_HINT_T0);
+      }
+      unpack_unit<T>(row, u, uw + u * UW, udw + u, wm + u * SPU);
+    }
+    const int8_t* a[C];
+    float sd[C];
+    for (int c = 0; c < C; ++c) {
+      a[c] = Aq + c * K + u * UV;
+      sd[c] = udw[u] * Ad[c * nad + u];
+    }
+    dot_unit<T, C>(uw + u * UW, a, sd, acc);
+  }
+  for (int c = 0; c < C; ++c) y[c * ldy] = hsum8(wmin_dot(wm, Am + c * spad, spad, acc[c]));
+}
+
+template <int64_t T>
+void decode_rows(const uint8_t* W, int64_t ldw, int64_t n0, int64_t n1, int64_t M, int64_t K, const int8_t* Aq,
+                 const float* Ad, int64_t nad, const float* Am, int64_t spad, float* y, int64_t ldy) {
+  const int64_t nunits = K / unit_values(T);
+  auto uw = aligned_buffer<uint8_t>(nunits * unpacked_bytes(T));
+  auto udw = aligned_buffer<float>(nunits);
+  auto wm = aligned_buffer<float>(spad);
+  std::fill(wm.get(), wm.get() + spad, 0.f);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = W + n * ldw;
+    for (int64_t c0 = 0; c0 < M; c0 += 4) {
+      const int8_t* aq = Aq + c0 * K;
+      const float* ad = Ad + c0 * nad;
+      const float* am = Am + c0 * spad;
+      float* yc = y + c0 * ldy + n;
+#define RS_PASS(C, U) \
+  decode_pass<T, C, U>(row, nunits, uw.get(), udw.get(), wm.get(), aq, K, ad, nad, am, spad, yc, ldy)
+      const int64_t cc = std::min<int64_t>(4, M - c0);
+      if (c0 == 0) {
+        switch (cc) {
+          case 1: RS_PASS(1, true); break;
+          case 2: RS_PASS(2, true); break;
+          case 3: RS_PASS(3, true); break;
+          default: RS_PASS(4, true); break;
+        }
+      } else {
+        switch (cc) {
+          case 1: RS_PASS(1, false); break;
+          case 2: RS_PASS(2, false); break;
+          case 3: RS_PASS(3, false); break;
+          default: RS_PASS(4, false); break;
+        }
+      }
+#undef RS_PASS
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Prefill micro-kernels: R weight rows x C rows of x over one K chunk of nu units. F[r * C + c]:
+// 8 float32 partial sums (in memory between chunks).
+
+// K-quants: per super-block R x C int32 accumulators in registers, then F += float * d_w * d_a.
+template <int R, int C>
+inline void mk_kq(const uint8_t* const* uw, const float* const* udw, const int8_t* const* aq, const float* const* ad,
+                  int64_t nu, float* const* F) {
+  for (int64_t s = 0; s < nu; ++s) {
+    __m256i iacc[R][C];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) iacc[r][c] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+    for (int k = 0; k < 8; ++k) {  // not unrolled: GCC hoists the loads of all chunks and spills
+      __m256i wv[R];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r)
+        wv[r] = in_reg(_mm256_load_si256(reinterpret_cast<const __m256i*>(uw[r] + s * 512 + 32 * k)));
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) {
+        const __m256i a = in_reg(ld256(aq[c] + s * 256 + 32 * k));
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          const __m256i sv = _mm256_load_si256(reinterpret_cast<const __m256i*>(uw[r] + s * 512 + 256 + 32 * k));
+          iacc[r][c] = _mm256_add_epi32(iacc[r][c], _mm256_madd_epi16(_mm256_maddubs_epi16(wv[r], a), sv));
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) {
+        float* f = F[r * C + c];
+        _mm256_storeu_ps(f, _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[r][c]), _mm256_set1_ps(udw[r][s] * ad[c][s]),
+                                            _mm256_loadu_ps(f)));
+      }
+  }
+}
+
+// 32-block types: per block the int32 lanes converted and scaled at once (a scale per block).
+template <int64_t T, int R, int C>
+inline void mk32(const uint8_t* const* uw, const float* const* udw, const int8_t* const* aq, const float* const* ad,
+                 int64_t nu, float* const* F) {
+  constexpr int64_t UW = unpacked_bytes(T);
+  __m256 acc[R][C];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_loadu_ps(F[r * C + c]);
+  const __m256i ones = _mm256_set1_epi16(1);
+#pragma GCC unroll 1
+  for (int64_t b = 0; b < nu; ++b) {
+    __m256i wv[R];
+    __m256 dw[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      wv[r] = in_reg(_mm256_load_si256(reinterpret_cast<const __m256i*>(uw[r] + b * UW)));
+      dw[r] = _mm256_broadcast_ss(udw[r] + b);
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      const __m256i a = in_reg(ld256(aq[c] + b * 32));
+      const __m256 da = _mm256_broadcast_ss(ad[c] + b);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        __m256i av = a;
+        if constexpr (T == Q8_0)
+          av = _mm256_sign_epi8(a, _mm256_load_si256(reinterpret_cast<const __m256i*>(uw[r] + b * UW + 32)));
+        const __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(wv[r], av), ones);
+        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(dw[r], da), acc[r][c]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(F[r * C + c], acc[r][c]);
+}
+
+template <int64_t T, int R, int C>
+inline void mk(const uint8_t* const* uw, const float* const* udw, const int8_t* const* aq, const float* const* ad,
+               int64_t nu, float* const* F) {
+  if constexpr (is_kq(T))
+    mk_kq<R, C>(uw, udw, aq, ad, nu, F);
+  else
+    mk32<T, R, C>(uw, udw, aq, ad, nu, F);
+}
+
+// The register block of the micro-kernels: RB = 2 weight rows x CB = 4 rows of x (K-quants: 8 int32
+// accumulators, one of them spilled by GCC; 1 x 8 spills nothing but loads each activation vector
+// from L2 for one weight row only, and measured 1.2-1.5x slower on Zen 3).
+constexpr int RB = 2;
+constexpr int CB = 4;
+
+template <int64_t T>
+void mk_dispatch(int rr, int cc, const uint8_t* const* uw, const float* const* udw, const int8_t* const* aq,
+                 const float* const* ad, int64_t nu, float* const* F) {
+  switch (rr * 4 + cc) {
+    case 1 * 4 + 1: return mk<T, 1, 1>(uw, udw, aq, ad, nu, F);
+    case 1 * 4 + 2: return mk<T, 1, 2>(uw, udw, aq, ad, nu, F);
+    case 1 * 4 + 3: return mk<T, 1, 3>(uw, udw, aq, ad, nu, F);
+    case 1 * 4 + 4: return mk<T, 1, 4>(uw, udw, aq, ad, nu, F);
+    case 2 * 4 + 1: return mk<T, 2, 1>(uw, udw, aq, ad, nu, F);
+    case 2 * 4 + 2: return mk<T, 2, 2>(uw, udw, aq, ad, nu, F);
+    case 2 * 4 + 3: return mk<T, 2, 3>(uw, udw, aq, ad, nu, F);
+    default: return mk<T, 2, 4>(uw, udw, aq, ad, nu, F);
+  }
+}
+
+// Prefill: K in chunks of KCHUNK values, outermost: for each chunk and block of MC rows of x
+// (their chunk of quantized bytes, MC x 2 KiB, held in L2) the weight rows are taken in tiles of
+// NT, each tile's chunk unpacked once into an L1 buffer and used for every row of x in the block
+// (register blocks of RB weight rows x CB rows of x). Each chunk's partial sums (with its share of
+// the offset / min terms) are added into y, so MC does not shrink with K (the weights are read
+// M / MC times whatever K is).
+template <int64_t T>
+void prefill_tiles(const uint8_t* W, int64_t ldw, int64_t t0, int64_t t1, int64_t N, int64_t M, int64_t MC, int64_t K,
+                   const int8_t* Aq, const float* Ad, int64_t nad, const float* Am, int64_t spad, float* y,
+                   int64_t ldy) {
+  constexpr int64_t UW = unpacked_bytes(T), UV = unit_values(T), SPU = slots_per_unit(T);
+  constexpr int64_t UC = KCHUNK / UV;  // units per K chunk
+  const int64_t nunits = K / UV;
+  auto Uw = aligned_buffer<uint8_t>(NT * UC * UW);
+  auto Udw = aligned_buffer<float>(NT * UC);
+  auto Fb = aligned_buffer<float>(NT * MC * 8);
+  auto Wm = aligned_buffer<float>(NT * spad);
+  std::fill(Wm.get(), Wm.get() + NT * spad, 0.f);  // the slots past the last unit stay zero
+  for (int64_t u0 = 0; u0 < nunits; u0 += UC) {
+    const int64_t uc = std::min(UC, nunits - u0);
+    // this chunk's offset / min slots (multiples of 8 but at the end: there up to spad, zeros)
+    const int64_t s0 = u0 * SPU, s1 = u0 + uc == nunits ? spad : (u0 + uc) * SPU;
+    for (int64_t mb = 0; mb < M; mb += MC) {
+      const int64_t mc = std::min(MC, M - mb);
+      for (int64_t tile = t0; tile < t1; ++tile) {
+        const int64_t n0 = tile * NT, nr = std::min(NT, N - n0);
+        std::fill(Fb.get(), Fb.get() + NT * MC * 8, 0.f);
+        if (tile + 1 < t1) {  // the next tile's chunk towards L2 while this one computes
+          const int64_t nn = std::min(NT, N - n0 - NT);
+          for (int64_t r = 0; r < nn; ++r)
+            for (int64_t b = 0; b < uc * type_size(T); b += 64)
+              _mm_prefetch(reinterpret_cast<const char*>(W + (n0 + NT + r) * ldw + u0 * type_size(T) + b),
+                           _MM_HINT_T1);
+        }
+        for (int64_t r = 0; r < nr; ++r) {
+          const uint8_t* row = W + (n0 + r) * ldw;
+          for (int64_t u = 0; u < uc; ++u)
+            unpack_unit<T>(row, u0 + u, Uw.get() + (r * UC + u) * UW, Udw.get() + r * UC + u,
+                           Wm.get() + r * spad + (u0 + u) * SPU);
+        }
+        for (int64_t c0 = 0; c0 < mc; c0 += CB) {
+          const int cc = static_cast<int>(std::min<int64_t>(CB, mc - c0));
+          const int8_t* aq[CB];
+          const float* ad[CB];
+          for (int c = 0; c < cc; ++c) {
+            const int64_t m = mb + c0 + c;
+            aq[c] = Aq + m * K + u0 * UV;
+            ad[c] = Ad + m * nad + u0;
+          }
+          for (int64_t r0 = 0; r0 < nr; r0 += RB) {
+            const int rr = static_cast<int>(std::min<int64_t>(RB, nr - r0));
+            const uint8_t* uw[RB];
+            const float* udw[RB];
+            float* F[RB * CB];
+            for (int r = 0; r < rr; ++r) {
+              uw[r] = Uw.get() + (r0 + r) * UC * UW;
+              udw[r] = Udw.get() + (r0 + r) * UC;
+              for (int c = 0; c < cc; ++c) F[r * cc + c] = Fb.get() + ((r0 + r) * MC + c0 + c) * 8;
+            }
+            mk_dispatch<T>(rr, cc, uw, udw, aq, ad, uc, F);
+          }
+        }
+        for (int64_t c = 0; c < mc; ++c) {  // the chunk's sums + its offsets / mins (wmin . amin) into y
+          const float* am = Am + (mb + c) * spad + s0;
+          float* yp = y + (mb + c) * ldy + n0;
+          for (int64_t r = 0; r < nr; ++r) {
+            const float v = hsum8(wmin_dot(Wm.get() + r * spad + s0, am, s1 - s0, _mm256_loadu_ps(Fb.get() + (r * MC + c) * 8)));
+            yp[r] = u0 == 0 ? v : yp[r] + v;
+          }
+        }
+      }
+    }
+  }
+}
+
+// y[M, N] (row stride ldy) = x[M, K] (contiguous) @ dequantize(W)^T.
+template <int64_t T>
+void quant_gemm_t(const float* x, int64_t M, int64_t K, const uint8_t* W, int64_t ldw, int64_t N, float* y,
+                  int64_t ldy) {
+  const int64_t nad = K / unit_values(T);                   // activation d per row
+  const int64_t spad = pad8(nad * slots_per_unit(T));       // offset / min slots per row
+  // 1. every row of x quantized once
+  auto Aq = aligned_buffer<int8_t>(M * K);
+  auto Ad = aligned_buffer<float>(M * nad);
+  auto Am = aligned_buffer<float>(M * spad);
+  at::parallel_for(0, M, 4, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      float* am = Am.get() + m * spad;
+      std::fill(am, am + spad, 0.f);
+      quantize_row(x + m * K, K, T, Aq.get() + m * K, Ad.get() + m * nad, am);
+    }
+  });
+  if (M <= kDecodeRows) {
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+      decode_rows<T>(W, ldw, n0, n1, M, K, Aq.get(), Ad.get(), nad, Am.get(), spad, y, ldy);
+    });
+    return;
+  }
+  // 2. rows of x in blocks of MC (their quantized bytes of a K chunk ~ 256 KiB, half an L2)
+  int64_t MC = (256 * 1024) / (std::min(K, KCHUNK) + 64);
+  MC = std::max<int64_t>(4, std::min<int64_t>(256, MC / 4 * 4));
+  MC = std::min(MC, (M + 3) / 4 * 4);
+  const int64_t ntiles = (N + NT - 1) / NT;
+  at::parallel_for(0, ntiles, 1, [&](int64_t t0, int64_t t1) {
+    prefill_tiles<T>(W, ldw, t0, t1, N, M, MC, K, Aq.get(), Ad.get(), nad, Am.get(), spad, y, ldy);
+  });
+}
+
+template <bool KQ>
+void quant_gemm(const float* x, int64_t M, int64_t K, const uint8_t* W, int64_t ldw, int64_t N, const QInfo& qi,
+                float* y, int64_t ldy) {
+  switch (qi.id) {
+    case Q4_0: return quant_gemm_t<Q4_0>(x, M, K, W, ldw, N, y, ldy);
+    case Q4_1: return quant_gemm_t<Q4_1>(x, M, K, W, ldw, N, y, ldy);
+    case Q5_0: return quant_gemm_t<Q5_0>(x, M, K, W, ldw, N, y, ldy);
+    case Q5_1: return quant_gemm_t<Q5_1>(x, M, K, W, ldw, N, y, ldy);
+    case Q8_0: return quant_gemm_t<Q8_0>(x, M, K, W, ldw, N, y, ldy);
+    case Q4_K: return quant_gemm_t<Q4_K>(x, M, K, W, ldw, N, y, ldy);
+    case Q5_K: return quant_gemm_t<Q5_K>(x, M, K, W, ldw, N, y, ldy);
+    default: return quant_gemm_t<Q6_K>(x, M, K, W, ldw, N, y, ldy);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dequantization to float32 with the unpacking above (quant_dequantize_f32 / _bf16 on AVX2):
+// value = scale * u + min, one fma per value.
+
+// 8 unsigned bytes at u -> scale * u + min
+inline __m256 emit8(const uint8_t* u, __m256 scale, __m256 min) {
+  const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(u))));
+  return _mm256_fmadd_ps(v, scale, min);
+}
+
+template <int64_t T>
+void dequant_row_f32_simd(const uint8_t* row, int64_t K, float* out) {
+  alignas(32) uint8_t w[512];
+  alignas(32) float wm[16];
+  float d = 0.f;
+  for (int64_t u = 0; u < K / unit_values(T); ++u) {
+    float* o = out + u * unit_values(T);
+    unpack_unit<T>(row, u, w, &d, wm);
+    if constexpr (T == Q8_0) {  // the signed values are at w + 32
+      const __m256 dv = _mm256_set1_ps(d);
+      for (int i = 0; i < 32; i += 8)
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                  _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 32 + i)))),
+                                              dv));
+    } else if constexpr (!is_kq(T)) {
+      const __m256 sv = _mm256_set1_ps(d), mv = _mm256_set1_ps(wm[0]);
+      for (int i = 0; i < 32; i += 8) _mm256_storeu_ps(o + i, emit8(w + i, sv, mv));
+    } else {
+      for (int i = 0; i < 256; i += 16) {  // 16 values: one scale (the int16 lanes of the scale vectors)
+        int16_t sc;
+        std::memcpy(&sc, w + 256 + 32 * (i / 32) + (T == Q6_K ? (i % 32) : 0), 2);
+        const __m256 sv = _mm256_set1_ps(d * static_cast<float>(sc));
+        const __m256 mv = _mm256_set1_ps(wm[T == Q6_K ? i / 16 : i / 32]);
+        _mm256_storeu_ps(o + i, emit8(w + i, sv, mv));
+        _mm256_storeu_ps(o + i + 8, emit8(w + i + 8, sv, mv));
+      }
+    }
+  }
+}
+
+// true where done (the AVX2 build); the portable loop otherwise
+bool dequant_row_f32_fast(const uint8_t* row, int64_t K, int64_t qtype, float* out) {
+  switch (qtype) {
+    case Q4_0: dequant_row_f32_simd<Q4_0>(row, K, out); return true;
+    case Q4_1: dequant_row_f32_simd<Q4_1>(row, K, out); return true;
+    case Q5_0: dequant_row_f32_simd<Q5_0>(row, K, out); return true;
+    case Q5_1: dequant_row_f32_simd<Q5_1>(row, K, out); return true;
+    case Q8_0: dequant_row_f32_simd<Q8_0>(row, K, out); return true;
+    case Q4_K: dequant_row_f32_simd<Q4_K>(row, K, out); return true;
+    case Q5_K: dequant_row_f32_simd<Q5_K>(row, K, out); return true;
+    case Q6_K: dequant_row_f32_simd<Q6_K>(row, K, out); return true;
+    default: return false;
+  }
+}
+
+#endif  // RADIXSERVE_QUANT_AVX512 / RADIXSERVE_QUANT_AVX2
+
+// ---------------------------------------------------------------------------------------------
+// Portable dequantization (any ISA): weight rows -> float32 (quant_dequantize_f32: the "dequantize
+// a tile + torch's float32 GEMM" candidate) and, where the AVX-512 section is not built, -> bf16.
+// value = scale * u + min per block / sub-block (u: the unsigned stored value), contracted to one
+// fma where the ISA has it, as the AVX-512 unpacking does; gguf's numpy rounds d * q and - m
+// separately, so the two can differ in the last bit where they are not the same product.
+
+inline float half_bits_to_f32(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return static_cast<float>(c10::Half(v, c10::Half::from_bits()));
+}
+
+// One row of K values of type qtype -> out[K] (float32).
+void dequant_row_f32(const uint8_t* row, int64_t K, int64_t qtype, float* out) {
+#if defined(RADIXSERVE_QUANT_AVX2)
+  if (dequant_row_f32_fast(row, K, qtype, out)) return;
+#endif
+  const QInfo& qi = *find_type(qtype);
+  for (int64_t b = 0; b < K / qi.block; ++b) {
+    const uint8_t* p = row + b * qi.bytes;
+    float* o = out + b * qi.block;
+    const float d = half_bits_to_f32(qtype == Q6_K ? p + 208 : p);
+    switch (qtype) {
+      case Q4_0:
+      case Q4_1:
+      case Q5_0:
+      case Q5_1: {
+        const bool q5 = qtype == Q5_0 || qtype == Q5_1, has_m = qtype == Q4_1 || qtype == Q5_1;
+        const float min = has_m ? half_bits_to_f32(p + 2) : d * (q5 ? -16.f : -8.f);
+        uint32_t qh = 0;
+        if (q5) std::memcpy(&qh, p + (has_m ? 4 : 2), 4);
+        const uint8_t* qs = p + (qtype == Q4_0 ? 2 : qtype == Q4_1 ? 4 : qtype == Q5_0 ? 6 : 8);
+        for (int i = 0; i < 16; ++i) {
+          const int lo = (qs[i] & 15) | static_cast<int>(((qh >> i) & 1) << 4);
+          const int hi = (qs[i] >> 4) | static_cast<int>(((qh >> (i + 16)) & 1) << 4);
+          o[i] = d * static_cast<float>(lo) + min;
+          o[i + 16] = d * static_cast<float>(hi) + min;
+        }
+        break;
+      }
+      case Q8_0:
+        for (int i = 0; i < 32; ++i) o[i] = d * static_cast<float>(static_cast<int8_t>(p[2 + i]));
+        break;
+      case Q4_K:
+      case Q5_K: {
+        const bool q5 = qtype == Q5_K;
+        const float dmin = half_bits_to_f32(p + 2);
+        const uint8_t* s = p + 4;  // 12 bytes: 8 six-bit scales and mins (ggml's get_scale_min_k4)
+        const uint8_t* qh = p + 16;
+        const uint8_t* qs = p + (q5 ? 48 : 16);
+        for (int sub = 0; sub < 8; ++sub) {
+          const int sc = sub < 4 ? s[sub] & 63 : (s[sub + 4] & 0xF) | ((s[sub - 4] >> 6) << 4);
+          const int m = sub < 4 ? s[sub + 4] & 63 : (s[sub + 4] >> 4) | ((s[sub] >> 6) << 4);
+          const float scale = d * static_cast<float>(sc), min = -(dmin * static_cast<float>(m));
+          const uint8_t* q = qs + 32 * (sub / 2);
+          for (int l = 0; l < 32; ++l) {
+            int u = sub % 2 ? q[l] >> 4 : q[l] & 15;
+            if (q5) u |= ((qh[l] >> sub) & 1) << 4;
+            o[32 * sub + l] = scale * static_cast<float>(u) + min;
+          }
+        }
+        break;
+      }
+      default: {  // Q6_K
+        const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
+        for (int h = 0; h < 2; ++h) {
+          const uint8_t* ql = p + 64 * h;
+          const uint8_t* qh = p + 128 + 32 * h;
+          for (int l = 0; l < 32; ++l) {
+            const int u[4] = {(ql[l] & 15) | ((qh[l] & 3) << 4), (ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4),
+                              (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4), (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)};
+            for (int j = 0; j < 4; ++j) {
+              const int v = 128 * h + 32 * j + l;
+              const float scale = d * static_cast<float>(sc[v / 16]);
+              o[v] = scale * static_cast<float>(u[j]) + scale * -32.f;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// float32 -> bf16 bits, round to nearest even (as torch rounds)
+inline uint16_t f32_to_bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7FFF + ((u >> 16) & 1);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// Checks of a weight [N, row_bytes] for the dequantization entry points; returns its type.
+const QInfo& check_dequant_args(const char* fn, const at::Tensor& weight, int64_t qtype, int64_t K) {
+  const QInfo* qi = find_type(qtype);
+  TORCH_CHECK(qi != nullptr, fn, ": unsupported ggml type ", qtype);
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kByte && weight.dim() == 2 &&
+                  weight.stride(1) == 1,
+              fn, ": weight must be a CPU uint8 [N, row_bytes] with contiguous rows");
+  TORCH_CHECK(K > 0 && K % qi->block == 0, fn, ": in_features ", K, " is not a multiple of ", qi->block);
+  TORCH_CHECK(weight.size(1) == K / qi->block * qi->bytes, fn, ": weight rows are ", weight.size(1),
+              " bytes, expected ", K / qi->block * qi->bytes);
+  return *qi;
+}
+
+// weight rows [N, row_bytes] -> float32 [N, K]
+at::Tensor quant_dequantize_f32(const at::Tensor& weight, int64_t qtype, int64_t in_features) {
+  check_dequant_args("quant_dequantize_f32", weight, qtype, in_features);
+  const int64_t N = weight.size(0), K = in_features, ldw = weight.stride(0);
+  at::Tensor out = at::empty({N, K}, weight.options().dtype(at::kFloat));
+  const uint8_t* W = weight.data_ptr<uint8_t>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) dequant_row_f32(W + n * ldw, K, qtype, o + n * K);
+  });
+  return out;
+}
+
+#if !defined(RADIXSERVE_QUANT_AVX512)
+// The bf16 tile where the AVX-512 unpacking is not built: the float32 rows rounded.
+void dequant_rows(const uint8_t* W, int64_t ldw, int64_t N, int64_t K, const QInfo& qi, uint16_t* out) {
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    std::vector<float> tmp(static_cast<size_t>(K));
+    for (int64_t n = n0; n < n1; ++n) {
+      dequant_row_f32(W + n * ldw, K, qi.id, tmp.data());
+      for (int64_t k = 0; k < K; ++k) out[n * K + k] = f32_to_bf16_bits(tmp[k]);
+    }
+  });
+}
+#endif
+
+const char* quant_gemm_isa() {
+#if defined(RADIXSERVE_QUANT_AVX512)
+  return "avx512_vnni";
+#elif defined(RADIXSERVE_QUANT_AVX2)
+  return "avx2";
+#else
+  return "";
+#endif
+}
 
 bool has_quant_gemm() {
 #if defined(RADIXSERVE_QUANT_GEMM)
@@ -859,41 +1649,27 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t q
   (void)qtype;
   (void)in_features;
   (void)find_type;
-  TORCH_CHECK(false, "quant_linear: built without AVX512-VNNI");
+  TORCH_CHECK(false, "quant_linear: built without AVX512-VNNI or AVX2");
 #endif
 }
 
 // weight rows [N, row_bytes] -> bf16 [N, K] (the prefill path's tile; see dequant_rows)
 at::Tensor quant_dequantize_bf16(const at::Tensor& weight, int64_t qtype, int64_t in_features) {
-#if defined(RADIXSERVE_QUANT_GEMM)
-  const QInfo* qi = find_type(qtype);
-  TORCH_CHECK(qi != nullptr, "quant_dequantize_bf16: unsupported ggml type ", qtype);
-  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kByte && weight.dim() == 2 &&
-                  weight.stride(1) == 1,
-              "quant_dequantize_bf16: weight must be a CPU uint8 [N, row_bytes] with contiguous rows");
-  const int64_t K = in_features;
-  TORCH_CHECK(K > 0 && K % qi->block == 0, "quant_dequantize_bf16: in_features ", K, " is not a multiple of ",
-              qi->block);
-  TORCH_CHECK(weight.size(1) == K / qi->block * qi->bytes, "quant_dequantize_bf16: weight rows are ",
-              weight.size(1), " bytes, expected ", K / qi->block * qi->bytes);
-  const int64_t N = weight.size(0);
+  const QInfo& qi = check_dequant_args("quant_dequantize_bf16", weight, qtype, in_features);
+  const int64_t N = weight.size(0), K = in_features;
   at::Tensor out = at::empty({N, K}, weight.options().dtype(at::kBFloat16));
   if (N > 0)
-    dequant_rows(weight.data_ptr<uint8_t>(), weight.stride(0), N, K, *qi,
+    dequant_rows(weight.data_ptr<uint8_t>(), weight.stride(0), N, K, qi,
                  reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
   return out;
-#else
-  (void)weight;
-  (void)qtype;
-  (void)in_features;
-  TORCH_CHECK(false, "quant_dequantize_bf16: built without AVX512-VNNI");
-#endif
 }
 
 }  // namespace
 
 void register_quant_kernels(pybind11::module_& m) {
-  m.def("has_quant_gemm", &has_quant_gemm, "whether quant_linear is built (AVX512-VNNI)");
+  m.def("has_quant_gemm", &has_quant_gemm, "whether quant_linear is built (AVX512-VNNI or AVX2)");
+  m.def("quant_gemm_isa", [] { return std::string(quant_gemm_isa()); },
+        "the instruction set quant_linear is built for: \"avx512_vnni\", \"avx2\" or \"\" (none)");
   m.def("quant_gemm_types", &quant_gemm_types, "the ggml type ids quant_linear supports");
   m.def("quant_linear", &quant_linear,
         "y = x @ dequantize(weight)^T with GGUF-quantized weight rows (x quantized to 8 bits per block, "
@@ -902,4 +1678,7 @@ void register_quant_kernels(pybind11::module_& m) {
   m.def("quant_dequantize_bf16", &quant_dequantize_bf16,
         "GGUF-quantized weight rows [N, row_bytes] -> bf16 [N, in_features] (the prefill path's tile)",
         py::arg("weight"), py::arg("qtype"), py::arg("in_features"));
+  m.def("quant_dequantize_f32", &quant_dequantize_f32,
+        "GGUF-quantized weight rows [N, row_bytes] -> float32 [N, in_features] (any CPU)", py::arg("weight"),
+        py::arg("qtype"), py::arg("in_features"));
 }

@@ -37,7 +37,7 @@ def ops():
     mod = cpu_kernels.get()
     assert mod is not None, "the C++ CPU kernels did not build (see the warning logged by cpu_kernels.build)"
     if not mod.has_quant_gemm():
-        pytest.skip("quant_linear is built only with AVX512-VNNI")
+        pytest.skip("quant_linear is built only with AVX512-VNNI or AVX2")
     return mod
 
 
@@ -171,6 +171,35 @@ def test_dequantize_bf16_is_the_gguf_dequantization_rounded(ops, qtype, shape):
     assert torch.equal(ops.quant_dequantize_bf16(strided, int(qtype), k), got)
 
 
+@pytest.mark.parametrize("shape", [0, 1], ids=["one-chunk", "chunks-tails"])
+@pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
+def test_dequantize_f32_is_the_gguf_dequantization(ops, qtype, shape):
+    """quant_dequantize_f32 (the "float32 tile + torch's sgemm" candidate, on any CPU): gguf's
+    dequantization of the same bytes, for every type, through a row stride as well. The kernel
+    computes scale * u + min with one rounding where it can (an fma), gguf's numpy with two: they
+    may differ in the last bits of a value, relative to the block's magnitude, not more."""
+    k, n = SHAPES[256 if qtype in K_QUANTS else 32][shape]
+    data, w = make_weight(qtype, n, k)
+    want = torch.from_numpy(w.astype(np.float32))
+    got = ops.quant_dequantize_f32(torch.from_numpy(data), int(qtype), k)
+    assert got.dtype == torch.float32 and tuple(got.shape) == (n, k)
+    block = 256 if qtype in K_QUANTS else 32
+    scale = want.abs().reshape(n, k // block, block).amax(-1, keepdim=True).expand(n, k // block, block).reshape(n, k)
+    diff = (got - want).abs()
+    assert bool((diff <= scale * 2.0**-21).all()), f"{qtype.name}: max diff {float((diff / scale.clamp_min(1e-30)).max()):.2e}"
+    assert float((diff == 0).float().mean()) > 0.9
+    wide = np.zeros((n, data.shape[1] + 24), dtype=np.uint8)
+    wide[:, 5 : 5 + data.shape[1]] = data
+    strided = torch.from_numpy(wide)[:, 5 : 5 + data.shape[1]]
+    assert torch.equal(ops.quant_dequantize_f32(strided, int(qtype), k), got)
+    with pytest.raises(RuntimeError, match="unsupported ggml type"):
+        ops.quant_dequantize_f32(torch.from_numpy(data), int(Q.Q2_K), k)
+
+
+def test_quant_gemm_isa_names_the_build(ops):
+    assert ops.quant_gemm_isa() in ("avx512_vnni", "avx2")
+
+
 def test_dequantize_bf16_bad_arguments(ops):
     data, _ = make_weight(Q.Q4_0, 8, 64)
     w = torch.from_numpy(data)
@@ -201,6 +230,9 @@ def test_the_dequantized_bf16_path_is_the_bf16_product(ops, qtype, monkeypatch):
     qw = QuantizedWeight(int(qtype), torch.from_numpy(data), k)
     y = quant_matmul(torch.from_numpy(x), qw)
     assert y.dtype == torch.float32 and tuple(y.shape) == (m, n)
+    if not ops.has_bf16_gemm():  # no AVX512_BF16 (oneDNN's bf16 GEMM is slow there): the integer kernel at any size
+        assert torch.equal(y, ops.quant_linear(torch.from_numpy(x), torch.from_numpy(data), int(qtype), k))
+        return
     xb = torch.from_numpy(x).bfloat16().double()
     wb = torch.from_numpy(w).bfloat16().double()
     want = xb @ wb.T
