@@ -60,7 +60,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from radixserve.layers import cpu_kernels  # noqa: E402
-from radixserve.layers.quantization.gguf import PREFILL_TILE_BYTES, QuantizedWeight, dequantized_bf16_matmul  # noqa: E402
+from radixserve.layers.quantization.gguf import QuantizedWeight, dequantized_bf16_matmul, dequantized_f32_matmul  # noqa: E402
 
 SHAPES = [("gate/up", 1536, 8960), ("down", 8960, 1536), ("q/o", 1536, 1536), ("k/v", 1536, 256)]
 TYPES = [Q.Q4_K, Q.Q6_K]
@@ -88,17 +88,6 @@ def random_blocks(qtype: Q, n: int, k: int, seed: int) -> np.ndarray:
 def copies(t: torch.Tensor, budget: int = COLD_BYTES) -> List[torch.Tensor]:
     n = max(1, -(-budget // (t.numel() * t.element_size())))
     return [t] + [t.clone() for _ in range(n - 1)]
-
-
-def dequantized_f32_matmul(ops, x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
-    """The blocks dequantized to float32 a tile of output rows at a time, torch's float32 GEMM."""
-    n = w.shape[0]
-    tile = max(16, PREFILL_TILE_BYTES // (4 * w.cols) // 16 * 16)
-    out = x.new_empty(x.shape[0], n)
-    for r in range(0, n, tile):
-        rows = min(tile, n - r)
-        out[:, r : r + rows] = F.linear(x, ops.quant_dequantize_f32(w.data[r : r + rows], w.qtype, w.cols))
-    return out
 
 
 def bench(fns: Dict[str, Callable[[int], object]], reps: int) -> Dict[str, Dict[str, float]]:
@@ -182,9 +171,9 @@ def run_shapes(ops, shapes, ms, reps_arg, rs_bf16, threads) -> list:
                 if rs_bf16:
                     fns["rs_bf16"] = lambda i: ops.bf16_linear(x, wp[i % len(wp)], n)
                 if m >= 64 and rs_bf16:  # the prefill path: a bf16 tile dequantized at a time, oneDNN's GEMM
-                    fns["deq_bf16"] = lambda i: dequantized_bf16_matmul(ops, x, QuantizedWeight(int(qtype), wq[i % len(wq)], k))
+                    fns["deq_bf16"] = lambda i: dequantized_bf16_matmul(x, QuantizedWeight(int(qtype), wq[i % len(wq)], k))
                 if m >= 64:  # a float32 tile dequantized at a time, torch's float32 GEMM
-                    fns["deq_f32"] = lambda i: dequantized_f32_matmul(ops, x, QuantizedWeight(int(qtype), wq[i % len(wq)], k))
+                    fns["deq_f32"] = lambda i: dequantized_f32_matmul(x, QuantizedWeight(int(qtype), wq[i % len(wq)], k))
                 reps = reps_arg or (30 if m <= 16 else 6)
                 t = bench(fns, reps)
                 y = ops.quant_linear(x, data, int(qtype), k).double()
