@@ -298,14 +298,91 @@ inline void attend_block16_bf16(const __m512i* qhl, const uint16_t* const* k, co
 }
 #endif
 
-#if defined(__AVX512F__)
 // ---- attention over shared K/V tiles (extend; decode over a prefix the batch shares) -----------
 //
-// A block of 16 keys of one kv head is widened to float32 once: K transposed into kt [D][16]
-// (lanes = keys: one FMA per dimension gives a query's 16 scores, no horizontal sums) and V into
-// vt [16][D]. Every query row that attends to those keys then reads the tile, kTileRows rows at a
-// time so that each kt / vt load feeds kTileRows FMAs. Per-request decode cannot do this (one
-// query per kv head and G heads), so it runs ~2.5x fewer FLOPs a second than these tiles.
+// A block of kTileKeys keys of one kv head (one vector's lanes: 16 on AVX-512, 8 on AVX2) is
+// widened to float32 once: K transposed into kt [D][kTileKeys] (lanes = keys: one FMA per
+// dimension gives a query's kTileKeys scores, no horizontal sums) and V into vt [kTileKeys][D].
+// Every query row that attends to those keys then reads the tile, kTileRows rows at a time so that
+// each kt / vt load feeds kTileRows FMAs. Per-request decode cannot do this (one query per kv head
+// and G heads), so it runs ~2.5x fewer FLOPs a second than these tiles.
+//
+// The tile code is written once over the few vector operations below (vec_*), which map to
+// AVX-512 (16 lanes) or AVX2 + FMA (8 lanes, the same algorithm and numerics).
+#if defined(__AVX512F__)
+#define RADIXSERVE_TILE_ATTENTION 1
+using vec_f = __m512;
+using vec_mask = __mmask16;  // lanes (keys) a row sees
+constexpr int kTileKeys = 16;
+inline vec_f vec_zero() { return _mm512_setzero_ps(); }
+inline vec_f vec_set1(float x) { return _mm512_set1_ps(x); }
+inline vec_f vec_load(const float* p) { return _mm512_loadu_ps(p); }
+inline void vec_store(float* p, vec_f x) { _mm512_storeu_ps(p, x); }
+inline vec_f vec_mul(vec_f a, vec_f b) { return _mm512_mul_ps(a, b); }
+inline vec_f vec_fmadd(vec_f a, vec_f b, vec_f c) { return _mm512_fmadd_ps(a, b, c); }
+inline vec_mask vec_first_lanes(int64_t n) { return static_cast<__mmask16>((1u << n) - 1); }
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>  // here, not at the top: only the tile attention has an AVX2 path
+#define RADIXSERVE_TILE_ATTENTION 1
+using vec_f = __m256;
+using vec_mask = __m256;  // all-ones in the lanes (keys) a row sees
+constexpr int kTileKeys = 8;
+inline vec_f vec_zero() { return _mm256_setzero_ps(); }
+inline vec_f vec_set1(float x) { return _mm256_set1_ps(x); }
+inline vec_f vec_load(const float* p) { return _mm256_loadu_ps(p); }
+inline void vec_store(float* p, vec_f x) { _mm256_storeu_ps(p, x); }
+inline vec_f vec_mul(vec_f a, vec_f b) { return _mm256_mul_ps(a, b); }
+inline vec_f vec_fmadd(vec_f a, vec_f b, vec_f c) { return _mm256_fmadd_ps(a, b, c); }
+inline vec_mask vec_first_lanes(int64_t n) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lane));
+}
+
+inline float reduce_max8(__m256 x) {
+  __m128 v = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  v = _mm_max_ps(v, _mm_movehl_ps(v, v));
+  return _mm_cvtss_f32(_mm_max_ss(v, _mm_movehdup_ps(v)));
+}
+inline float reduce_add8(__m256 x) {
+  __m128 v = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+  return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
+}
+
+// exp_neg on 8 lanes (the AVX-512 exp_neg_v's steps; 2^n built in the exponent bits, as the
+// scalar exp_neg does, for AVX2 has no scalef).
+inline __m256 exp_neg_v(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+// The AVX-512 online_softmax_block on 8 lanes: scores s (lanes outside `valid` masked) update the
+// running max m and sum l; returns the weights exp(s - m) (0 where masked) and sets corr.
+__attribute__((always_inline)) inline __m256 online_softmax_block(__m256 s, __m256 valid, float& m, float& l,
+                                                                 float& corr) {
+  const __m256 sv = _mm256_blendv_ps(_mm256_set1_ps(-std::numeric_limits<float>::infinity()), s, valid);
+  const float mb = std::max(m, reduce_max8(sv));
+  corr = exp_neg(m - mb);
+  const __m256 pv = _mm256_and_ps(valid, exp_neg_v(_mm256_sub_ps(sv, _mm256_set1_ps(mb))));
+  l = l * corr + reduce_add8(pv);
+  m = mb;
+  return pv;
+}
+#endif
+
+#if defined(RADIXSERVE_TILE_ATTENTION)
 constexpr int kTileRows = 8;
 
 // kp / vp point at the kv head's part of slot 0's row; slots[j], j < nk: the block's keys.
@@ -313,7 +390,7 @@ constexpr int kTileRows = 8;
 template <typename TKV>
 inline void load_kv_tile(const TKV* kp, const TKV* vp, int64_t ks0, int64_t vs0, const int32_t* slots, int64_t nk,
                          int64_t D, float* krow, float* kt, float* vt) {
-  for (int64_t j = 0; j < 16; ++j) {
+  for (int64_t j = 0; j < kTileKeys; ++j) {
     if (j < nk) {
       const int64_t slot = slots[j];
       load_row(kp + slot * ks0, krow, D);
@@ -322,36 +399,35 @@ inline void load_kv_tile(const TKV* kp, const TKV* vp, int64_t ks0, int64_t vs0,
       std::fill(krow, krow + D, 0.f);
       std::fill(vt + j * D, vt + (j + 1) * D, 0.f);
     }
-    for (int64_t d = 0; d < D; ++d) kt[d * 16 + j] = krow[d];
+    for (int64_t d = 0; d < D; ++d) kt[d * kTileKeys + j] = krow[d];
   }
 }
 
 // Rows r < NR: q[r] the scaled query, acc[r] / *m[r] / *l[r] its running output, max and sum,
-// vis[r] how many of the tile's keys it sees (causal), p scratch [NR][16].
+// vis[r] how many of the tile's keys it sees (causal), p scratch [NR][kTileKeys].
 template <int NR>
 inline void tile_rows(const float* kt, const float* vt, int64_t D, const float* const* q, float* const* acc,
                       float* const* m, float* const* l, const int64_t* vis, float* p) {
-  __m512 s[NR];
-  _Pragma("GCC unroll 8") for (int r = 0; r < NR; ++r) s[r] = _mm512_setzero_ps();
+  vec_f s[NR];
+  _Pragma("GCC unroll 8") for (int r = 0; r < NR; ++r) s[r] = vec_zero();
   for (int64_t d = 0; d < D; ++d) {
-    const __m512 k = _mm512_loadu_ps(kt + d * 16);
-    _Pragma("GCC unroll 8") for (int r = 0; r < NR; ++r) s[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d]), k, s[r]);
+    const vec_f k = vec_load(kt + d * kTileKeys);
+    _Pragma("GCC unroll 8") for (int r = 0; r < NR; ++r) s[r] = vec_fmadd(vec_set1(q[r][d]), k, s[r]);
   }
   float corr[NR];
   int64_t nk = 0;
   _Pragma("GCC unroll 8") for (int r = 0; r < NR; ++r) {
-    const __mmask16 valid = static_cast<__mmask16>((1u << vis[r]) - 1);
-    _mm512_storeu_ps(p + r * 16, online_softmax_block(s[r], valid, *m[r], *l[r], corr[r]));
+    vec_store(p + r * kTileKeys, online_softmax_block(s[r], vec_first_lanes(vis[r]), *m[r], *l[r], corr[r]));
     nk = std::max(nk, vis[r]);
   }
-  for (int64_t c = 0; c < D; c += 16) {
-    __m512 o[NR];
-    _Pragma("GCC unroll 8") for (int r = 0; r < NR; ++r) o[r] = _mm512_mul_ps(_mm512_loadu_ps(acc[r] + c), _mm512_set1_ps(corr[r]));
+  for (int64_t c = 0; c < D; c += kTileKeys) {  // a vector of output dims (as many as a tile's keys)
+    vec_f o[NR];
+    _Pragma("GCC unroll 8") for (int r = 0; r < NR; ++r) o[r] = vec_mul(vec_load(acc[r] + c), vec_set1(corr[r]));
     for (int64_t j = 0; j < nk; ++j) {
-      const __m512 v = _mm512_loadu_ps(vt + j * D + c);
-      _Pragma("GCC unroll 8") for (int r = 0; r < NR; ++r) o[r] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * 16 + j]), v, o[r]);
+      const vec_f v = vec_load(vt + j * D + c);
+      _Pragma("GCC unroll 8") for (int r = 0; r < NR; ++r) o[r] = vec_fmadd(vec_set1(p[r * kTileKeys + j]), v, o[r]);
     }
-    _Pragma("GCC unroll 8") for (int r = 0; r < NR; ++r) _mm512_storeu_ps(acc[r] + c, o[r]);
+    _Pragma("GCC unroll 8") for (int r = 0; r < NR; ++r) vec_store(acc[r] + c, o[r]);
   }
 }
 
@@ -360,7 +436,7 @@ struct TileRows {
   const float* kt;
   const float* vt;
   int64_t D;
-  float* p;  // scratch [kTileRows][16]
+  float* p;  // scratch [kTileRows][kTileKeys]
   const float* q[kTileRows];
   float* acc[kTileRows];
   float* m[kTileRows];
@@ -401,8 +477,9 @@ void shared_prefix_partials(const TQ* qp, int64_t qs0, int64_t qs1, int64_t B, i
                             float scale, float* part_acc, float* part_ml, int64_t ntot, int64_t first) {
   const int64_t G = H / Hkv, chunks = ceil_div(P, kSharedChunk), nrows = B * G;
   radixserve::parallel_for_dynamic(Hkv * chunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(nrows * D), acc(nrows * D), m(nrows), l(nrows), kt(D * 16), vt(16 * D), krow(D);
-    std::vector<float> pbuf(kTileRows * 16);
+    std::vector<float> qf(nrows * D), acc(nrows * D), m(nrows), l(nrows), kt(D * kTileKeys), vt(kTileKeys * D),
+        krow(D);
+    std::vector<float> pbuf(kTileRows * kTileKeys);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t g = item / chunks, c = item % chunks, k_begin = c * kSharedChunk;
       const int64_t k_end = std::min(P, k_begin + kSharedChunk);
@@ -416,8 +493,8 @@ void shared_prefix_partials(const TQ* qp, int64_t qs0, int64_t qs1, int64_t B, i
       std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
       std::fill(l.begin(), l.end(), 0.f);
       TileRows rows{kt.data(), vt.data(), D, pbuf.data()};
-      for (int64_t k0 = k_begin; k0 < k_end; k0 += 16) {
-        const int64_t nk = std::min<int64_t>(16, k_end - k0);
+      for (int64_t k0 = k_begin; k0 < k_end; k0 += kTileKeys) {
+        const int64_t nk = std::min<int64_t>(kTileKeys, k_end - k0);
         load_kv_tile(kp + g * D, vp + g * D, ks0, vs0, slots + k0, nk, D, krow.data(), kt.data(), vt.data());
         for (int64_t r = 0; r < nrows; ++r) rows.add(qf.data() + r * D, acc.data() + r * D, &m[r], &l[r], nk);
         rows.flush();
@@ -467,7 +544,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
   const int64_t want = 4 * static_cast<int64_t>(at::get_num_threads());
   int64_t nsplit = 1;
   if (items < want) nsplit = std::max<int64_t>(1, std::min(ceil_div(want, items), ceil_div(max_len, kMinSplitTokens)));
-#if defined(__AVX512F__)
+#if defined(RADIXSERVE_TILE_ATTENTION)
   const int64_t shared_chunks = shared_len > 0 ? ceil_div(shared_len, kSharedChunk) : 0;
 #else
   const int64_t shared_chunks = 0;
@@ -477,7 +554,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
   // Partials (splits, then shared chunks): acc [B, H, ntot, D] and (max, sum) [B, H, ntot, 2], float32.
   std::vector<float> part_acc(ntot > 1 ? B * H * ntot * D : 0);
   std::vector<float> part_ml(ntot > 1 ? B * H * ntot * 2 : 0);
-#if defined(__AVX512F__)
+#if defined(RADIXSERVE_TILE_ATTENTION)
   if (shared_chunks > 0)
     shared_prefix_partials(qp, qs0, qs1, B, H, Hkv, D, kp, vp, ks0, vs0, r2t + rows[0] * r2t_s0, shared_len,
                            static_cast<float>(scale), part_acc.data(), part_ml.data(), ntot, nsplit);
@@ -657,8 +734,8 @@ void decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_b
                   seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous() &&
                   seq_lens.numel() == q.size(0) && req_pool_indices.numel() == q.size(0),
               "decode_attention: req_pool_indices / seq_lens: contiguous int64 [B]");
-#if !defined(__AVX512F__)
-  TORCH_CHECK(shared_prefix_len == 0, "decode_attention: shared_prefix_len needs the AVX-512 build");
+#if !defined(RADIXSERVE_TILE_ATTENTION)
+  TORCH_CHECK(shared_prefix_len == 0, "decode_attention: shared_prefix_len needs the AVX-512 or AVX2 build");
 #endif
   // Every request's first shared_prefix_len slots are the same (the caller checked) and it has
   // at least one key of its own past them.
@@ -689,7 +766,7 @@ void decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_b
 // Work item: (request, block of kExtTokens new tokens, kv head): each block of 16 keys becomes a
 // tile (load_kv_tile) that serves the item's tokens x G heads (TileRows). Items go round-robin
 // to the threads: causal blocks differ in cost.
-#if defined(__AVX512F__)
+#if defined(RADIXSERVE_TILE_ATTENTION)
 constexpr int64_t kExtTokens = 64;  // new tokens per work item: they share each K/V tile
 
 bool has_extend_attention() { return true; }
@@ -718,8 +795,9 @@ void extend_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
   // Items from an atomic counter (their costs differ: a later chunk of a request sees more keys).
   radixserve::parallel_for_dynamic(static_cast<int64_t>(items.size()), 1, [&](int64_t i_begin, int64_t i_end) {
     const int64_t nrows = kExtTokens * G;  // (token, head) rows of an item: row = token * G + head
-    std::vector<float> qf(nrows * D), acc(nrows * D), m(nrows), l(nrows), kt(D * 16), vt(16 * D), krow(D);
-    std::vector<float> pbuf(kTileRows * 16);
+    std::vector<float> qf(nrows * D), acc(nrows * D), m(nrows), l(nrows), kt(D * kTileKeys), vt(kTileKeys * D),
+        krow(D);
+    std::vector<float> pbuf(kTileRows * kTileKeys);
     TileRows rows{kt.data(), vt.data(), D, pbuf.data()};
     for (int64_t it = i_begin; it < i_end; ++it) {
       const int64_t r = items[it][0], i0 = items[it][1], g = items[it][2];
@@ -734,8 +812,8 @@ void extend_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(m.begin(), m.end(), neg_inf);
       std::fill(l.begin(), l.end(), 0.f);
-      for (int64_t k0 = 0; k0 < nkeys; k0 += 16) {
-        const int64_t nk = std::min<int64_t>(16, nkeys - k0);
+      for (int64_t k0 = 0; k0 < nkeys; k0 += kTileKeys) {
+        const int64_t nk = std::min<int64_t>(kTileKeys, nkeys - k0);
         load_kv_tile(kp + g * D, vp + g * D, ks0, vs0, slots + k0, nk, D, krow.data(), kt.data(), vt.data());
         for (int64_t i = 0; i < nq; ++i) {
           const int64_t visible = std::min<int64_t>(nk, p0 + i - k0 + 1);  // causal: keys <= its position
@@ -783,7 +861,7 @@ void extend_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_b
 bool has_extend_attention() { return false; }
 void extend_attention(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                       const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double) {
-  TORCH_CHECK(false, "extend_attention: built without AVX-512");
+  TORCH_CHECK(false, "extend_attention: built without AVX-512 or AVX2");
 }
 #endif
 

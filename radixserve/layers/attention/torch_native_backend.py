@@ -120,7 +120,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         self.device = device
         self.sliding_window = sliding_window  # the model's windowed layers' W (None: it has none)
         self.cpu_ops = cpu_kernels.get() if use_cpu_kernels and device == "cpu" else None
-        # the AVX-512 build's tile kernels: extend attention, decode over a shared prefix
+        # the tile kernels (AVX-512 or AVX2 builds): extend attention, decode over a shared prefix
         self._tiles = self.cpu_ops is not None and bool(self.cpu_ops.has_extend_attention())
 
     def init_forward_metadata(self, fb) -> None:
@@ -208,8 +208,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         return md.windowed if md.windowed is not None and layer.sliding_window_size is not None else md
 
     def _tiles_fit(self, pool) -> bool:
-        """The C++ tile kernels (extend; decode's shared prefix; AVX-512 builds) take head_dim a
-        multiple of 16."""
+        """The C++ tile kernels (extend; decode's shared prefix; AVX-512 or AVX2 builds) take
+        head_dim a multiple of 16."""
         return self._tiles and getattr(pool, "head_dim", 1) % 16 == 0
 
     @staticmethod
