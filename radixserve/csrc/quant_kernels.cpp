@@ -30,9 +30,11 @@
 // lane is 4 products, |lane| < 2^15) with vpdpwssd, so a super-block is one int32 accumulator,
 // scaled once by d_w * d_a.
 //
-// Structure, parallel over output rows (at::parallel_for, torch's OpenMP pool; the AVX2 build is
-// the same with 8-lane vectors, 4 rows of x per decode pass and K chunks of 2048 values):
-//   - decode (M <= 16 rows of x): each thread streams its weight rows once, in order (software
+// Structure, parallel over output rows (parallel_for_dynamic of parallel.h on torch's OpenMP pool:
+// chunks of rows from an atomic counter, so a thread whose core another process took holds no
+// region up; the AVX2 build is the same with 8-lane vectors, 4 rows of x per decode pass and K
+// chunks of 2048 values):
+//   - decode (M <= 16 rows of x): each thread streams its chunks of weight rows once, in order (software
 //     prefetch 8 KiB ahead); each unit (a group of 4 blocks, or a super-block) is unpacked once
 //     into uint8 lanes in an L1 scratch and used for 8 rows of x at a time (a second group of 8
 //     re-unpacks the row from L1, not from memory). M = 16 thus reads the weights once, like M = 1.
@@ -46,6 +48,8 @@
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+
+#include "parallel.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -594,7 +598,7 @@ void quant_gemm(const float* x, int64_t M, int64_t K, const uint8_t* W, int64_t 
   auto Aq = aligned_buffer<int8_t>(M * aq_rs);
   auto Ad = aligned_buffer<float>(M * ad_rs);
   auto Am = aligned_buffer<float>(M * spad);
-  at::parallel_for(0, M, 4, [&](int64_t m0, int64_t m1) {
+  radixserve::parallel_for_dynamic(M, 4, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       float* am = Am.get() + m * spad;
       std::fill(am + nslots, am + spad, 0.f);
@@ -606,7 +610,7 @@ void quant_gemm(const float* x, int64_t M, int64_t K, const uint8_t* W, int64_t 
   });
 
   if (M <= kDecodeRows) {  // decode: one sequential pass over the weight rows
-    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    radixserve::parallel_for_dynamic(N, 16, [&](int64_t n0, int64_t n1) {
       const int8_t* aq = Aq.get();
       const float* ad = Ad.get();
       const float* am = Am.get();
@@ -632,7 +636,7 @@ void quant_gemm(const float* x, int64_t M, int64_t K, const uint8_t* W, int64_t 
   MC = std::min(MC, (M + 3) / 4 * 4);
   const int64_t ntiles = (N + NT - 1) / NT;
 
-  at::parallel_for(0, ntiles, 1, [&](int64_t t0, int64_t t1) {
+  radixserve::parallel_for_dynamic(ntiles, 1, [&](int64_t t0, int64_t t1) {
     auto Uw = aligned_buffer<uint8_t>(NT * UC * qunit);
     auto Usc = aligned_buffer<uint8_t>(KQ ? NT * UC * 256 : 1);
     auto Udw = aligned_buffer<float>(NT * UC * dunit);
@@ -801,7 +805,7 @@ void dequant_row_k(const uint8_t* row, int64_t nsb, int64_t qtype, uint16_t* out
 
 void dequant_rows(const uint8_t* W, int64_t ldw, int64_t N, int64_t K, const QInfo& qi, uint16_t* out) {
   const int64_t nb = K / qi.block;
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+  radixserve::parallel_for_dynamic(N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* row = W + n * ldw;
       uint16_t* o = out + n * K;
@@ -1360,7 +1364,7 @@ void quant_gemm_t(const float* x, int64_t M, int64_t K, const uint8_t* W, int64_
   auto Aq = aligned_buffer<int8_t>(M * K);
   auto Ad = aligned_buffer<float>(M * nad);
   auto Am = aligned_buffer<float>(M * spad);
-  at::parallel_for(0, M, 4, [&](int64_t m0, int64_t m1) {
+  radixserve::parallel_for_dynamic(M, 4, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       float* am = Am.get() + m * spad;
       std::fill(am, am + spad, 0.f);
@@ -1368,7 +1372,7 @@ void quant_gemm_t(const float* x, int64_t M, int64_t K, const uint8_t* W, int64_
     }
   });
   if (M <= kDecodeRows) {
-    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    radixserve::parallel_for_dynamic(N, 16, [&](int64_t n0, int64_t n1) {
       decode_rows<T>(W, ldw, n0, n1, M, K, Aq.get(), Ad.get(), nad, Am.get(), spad, y, ldy);
     });
     return;
@@ -1378,7 +1382,7 @@ void quant_gemm_t(const float* x, int64_t M, int64_t K, const uint8_t* W, int64_
   MC = std::max<int64_t>(4, std::min<int64_t>(256, MC / 4 * 4));
   MC = std::min(MC, (M + 3) / 4 * 4);
   const int64_t ntiles = (N + NT - 1) / NT;
-  at::parallel_for(0, ntiles, 1, [&](int64_t t0, int64_t t1) {
+  radixserve::parallel_for_dynamic(ntiles, 1, [&](int64_t t0, int64_t t1) {
     prefill_tiles<T>(W, ldw, t0, t1, N, M, MC, K, Aq.get(), Ad.get(), nad, Am.get(), spad, y, ldy);
   });
 }
@@ -1567,7 +1571,7 @@ at::Tensor quant_dequantize_f32(const at::Tensor& weight, int64_t qtype, int64_t
   at::Tensor out = at::empty({N, K}, weight.options().dtype(at::kFloat));
   const uint8_t* W = weight.data_ptr<uint8_t>();
   float* o = out.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+  radixserve::parallel_for_dynamic(N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) dequant_row_f32(W + n * ldw, K, qtype, o + n * K);
   });
   return out;
@@ -1576,7 +1580,7 @@ at::Tensor quant_dequantize_f32(const at::Tensor& weight, int64_t qtype, int64_t
 #if !defined(RADIXSERVE_QUANT_AVX512)
 // The bf16 tile where the AVX-512 unpacking is not built: the float32 rows rounded.
 void dequant_rows(const uint8_t* W, int64_t ldw, int64_t N, int64_t K, const QInfo& qi, uint16_t* out) {
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+  radixserve::parallel_for_dynamic(N, 16, [&](int64_t n0, int64_t n1) {
     std::vector<float> tmp(static_cast<size_t>(K));
     for (int64_t n = n0; n < n1; ++n) {
       dequant_row_f32(W + n * ldw, K, qi.id, tmp.data());
