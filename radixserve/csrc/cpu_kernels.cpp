@@ -1036,17 +1036,60 @@ using TileFn = void (*)(const GemmX*, int64_t, const uint16_t*, int64_t, int64_t
                         int64_t, int64_t);
 constexpr TileFn kTiles[kMr + 1] = {nullptr,         gemm_tile<1>, gemm_tile<2>, gemm_tile<3>, gemm_tile<4>,
                                     gemm_tile<5>, gemm_tile<6>, gemm_tile<7>, gemm_tile<8>, gemm_tile<9>, gemm_tile<10>, gemm_tile<11>, gemm_tile<12>};
+
+// y [M, N] (float32, or bf16: out_f32 false) = x [M, K] @ the packed weight^T + bias.
+void gemm_rows(const GemmX* xp, int64_t M, int64_t K, const at::Tensor& wp, int64_t N, const float* bp, at::Tensor& y) {
+  const bool out_f32 = y.scalar_type() == at::kFloat;
+  const int64_t k2 = wp.size(1);
+  const uint16_t* wpp = reinterpret_cast<const uint16_t*>(wp.data_ptr());
+  char* yp = static_cast<char*>(y.data_ptr());
+  const int64_t y_row_bytes = N * y.element_size();
+  // Decode sizes (M <= kMBlock): a work item is a tile of outputs for every row, so each weight
+  // is read from memory once per call and stays in cache across the row tiles. Longer inputs
+  // (prefill): a work item is a panel of tiles (~kPanelBytes of weight: it stays in L2) for one
+  // row tile, row tiles fastest, so the weight is read from memory once per call and each row
+  // tile of x (a few KiB) is re-read from cache. (Row tiles outermost streamed the whole weight
+  // once per 8 rows: memory-bound for a weight beyond the L3, 2x oneDNN's time at Qwen2.5-1.5B's
+  // gate/up, benchmarks/NOTES.md.)
+  const int64_t tile_blocks = kTileBlocks, tiles = ceil_div(wp.size(0), tile_blocks);
+  const int64_t tile_bytes = tile_blocks * k2 * kBlockN * 2 * 2;
+  const bool decode = M <= kMBlock;
+  const int64_t mr_max = decode ? kMr : kMrPrefill, m_step = decode ? M : kMrPrefill, row_tiles = ceil_div(M, m_step);
+  const int64_t panel = decode ? 1 : std::max<int64_t>(1, kPanelBytes / tile_bytes);
+  const int64_t panels = ceil_div(tiles, panel), items = decode ? tiles * row_tiles : panels * row_tiles;
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t row_tile = decode ? item / tiles : item % row_tiles;
+      const int64_t t0 = decode ? item % tiles : (item / row_tiles) * panel, t1 = decode ? t0 + 1 : std::min(tiles, t0 + panel);
+      const int64_t m_begin = row_tile * m_step, m_end = std::min(M, m_begin + m_step);
+      for (int64_t tile = t0; tile < t1; ++tile) {
+        const int64_t b0 = tile * tile_blocks, blocks = std::min(tile_blocks, wp.size(0) - b0), n0 = b0 * kBlockN;
+        if (n0 >= N) continue;
+        const uint16_t* w_tile = wpp + b0 * k2 * kBlockN * 2;
+        for (int64_t m0 = m_begin; m0 < m_end; m0 += mr_max) {
+          const int64_t mr = std::min(mr_max, m_end - m0);
+          kTiles[mr](xp + m0 * K, K, w_tile, k2, blocks, bp, yp + m0 * y_row_bytes, out_f32, N, n0, N);
+        }
+      }
+    }
+  });
+}
 #define RADIXSERVE_BF16_GEMM 1
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int64_t kBlockN = 16;  // outputs per packed block (two ymm of fp32 accumulators)
 // One block per tile: a row's accumulators are 2 ymm, and the block's widened weights (4 ymm: even
 // and odd k of both halves) stay in registers across the tile's rows, within AVX2's 16 ymm.
 constexpr int64_t kTileBlocks = 1;
-// Rows per register tile: 2 x kMr accumulators + 4 weights + 1 broadcast x (<= 16 ymm). KMR_TUNED
+// Rows per register tile: 2 x kMr accumulators + 4 weights + 1 broadcast x (<= 16 ymm). gemm_rows
+// splits a work item's rows evenly over its register tiles (16 rows: 4 x 4, not 5 + 5 + 5 + 1).
 constexpr int64_t kMr = 5, kMrPrefill = 5;
 constexpr int64_t kPrefetchPairs = 32;  // weight lines fetched ahead in the block's stream
 constexpr int64_t kMBlock = 64;  // up to this many rows, a work item takes them all
 constexpr int64_t kPanelBytes = 256 << 10;  // prefill: weight bytes a work item walks for its rows (half an L2)
+// gemm_rows walks K in chunks of this many pairs: a chunk of a block (16 KiB) and of the rows of x
+// stay in L1 / L2 while the register tiles take turns on them. Whole rows did not: at K = 8960 and
+// 16 rows, x (560 KiB) and the block (280 KiB) spilled L2, 4x the time of K = 1536 per FLOP.
+constexpr int64_t kChunkPairs = 256;
 constexpr bool kHasAvx512Bf16 = false;
 using GemmX = float;  // the dot products' x operand: float32
 
@@ -1062,8 +1105,9 @@ inline uint32_t lanes_at_least(const float* v, float t) {  // bit i: v[i] >= t, 
 
 // One packed block (16 outputs) for MR rows of float32 x. A lane of the packed weight is one
 // output's K pair: the even k (low half) widens by a shift, the odd k (high half) by a mask.
-// y: float32 (out_f32) or bf16 (rounded once, to nearest even). `blocks` is always 1 here.
-template <int MR>
+// y: float32 (out_f32) or bf16 (rounded once, to nearest even). `blocks` is always 1 here. ACC:
+// add to float32 y (the sums of earlier K chunks; gemm_rows) instead of overwriting it.
+template <int MR, bool ACC = false>
 inline void gemm_tile(const float* x, int64_t x_stride, const uint16_t* wp, int64_t k2, int64_t /*blocks*/,
                       const float* bias, void* y, bool out_f32, int64_t y_stride, int64_t n0, int64_t N) {
   // One or two rows: even and odd k sum apart (more independent FMA chains than FMA latency
@@ -1102,7 +1146,10 @@ inline void gemm_tile(const float* x, int64_t x_stride, const uint16_t* wp, int6
       if (S == 2) v = _mm256_add_ps(v, acc[r][S - 1][h]);
       _mm256_store_ps(out + 8 * h, v);
     }
-    if (out_f32) {
+    if (ACC) {
+      float* yr = static_cast<float*>(y) + r * y_stride + n0;
+      for (int64_t i = 0; i < valid; ++i) yr[i] += out[i];
+    } else if (out_f32) {
       std::memcpy(static_cast<float*>(y) + r * y_stride + n0, out, valid * sizeof(float));
     } else {
       at::BFloat16* yr = static_cast<at::BFloat16*>(y) + r * y_stride + n0;
@@ -1114,6 +1161,47 @@ inline void gemm_tile(const float* x, int64_t x_stride, const uint16_t* wp, int6
 using TileFn = void (*)(const GemmX*, int64_t, const uint16_t*, int64_t, int64_t, const float*, void*, bool, int64_t,
                         int64_t, int64_t);
 constexpr TileFn kTiles[kMr + 1] = {nullptr, gemm_tile<1>, gemm_tile<2>, gemm_tile<3>, gemm_tile<4>, gemm_tile<5>};
+constexpr TileFn kTilesAcc[kMr + 1] = {nullptr, gemm_tile<1, true>, gemm_tile<2, true>, gemm_tile<3, true>,
+                                       gemm_tile<4, true>, gemm_tile<5, true>};
+
+// y [M, N] (float32, or bf16) = x [M, K] @ the packed weight^T + bias. Work items as on AVX-512
+// (decode: a block for every row; prefill: a panel of blocks for one row tile), each walking K in
+// kChunkPairs chunks: the first chunk writes its sums, the next ones add theirs, the last the bias.
+// A bf16 y is summed in a float32 one and rounded at the end.
+void gemm_rows(const GemmX* xp, int64_t M, int64_t K, const at::Tensor& wp, int64_t N, const float* bp, at::Tensor& y_out) {
+  at::Tensor y = y_out.scalar_type() == at::kFloat ? y_out : at::empty(y_out.sizes(), y_out.options().dtype(at::kFloat));
+  const int64_t k2 = wp.size(1), tiles = wp.size(0), tile_bytes = k2 * kBlockN * 2 * 2;
+  const uint16_t* wpp = reinterpret_cast<const uint16_t*>(wp.data_ptr());
+  float* yp = y.data_ptr<float>();
+  const bool decode = M <= kMBlock;
+  const int64_t m_step = decode ? M : kMrPrefill, row_tiles = ceil_div(M, m_step);
+  const int64_t panel = decode ? 1 : std::max<int64_t>(1, kPanelBytes / tile_bytes);
+  const int64_t panels = ceil_div(tiles, panel), items = decode ? tiles * row_tiles : panels * row_tiles;
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t row_tile = decode ? item / tiles : item % row_tiles;
+      const int64_t t0 = decode ? item % tiles : (item / row_tiles) * panel, t1 = decode ? t0 + 1 : std::min(tiles, t0 + panel);
+      const int64_t m_begin = row_tile * m_step, rows = std::min(M, m_begin + m_step) - m_begin;
+      const int64_t groups = ceil_div(rows, kMr);
+      for (int64_t c0 = 0; c0 < k2; c0 += kChunkPairs) {
+        const int64_t pairs = std::min(kChunkPairs, k2 - c0);
+        const TileFn* fns = c0 == 0 ? kTiles : kTilesAcc;
+        const float* bias = c0 + pairs == k2 ? bp : nullptr;
+        for (int64_t tile = t0; tile < t1; ++tile) {
+          const int64_t n0 = tile * kBlockN;
+          if (n0 >= N) continue;
+          const uint16_t* w_chunk = wpp + (tile * k2 + c0) * kBlockN * 2;
+          for (int64_t g = 0, m0 = m_begin; g < groups; ++g) {
+            const int64_t mr = rows / groups + (g < rows % groups);
+            fns[mr](xp + m0 * K + 2 * c0, K, w_chunk, pairs, 1, bias, yp + m0 * N, true, N, n0, N);
+            m0 += mr;
+          }
+        }
+      }
+    }
+  });
+  if (!y.is_same(y_out)) y_out.copy_(y);  // rounded to nearest even
+}
 #define RADIXSERVE_BF16_GEMM 1
 #endif
 
@@ -1171,38 +1259,7 @@ at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& wp, int64_t N, 
     });
   }
   const GemmX* xp = x_is_operand ? static_cast<const GemmX*>(x.data_ptr()) : x_conv.data();
-  const uint16_t* wpp = reinterpret_cast<const uint16_t*>(wp.data_ptr());
-  char* yp = static_cast<char*>(y.data_ptr());
-  const int64_t y_row_bytes = N * y.element_size();
-  // Decode sizes (M <= kMBlock): a work item is a tile of outputs for every row, so each weight
-  // is read from memory once per call and stays in cache across the row tiles. Longer inputs
-  // (prefill): a work item is a panel of tiles (~kPanelBytes of weight: it stays in L2) for one
-  // row tile, row tiles fastest, so the weight is read from memory once per call and each row
-  // tile of x (a few KiB) is re-read from cache. (Row tiles outermost streamed the whole weight
-  // once per 8 rows: memory-bound for a weight beyond the L3, 2x oneDNN's time at Qwen2.5-1.5B's
-  // gate/up, benchmarks/NOTES.md.)
-  const int64_t tile_blocks = kTileBlocks, tiles = ceil_div(wp.size(0), tile_blocks);
-  const int64_t tile_bytes = tile_blocks * k2 * kBlockN * 2 * 2;
-  const bool decode = M <= kMBlock;
-  const int64_t mr_max = decode ? kMr : kMrPrefill, m_step = decode ? M : kMrPrefill, row_tiles = ceil_div(M, m_step);
-  const int64_t panel = decode ? 1 : std::max<int64_t>(1, kPanelBytes / tile_bytes);
-  const int64_t panels = ceil_div(tiles, panel), items = decode ? tiles * row_tiles : panels * row_tiles;
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t row_tile = decode ? item / tiles : item % row_tiles;
-      const int64_t t0 = decode ? item % tiles : (item / row_tiles) * panel, t1 = decode ? t0 + 1 : std::min(tiles, t0 + panel);
-      const int64_t m_begin = row_tile * m_step, m_end = std::min(M, m_begin + m_step);
-      for (int64_t tile = t0; tile < t1; ++tile) {
-        const int64_t b0 = tile * tile_blocks, blocks = std::min(tile_blocks, wp.size(0) - b0), n0 = b0 * kBlockN;
-        if (n0 >= N) continue;
-        const uint16_t* w_tile = wpp + b0 * k2 * kBlockN * 2;
-        for (int64_t m0 = m_begin; m0 < m_end; m0 += mr_max) {
-          const int64_t mr = std::min(mr_max, m_end - m0);
-          kTiles[mr](xp + m0 * K, K, w_tile, k2, blocks, bp, yp + m0 * y_row_bytes, out_f32, N, n0, N);
-        }
-      }
-    }
-  });
+  gemm_rows(xp, M, K, wp, N, bp, y);
   return y.view(sizes);
 }
 
