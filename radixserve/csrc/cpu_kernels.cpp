@@ -1082,10 +1082,9 @@ constexpr int64_t kBlockN = 16;  // outputs per packed block (two ymm of fp32 ac
 constexpr int64_t kTileBlocks = 1;
 // Rows per register tile: 2 x kMr accumulators + 4 weights + 1 broadcast x (<= 16 ymm). gemm_rows
 // splits a work item's rows evenly over its register tiles (16 rows: 4 x 4, not 5 + 5 + 5 + 1).
-constexpr int64_t kMr = 5, kMrPrefill = 5;
+constexpr int64_t kMr = 5;
 constexpr int64_t kPrefetchPairs = 32;  // weight lines fetched ahead in the block's stream
-constexpr int64_t kMBlock = 64;  // up to this many rows, a work item takes them all
-constexpr int64_t kPanelBytes = 256 << 10;  // prefill: weight bytes a work item walks for its rows (half an L2)
+constexpr int64_t kMBlock = 64;  // rows a work item takes (decode: all of them)
 // gemm_rows walks K in chunks of this many pairs: a chunk of a block (16 KiB) and of the rows of x
 // stay in L1 / L2 while the register tiles take turns on them. Whole rows did not: at K = 8960 and
 // 16 rows, x (560 KiB) and the block (280 KiB) spilled L2, 4x the time of K = 1536 per FLOP.
@@ -1111,21 +1110,26 @@ template <int MR, bool ACC = false>
 inline void gemm_tile(const float* x, int64_t x_stride, const uint16_t* wp, int64_t k2, int64_t /*blocks*/,
                       const float* bias, void* y, bool out_f32, int64_t y_stride, int64_t n0, int64_t N) {
   // One or two rows: even and odd k sum apart (more independent FMA chains than FMA latency
-  // needs); more rows have enough chains in one set.
+  // needs); more rows have enough chains in one set. Every loop over the accumulators is unrolled
+  // (constant indices): one indexed at run time puts them in memory, stored on every k.
   constexpr int S = MR <= 2 ? 2 : 1;
   __m256 acc[MR][S][2];
+#pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 2
     for (int s = 0; s < S; ++s) acc[r][s][0] = acc[r][s][1] = _mm256_setzero_ps();
   const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   for (int64_t k = 0; k < k2; ++k) {
     const uint16_t* wk = wp + k * kBlockN * 2;
     _mm_prefetch(reinterpret_cast<const char*>(wk + kPrefetchPairs * kBlockN * 2), _MM_HINT_T0);
     __m256 even[2], odd[2];
+#pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {  // outputs 8h .. 8h + 7
       const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk + h * 16));
       even[h] = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
       odd[h] = _mm256_castsi256_ps(_mm256_and_si256(raw, high));
     }
+#pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
       const float* xr = x + r * x_stride + 2 * k;
       const __m256 xe = _mm256_broadcast_ss(xr);
@@ -1139,21 +1143,24 @@ inline void gemm_tile(const float* x, int64_t x_stride, const uint16_t* wp, int6
   const int64_t valid = std::min<int64_t>(kBlockN, N - n0);
   alignas(32) float b[kBlockN] = {};
   if (bias) std::memcpy(b, bias + n0, valid * sizeof(float));
-  for (int r = 0; r < MR; ++r) {
-    alignas(32) float out[kBlockN];
+  alignas(32) float out[MR][kBlockN];
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
       __m256 v = _mm256_add_ps(acc[r][0][h], _mm256_load_ps(b + 8 * h));
       if (S == 2) v = _mm256_add_ps(v, acc[r][S - 1][h]);
-      _mm256_store_ps(out + 8 * h, v);
+      _mm256_store_ps(out[r] + 8 * h, v);
     }
+  for (int r = 0; r < MR; ++r) {
     if (ACC) {
       float* yr = static_cast<float*>(y) + r * y_stride + n0;
-      for (int64_t i = 0; i < valid; ++i) yr[i] += out[i];
+      for (int64_t i = 0; i < valid; ++i) yr[i] += out[r][i];
     } else if (out_f32) {
-      std::memcpy(static_cast<float*>(y) + r * y_stride + n0, out, valid * sizeof(float));
+      std::memcpy(static_cast<float*>(y) + r * y_stride + n0, out[r], valid * sizeof(float));
     } else {
       at::BFloat16* yr = static_cast<at::BFloat16*>(y) + r * y_stride + n0;
-      for (int64_t i = 0; i < valid; ++i) yr[i] = static_cast<at::BFloat16>(out[i]);  // nearest even
+      for (int64_t i = 0; i < valid; ++i) yr[i] = static_cast<at::BFloat16>(out[r][i]);  // nearest even
     }
   }
 }
@@ -1164,38 +1171,33 @@ constexpr TileFn kTiles[kMr + 1] = {nullptr, gemm_tile<1>, gemm_tile<2>, gemm_ti
 constexpr TileFn kTilesAcc[kMr + 1] = {nullptr, gemm_tile<1, true>, gemm_tile<2, true>, gemm_tile<3, true>,
                                        gemm_tile<4, true>, gemm_tile<5, true>};
 
-// y [M, N] (float32, or bf16) = x [M, K] @ the packed weight^T + bias. Work items as on AVX-512
-// (decode: a block for every row; prefill: a panel of blocks for one row tile), each walking K in
-// kChunkPairs chunks: the first chunk writes its sums, the next ones add theirs, the last the bias.
-// A bf16 y is summed in a float32 one and rounded at the end.
+// y [M, N] (float32, or bf16) = x [M, K] @ the packed weight^T + bias. A work item is one block of
+// 16 outputs for up to kMBlock rows (consecutive items: the same rows, the next block), walking K
+// in kChunkPairs chunks: the first chunk writes its sums, the next ones add theirs, the last the
+// bias. A chunk of the block (16 KiB, in L1) serves every register tile of the rows in turn, and
+// the rows' chunk of x (<= 128 KiB) stays in L2 across blocks; a weight is read from memory once
+// per kMBlock rows. (Prefill as on AVX-512, a panel of blocks per 5-row tile re-read from L2, ran
+// at half this one's FLOP rate here.) A bf16 y is summed in a float32 one and rounded at the end.
 void gemm_rows(const GemmX* xp, int64_t M, int64_t K, const at::Tensor& wp, int64_t N, const float* bp, at::Tensor& y_out) {
   at::Tensor y = y_out.scalar_type() == at::kFloat ? y_out : at::empty(y_out.sizes(), y_out.options().dtype(at::kFloat));
-  const int64_t k2 = wp.size(1), tiles = wp.size(0), tile_bytes = k2 * kBlockN * 2 * 2;
+  const int64_t k2 = wp.size(1), tiles = wp.size(0);
   const uint16_t* wpp = reinterpret_cast<const uint16_t*>(wp.data_ptr());
   float* yp = y.data_ptr<float>();
-  const bool decode = M <= kMBlock;
-  const int64_t m_step = decode ? M : kMrPrefill, row_tiles = ceil_div(M, m_step);
-  const int64_t panel = decode ? 1 : std::max<int64_t>(1, kPanelBytes / tile_bytes);
-  const int64_t panels = ceil_div(tiles, panel), items = decode ? tiles * row_tiles : panels * row_tiles;
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+  const int64_t row_blocks = ceil_div(M, kMBlock);
+  at::parallel_for(0, tiles * row_blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t row_tile = decode ? item / tiles : item % row_tiles;
-      const int64_t t0 = decode ? item % tiles : (item / row_tiles) * panel, t1 = decode ? t0 + 1 : std::min(tiles, t0 + panel);
-      const int64_t m_begin = row_tile * m_step, rows = std::min(M, m_begin + m_step) - m_begin;
-      const int64_t groups = ceil_div(rows, kMr);
+      const int64_t tile = item % tiles, m_begin = item / tiles * kMBlock, n0 = tile * kBlockN;
+      if (n0 >= N) continue;
+      const int64_t rows = std::min(M, m_begin + kMBlock) - m_begin, groups = ceil_div(rows, kMr);
       for (int64_t c0 = 0; c0 < k2; c0 += kChunkPairs) {
         const int64_t pairs = std::min(kChunkPairs, k2 - c0);
         const TileFn* fns = c0 == 0 ? kTiles : kTilesAcc;
         const float* bias = c0 + pairs == k2 ? bp : nullptr;
-        for (int64_t tile = t0; tile < t1; ++tile) {
-          const int64_t n0 = tile * kBlockN;
-          if (n0 >= N) continue;
-          const uint16_t* w_chunk = wpp + (tile * k2 + c0) * kBlockN * 2;
-          for (int64_t g = 0, m0 = m_begin; g < groups; ++g) {
-            const int64_t mr = rows / groups + (g < rows % groups);
-            fns[mr](xp + m0 * K + 2 * c0, K, w_chunk, pairs, 1, bias, yp + m0 * N, true, N, n0, N);
-            m0 += mr;
-          }
+        const uint16_t* w_chunk = wpp + (tile * k2 + c0) * kBlockN * 2;
+        for (int64_t g = 0, m0 = m_begin; g < groups; ++g) {
+          const int64_t mr = rows / groups + (g < rows % groups);
+          fns[mr](xp + m0 * K + 2 * c0, K, w_chunk, pairs, 1, bias, yp + m0 * N, true, N, n0, N);
+          m0 += mr;
         }
       }
     }
