@@ -9,8 +9,9 @@ Qwen2.5-1.5B's MLP shapes, decode (M = 1, 16) and prefill (M = 128, 512):
   widen+f32   F.linear(x float32, w_bf16.float()): a bf16 weight widened per call, then sgemm
               (a candidate for prefill, where float32 sgemm may beat our tile)
 
-GB/s is the weight's bytes in the method's dtype per call (float32: 4 bytes per weight, the
-rest 2) over the best time; the ratios compare times (>1: ours is faster). Each method cycles
+Rates: decode rows (M <= 64) give GB/s, the weight's bytes in the method's dtype per call
+(float32: 4 bytes per weight, the rest 2) over the best time; prefill rows give GFLOP/s (2MNK over
+the best time). The ratios compare times (>1: ours is faster). Each method cycles
 through copies of its weight that together exceed --cold-mib (default 96 MiB, 3x this machine's
 L3), so decode reads its weights from memory as a model's forward does; the methods take turns
 within each round (best of --reps). `read` is torch's x.sum() over a 512 MiB float32 tensor: the
@@ -103,7 +104,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="", help="comma-separated subset of: " + ",".join(s[0] for s in SHAPES))
     ap.add_argument("--ms", default="1,16,128,512", help="rows of x: decode (<= 64) and prefill sizes")
-    ap.add_argument("--reps", type=int, default=0, help="rounds per case (default: 30 for M <= 16, 5 for more)")
+    ap.add_argument("--reps", type=int, default=0, help="rounds per case (default: 100 for M <= 16, 6 for more)")
     ap.add_argument("--cold-mib", type=int, default=96, help="MiB of weight copies cycled through per method")
     ap.add_argument("--out", default=str(REPO / "benchmarks/cpu/bf16_gemm_avx2.json"))
     args = ap.parse_args()
@@ -117,7 +118,7 @@ def main() -> None:
     print(f"{cpu_model()}; threads {torch.get_num_threads()}; flags {' '.join(cpu_flags())}; "
           f"has_avx512_bf16 {bool(ops.has_avx512_bf16())}; read bandwidth {bw:.1f} GB/s; load average {load0:.2f}")
     header = (f"{'shape':18} {'K':>5} {'N':>5} {'M':>4} | {'ours ms':>8} {'f32 ms':>8} {'bf16 ms':>8} {'wid+f32':>8} | "
-              f"{'ours GB/s':>9} {'f32 GB/s':>8} {'bf16 GB/s':>9} | {'f32/ours':>8} {'bf16/ours':>9} {'w+f/ours':>8}")
+              f"{'rate':>7} {'ours':>6} {'f32':>6} {'bf16':>6} | {'f32/ours':>8} {'bf16/ours':>9} {'w+f/ours':>8}")
     print(header)
     print("-" * len(header))
     rows = []
@@ -130,16 +131,18 @@ def main() -> None:
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
             fns = methods(ops, x, w, m, args.cold_mib << 20, prefill)
             err = rel_err(fns, x, w)
-            t = bench(fns, args.reps or (30 if m <= 16 else 5))
+            t = bench(fns, args.reps or (100 if m <= 16 else 6))
             best = {name: v["best_ms"] for name, v in t.items()}
             gbs = {name: n * k * (4 if name == "f32" else 2) / (best[name] * 1e-3) / 1e9 for name in ("ours", "f32", "bf16")}
+            gflops = {name: 2 * m * n * k / (best[name] * 1e-3) / 1e9 for name in best}
+            rate, unit = (gflops, "GFLOP/s") if prefill else (gbs, "GB/s")
             ratio = {name: best[name] / best["ours"] for name in best if name != "ours"}
-            rows.append({"shape": label, "K": k, "N": n, "M": m, "ms": t, "weight_gb_per_s": gbs,
+            rows.append({"shape": label, "K": k, "N": n, "M": m, "ms": t, "weight_gb_per_s": gbs, "gflop_per_s": gflops,
                          "time_over_ours": ratio, "rel_err_vs_fp64": err})
             wid = f"{best['widen+f32']:8.3f}" if "widen+f32" in best else f"{'-':>8}"
             wid_r = f"{ratio['widen+f32']:8.2f}" if "widen+f32" in ratio else f"{'-':>8}"
             print(f"{label:18} {k:>5} {n:>5} {m:>4} | {best['ours']:8.3f} {best['f32']:8.3f} {best['bf16']:8.3f} {wid} | "
-                  f"{gbs['ours']:9.1f} {gbs['f32']:8.1f} {gbs['bf16']:9.1f} | {ratio['f32']:8.2f} {ratio['bf16']:9.2f} "
+                  f"{unit:>7} {rate['ours']:6.1f} {rate['f32']:6.1f} {rate['bf16']:6.1f} | {ratio['f32']:8.2f} {ratio['bf16']:9.2f} "
                   f"{wid_r}", flush=True)
     load1 = os.getloadavg()[0]
     out = {
