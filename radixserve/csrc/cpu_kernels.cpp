@@ -1,22 +1,25 @@
 // CPU kernels for the hot path: paged decode and extend (prefill) attention, KV store, fused
-// add+RMSNorm, rotary embedding, SiLU-and-mul, and a bf16 GEMM for the linear layers (AVX512_BF16). Built
+// add+RMSNorm, rotary embedding, SiLU-and-mul, and a bf16 GEMM for the linear layers (AVX512_BF16, or
+// AVX2 + FMA: the same packed layout, the weights widened to float32). Built
 // with -march=native by torch.utils.cpp_extension (radixserve/layers/cpu_kernels.py; run by
 // scripts/install.sh); the torch code those layers fall back to is the reference the tests
-// compare against. AVX-512 paths sit beside portable loops, chosen at compile time.
+// compare against. AVX-512 (and for the GEMM, AVX2) paths sit beside portable loops, chosen at
+// compile time.
 //
 // Every kernel computes in float32 and reads/writes float32, bfloat16 or float16 tensors (the bf16
 // GEMM and the decode attention over a bf16 pool multiply bf16 operands on vdpbf16ps, summing in
-// float32; that attention splits its float32 operands in bf16 hi + lo halves).
-// Parallel loops run on torch's own OpenMP thread pool: the attention, norm, rotary and activation
-// kernels through parallel_for_dynamic (parallel.h: chunks from an atomic counter, so a thread whose
-// core another process took does not hold each region up), the bf16 GEMM through at::parallel_for.
+// float32; that attention splits its float32 operands in bf16 hi + lo halves; the AVX2 GEMM widens
+// its bf16 weights and multiplies in float32).
+// Parallel loops run on torch's own OpenMP thread pool through parallel_for_dynamic (parallel.h:
+// chunks from an atomic counter, so a thread whose core another process took does not hold each
+// region up).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include "parallel.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -322,7 +325,7 @@ inline vec_f vec_mul(vec_f a, vec_f b) { return _mm512_mul_ps(a, b); }
 inline vec_f vec_fmadd(vec_f a, vec_f b, vec_f c) { return _mm512_fmadd_ps(a, b, c); }
 inline vec_mask vec_first_lanes(int64_t n) { return static_cast<__mmask16>((1u << n) - 1); }
 #elif defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>  // here, not at the top: only the tile attention has an AVX2 path
+// (immintrin.h is included at the top for the AVX2 GEMM and tiles alike)
 #define RADIXSERVE_TILE_ATTENTION 1
 using vec_f = __m256;
 using vec_mask = __m256;  // all-ones in the lanes (keys) a row sees
@@ -1041,7 +1044,7 @@ at::Tensor parallel_for_visits(int64_t n, int64_t grain) {
   return counts;
 }
 
-// ---- small-batch bf16 linear layers: y = x @ W^T on AVX512_BF16 ---------------------------------
+// ---- small-batch bf16 linear layers: y = x @ W^T on AVX512_BF16 or AVX2 + FMA -------------------
 //
 // A decode step multiplies a few rows of activations by every weight matrix once: it is bound by
 // streaming the weights, and torch's bf16 GEMM reached ~25 GB/s of this machine's ~90 there. The
@@ -1049,6 +1052,17 @@ at::Tensor parallel_for_visits(int64_t n, int64_t grain) {
 // interleaved in pairs ([N/16][K/2][16][2]): one 64-byte load then feeds one vdpbf16ps per
 // activation row (16 outputs x a pair of K), with a broadcast pair of x, and every output keeps
 // its own fp32 lane: no horizontal sums. Activations are tiled kMr (kMrPrefill) rows at a time.
+//
+// Two instruction sets, one layout and one driver (bf16_linear, the MoE kernels below): each
+// defines gemm_tile (a register tile: a few rows of x times a tile of packed blocks), its tile
+// sizes, and GemmX, the x operand the tile reads:
+//   AVX512_BF16  vdpbf16ps: float32 x is rounded to bf16 (nearest even) as the dot products'
+//                operand, as llama.cpp does for its BF16 weights; fp32 sums.
+//   AVX2 + FMA   no bf16 dot product: a 32-bit lane of the packed weight (one output's K pair) is
+//                widened to float32 by a shift (even k) and a mask (odd k) and multiplied in
+//                float32 with x as it is: float32 x stays float32 (free here, and closer to
+//                float32 than bf16 operands), bf16 x is widened once.
+// has_avx512_bf16() tells the two apart (the tests' references, the LM head's refine).
 #if defined(__AVX512BF16__)
 constexpr int64_t kBlockN = 16;  // outputs per packed block (one zmm of fp32 accumulators)
 constexpr int64_t kTileBlocks = 2;
@@ -1061,24 +1075,20 @@ constexpr int64_t kMr = 12, kMrPrefill = 8;
 constexpr int64_t kPrefetchPairs = 32;  // weight lines fetched ahead in each block's stream
 constexpr int64_t kMBlock = 64;  // up to this many rows, a work item takes them all
 constexpr int64_t kPanelBytes = 512 << 10;  // prefill: weight bytes a work item walks for its rows (half an L2)
+constexpr bool kHasAvx512Bf16 = true;
+using GemmX = uint16_t;  // the dot products' x operand: bf16
 
-bool has_bf16_gemm() { return true; }
+inline void round_row_bf16(const float* src, uint16_t* dst, int64_t n) {  // nearest even
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = i + 16 <= n ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1);
+    _mm256_mask_storeu_epi16(dst + i, m, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, src + i)));
+  }
+}
+inline void to_gemm_x(const float* src, GemmX* dst, int64_t n) { round_row_bf16(src, dst, n); }
+inline void to_gemm_x(const at::BFloat16* src, GemmX* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(GemmX)); }
 
-at::Tensor pack_bf16_weight(const at::Tensor& w_in) {
-  TORCH_CHECK(w_in.dim() == 2 && w_in.scalar_type() == at::kBFloat16, "pack_bf16_weight: a [N, K] bf16 weight");
-  const at::Tensor w = w_in.contiguous();
-  const int64_t N = w.size(0), K = w.size(1), nb = ceil_div(N, kBlockN), k2 = ceil_div(K, 2);
-  at::Tensor out = at::zeros({nb, k2, kBlockN, 2}, w.options());
-  const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr());
-  uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr());
-  at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b)
-      for (int64_t i = 0; i < kBlockN && b * kBlockN + i < N; ++i) {
-        const uint16_t* row = src + (b * kBlockN + i) * K;
-        for (int64_t k = 0; k < K; ++k) dst[((b * k2 + k / 2) * kBlockN + i) * 2 + k % 2] = row[k];
-      }
-  });
-  return out;
+inline uint32_t lanes_at_least(const float* v, float t) {  // bit i: v[i] >= t, for 16 lanes
+  return _mm512_cmp_ps_mask(_mm512_loadu_ps(v), _mm512_set1_ps(t), _CMP_GE_OQ);
 }
 
 // y: float32 (out_f32: the accumulators as they are) or bf16 (rounded once, to nearest even).
@@ -1116,40 +1126,15 @@ inline void gemm_tile(const uint16_t* x, int64_t x_stride, const uint16_t* wp, i
   }
 }
 
-using TileFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, const float*, void*, bool, int64_t,
+using TileFn = void (*)(const GemmX*, int64_t, const uint16_t*, int64_t, int64_t, const float*, void*, bool, int64_t,
                         int64_t, int64_t);
 constexpr TileFn kTiles[kMr + 1] = {nullptr,         gemm_tile<1>, gemm_tile<2>, gemm_tile<3>, gemm_tile<4>,
                                     gemm_tile<5>, gemm_tile<6>, gemm_tile<7>, gemm_tile<8>, gemm_tile<9>, gemm_tile<10>, gemm_tile<11>, gemm_tile<12>};
 
-// x: float32 or bf16; y comes back in x's dtype. Float32 activations (the CPU's bf16 mode: bf16
-// weights, float32 activations) are rounded to bf16 (nearest even) only as the operand of the dot
-// products, as llama.cpp does for its BF16 weights; the fp32 sums are returned unrounded.
-at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& wp, int64_t N, const c10::optional<at::Tensor>& bias_in) {
-  const bool out_f32 = x_in.scalar_type() == at::kFloat;
-  TORCH_CHECK((out_f32 || x_in.scalar_type() == at::kBFloat16) && wp.scalar_type() == at::kBFloat16 && wp.dim() == 4,
-              "bf16_linear: float32 or bf16 activations and a weight from pack_bf16_weight");
-  const int64_t k2 = wp.size(1), K = x_in.size(-1);
-  TORCH_CHECK(K % 2 == 0 && K / 2 == k2 && wp.size(0) * kBlockN >= N, "bf16_linear: shapes do not match");
-  const at::Tensor x = x_in.reshape({-1, K}).contiguous();
-  const int64_t M = x.size(0);
-  auto sizes = x_in.sizes().vec();
-  sizes.back() = N;
-  at::Tensor y = at::empty({M, N}, x_in.options());
-  at::Tensor bias;
-  if (bias_in.has_value() && bias_in->defined()) bias = bias_in->to(at::kFloat).contiguous();
-  const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
-  // The bf16 operand: x itself, or float32 x rounded once here (no tensor made per call).
-  std::vector<uint16_t> x_bf16(out_f32 ? M * K : 0);
-  if (out_f32) {
-    const float* xf = x.data_ptr<float>();
-    at::parallel_for(0, M, 64, [&](int64_t r0, int64_t r1) {
-      for (int64_t i = r0 * K; i < r1 * K; i += 16) {  // K is even; the tail is masked
-        const __mmask16 m = i + 16 <= r1 * K ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (r1 * K - i)) - 1);
-        _mm256_mask_storeu_epi16(x_bf16.data() + i, m, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, xf + i)));
-      }
-    });
-  }
-  const uint16_t* xp = out_f32 ? x_bf16.data() : reinterpret_cast<const uint16_t*>(x.data_ptr());
+// y [M, N] (float32, or bf16: out_f32 false) = x [M, K] @ the packed weight^T + bias.
+void gemm_rows(const GemmX* xp, int64_t M, int64_t K, const at::Tensor& wp, int64_t N, const float* bp, at::Tensor& y) {
+  const bool out_f32 = y.scalar_type() == at::kFloat;
+  const int64_t k2 = wp.size(1);
   const uint16_t* wpp = reinterpret_cast<const uint16_t*>(wp.data_ptr());
   char* yp = static_cast<char*>(y.data_ptr());
   const int64_t y_row_bytes = N * y.element_size();
@@ -1166,7 +1151,7 @@ at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& wp, int64_t N, 
   const int64_t mr_max = decode ? kMr : kMrPrefill, m_step = decode ? M : kMrPrefill, row_tiles = ceil_div(M, m_step);
   const int64_t panel = decode ? 1 : std::max<int64_t>(1, kPanelBytes / tile_bytes);
   const int64_t panels = ceil_div(tiles, panel), items = decode ? tiles * row_tiles : panels * row_tiles;
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+  radixserve::parallel_for_dynamic(items, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t row_tile = decode ? item / tiles : item % row_tiles;
       const int64_t t0 = decode ? item % tiles : (item / row_tiles) * panel, t1 = decode ? t0 + 1 : std::min(tiles, t0 + panel);
@@ -1182,14 +1167,204 @@ at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& wp, int64_t N, 
       }
     }
   });
+}
+#define RADIXSERVE_BF16_GEMM 1
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int64_t kBlockN = 16;  // outputs per packed block (two ymm of fp32 accumulators)
+// One block per tile: a row's accumulators are 2 ymm, and the block's widened weights (4 ymm: even
+// and odd k of both halves) stay in registers across the tile's rows, within AVX2's 16 ymm.
+constexpr int64_t kTileBlocks = 1;
+// Rows per register tile: 2 x kMr accumulators + 4 weights + 1 broadcast x (<= 16 ymm). gemm_rows
+// splits a work item's rows evenly over its register tiles (16 rows: 4 x 4, not 5 + 5 + 5 + 1).
+constexpr int64_t kMr = 5;
+constexpr int64_t kPrefetchPairs = 32;  // weight lines fetched ahead in the block's stream
+constexpr int64_t kMBlock = 64;  // rows a work item takes (decode: all of them)
+// gemm_rows walks K in chunks of this many pairs: a chunk of a block (16 KiB) and of the rows of x
+// stay in L1 / L2 while the register tiles take turns on them. Whole rows did not: at K = 8960 and
+// 16 rows, x (560 KiB) and the block (280 KiB) spilled L2, 4x the time of K = 1536 per FLOP.
+constexpr int64_t kChunkPairs = 256;
+constexpr bool kHasAvx512Bf16 = false;
+using GemmX = float;  // the dot products' x operand: float32
+
+inline void to_gemm_x(const float* src, GemmX* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(GemmX)); }
+inline void to_gemm_x(const at::BFloat16* src, GemmX* dst, int64_t n) { load_row(src, dst, n); }
+
+inline uint32_t lanes_at_least(const float* v, float t) {  // bit i: v[i] >= t, for 16 lanes
+  const __m256 tv = _mm256_set1_ps(t);
+  const uint32_t lo = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(v), tv, _CMP_GE_OQ));
+  const uint32_t hi = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(v + 8), tv, _CMP_GE_OQ));
+  return lo | hi << 8;
+}
+
+// One packed block (16 outputs) for MR rows of float32 x. A lane of the packed weight is one
+// output's K pair: the even k (low half) widens by a shift, the odd k (high half) by a mask.
+// y: float32 (out_f32) or bf16 (rounded once, to nearest even). `blocks` is always 1 here. ACC:
+// add to float32 y (the sums of earlier K chunks; gemm_rows) instead of overwriting it.
+template <int MR, bool ACC = false>
+inline void gemm_tile(const float* x, int64_t x_stride, const uint16_t* wp, int64_t k2, int64_t /*blocks*/,
+                      const float* bias, void* y, bool out_f32, int64_t y_stride, int64_t n0, int64_t N) {
+  // One or two rows: even and odd k sum apart (more independent FMA chains than FMA latency
+  // needs); more rows have enough chains in one set. Every loop over the accumulators is unrolled
+  // (constant indices): one indexed at run time puts them in memory, stored on every k.
+  constexpr int S = MR <= 2 ? 2 : 1;
+  __m256 acc[MR][S][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 2
+    for (int s = 0; s < S; ++s) acc[r][s][0] = acc[r][s][1] = _mm256_setzero_ps();
+  const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  for (int64_t k = 0; k < k2; ++k) {
+    const uint16_t* wk = wp + k * kBlockN * 2;
+    _mm_prefetch(reinterpret_cast<const char*>(wk + kPrefetchPairs * kBlockN * 2), _MM_HINT_T0);
+    __m256 even[2], odd[2];
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {  // outputs 8h .. 8h + 7
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk + h * 16));
+      even[h] = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+      odd[h] = _mm256_castsi256_ps(_mm256_and_si256(raw, high));
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      const float* xr = x + r * x_stride + 2 * k;
+      const __m256 xe = _mm256_broadcast_ss(xr);
+      acc[r][0][0] = _mm256_fmadd_ps(xe, even[0], acc[r][0][0]);
+      acc[r][0][1] = _mm256_fmadd_ps(xe, even[1], acc[r][0][1]);
+      const __m256 xo = _mm256_broadcast_ss(xr + 1);
+      acc[r][S - 1][0] = _mm256_fmadd_ps(xo, odd[0], acc[r][S - 1][0]);
+      acc[r][S - 1][1] = _mm256_fmadd_ps(xo, odd[1], acc[r][S - 1][1]);
+    }
+  }
+  const int64_t valid = std::min<int64_t>(kBlockN, N - n0);
+  alignas(32) float b[kBlockN] = {};
+  if (bias) std::memcpy(b, bias + n0, valid * sizeof(float));
+  alignas(32) float out[MR][kBlockN];
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      __m256 v = _mm256_add_ps(acc[r][0][h], _mm256_load_ps(b + 8 * h));
+      if (S == 2) v = _mm256_add_ps(v, acc[r][S - 1][h]);
+      _mm256_store_ps(out[r] + 8 * h, v);
+    }
+  for (int r = 0; r < MR; ++r) {
+    if (ACC) {
+      float* yr = static_cast<float*>(y) + r * y_stride + n0;
+      for (int64_t i = 0; i < valid; ++i) yr[i] += out[r][i];
+    } else if (out_f32) {
+      std::memcpy(static_cast<float*>(y) + r * y_stride + n0, out[r], valid * sizeof(float));
+    } else {
+      at::BFloat16* yr = static_cast<at::BFloat16*>(y) + r * y_stride + n0;
+      for (int64_t i = 0; i < valid; ++i) yr[i] = static_cast<at::BFloat16>(out[r][i]);  // nearest even
+    }
+  }
+}
+
+using TileFn = void (*)(const GemmX*, int64_t, const uint16_t*, int64_t, int64_t, const float*, void*, bool, int64_t,
+                        int64_t, int64_t);
+constexpr TileFn kTiles[kMr + 1] = {nullptr, gemm_tile<1>, gemm_tile<2>, gemm_tile<3>, gemm_tile<4>, gemm_tile<5>};
+constexpr TileFn kTilesAcc[kMr + 1] = {nullptr, gemm_tile<1, true>, gemm_tile<2, true>, gemm_tile<3, true>,
+                                       gemm_tile<4, true>, gemm_tile<5, true>};
+
+// y [M, N] (float32, or bf16) = x [M, K] @ the packed weight^T + bias. A work item is one block of
+// 16 outputs for up to kMBlock rows (consecutive items: the same rows, the next block), walking K
+// in kChunkPairs chunks: the first chunk writes its sums, the next ones add theirs, the last the
+// bias. A chunk of the block (16 KiB, in L1) serves every register tile of the rows in turn, and
+// the rows' chunk of x (<= 128 KiB) stays in L2 across blocks; a weight is read from memory once
+// per kMBlock rows. (Prefill as on AVX-512, a panel of blocks per 5-row tile re-read from L2, ran
+// at half this one's FLOP rate here.) A bf16 y is summed in a float32 one and rounded at the end.
+void gemm_rows(const GemmX* xp, int64_t M, int64_t K, const at::Tensor& wp, int64_t N, const float* bp, at::Tensor& y_out) {
+  at::Tensor y = y_out.scalar_type() == at::kFloat ? y_out : at::empty(y_out.sizes(), y_out.options().dtype(at::kFloat));
+  const int64_t k2 = wp.size(1), tiles = wp.size(0);
+  const uint16_t* wpp = reinterpret_cast<const uint16_t*>(wp.data_ptr());
+  float* yp = y.data_ptr<float>();
+  const int64_t row_blocks = ceil_div(M, kMBlock);
+  radixserve::parallel_for_dynamic(tiles * row_blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t tile = item % tiles, m_begin = item / tiles * kMBlock, n0 = tile * kBlockN;
+      if (n0 >= N) continue;
+      const int64_t rows = std::min(M, m_begin + kMBlock) - m_begin, groups = ceil_div(rows, kMr);
+      for (int64_t c0 = 0; c0 < k2; c0 += kChunkPairs) {
+        const int64_t pairs = std::min(kChunkPairs, k2 - c0);
+        const TileFn* fns = c0 == 0 ? kTiles : kTilesAcc;
+        const float* bias = c0 + pairs == k2 ? bp : nullptr;
+        const uint16_t* w_chunk = wpp + (tile * k2 + c0) * kBlockN * 2;
+        for (int64_t g = 0, m0 = m_begin; g < groups; ++g) {
+          const int64_t mr = rows / groups + (g < rows % groups);
+          fns[mr](xp + m0 * K + 2 * c0, K, w_chunk, pairs, 1, bias, yp + m0 * N, true, N, n0, N);
+          m0 += mr;
+        }
+      }
+    }
+  });
+  if (!y.is_same(y_out)) y_out.copy_(y);  // rounded to nearest even
+}
+#define RADIXSERVE_BF16_GEMM 1
+#endif
+
+#if defined(RADIXSERVE_BF16_GEMM)
+bool has_bf16_gemm() { return true; }
+bool has_avx512_bf16() { return kHasAvx512Bf16; }
+
+at::Tensor pack_bf16_weight(const at::Tensor& w_in) {
+  TORCH_CHECK(w_in.dim() == 2 && w_in.scalar_type() == at::kBFloat16, "pack_bf16_weight: a [N, K] bf16 weight");
+  const at::Tensor w = w_in.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), nb = ceil_div(N, kBlockN), k2 = ceil_div(K, 2);
+  at::Tensor out = at::zeros({nb, k2, kBlockN, 2}, w.options());
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr());
+  radixserve::parallel_for_dynamic(nb, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t i = 0; i < kBlockN && b * kBlockN + i < N; ++i) {
+        const uint16_t* row = src + (b * kBlockN + i) * K;
+        for (int64_t k = 0; k < K; ++k) dst[((b * k2 + k / 2) * kBlockN + i) * 2 + k % 2] = row[k];
+      }
+  });
+  return out;
+}
+
+// x: float32 or bf16; y comes back in x's dtype. Float32 activations (the CPU's bf16 mode: bf16
+// weights, float32 activations) are rounded to bf16 (nearest even) only as the operand of the dot
+// products on AVX512_BF16, as llama.cpp does for its BF16 weights, and used as they are on AVX2;
+// the fp32 sums are returned unrounded.
+at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& wp, int64_t N, const c10::optional<at::Tensor>& bias_in) {
+  const bool out_f32 = x_in.scalar_type() == at::kFloat;
+  TORCH_CHECK((out_f32 || x_in.scalar_type() == at::kBFloat16) && wp.scalar_type() == at::kBFloat16 && wp.dim() == 4,
+              "bf16_linear: float32 or bf16 activations and a weight from pack_bf16_weight");
+  const int64_t k2 = wp.size(1), K = x_in.size(-1);
+  TORCH_CHECK(K % 2 == 0 && K / 2 == k2 && wp.size(0) * kBlockN >= N, "bf16_linear: shapes do not match");
+  const at::Tensor x = x_in.reshape({-1, K}).contiguous();
+  const int64_t M = x.size(0);
+  auto sizes = x_in.sizes().vec();
+  sizes.back() = N;
+  at::Tensor y = at::empty({M, N}, x_in.options());
+  at::Tensor bias;
+  if (bias_in.has_value() && bias_in->defined()) bias = bias_in->to(at::kFloat).contiguous();
+  const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  // The GEMM's x operand: x itself where its dtype is GemmX, else converted once here (no tensor
+  // made per call): float32 x rounded to bf16 on AVX512_BF16, bf16 x widened on AVX2.
+  const bool x_is_operand = out_f32 == std::is_same<GemmX, float>::value;
+  std::vector<GemmX> x_conv(x_is_operand ? 0 : M * K);
+  if (!x_is_operand) {
+    radixserve::parallel_for_dynamic(M, 64, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        if (out_f32)
+          to_gemm_x(x.data_ptr<float>() + r * K, x_conv.data() + r * K, K);
+        else
+          to_gemm_x(x.data_ptr<at::BFloat16>() + r * K, x_conv.data() + r * K, K);
+      }
+    });
+  }
+  const GemmX* xp = x_is_operand ? static_cast<const GemmX*>(x.data_ptr()) : x_conv.data();
+  gemm_rows(xp, M, K, wp, N, bp, y);
   return y.view(sizes);
 }
 
 // ---- the LM head's largest logits again, from float32 hidden states ----------------------------
 //
-// bf16_linear rounds float32 activations to bf16; for the LM head that error lands on the logits
-// themselves. Per row: the k largest logits (a min-heap fed only by the 16-lane blocks that hold
-// a value above its smallest) are recomputed as float32 hidden . widened bf16 weight row. In place.
+// bf16_linear rounds float32 activations to bf16 on AVX512_BF16; for the LM head that error lands
+// on the logits themselves. Per row: the k largest logits (a min-heap fed only by the 16-lane
+// blocks that hold a value above its smallest) are recomputed as float32 hidden . widened bf16
+// weight row. In place. (On AVX2 the GEMM's logits are float32 sums of float32 products already.)
 void refine_top_logits(at::Tensor logits, const at::Tensor& hidden_in, const at::Tensor& weight, int64_t k) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
               "refine_top_logits: contiguous float32 logits [M, V]");
@@ -1204,7 +1379,7 @@ void refine_top_logits(at::Tensor logits, const at::Tensor& hidden_in, const at:
   float* lp = logits.data_ptr<float>();
   const float* hp = hidden.data_ptr<float>();
   const at::BFloat16* wp = weight.data_ptr<at::BFloat16>();
-  at::parallel_for(0, M, 1, [&](int64_t r0, int64_t r1) {
+  radixserve::parallel_for_dynamic(M, 1, [&](int64_t r0, int64_t r1) {
     std::vector<std::pair<float, int64_t>> heap;  // (value, index), smallest value on top
     std::vector<float> row(H);
     const auto greater = [](const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) { return a > b; };
@@ -1224,8 +1399,7 @@ void refine_top_logits(at::Tensor logits, const at::Tensor& hidden_in, const at:
       int64_t i = 0;
       for (; i < k; ++i) offer(i);
       for (; i + 16 <= V; i += 16) {
-        __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(l + i), _mm512_set1_ps(heap.front().first), _CMP_GE_OQ);
-        for (; hit; hit &= hit - 1) offer(i + __builtin_ctz(hit));
+        for (uint32_t hit = lanes_at_least(l + i, heap.front().first); hit; hit &= hit - 1) offer(i + __builtin_ctz(hit));
       }
       for (; i < V; ++i) offer(i);
       const float* h = hp + r * H;
@@ -1241,8 +1415,8 @@ void refine_top_logits(at::Tensor logits, const at::Tensor& hidden_in, const at:
 //
 // A step's (token, k) pairs are grouped by expert; each expert the step uses then runs gate/up
 // (its fused w13), SiLU * up and down once over all of its tokens, on the gemm_tile of bf16_linear
-// (float32 activations rounded to bf16 only as the dot products' operand, fp32 sums): the dense
-// path's numerics. The torch loop in layers/moe.py calls bf16_linear per expert instead, five
+// (float32 activations rounded to bf16 only as the dot products' operand on AVX512_BF16, float32 on
+// AVX2; fp32 sums): the dense path's numerics. The torch loop in layers/moe.py calls bf16_linear per expert instead, five
 // dispatches and a gather/scatter per expert; here gate/up is one parallel region over every
 // (expert, row chunk, output tile), so a decode step's 8 experts share all threads, and down is one
 // over output tiles, each adding every expert's routing-weighted rows into its own columns of the
@@ -1252,11 +1426,11 @@ struct MoeChunk {
 };
 
 // y[rows of each chunk] = x[those rows] @ W_expert^T, float32 out, for every chunk and output tile.
-void moe_grouped_gemm(const uint16_t* x, int64_t K, const uint16_t* w, int64_t nb, int64_t k2,
+void moe_grouped_gemm(const GemmX* x, int64_t K, const uint16_t* w, int64_t nb, int64_t k2,
                       const std::vector<MoeChunk>& chunks, float* y, int64_t N) {
   const int64_t tiles = ceil_div(nb, kTileBlocks), expert_stride = nb * k2 * kBlockN * 2;
   const int64_t items = static_cast<int64_t>(chunks.size()) * tiles;
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+  radixserve::parallel_for_dynamic(items, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const MoeChunk& c = chunks[item / tiles];
       const int64_t b0 = (item % tiles) * kTileBlocks, blocks = std::min(kTileBlocks, nb - b0), n0 = b0 * kBlockN;
@@ -1274,11 +1448,11 @@ void moe_grouped_gemm(const uint16_t* x, int64_t K, const uint16_t* w, int64_t n
 // item owns a tile of output columns across all chunks, so no two threads add to the same
 // element, and each element sums its experts in ascending order (the torch loop's order) with no
 // [pairs, hidden] buffer of the experts' outputs.
-void moe_down_accumulate(const uint16_t* act, int64_t K, const uint16_t* w, int64_t nb, int64_t k2,
+void moe_down_accumulate(const GemmX* act, int64_t K, const uint16_t* w, int64_t nb, int64_t k2,
                          const std::vector<MoeChunk>& chunks, const int64_t* pair_token, const float* pair_weight,
                          float* out, int64_t N) {
   const int64_t tiles = ceil_div(nb, kTileBlocks), expert_stride = nb * k2 * kBlockN * 2;
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+  radixserve::parallel_for_dynamic(tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> y(kMr * N);  // a register tile's rows; only this item's columns are used
     for (int64_t tile = begin; tile < end; ++tile) {
       const int64_t b0 = tile * kTileBlocks, blocks = std::min(kTileBlocks, nb - b0), n0 = b0 * kBlockN;
@@ -1295,13 +1469,6 @@ void moe_down_accumulate(const uint16_t* act, int64_t K, const uint16_t* w, int6
       }
     }
   });
-}
-
-inline void round_row_bf16(const float* src, uint16_t* dst, int64_t n) {  // nearest even, as bf16_linear
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = i + 16 <= n ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1);
-    _mm256_mask_storeu_epi16(dst + i, m, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, src + i)));
-  }
 }
 
 // x [M, H] float32; w13 [E][2I/16][H/2][16][2] and w2 [E][H/16][I/2][16][2] (pack_bf16_weight of
@@ -1346,16 +1513,16 @@ at::Tensor fused_moe_bf16(const at::Tensor& x_in, const at::Tensor& w13, const a
   for (int64_t e = 0; e < E; ++e)
     for (int64_t r = offset[e]; r < offset[e + 1]; r += kMBlock) chunks.push_back({e, r, std::min(kMBlock, offset[e + 1] - r)});
 
-  // The bf16 operand of gate/up: each pair's token row, rounded once.
-  std::vector<uint16_t> xs(P * H), act(P * inter);
+  // The GEMM operand of gate/up: each pair's token row, converted once (to_gemm_x).
+  std::vector<GemmX> xs(P * H), act(P * inter);
   std::vector<float> h13(P * 2 * inter);
   const float* xp = x.data_ptr<float>();
-  at::parallel_for(0, used, 16, [&](int64_t s0, int64_t s1) {
-    for (int64_t s = s0; s < s1; ++s) round_row_bf16(xp + pair_token[s] * H, xs.data() + s * H, H);
+  radixserve::parallel_for_dynamic(used, 16, [&](int64_t s0, int64_t s1) {
+    for (int64_t s = s0; s < s1; ++s) to_gemm_x(xp + pair_token[s] * H, xs.data() + s * H, H);
   });
   moe_grouped_gemm(xs.data(), H, reinterpret_cast<const uint16_t*>(w13.data_ptr()), w13.size(1), k2_13, chunks,
                    h13.data(), 2 * inter);
-  at::parallel_for(0, used, 16, [&](int64_t s0, int64_t s1) {
+  radixserve::parallel_for_dynamic(used, 16, [&](int64_t s0, int64_t s1) {
     std::vector<float> a(inter);
     for (int64_t s = s0; s < s1; ++s) {
       const float* g = h13.data() + s * 2 * inter;
@@ -1365,7 +1532,7 @@ at::Tensor fused_moe_bf16(const at::Tensor& x_in, const at::Tensor& w13, const a
         const float e = exp_neg(-std::fabs(g[j]));
         a[j] = g[j] * ((g[j] >= 0.f ? 1.f : e) / (1.f + e)) * u[j];
       }
-      round_row_bf16(a.data(), act.data() + s * inter, inter);
+      to_gemm_x(a.data(), act.data() + s * inter, inter);
     }
   });
   moe_down_accumulate(act.data(), inter, reinterpret_cast<const uint16_t*>(w2.data_ptr()), w2.size(1), k2_2, chunks,
@@ -1374,16 +1541,17 @@ at::Tensor fused_moe_bf16(const at::Tensor& x_in, const at::Tensor& w13, const a
 }
 #else
 bool has_bf16_gemm() { return false; }
+bool has_avx512_bf16() { return false; }
 void refine_top_logits(at::Tensor, const at::Tensor&, const at::Tensor&, int64_t) {
-  TORCH_CHECK(false, "built without AVX512_BF16");
+  TORCH_CHECK(false, "built without AVX512_BF16 or AVX2 + FMA");
 }
-at::Tensor pack_bf16_weight(const at::Tensor&) { TORCH_CHECK(false, "built without AVX512_BF16"); }
+at::Tensor pack_bf16_weight(const at::Tensor&) { TORCH_CHECK(false, "built without AVX512_BF16 or AVX2 + FMA"); }
 at::Tensor bf16_linear(const at::Tensor&, const at::Tensor&, int64_t, const c10::optional<at::Tensor>&) {
-  TORCH_CHECK(false, "built without AVX512_BF16");
+  TORCH_CHECK(false, "built without AVX512_BF16 or AVX2 + FMA");
 }
 at::Tensor fused_moe_bf16(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                           int64_t) {
-  TORCH_CHECK(false, "built without AVX512_BF16");
+  TORCH_CHECK(false, "built without AVX512_BF16 or AVX2 + FMA");
 }
 #endif
 
@@ -1402,7 +1570,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("store_kv", &store_kv, "write new tokens' K/V rows at their KV-pool slots");
   m.def("fused_add_rmsnorm", &fused_add_rmsnorm, "RMSNorm with an optional fused residual add");
   m.def("rotary_embedding", &rotary_embedding, "neox-style rotary embedding of q and k");
-  m.def("has_bf16_gemm", &has_bf16_gemm, "whether bf16_linear is built (AVX512_BF16)");
+  m.def("has_bf16_gemm", &has_bf16_gemm, "whether bf16_linear and the MoE kernel are built (AVX512_BF16, or AVX2 + FMA)");
+  m.def("has_avx512_bf16", &has_avx512_bf16,
+        "whether built with AVX512_BF16 (vdpbf16ps): bf16_linear then rounds float32 activations to bf16, and decode "
+        "over a bf16 pool splits q in two bf16 halves; on AVX2 float32 activations stay float32");
   m.def("pack_bf16_weight", &pack_bf16_weight, "repack a [N, K] bf16 weight for bf16_linear");
   m.def("bf16_linear", &bf16_linear, "y = x @ W^T (+ bias) with a packed bf16 weight", py::arg("x"), py::arg("packed"),
         py::arg("out_features"), py::arg("bias") = py::none());

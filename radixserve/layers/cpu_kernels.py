@@ -1,6 +1,6 @@
 """The C++ CPU kernels (radixserve/csrc/cpu_kernels.cpp), the hot path on the CPU: paged decode
 and extend (prefill) attention, the KV store, fused add+RMSNorm, rotary embedding, SiLU-and-mul, and the bf16
-GEMM of the linear layers (AVX512_BF16; weights packed once by linear.pack_cpu_weights).
+GEMM of the linear layers (AVX512_BF16, or AVX2 + FMA; weights packed once by linear.pack_cpu_weights).
 
 They are compiled once per machine with torch.utils.cpp_extension (`-O3 -march=native`,
 torch's own OpenMP pool) into torch's extension cache, in a directory named by the ISA and a hash

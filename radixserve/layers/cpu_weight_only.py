@@ -1,14 +1,16 @@
 """The CPU's bf16 mode: bf16 weights, float32 activations (llama.cpp's numerics for BF16 weights).
 
-On a CPU with AVX512_BF16 a bf16 model keeps its matrices in bf16 (the bandwidth a decode step
-is bound by) and runs everything else in float32: the residual stream, the norms, rotary, the
-attention softmax and the logits. Activations are rounded to bf16 only as the operand of each
-dot product inside the C++ GEMM, whose sums come back unrounded. Running the activations in bf16
+On a CPU with AVX512_BF16 or AVX2 + FMA a bf16 model keeps its matrices in bf16 (the bandwidth a
+decode step is bound by) and runs everything else in float32: the residual stream, the norms,
+rotary, the attention softmax and the logits. With AVX512_BF16 activations are rounded to bf16
+only as the operand of each dot product inside the C++ GEMM (vdpbf16ps), whose sums come back
+unrounded; on AVX2 the GEMM widens the weights and multiplies the float32 activations as they are
+(no bf16 dot product there to save time with; closer to float32). Running the activations in bf16
 too cost answers (issue 25: 13 of 24 greedy chat answers equal float32's on SmolLM2, where
 llama.cpp's BF16 kept 19); benchmarks/NOTES.md has the per-kernel errors.
 
 `convert_to_weight_only(model)` does it once after loading; where the C++ GEMM is not at hand
-(no AVX512_BF16, no compiler, RADIXSERVE_DISABLE_CPU_KERNELS=1) the model stays as it is, all in
+(no AVX512_BF16 or AVX2, no compiler, RADIXSERVE_DISABLE_CPU_KERNELS=1) the model stays as it is, all in
 bf16 on torch's ops.
 """
 
@@ -31,7 +33,8 @@ KV_CACHE_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16"
 # (benchmarks/NOTES.md, issue 25): fp16 keys and values (llama.cpp's default too). Half the bytes
 # of float32 at the same agreement; bf16's 8-bit mantissa cost a larger mean logprob error.
 WEIGHT_ONLY_KV_DTYPE = torch.float16
-# Logits per row the LM head recomputes from float32 hidden states (refine_top_logits)
+# Logits per row the LM head recomputes from float32 hidden states (refine_top_logits) where the
+# GEMM rounds them to bf16 (AVX512_BF16; on AVX2 it multiplies them in float32 already)
 LM_HEAD_REFINE_TOP_K = 64
 
 
@@ -65,7 +68,7 @@ def convert_to_weight_only(model: nn.Module) -> None:
         if getattr(m, "weight_packed", True) is None:  # an LM head the GEMM could not take: float32
             m.weight = nn.Parameter(m.weight.detach().float(), requires_grad=False)
             kept += 1
-        elif hasattr(m, "refine_top_k"):
+        elif hasattr(m, "refine_top_k") and cpu_kernels.get().has_avx512_bf16():
             m.refine_top_k = LM_HEAD_REFINE_TOP_K
     logger.info("CPU bf16 mode: %d weight matrices in bf16 for the C++ GEMM%s, activations in float32",
                 packed, f" ({kept} more kept in float32)" if kept else "")

@@ -10,9 +10,9 @@ rank's slice of a full checkpoint tensor, so checkpoints load the same way for a
 How a layer holds and applies its weight is its `quant_method` (layers/quantization/):
 UnquantizedLinearMethod here, or GGUFLinearMethod for a GGUF's blocks (model_loader gives it to
 the layers whose tensors stay in blocks, before loading).
-With tp_size 1 every layer is a plain F.linear, except on a CPU with AVX512_BF16 in bf16: there
-`pack_cpu_weights` repacks each weight once for the C++ GEMM (cpu_kernels.bf16_linear, 2-4x
-torch's at decode batch sizes) and frees the original layout, so the weights are held once.
+With tp_size 1 every layer is a plain F.linear, except on a CPU with AVX512_BF16 or AVX2 + FMA in
+bf16: there `pack_cpu_weights` repacks each weight once for the C++ GEMM (cpu_kernels.bf16_linear,
+2-4x torch's at decode batch sizes) and frees the original layout, so the weights are held once.
 """
 
 from __future__ import annotations
@@ -227,7 +227,7 @@ class PackedWeight:
 
 def pack_cpu_weight(weight: torch.Tensor) -> Optional[PackedWeight]:
     """The weight packed for cpu_kernels.bf16_linear, or None where that GEMM cannot take it
-    (not bf16, not on a CPU with AVX512_BF16, odd K, or the kernels are off)."""
+    (not bf16, a CPU with neither AVX512_BF16 nor AVX2 + FMA, odd K, or the kernels are off)."""
     ops = cpu_kernels.kernels_for(weight)
     if ops is None or not ops.has_bf16_gemm() or weight.dtype != torch.bfloat16 or weight.shape[-1] % 2:
         return None

@@ -89,7 +89,7 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     """Computes logits of its vocab shard; `get_logits` gathers them over ranks.
-    On a CPU with AVX512_BF16 `pack_cpu_weight` adds a copy of the weight packed for the C++
+    On a CPU with AVX512_BF16 or AVX2 `pack_cpu_weight` adds a copy of the weight packed for the C++
     GEMM (cpu_kernels.bf16_linear); the original stays, as the input embedding is often tied to it."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int):

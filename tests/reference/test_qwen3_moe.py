@@ -141,7 +141,7 @@ def test_expert_parallel_2_on_the_moe_kernel_matches_tensor_parallel(moe_dir, tm
     rank's experts skipped) against one rank holding all of them."""
     ranks = _run_ep2(moe_dir, tmp_path / "ep2bf16.pt", "bfloat16")
     if not ranks[0]["kernel"]:
-        pytest.skip("no AVX512_BF16 here: the experts run on the torch loop (the float32 test covers EP there)")
+        pytest.skip("no C++ bf16 GEMM here (neither AVX512_BF16 nor AVX2): the experts run on the torch loop (the float32 test covers EP there)")
     runner = make_runner(moe_dir, dtype="bfloat16")
     assert runner.model.model.layers[0].mlp.experts.w13_packed.shape[0] == 8
     one = _driver_logits(runner)
@@ -184,7 +184,7 @@ def test_cpu_bf16_mode_packs_the_experts(moe_dir):
     from radixserve.layers.cpu_weight_only import weight_only_available
 
     if not weight_only_available(torch.bfloat16, "cpu"):
-        pytest.fail("this test needs a CPU with AVX512_BF16 (the CI machines have it)")
+        pytest.fail("this test needs the C++ bf16 GEMM (a CPU with AVX512_BF16 or AVX2 + FMA)")
     runner = make_runner(moe_dir, dtype="bfloat16")
     experts = [m for m in runner.model.modules() if isinstance(m, FusedMoE)]
     assert all(m.weight_packed is not None and m.w13_weight.numel() == 0 for m in experts)
@@ -205,7 +205,7 @@ def test_cpu_bf16_mode_moe_kernel_matches_the_torch_loop(moe_dir, monkeypatch):
     from radixserve.layers.cpu_weight_only import weight_only_available
 
     if not weight_only_available(torch.bfloat16, "cpu"):
-        pytest.fail("this test needs a CPU with AVX512_BF16 (the CI machines have it)")
+        pytest.fail("this test needs the C++ bf16 GEMM (a CPU with AVX512_BF16 or AVX2 + FMA)")
     runner = make_runner(moe_dir, dtype="bfloat16")
     ids = PROMPTS[1] + PROMPTS[0]
     calls = []
@@ -287,7 +287,7 @@ def test_release_frees_the_packed_experts_and_resume_restores_them(moe_dir):
     try:
         experts = engine.scheduler.tp_worker.model_runner.model.model.layers[0].mlp.experts
         if experts.w13_packed is None:
-            pytest.skip("no AVX512_BF16 here: the experts stay parameters (released as every parameter is)")
+            pytest.skip("no C++ bf16 GEMM here (neither AVX512_BF16 nor AVX2): the experts stay parameters (released as every parameter is)")
         before = engine.generate(input_ids=PROMPTS, sampling_params=params, progress=False)
         engine.release_memory_occupation()
         assert experts.w13_packed.untyped_storage().nbytes() == 0 and experts.w2_packed.untyped_storage().nbytes() == 0

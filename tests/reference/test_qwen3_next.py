@@ -311,7 +311,7 @@ def test_cpu_bf16_mode_is_no_further_from_float32_than_transformers_bf16(next_di
     from radixserve.layers.cpu_weight_only import weight_only_available
 
     if not weight_only_available(torch.bfloat16, "cpu"):
-        pytest.fail("this test needs a CPU with AVX512_BF16 (the CI machines have it)")
+        pytest.fail("this test needs the C++ bf16 GEMM (a CPU with AVX512_BF16 or AVX2 + FMA)")
     runner = make_runner(next_dir, dtype="bfloat16", max_running_requests=4)
     assert runner.mamba_pool.temporal_state.dtype == torch.float32
     ours = KVDriver(runner).extend(runner.req_to_token_pool.alloc(1), [0], [LONG]).all_logits.float()

@@ -143,7 +143,7 @@ def test_rebalance_moves_the_packed_experts_of_the_cpu_bf16_mode():
     from radixserve.layers.cpu_weight_only import weight_only_available
 
     if not weight_only_available(torch.bfloat16, "cpu"):
-        pytest.fail("this test needs a CPU with AVX512_BF16 (the CI machines have it)")
+        pytest.fail("this test needs the C++ bf16 GEMM (a CPU with AVX512_BF16 or AVX2 + FMA)")
     plain, copies = _moe(0), _moe(4)
     for m in (plain, copies):
         m.w13_weight = torch.nn.Parameter(m.w13_weight.data.bfloat16(), requires_grad=False)

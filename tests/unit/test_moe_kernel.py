@@ -19,7 +19,7 @@ def ops():
     mod = cpu_kernels.get()
     assert mod is not None, "the C++ CPU kernels did not build (see the warning logged by cpu_kernels.build)"
     if not mod.has_bf16_gemm():
-        pytest.skip("this CPU has no AVX512_BF16: the experts stay on the torch loop")
+        pytest.skip("this CPU has neither AVX512_BF16 nor AVX2 + FMA: the experts stay on the torch loop")
     return mod
 
 

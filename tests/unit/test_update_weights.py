@@ -208,14 +208,14 @@ def test_get_weights_by_name_returns_the_checkpoint_rows(dirs, hf):
 
 # ---- the CPU's bf16 mode: the GEMM's packed copies are updated too --------------------------------
 def test_bf16_update_reaches_the_packed_weights(dirs):
-    """A CPU with AVX512_BF16 runs a bf16 model on packed copies of its linear weights: an update
+    """A CPU with AVX512_BF16 or AVX2 runs a bf16 model on packed copies of its linear weights: an update
     repacks them (each now the new checkpoint's weight, still held once) and serves what a server
     started on the new checkpoint serves, to the bit."""
     from radixserve.layers.cpu_weight_only import weight_only_available
     from radixserve.layers.linear import unpack_cpu_weight
 
     if not weight_only_available(torch.bfloat16, "cpu"):
-        pytest.skip("no AVX512_BF16 C++ GEMM on this CPU: a bf16 model keeps no packed weights to update")
+        pytest.skip("no C++ bf16 GEMM on this CPU (neither AVX512_BF16 nor AVX2): a bf16 model keeps no packed weights to update")
     e, fresh = engine(dirs["a"], dtype="bfloat16"), engine(dirs["b"], dtype="bfloat16")
     try:
         runner = e.scheduler.tp_worker.model_runner
