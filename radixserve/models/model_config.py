@@ -178,9 +178,9 @@ class ModelConfig:
         return config
 
     def resolve_dtype(self, dtype: str, device: str) -> torch.dtype:
-        """--dtype auto: bf16 where the device has native bf16 math (AVX512_BF16 or AMX on a CPU:
-        2-4x faster matmuls than float32; bf16 tensor cores on a GPU), float32 checkpoints included,
-        as SGLang and vLLM downcast those (one log line says so; --dtype float32 keeps them exact).
+        """--dtype auto: bf16 where the device has native bf16 math (AVX512_BF16 or AMX on a CPU, or
+        the engine's bf16 GEMM on AVX2: 2-4x faster matmuls than float32; bf16 tensor cores on a
+        GPU), float32 checkpoints included, as SGLang and vLLM downcast those (one log line says so; --dtype float32 keeps them exact).
         Without native bf16 a float32 checkpoint stays float32, and a CPU runs any other in float32
         too (emulated bf16 is slower). A GPU runs a bf16 or float16 checkpoint in its own dtype.
         The embedded tiny model stays float32: it is there for the same bits on every machine."""
@@ -222,9 +222,18 @@ def has_native_bf16(device: str) -> bool:
 
 
 def cpu_has_native_bf16() -> bool:
+    """Whether bf16 weights multiply at least at float32's speed on this CPU: in hardware
+    (AVX512_BF16, AMX), or in the engine's own bf16 GEMM (csrc/cpu_kernels.cpp; on AVX2 + FMA it
+    widens the weights to float32 in registers, with float32 activations: half float32's bytes,
+    measured faster than torch's float32 GEMM at decode and prefill sizes, benchmarks/NOTES.md)."""
     cpu = getattr(torch, "cpu", None)
     checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return any(bool(getattr(cpu, name, lambda: False)()) for name in checks)
+    if any(bool(getattr(cpu, name, lambda: False)()) for name in checks):
+        return True
+    from radixserve.layers import cpu_kernels
+
+    ops = cpu_kernels.get()
+    return ops is not None and bool(ops.has_bf16_gemm())
 
 
 def _sliding_window(cfg: Dict[str, Any]) -> Optional[int]:
