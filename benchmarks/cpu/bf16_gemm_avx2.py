@@ -41,20 +41,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quant_gemm import bench, copies  # noqa: E402  (the same timing rounds and cold weight copies)
 
 from radixserve.layers import cpu_kernels  # noqa: E402
+from radixserve.layers.gemm_select import cpu_model  # noqa: E402
 
 # (label, K, N): SmolLM2-135M's up/down (hidden 576, intermediate 1536), Qwen2.5-1.5B's (1536, 8960)
 SHAPES = [("smollm2.up", 576, 1536), ("smollm2.down", 1536, 576),
           ("qwen2.5-1.5b.up", 1536, 8960), ("qwen2.5-1.5b.down", 8960, 1536)]
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def cpu_flags() -> List[str]:

@@ -159,7 +159,7 @@ class Busy:
         self.proc.wait()
 
 
-def cpu_model() -> str:
+def cpu_model() -> str:  # not gemm_select's: importing radixserve sets GOMP_SPINCOUNT, which the workers would inherit
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
