@@ -184,7 +184,12 @@ def quant_matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
 
 
 def gemm_shape(w: QuantizedWeight) -> gemm_select.GemmShape:
-    return gemm_select.GemmShape(type_name(w.qtype), w.cols, w.shape[0])
+    return _gemm_shape(w.qtype, w.cols, w.data.shape[0])
+
+
+@functools.lru_cache(maxsize=4096)
+def _gemm_shape(qtype: int, k: int, n: int) -> gemm_select.GemmShape:  # per call on the hot path: no enum lookups
+    return gemm_select.GemmShape(type_name(qtype), k, n)
 
 
 def cpu_paths(qtype: int) -> Tuple[str, ...]:
