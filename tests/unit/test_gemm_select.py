@@ -170,7 +170,15 @@ def test_real_timer_on_real_weights_logs_its_choice(tmp_path, monkeypatch, plan,
         return
     assert set(sel.times) == {(shape, b) for b in range(len(ROW_BUCKETS))}
     assert all(set(t) == set(quant_gguf.cpu_paths(int(Q.Q8_0))) and min(t.values()) > 0 for t in sel.times.values())
-    assert gemm_select.current_plan() is sel.plan
+    plan = gemm_select.current_plan()
+    assert all(plan.choices[key] == path for key, path in sel.plan.choices.items())
+    # a second model (a STANDALONE draft) adds its shapes; the first model's choices stay
+    other = torch.nn.Module()
+    other.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+    other.weight.gguf_blocks = make_weight(Q.Q8_0, 32, 128)
+    quant_gguf.select_cpu_gemm_paths(other)
+    both = gemm_select.current_plan().choices
+    assert {s for s, _ in both} == {shape, GemmShape("Q8_0", 128, 32)}
     text = caplog.text
     assert "CPU GEMM paths" in text and "rows 1:" in text and "rows 65+:" in text
     assert (tmp_path / "gemm_select.json").is_file()

@@ -280,7 +280,6 @@ def select_cpu_gemm_paths(model: torch.nn.Module, forced: str = "auto") -> Optio
     read the cached times), install the plan quant_matmul follows, and log what it chose and why.
     None where there is nothing to choose (no blocks, or on a GPU)."""
     weights = [w for w in quantized_weights(model) if not on_triton_device(w.data)]
-    gemm_select.set_plan(gemm_select.GemmPlan())  # nothing of an earlier model's choices
     if not weights:
         return None
     if forced != "auto" and not any(forced in cpu_paths(w.qtype) for w in weights):
@@ -291,7 +290,10 @@ def select_cpu_gemm_paths(model: torch.nn.Module, forced: str = "auto") -> Optio
     build = cpu_kernels.extension_name() + (f"/{ops.quant_gemm_isa()}" if ops is not None and hasattr(ops, "quant_gemm_isa") else "")
     with torch.inference_mode():
         selection = gemm_select.select_paths(shapes, candidates, build, forced, cache=gemm_select.cache_path())
-    gemm_select.set_plan(selection.plan)
+    # Added to the process's plan, not replacing it: a STANDALONE draft model loads beside the target
+    # (a shape both have gets the same measured choice).
+    gemm_select.set_plan(gemm_select.GemmPlan({**gemm_select.current_plan().choices, **selection.plan.choices},
+                                              selection.plan.forced))
     how = f"measured in {selection.measured_s:.1f} s" if selection.measured_s else "timings from the cache"
     forced_note = f"; --cpu-gemm-path {forced} forces it where it applies" if forced != "auto" else ""
     logger.info("CPU GEMM paths for %d GGUF matrix shapes (%s, %d threads; %s%s):", len(shapes),
