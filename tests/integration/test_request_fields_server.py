@@ -38,7 +38,9 @@ def test_token_ids_logprob_through_generate(http):
     for row, top in zip(rows, full["output_top_logprobs"]):
         by_id = {t: v for v, t, _ in top}
         assert [t for _, t, _ in row] == [7, 99, 8000]
-        assert [v for v, _, _ in row] == pytest.approx([by_id[t] for t in (7, 99, 8000)], abs=1e-5)
+        # the second request hits the first's prefix in the cache: its logits come from another
+        # attention path (a cached prefix), equal to float32 rounding (~1e-6 relative)
+        assert [v for v, _, _ in row] == pytest.approx([by_id[t] for t in (7, 99, 8000)], rel=2e-6, abs=1e-5)
     bad = http.post("/generate", json={**body, "token_ids_logprob": [8192]})
     assert bad.status_code == 400 and "token_ids_logprob" in bad.json()["error"]["message"]
 

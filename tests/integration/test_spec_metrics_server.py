@@ -18,7 +18,8 @@ NUM_DRAFT_TOKENS = 4
 
 @pytest.fixture(scope="module")
 def spec_server():
-    srv = ServerProcess("--max-total-tokens", "4096", "--decode-log-interval", "2",
+    # --skip-server-warmup: the counters are checked from zero (the warm-up request would verify too)
+    srv = ServerProcess("--max-total-tokens", "4096", "--decode-log-interval", "2", "--skip-server-warmup",
                         "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(NUM_DRAFT_TOKENS))
     yield srv
     assert srv.stop() == 0, srv.read_log()[-3000:]
