@@ -159,6 +159,7 @@ def test_real_timer_on_real_weights_logs_its_choice(tmp_path, monkeypatch, plan,
     """select_cpu_gemm_paths on a module holding blocks: every shape measured with the real timer,
     the plan installed, one line per row bucket logged with the paths' times."""
     monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path))
+    gemm_select.set_plan(GemmPlan())  # models loaded earlier in this process added their shapes
     layer = torch.nn.Module()
     layer.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
     layer.weight.gguf_blocks = make_weight(Q.Q8_0, 64, 256)
