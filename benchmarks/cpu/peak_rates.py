@@ -55,6 +55,7 @@ double int8_avx2(int threads, int64_t iters) {
     __m256i acc[ACC], a = _mm256_set1_epi8(3), b = _mm256_set1_epi8(-2), one = _mm256_set1_epi16(1);
     for (int i = 0; i < ACC; ++i) acc[i] = _mm256_setzero_si256();
     for (int64_t k = 0; k < n; ++k)
+#pragma GCC unroll 8
       for (int i = 0; i < ACC; ++i) {
         __m256i p = _mm256_maddubs_epi16(a, b);
         acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(p, one));
@@ -76,6 +77,7 @@ double int8_vnni(int threads, int64_t iters) {
     __m512i acc[ACC], a = _mm512_set1_epi8(3), b = _mm512_set1_epi8(-2);
     for (int i = 0; i < ACC; ++i) acc[i] = _mm512_setzero_si512();
     for (int64_t k = 0; k < n; ++k)
+#pragma GCC unroll 8
       for (int i = 0; i < ACC; ++i) { acc[i] = _mm512_dpbusd_epi32(acc[i], a, b); __asm__("" : "+v"(a)); }
     int64_t s = 0;
     for (int i = 0; i < ACC; ++i) s += _mm512_reduce_add_epi32(acc[i]);
@@ -93,6 +95,7 @@ double f32_fma(int threads, int64_t iters) {
     __m512 acc[ACC], a = _mm512_set1_ps(1.0001f), b = _mm512_set1_ps(0.9999f);
     for (int i = 0; i < ACC; ++i) acc[i] = _mm512_setzero_ps();
     for (int64_t k = 0; k < n; ++k)
+#pragma GCC unroll 8
       for (int i = 0; i < ACC; ++i) { acc[i] = _mm512_fmadd_ps(a, b, acc[i]); __asm__("" : "+v"(a)); }
     float s = 0;
     for (int i = 0; i < ACC; ++i) s += _mm512_reduce_add_ps(acc[i]);
@@ -100,6 +103,7 @@ double f32_fma(int threads, int64_t iters) {
     __m256 acc[ACC], a = _mm256_set1_ps(1.0001f), b = _mm256_set1_ps(0.9999f);
     for (int i = 0; i < ACC; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t k = 0; k < n; ++k)
+#pragma GCC unroll 8
       for (int i = 0; i < ACC; ++i) { acc[i] = _mm256_fmadd_ps(a, b, acc[i]); __asm__("" : "+x"(a)); }
     float s = 0;
     for (int i = 0; i < ACC; ++i) s += _mm256_cvtss_f32(acc[i]);
@@ -116,6 +120,7 @@ double bf16_dp(int threads, int64_t iters) {
     __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f80), b = (__m512bh)_mm512_set1_epi16(0x3f80);
     for (int i = 0; i < ACC; ++i) acc[i] = _mm512_setzero_ps();
     for (int64_t k = 0; k < n; ++k)
+#pragma GCC unroll 8
       for (int i = 0; i < ACC; ++i) { acc[i] = _mm512_dpbf16_ps(acc[i], a, b); __asm__("" : "+v"(a)); }
     float s = 0;
     for (int i = 0; i < ACC; ++i) s += _mm512_reduce_add_ps(acc[i]);
@@ -178,7 +183,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20_000_000)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    mod = load_inline("radixserve_peak_rates", cpp_sources=SOURCE, extra_cflags=["-O2", "-march=native", "-fopenmp"],
+    mod = load_inline("radixserve_peak_rates_v2", cpp_sources=SOURCE, extra_cflags=["-O3", "-march=native", "-fopenmp"],
                       extra_ldflags=["-fopenmp"], verbose=False)
     threads = sorted({1, torch.get_num_threads()})
     rows = []
