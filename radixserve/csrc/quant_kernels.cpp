@@ -87,13 +87,9 @@ const QInfo* find_type(int64_t id) {
   return nullptr;
 }
 
-#if defined(RADIXSERVE_QUANT_AVX512)
+#if defined(RADIXSERVE_QUANT_AVX512) || defined(RADIXSERVE_QUANT_AVX2)
 
-constexpr int64_t NT = 4;      // output rows per tile (unpacked together)
-constexpr int64_t kDecodeRows = 16;  // up to this many rows of x: the decode path
-constexpr int64_t UC32 = 16;   // 32-block types: groups of 4 blocks per K chunk (2048 values)
-constexpr int64_t UCK = 8;     // K-quants: super-blocks per K chunk (2048 values)
-
+// ---- byte-level helpers both builds share -----------------------------------------------------
 inline uint16_t ld16(const uint8_t* p) {
   uint16_t v;
   std::memcpy(&v, p, 2);
@@ -105,6 +101,27 @@ inline uint32_t ld32(const uint8_t* p) {
   return v;
 }
 inline float h2f(const uint8_t* p) { return _cvtsh_ss(ld16(p)); }
+
+// Q4_K / Q5_K: the 12 bytes at p (after d, dmin) hold eight 6-bit scales and eight 6-bit mins;
+// out bytes 0..7 = the scales, 8..15 = the mins (ggml's get_scale_min_k4, for all 8 at once).
+inline void k_scales_mins(const uint8_t* p, uint32_t utmp[4]) {
+  std::memcpy(utmp, p, 12);
+  constexpr uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
+  utmp[3] = ((utmp[2] >> 4) & kmask2) | (((utmp[1] >> 6) & kmask3) << 4);
+  const uint32_t uaux = utmp[1] & kmask1;
+  utmp[1] = (utmp[2] & kmask2) | (((utmp[0] >> 6) & kmask3) << 4);
+  utmp[2] = uaux;
+  utmp[0] &= kmask1;
+}
+
+#endif
+
+#if defined(RADIXSERVE_QUANT_AVX512)
+
+constexpr int64_t NT = 4;      // output rows per tile (unpacked together)
+constexpr int64_t kDecodeRows = 16;  // up to this many rows of x: the decode path
+constexpr int64_t UC32 = 16;   // 32-block types: groups of 4 blocks per K chunk (2048 values)
+constexpr int64_t UCK = 8;     // K-quants: super-blocks per K chunk (2048 values)
 
 // A loaded vector kept in a register: stops the compiler from folding the load into every
 // instruction that uses it (each use would load it again; the loads are the bottleneck).
@@ -207,13 +224,7 @@ void unpack_row32(const uint8_t* row, int64_t nblocks, int64_t g0, int64_t ng, u
 inline void unpack_sb_q4k(const uint8_t* p, bool q5, uint8_t* w, uint8_t* sc, float* dw, float* wmin) {
   const float d = h2f(p), dmin = h2f(p + 2);
   uint32_t utmp[4];
-  std::memcpy(utmp, p + 4, 12);
-  constexpr uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
-  utmp[3] = ((utmp[2] >> 4) & kmask2) | (((utmp[1] >> 6) & kmask3) << 4);
-  const uint32_t uaux = utmp[1] & kmask1;
-  utmp[1] = (utmp[2] & kmask2) | (((utmp[0] >> 6) & kmask3) << 4);
-  utmp[2] = uaux;
-  utmp[0] &= kmask1;  // bytes 0..7: the 8 scales, 8..15: the 8 mins
+  k_scales_mins(p + 4, utmp);  // bytes 0..7: the 8 scales, 8..15: the 8 mins
   const __m128i sm = _mm_loadu_si128(reinterpret_cast<const __m128i*>(utmp));
   const __m512i s32 = _mm512_cvtepu8_epi32(sm);
   const __m512i i0 = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
@@ -854,16 +865,6 @@ constexpr int64_t unit_values(int64_t t) { return is_kq(t) ? 256 : 32; }
 constexpr int64_t unpacked_bytes(int64_t t) { return is_kq(t) ? 512 : t == Q8_0 ? 64 : 32; }  // UW
 constexpr int64_t slots_per_unit(int64_t t) { return t == Q6_K ? 16 : is_kq(t) ? 8 : 1; }
 
-inline uint32_t ld32(const uint8_t* p) {
-  uint32_t v;
-  std::memcpy(&v, p, 4);
-  return v;
-}
-inline float h2f(const uint8_t* p) {
-  uint16_t v;
-  std::memcpy(&v, p, 2);
-  return _cvtsh_ss(v);
-}
 inline __m256i ld256(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 // A loaded vector kept in a register (as in the AVX-512 section): stops GCC from hoisting every
 // load of an unrolled loop to the top, where they no longer fit in 16 registers and spill.
@@ -929,13 +930,7 @@ inline void unpack_block32(const uint8_t* p, uint8_t* w, float* dw, float* wmin)
 inline void unpack_sb_q4k(const uint8_t* p, bool q5, uint8_t* w, float* dw, float* wmin) {
   const float d = h2f(p), dmin = h2f(p + 2);
   uint32_t utmp[4];
-  std::memcpy(utmp, p + 4, 12);
-  constexpr uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
-  utmp[3] = ((utmp[2] >> 4) & kmask2) | (((utmp[1] >> 6) & kmask3) << 4);
-  const uint32_t uaux = utmp[1] & kmask1;
-  utmp[1] = (utmp[2] & kmask2) | (((utmp[0] >> 6) & kmask3) << 4);
-  utmp[2] = uaux;
-  utmp[0] &= kmask1;  // bytes 0..7: the 8 scales, 8..15: the 8 mins
+  k_scales_mins(p + 4, utmp);  // bytes 0..7: the 8 scales, 8..15: the 8 mins
   const __m128i sm = _mm_loadu_si128(reinterpret_cast<const __m128i*>(utmp));
   const __m128i s16 = _mm_cvtepu8_epi16(sm);  // the 8 scales as int16
   uint8_t* sc = w + 256;
