@@ -4,6 +4,8 @@ Native:  POST /generate, GET /health, GET /health_generate, GET /get_model_info,
          GET /get_server_info, GET|POST /flush_cache, POST /abort_request, POST /open_session,
          POST /close_session, GET /metrics
 OpenAI:  POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id}
+Responses (serving_responses.py): POST /v1/responses, GET|DELETE /v1/responses/{id},
+         POST /v1/responses/{id}/cancel
 Embeddings (--is-embedding, serving_embedding.py): POST /encode, POST /v1/embeddings
 Weights (http_weights.py): POST /update_weights_from_disk, /update_weights_from_tensor,
          /init_weights_update_group, /update_weights_from_distributed, /destroy_weights_update_group,
@@ -52,6 +54,7 @@ from radixserve.entrypoints.serving_base import (
 from radixserve.entrypoints.serving_chat import serve_chat
 from radixserve.entrypoints.serving_completions import serve_completions
 from radixserve.entrypoints.serving_embedding import add_embedding_routes
+from radixserve.entrypoints.serving_responses import add_responses_routes
 from radixserve.managers.tokenizer_manager import ClientDisconnected, RequestError, TokenizerManager
 from radixserve.protocol import CloseSessionReqInput, OpenSessionReqInput
 
@@ -221,6 +224,7 @@ def create_app(tm: TokenizerManager) -> Any:
     add_native_routes(app, tm)
     add_openai_routes(app, tm)
     add_embedding_routes(app, tm)  # /encode, /v1/embeddings
+    add_responses_routes(app, tm)  # /v1/responses (serving_responses.py)
     add_weight_update_routes(app, tm)  # /update_weights_from_disk, ... (http_weights.py)
     add_admin_routes(app, tm)  # memory release, pause, profiling (http_admin.py)
 
