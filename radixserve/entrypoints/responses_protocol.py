@@ -174,7 +174,7 @@ class ResponsesRequest(BaseModel):
         body = {
             "model": self.model, "messages": system + history + new_messages, "stream": self.stream,
             "max_completion_tokens": self.max_output_tokens,
-            "tools": [t.chat_tool() for t in tools] or None, "tool_choice": tool_choice if tools else None,
+            "tools": [t.chat_tool() for t in tools] or None, "tool_choice": tool_choice,
             "response_format": self.text.format.response_format() if self.text else None,
             "chat_template_kwargs": template_kwargs or None,
             **{k: getattr(self, k) for k in (

@@ -199,7 +199,8 @@ def test_stored_responses_get_delete_cancel(openai_client, model_name):
     ({"include": ["message.output_text.logprobs"]}, "include"),
     ({"truncation": "auto"}, "truncation"),
     ({"previous_response_id": "nope"}, "previous_response_id"),
-    ({"text": {"format": {"type": "json_schema", "name": "s", "schema": {"type": "nonsense"}}}}, ""),
+    ({"text": {"format": {"type": "json_schema", "name": "s", "schema": {"type": "nonsense"}}}}, "json_schema"),
+    ({"tool_choice": "required"}, "needs `tools`"),
 ])
 def test_bad_requests_are_400s_and_the_server_keeps_serving(http, model_name, body, needle):
     full = {"model": model_name, "input": QUESTION, "max_output_tokens": 4, **body}
