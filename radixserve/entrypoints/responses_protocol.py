@@ -85,10 +85,9 @@ class ReasoningConfig(BaseModel):
 
 
 # Responses fields this server does not implement: refused (400, naming the field) when set to
-# anything but the value that means "off". background runs nothing in the background here;
-# conversation objects, prompt templates and file inputs need storage this server does not keep.
+# anything but the value that means "off". Conversation objects, prompt templates and file inputs
+# need storage this server does not keep.
 UNSUPPORTED: Dict[str, Any] = {
-    "background": (None, False),
     "conversation": (None,),
     "prompt": (None,),
     "include": (None, []),
@@ -115,6 +114,7 @@ class ResponsesRequest(BaseModel):
     text: Optional[TextConfig] = None
     reasoning: Optional[ReasoningConfig] = None
     store: bool = True
+    background: bool = False  # answer at once with a queued response; poll GET, or cancel
     previous_response_id: Optional[str] = None
     metadata: Optional[Dict[str, str]] = None
     user: Optional[str] = None
@@ -141,6 +141,11 @@ class ResponsesRequest(BaseModel):
         return value
 
     def refuse_unsupported(self) -> None:
+        if self.background and not self.store:
+            raise RequestError("background: a background response must be stored (store: true), as OpenAI's.")
+        if self.background and self.stream:
+            raise RequestError("background: streaming a background response is not supported here; "
+                               "poll GET /v1/responses/{id} instead.")
         for name, off in UNSUPPORTED.items():
             value = (self.model_extra or {}).get(name)
             if value not in off:

@@ -21,7 +21,9 @@ input_tokens_details.cached_tokens). The store is in memory, bounded, least rece
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import time
 import uuid
 from collections import OrderedDict
@@ -37,6 +39,7 @@ from radixserve.entrypoints.serving_base import chain_first, first_result, peek_
 from radixserve.entrypoints.serving_chat import ChatOutput, prepare_chat
 from radixserve.managers.tokenizer_manager import RequestError, TokenizerManager
 
+logger = logging.getLogger("radixserve.responses")
 MAX_STORED_RESPONSES = 1024  # responses kept for previous_response_id / GET; the oldest used go first
 
 
@@ -73,6 +76,14 @@ class ResponseStore:
 
     def __len__(self) -> int:
         return len(self._items)
+
+
+@dataclass
+class ResponsesState:
+    """The routes' state: the stored responses, and the background generations still running."""
+
+    store: ResponseStore = field(default_factory=ResponseStore)
+    running: Dict[str, "asyncio.Task[None]"] = field(default_factory=dict)
 
 
 # ---- output items and their events ---------------------------------------------------------------
@@ -238,7 +249,7 @@ class ResponseHead:
             "text": {"format": req.text.format.echo() if req.text else {"type": "text"}},
             "reasoning": req.reasoning.model_dump() if req.reasoning else None,
             "previous_response_id": req.previous_response_id, "store": req.store,
-            "metadata": req.metadata or {}, "user": req.user, "truncation": "disabled", "background": False,
+            "metadata": req.metadata or {}, "user": req.user, "truncation": "disabled", "background": req.background,
             "completed_at": int(time.time()) if status == "completed" else None,
         }
 
@@ -272,11 +283,15 @@ def _ending(reason: Optional[Dict[str, Any]]) -> Dict[str, Any]:
 
 
 # ---- the routes ----------------------------------------------------------------------------------
-async def serve_responses(tm: TokenizerManager, store: ResponseStore, req: ResponsesRequest, raw_request: Any) -> Response:
+async def serve_responses(tm: TokenizerManager, state: ResponsesState, req: ResponsesRequest, raw_request: Any) -> Response:
     req.refuse_unsupported()
+    store = state.store
     history: List[Dict[str, Any]] = []
     if req.previous_response_id is not None:
         previous = _stored(store, req.previous_response_id, "previous_response_id")
+        if previous.response["status"] in ("queued", "in_progress"):
+            raise RequestError(f"previous_response_id: the response {req.previous_response_id!r} is still "
+                               f"{previous.response['status']}; continue it once it has ended.")
         history = previous.messages
     new_messages = input_messages(req.input)
     chat_req = req.chat_request(history, new_messages)
@@ -284,7 +299,8 @@ async def serve_responses(tm: TokenizerManager, store: ResponseStore, req: Respo
     head = ResponseHead(_new_id("resp"), prepared.model, int(time.time()), req,
                         [t.model_dump(exclude_none=True) for t in req.function_tools()])
     prepared.obj.rid = head.id
-    gen = tm.generate_request(prepared.obj, raw_request)
+    # a background response has no client to wait for it: it runs until done or cancelled
+    gen = tm.generate_request(prepared.obj, None if req.background else raw_request)
     output, builder = prepared.new_output(), OutputBuilder()
 
     async def finish(out: Dict[str, Any]) -> Dict[str, Any]:
@@ -292,18 +308,52 @@ async def serve_responses(tm: TokenizerManager, store: ResponseStore, req: Respo
         ending = _ending(out["meta_info"]["finish_reason"])
         usage = _usage(out["meta_info"], await _reasoning_tokens(tm, builder))
         body = head.body(output=builder.items, usage=usage, **ending)
-        if req.store:
+        if req.store and not _cancelled(store, head.id):
             store.put(head.id, StoredResponse(body, history + new_messages + [builder.assistant_message()]))
         return body
 
-    if not req.stream:
+    async def whole() -> Dict[str, Any]:
         out = await first_result(gen)
         builder.feed(output.feed(out["text"]) + output.finish())
         builder.finish(incomplete=_ending(out["meta_info"]["finish_reason"])["status"] == "incomplete")
-        return JSONResponse(await finish(out))
+        return await finish(out)
 
+    if req.background:
+        queued = head.body("queued", [])
+        store.put(head.id, StoredResponse(queued, history + new_messages))
+        task = asyncio.create_task(_run_background(store, head, whole))
+        state.running[head.id] = task
+        task.add_done_callback(lambda _: state.running.pop(head.id, None))
+        return JSONResponse(queued)
+    if not req.stream:
+        return JSONResponse(await whole())
     first = await peek_first(gen)
     return StreamingResponse(_stream(head, first, gen, output, builder, finish), media_type="text/event-stream")
+
+
+def _cancelled(store: ResponseStore, rid: str) -> bool:
+    stored = store.get(rid)
+    return stored is not None and stored.response["status"] == "cancelled"
+
+
+def _set_status(store: ResponseStore, rid: str, status: str, **fields: Any) -> None:
+    stored = store.get(rid)
+    if stored is not None and stored.response["status"] != "cancelled":
+        stored.response = {**stored.response, "status": status, **fields}
+
+
+async def _run_background(store: ResponseStore, head: ResponseHead, whole: Callable[[], Any]) -> None:
+    """A background response: in_progress while it generates, then stored as it ends; a refused
+    request (a prompt too long, ...) is stored as failed with the reason."""
+    _set_status(store, head.id, "in_progress")
+    try:
+        await whole()
+    except RequestError as e:
+        code = "invalid_prompt" if e.status_code == 400 else "server_error"
+        _set_status(store, head.id, "failed", error={"code": code, "message": e.message})
+    except Exception as e:  # a bug: the response says so instead of staying in_progress forever
+        logger.exception("background response %s failed", head.id)
+        _set_status(store, head.id, "failed", error={"code": "server_error", "message": f"{type(e).__name__}: {e}"})
 
 
 async def _stream(head: ResponseHead, first: Any, gen: Any, output: ChatOutput, builder: OutputBuilder,
@@ -351,12 +401,13 @@ def _stored(store: ResponseStore, rid: str, param: str) -> StoredResponse:
     return stored
 
 
-def add_responses_routes(app: FastAPI, tm: TokenizerManager, store: Optional[ResponseStore] = None) -> ResponseStore:
-    store = store if store is not None else ResponseStore()
+def add_responses_routes(app: FastAPI, tm: TokenizerManager, state: Optional[ResponsesState] = None) -> ResponsesState:
+    state = state if state is not None else ResponsesState()
+    store = state.store
 
     @app.post("/v1/responses")
     async def v1_responses(body: ResponsesRequest, request: Request) -> Response:
-        return await serve_responses(tm, store, body, request)
+        return await serve_responses(tm, state, body, request)
 
     @app.get("/v1/responses/{response_id}")
     async def v1_get_response(response_id: str) -> Dict[str, Any]:
@@ -365,13 +416,24 @@ def add_responses_routes(app: FastAPI, tm: TokenizerManager, store: Optional[Res
     @app.delete("/v1/responses/{response_id}")
     async def v1_delete_response(response_id: str) -> Dict[str, Any]:
         _stored(store, response_id, "response_id")
+        if response_id in state.running:  # deleting a running response stops it
+            tm.abort_request(response_id)
         store.delete(response_id)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
     @app.post("/v1/responses/{response_id}/cancel")
     async def v1_cancel_response(response_id: str) -> Dict[str, Any]:
-        """Only a background response can be cancelled (OpenAI, SGLang); none runs here."""
-        _stored(store, response_id, "response_id")
-        raise RequestError("Cannot cancel a synchronous response.")
+        """Only a background response can be cancelled (OpenAI, SGLang): a queued or running one
+        is aborted and marked cancelled; cancelling it again answers the same."""
+        stored = _stored(store, response_id, "response_id")
+        if not stored.response.get("background"):
+            raise RequestError("Cannot cancel a synchronous response.")
+        status = stored.response["status"]
+        if status in ("queued", "in_progress"):
+            tm.abort_request(response_id)
+            stored.response = {**stored.response, "status": "cancelled"}
+        elif status != "cancelled":
+            raise RequestError(f"Cannot cancel a response that is {status}.")
+        return stored.response
 
-    return store
+    return state

@@ -9,6 +9,7 @@ grammar backend (a named tool_choice, text.format), as in test_tool_calls.py."""
 from __future__ import annotations
 
 import json
+import time
 from typing import List, Literal
 
 import jsonschema
@@ -16,6 +17,8 @@ import openai
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import BaseModel, TypeAdapter
+
+from conftest import wait_idle
 
 EVENTS = TypeAdapter(ResponseStreamEvent)
 INSTRUCTIONS = "You answer in one short sentence."
@@ -185,6 +188,40 @@ def test_stored_responses_get_delete_cancel(openai_client, model_name):
         openai_client.responses.retrieve(unstored.id)
 
 
+def wait_ended(client: openai.OpenAI, rid: str, timeout: float = 120) -> Response:
+    deadline = time.monotonic() + timeout
+    while True:
+        resp = client.responses.retrieve(rid)
+        if resp.status not in ("queued", "in_progress"):
+            return resp
+        assert time.monotonic() < deadline, resp
+        time.sleep(0.1)
+
+
+def test_background_response_is_polled_to_the_same_answer(openai_client, model_name):
+    sync = create(openai_client, model_name, max_output_tokens=8, store=False)
+    queued = create(openai_client, model_name, max_output_tokens=8, background=True)
+    assert queued.status in ("queued", "in_progress") and queued.background and queued.output == []
+    done = wait_ended(openai_client, queued.id)
+    assert done.status == sync.status and done.output_text == sync.output_text and done.usage.output_tokens > 0
+    with pytest.raises(openai.BadRequestError, match="completed|incomplete"):
+        openai_client.responses.cancel(done.id)
+
+
+def test_cancelling_a_background_response_aborts_it(openai_client, model_name, http):
+    queued = create(openai_client, model_name, max_output_tokens=3000, background=True)
+    cancelled = openai_client.responses.cancel(queued.id)
+    assert cancelled.status == "cancelled" and cancelled.id == queued.id
+    wait_idle(http)  # the generation was aborted: nothing runs
+    assert openai_client.responses.retrieve(queued.id).status == "cancelled"
+    assert openai_client.responses.cancel(queued.id).status == "cancelled"  # again: the same answer
+    running = create(openai_client, model_name, max_output_tokens=3000, background=True)
+    with pytest.raises(openai.BadRequestError, match="still"):  # no answer to continue from yet
+        create(openai_client, model_name, previous_response_id=running.id)
+    openai_client.responses.delete(running.id)  # deleting a running response stops it too
+    wait_idle(http)
+
+
 @pytest.mark.parametrize("body,needle", [
     ({"input": []}, "input"),
     ({}, "input"),
@@ -195,7 +232,7 @@ def test_stored_responses_get_delete_cancel(openai_client, model_name):
     ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input[0].content[0].type"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "not in `tools`"),
-    ({"background": True}, "background"),
+    ({"background": True, "store": False}, "background"),
     ({"include": ["message.output_text.logprobs"]}, "include"),
     ({"truncation": "auto"}, "truncation"),
     ({"previous_response_id": "nope"}, "previous_response_id"),

@@ -62,7 +62,8 @@ def test_bad_items_are_refused_by_place(items, needle):
 
 
 @pytest.mark.parametrize("extra,needle", [
-    ({"background": True}, "background"),
+    ({"background": True, "store": False}, "background"),
+    ({"background": True, "stream": True}, "background"),
     ({"include": ["message.output_text.logprobs"]}, "include"),
     ({"truncation": "auto"}, "truncation"),
     ({"conversation": "conv_1"}, "conversation"),
