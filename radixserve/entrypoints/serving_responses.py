@@ -310,7 +310,7 @@ async def serve_responses(tm: TokenizerManager, state: ResponsesState, req: Resp
         ending = _ending(out["meta_info"]["finish_reason"])
         usage = _usage(out["meta_info"], await _reasoning_tokens(tm, builder))
         body = head.body(output=builder.items, usage=usage, **ending)
-        if req.store and not _cancelled(store, head.id):
+        if req.store and (not req.background or _still_wanted(store, head.id)):
             store.put(head.id, StoredResponse(body, history + new_messages + [builder.assistant_message()]))
         return body
 
@@ -333,9 +333,10 @@ async def serve_responses(tm: TokenizerManager, state: ResponsesState, req: Resp
     return StreamingResponse(_stream(head, first, gen, output, builder, finish), media_type="text/event-stream")
 
 
-def _cancelled(store: ResponseStore, rid: str) -> bool:
+def _still_wanted(store: ResponseStore, rid: str) -> bool:
+    """A background response's result is stored unless it was cancelled or deleted meanwhile."""
     stored = store.get(rid)
-    return stored is not None and stored.response["status"] == "cancelled"
+    return stored is not None and stored.response["status"] != "cancelled"
 
 
 def _set_status(store: ResponseStore, rid: str, status: str, **fields: Any) -> None:

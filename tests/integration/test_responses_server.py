@@ -220,6 +220,8 @@ def test_cancelling_a_background_response_aborts_it(openai_client, model_name, h
         create(openai_client, model_name, previous_response_id=running.id)
     openai_client.responses.delete(running.id)  # deleting a running response stops it too
     wait_idle(http)
+    with pytest.raises(openai.NotFoundError):  # ...and its end does not store it again
+        openai_client.responses.retrieve(running.id)
 
 
 @pytest.mark.parametrize("body,needle", [
