@@ -156,14 +156,12 @@ def run_detokenizer_process(server_args: Any, port_args: Any, pipe: Any, decoder
     """Process entry: PULL token outputs from the scheduler, PUSH text to the tokenizer manager.
     decoder: the launcher's TextDecoder (managers/text_decoder.py); None: load the tokenizer here."""
     import os
-    import signal
     import traceback
 
-    from radixserve.managers.process_utils import configure_process_logging, watch_parent
+    from radixserve.managers.process_utils import become_server_child, configure_process_logging
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher stops us
+    become_server_child(port_args.ipc_dir)  # SIGTERM / SIGINT are the launcher's; never outlive it
     configure_process_logging(server_args, "detokenizer")
-    watch_parent(os.getppid(), port_args.ipc_dir)
     try:
         import zmq
 
