@@ -158,9 +158,10 @@ def run_detokenizer_process(server_args: Any, port_args: Any, pipe: Any, decoder
     import os
     import traceback
 
-    from radixserve.managers.process_utils import become_server_child, configure_process_logging
+    from radixserve.managers.process_utils import (become_server_child, configure_process_logging,
+                                                   leave_stop_signals_to_launcher)
 
-    become_server_child(port_args.ipc_dir)  # SIGTERM / SIGINT are the launcher's; never outlive it
+    become_server_child(port_args.ipc_dir)  # never outlive the launcher
     configure_process_logging(server_args, "detokenizer")
     try:
         import zmq
@@ -183,6 +184,7 @@ def run_detokenizer_process(server_args: Any, port_args: Any, pipe: Any, decoder
     except Exception as e:  # a model path that cannot load (LoadError): its one-line message, no traceback
         pipe.send({"status": "error", "error": str(e) if type(e).__name__ == "LoadError" else traceback.format_exc()})
         raise SystemExit(1)
+    leave_stop_signals_to_launcher()  # from now on SIGTERM / SIGINT are the launcher's
     pipe.send({"status": "ready", "pid": os.getpid()})
     try:
         while True:

@@ -21,7 +21,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Dict, List
 
 from radixserve.managers.dp_budget import DPBudget
-from radixserve.managers.process_utils import become_server_child, configure_process_logging
+from radixserve.managers.process_utils import (become_server_child, configure_process_logging,
+                                               leave_stop_signals_to_launcher)
 from radixserve.layers.expert_distribution import merge_expert_records
 from radixserve.protocol import (
     BatchTokenizedEmbeddingReqInput,
@@ -176,13 +177,14 @@ class DataParallelController:
 
 
 def run_data_parallel_controller_process(server_args: ServerArgs, port_args: PortArgs, pipe: Any) -> None:
-    become_server_child(port_args.ipc_dir)  # SIGTERM / SIGINT are the launcher's; never outlive it
+    become_server_child(port_args.ipc_dir)  # never outlive the launcher
     configure_process_logging(server_args, "dp controller")
     try:
         controller = DataParallelController(server_args, port_args)
     except Exception:
         pipe.send({"status": "error", "error": traceback.format_exc()})
         raise SystemExit(1)
+    leave_stop_signals_to_launcher()  # from now on SIGTERM / SIGINT are the launcher's
     pipe.send({"status": "ready", "pid": os.getpid()})
     try:
         controller.event_loop()

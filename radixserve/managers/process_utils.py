@@ -6,7 +6,8 @@ Why children ignore SIGTERM and SIGINT: a service manager stops a service by sig
 process in it at once (systemd's KillMode=control-group, `kill -TERM -PGID`, Ctrl-C to the
 terminal's foreground group). The launcher answers SIGTERM with a drain (requests in flight
 finish, up to --graceful-shutdown-timeout) and then stops its children in order; a child that
-died of the same signal at once would end that drain in a crash. Ignoring a signal is safe only
+died of the same signal at once would end that drain in a crash (a child ignores them once it
+is ready; during startup a SIGTERM aborts the startup anyway). Ignoring a signal is safe only
 because of the second half: the kernel kills a child the moment its launcher is gone
 (PR_SET_PDEATHSIG), and a thread checks for that too where the kernel cannot."""
 
@@ -38,8 +39,12 @@ def configure_process_logging(server_args: ServerArgs, tag: str) -> None:
 
 
 def leave_stop_signals_to_launcher() -> None:
-    """SIGTERM and SIGINT sent to the whole process group are the launcher's to handle (it drains,
-    then stops us); here they are ignored. The launcher stops a child with SIGKILL."""
+    """Called just before a child reports ready: from then on SIGTERM and SIGINT sent to the whole
+    process group are the launcher's to handle (it drains, then stops us with SIGKILL).
+
+    Not earlier: a SIGTERM during startup aborts the startup anyway (the launcher exits 0), and an
+    ignored signal is inherited by every program a child runs meanwhile (on a first start, the C++
+    kernels' compilers, for minutes); with the default action they stop with it."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
@@ -73,9 +78,10 @@ def die_with_launcher(parent_pid: int, ipc_dir: Optional[str] = None) -> None:
 
 
 def become_server_child(ipc_dir: Optional[str]) -> None:
-    """The first call of every child's entry point: the two halves above, in this order (a
-    SIGTERM to the group can come at any time)."""
-    leave_stop_signals_to_launcher()
+    """The first call of every child's entry point (leave_stop_signals_to_launcher comes once it is
+    ready). Ctrl-C is the launcher's from the start: a KeyboardInterrupt here would only print a
+    traceback, the launcher stops us anyway."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_launcher(launcher_pid(), ipc_dir)
 
 

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, List, Optional
 
 from radixserve.managers.dp_controller import dp_port_args
-from radixserve.managers.process_utils import become_server_child, configure_process_logging
+from radixserve.managers.process_utils import (become_server_child, configure_process_logging,
+                                               leave_stop_signals_to_launcher)
 from radixserve.managers.schedule_policy import configure_lora_admission
 from radixserve.managers.loop_state import LoopState
 from radixserve.protocol import BatchTokenIDOutput, GetInternalStateReqOutput, SchedulerHeartbeat, SchedulerLoad
@@ -214,7 +215,7 @@ def run_scheduler_process(
     With --tp-size N there are N of these; rank 0 owns the sockets and broadcasts what it
     receives (Scheduler.recv_requests), the other ranks follow in lockstep. With --pp-size P,
     the first stage's ranks run the Scheduler and the later stages' ranks a PPStage."""
-    become_server_child(port_args.ipc_dir)  # SIGTERM / SIGINT are the launcher's; never outlive it
+    become_server_child(port_args.ipc_dir)  # never outlive the launcher
     if pp_rank > 0:
         return run_pp_stage_process(server_args, port_args, pipe, tp_rank, pp_rank)
     tag = "scheduler" if server_args.tp_size == 1 else f"scheduler TP{tp_rank}"
@@ -266,6 +267,7 @@ def run_scheduler_process(
         pipe.send({"status": "error", "error": str(e) if type(e).__name__ in ("LoadError", "LoRAError") else traceback.format_exc()})
         raise SystemExit(1)
 
+    leave_stop_signals_to_launcher()  # from now on SIGTERM / SIGINT are the launcher's
     pipe.send({
         "status": "ready",
         "pid": os.getpid(),
@@ -335,6 +337,7 @@ def run_pp_stage_process(server_args: ServerArgs, port_args: PortArgs, pipe: Any
     except Exception as e:
         pipe.send({"status": "error", "error": str(e) if type(e).__name__ == "LoadError" else traceback.format_exc()})
         raise SystemExit(1)
+    leave_stop_signals_to_launcher()  # from now on SIGTERM / SIGINT are the launcher's
     pipe.send({"status": "ready", "pid": os.getpid(), "tp_rank": tp_rank, "pp_rank": pp_rank})
     logger.info("Pipeline stage %d ready (pid %d): layers %s", pp_rank, os.getpid(), stage.layer_range)
     try:

@@ -1,5 +1,5 @@
-"""A child of the served runtime (managers/process_utils.become_server_child) leaves SIGTERM and
-SIGINT to its launcher, yet never outlives it: the kernel kills it when the launcher is gone,
+"""A ready child of the served runtime (managers/process_utils) leaves SIGTERM and SIGINT to
+its launcher, yet never outlives it: the kernel kills it when the launcher is gone,
 even while it is stopped and no thread of its own could notice (issue 58)."""
 
 from __future__ import annotations
@@ -13,13 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from radixserve.managers.process_utils import become_server_child
+from radixserve.managers.process_utils import become_server_child, leave_stop_signals_to_launcher
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 
 
 def _child(conn) -> None:
     become_server_child(None)
+    leave_stop_signals_to_launcher()  # as every child does once it is ready
     conn.send(os.getpid())
     while True:
         conn.send(conn.recv())  # echo: proof of life
