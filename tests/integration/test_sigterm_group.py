@@ -3,7 +3,8 @@ and `kill -TERM -PGID` send SIGTERM to every process of the server at once. The 
 it to the main process, which drains as for a SIGTERM to itself alone: a running 2000-token
 stream goes on until it finishes or --graceful-shutdown-timeout runs out (then a 503 error
 naming the flag ends it), the exit code is 0 and no process of the server is left. With
-`--tp-size 2` and `--dp-size 2` too (more scheduler ranks, a DataParallelController)."""
+`--tp-size 2` and `--dp-size 2` too (more scheduler ranks, a DataParallelController). A long
+timeout shows the stream finishing; a short one shows it cut."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import pytest
 
 from conftest import ServerProcess, assert_children_gone
 
-GRACEFUL_TIMEOUT = 3  # s: short, so a stream that would outlast it is cut within the test
+SHORT, LONG = 3, 600  # --graceful-shutdown-timeout: the stream is cut / it finishes
 MAX_TOKENS = 2000
 
 
@@ -46,6 +47,7 @@ class CompletionStream:
         self.model = model
         self.chunks: List[object] = []
         self.finish_reason: Optional[str] = None
+        self.completion_tokens: Optional[int] = None
         self.error: Optional[BaseException] = None
         self.thread = threading.Thread(target=self._run)
         self.thread.start()
@@ -54,11 +56,13 @@ class CompletionStream:
         try:
             stream = self.client.completions.create(
                 model=self.model, prompt="Keep streaming", max_tokens=MAX_TOKENS, stream=True,
-                extra_body={"ignore_eos": True})
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
             for chunk in stream:
                 self.chunks.append(chunk)
                 if chunk.choices and chunk.choices[0].finish_reason:
                     self.finish_reason = chunk.choices[0].finish_reason
+                if chunk.usage is not None:
+                    self.completion_tokens = chunk.usage.completion_tokens
         except Exception as e:  # the 503 error event of a drain that ran out, or anything unexpected
             self.error = e
 
@@ -70,14 +74,14 @@ class CompletionStream:
             time.sleep(0.05)
 
 
-@pytest.mark.parametrize("target, args", [
-    ("group", ()),
-    ("main", ()),
-    ("group", ("--tp-size", "2")),
-    ("group", ("--dp-size", "2")),
-], ids=["group", "main_only", "group_tp2", "group_dp2"])
-def test_sigterm_drains_the_stream_and_exits_0(target, args):
-    srv = ServerProcess("--max-total-tokens", "3000", "--graceful-shutdown-timeout", str(GRACEFUL_TIMEOUT), *args,
+@pytest.mark.parametrize("target, graceful_timeout, args", [
+    ("group", LONG, ()),
+    ("main", SHORT, ()),
+    ("group", SHORT, ("--tp-size", "2")),
+    ("group", SHORT, ("--dp-size", "2")),
+], ids=["group_finishes", "main_only_cut", "group_tp2_cut", "group_dp2_cut"])
+def test_sigterm_drains_the_stream_and_exits_0(target, graceful_timeout, args):
+    srv = ServerProcess("--max-total-tokens", "3000", "--graceful-shutdown-timeout", str(graceful_timeout), *args,
                         start_new_session=True)
     pgid = srv.proc.pid
     try:
@@ -93,7 +97,7 @@ def test_sigterm_drains_the_stream_and_exits_0(target, args):
             os.killpg(pgid, signal.SIGTERM)  # what systemd and `kill -TERM -PGID` do
         else:
             srv.proc.send_signal(signal.SIGTERM)
-        code = srv.proc.wait(timeout=120)  # a deadline only: the drain lasts at most 3 s
+        code = srv.proc.wait(timeout=graceful_timeout + 120)  # a deadline only
         stream.thread.join(30)
         log = srv.read_log()
         assert code == 0, log[-3000:]
@@ -102,9 +106,10 @@ def test_sigterm_drains_the_stream_and_exits_0(target, args):
         assert "Shut down (exit code 0)." in log
         # the stream went on after the signal, then finished or was cut by the drain's timeout
         assert len(stream.chunks) > at_signal, (at_signal, stream.error)
-        if stream.error is None:
-            assert stream.finish_reason == "length"
+        if stream.error is None:  # it finished (the long drain; a short one on a fast machine too)
+            assert stream.finish_reason == "length" and stream.completion_tokens == MAX_TOKENS
         else:
+            assert graceful_timeout == SHORT, repr(stream.error)
             assert isinstance(stream.error, openai.APIError), repr(stream.error)
             assert "--graceful-shutdown-timeout" in str(stream.error), repr(stream.error)
             assert "Graceful shutdown timeout: 1 request(s) still running are cut off." in log
