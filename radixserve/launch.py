@@ -74,11 +74,17 @@ class Runtime:
         """Front to back along a request's path: the DP controller (no more routing), then every
         scheduler rank at once (they run collectives in lockstep; a rank left alone would fail in
         one and log it), then the detokenizer, then anything else."""
-        stages: List[List[Any]] = [[], [], [], []]
+        def stage(name: str) -> int:
+            if name == "dp_controller":
+                return 0
+            if name.startswith("scheduler"):  # "scheduler", "scheduler_tp1", "scheduler_dp1_tp0", ...
+                return 1
+            return 2 if name == "detokenizer" else 3
+
+        stages: Dict[int, List[Any]] = {}
         for name, proc in self.procs.items():
-            at = 0 if name == "dp_controller" else 1 if name.startswith("scheduler") else 2 if name == "detokenizer" else 3
-            stages[at].append(proc)
-        return [stage for stage in stages if stage]
+            stages.setdefault(stage(name), []).append(proc)
+        return [stages[k] for k in sorted(stages)]
 
 
 def _free_port() -> int:
