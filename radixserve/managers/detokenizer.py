@@ -156,14 +156,13 @@ def run_detokenizer_process(server_args: Any, port_args: Any, pipe: Any, decoder
     """Process entry: PULL token outputs from the scheduler, PUSH text to the tokenizer manager.
     decoder: the launcher's TextDecoder (managers/text_decoder.py); None: load the tokenizer here."""
     import os
-    import signal
     import traceback
 
-    from radixserve.managers.process_utils import configure_process_logging, watch_parent
+    from radixserve.managers.process_utils import (become_server_child, configure_process_logging,
+                                                   leave_stop_signals_to_launcher)
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher stops us
+    become_server_child(port_args.ipc_dir)  # never outlive the launcher
     configure_process_logging(server_args, "detokenizer")
-    watch_parent(os.getppid(), port_args.ipc_dir)
     try:
         import zmq
 
@@ -185,6 +184,7 @@ def run_detokenizer_process(server_args: Any, port_args: Any, pipe: Any, decoder
     except Exception as e:  # a model path that cannot load (LoadError): its one-line message, no traceback
         pipe.send({"status": "error", "error": str(e) if type(e).__name__ == "LoadError" else traceback.format_exc()})
         raise SystemExit(1)
+    leave_stop_signals_to_launcher()  # from now on SIGTERM / SIGINT are the launcher's
     pipe.send({"status": "ready", "pid": os.getpid()})
     try:
         while True:
