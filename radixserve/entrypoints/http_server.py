@@ -13,6 +13,7 @@ Weights (http_weights.py): POST /update_weights_from_disk, /update_weights_from_
 Memory, pause, profiling (http_admin.py): /release_memory_occupation, /resume_memory_occupation,
          /pause_generation, /continue_generation, /start_profile, /stop_profile,
          /clear_hicache_storage_backend (HiCache's storage tier), /set_internal_state (run-time settings)
+Live view (http_dashboard.py): GET /dashboard (the page), GET /dashboard/state (its data, an operations route)
 Docs:    GET /docs (Swagger UI), GET /openapi.json
 
 Request bodies are typed models (native_protocol.py, openai_protocol.py) that FastAPI parses and
@@ -38,6 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radixserve.entrypoints.admin_auth import ADMIN_PATHS, AdminKeyMiddleware
 from radixserve.entrypoints.http_admin import add_admin_routes
+from radixserve.entrypoints.http_dashboard import DASHBOARD_PAGE_PATHS, add_dashboard_routes
 from radixserve.entrypoints.http_weights import add_weight_update_routes
 from radixserve.entrypoints.native_protocol import (
     AbortRequest, DetokenizeRequest, GenerateRequest, TokenizeRequest, lone_surrogate_error,
@@ -227,12 +229,14 @@ def create_app(tm: TokenizerManager) -> Any:
     add_responses_routes(app, tm)  # /v1/responses (serving_responses.py)
     add_weight_update_routes(app, tm)  # /update_weights_from_disk, ... (http_weights.py)
     add_admin_routes(app, tm)  # memory release, pause, profiling (http_admin.py)
+    add_dashboard_routes(app, tm)  # /dashboard and its data (http_dashboard.py)
 
     wrapped: Any = AdminKeyMiddleware(app, tm.server_args.admin_api_key, tm.server_args.host)
     if tm.server_args.api_key:
         # with an admin key the operations routes take that one instead (AdminKeyMiddleware)
+        # the dashboard's page and files hold no data, and a browser opening a page sends no key
         wrapped = ApiKeyMiddleware(wrapped, tm.server_args.api_key,
-                                   exempt=ADMIN_PATHS if tm.server_args.admin_api_key else frozenset())
+                                   exempt=(ADMIN_PATHS if tm.server_args.admin_api_key else frozenset()) | DASHBOARD_PAGE_PATHS)
     wrapped = BodySizeLimitMiddleware(wrapped, tm.server_args.max_request_body_bytes)
     return _Outer(wrapped, app)
 

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, List, Optional
 from radixserve.managers.dp_controller import dp_port_args
 from radixserve.managers.process_utils import (become_server_child, configure_process_logging,
                                                leave_stop_signals_to_launcher)
+from radixserve.managers.scheduler_dashboard import DashboardSources, SchedulerDashboard
 from radixserve.managers.schedule_policy import configure_lora_admission
 from radixserve.managers.loop_state import LoopState
 from radixserve.protocol import BatchTokenIDOutput, GetInternalStateReqOutput, SchedulerHeartbeat, SchedulerLoad
@@ -252,7 +253,7 @@ def run_scheduler_process(
                 if isinstance(obj, BatchTokenIDOutput):
                     to_detokenizer.send_pyobj(obj)
                 else:
-                    to_tokenizer.send_pyobj(holder["metrics"].decorate_state(obj))
+                    to_tokenizer.send_pyobj(holder["dashboard"].decorate_state(holder["metrics"].decorate_state(obj)))
 
         parts = build_scheduler_parts(server_args, tp_rank, server_args.tp_size)  # the model loads here
         scheduler = Scheduler(server_args, recv_fn=recv_fn, send_fn=send_fn, tp_rank=tp_rank, tp_size=server_args.tp_size,
@@ -262,6 +263,8 @@ def run_scheduler_process(
             scheduler.ledger, scheduler.tree_cache, scheduler.stats, scheduler.loop, scheduler.max_total_num_tokens,
             scheduler.spec_worker is not None, lambda: scheduler.forward_ct, lambda: scheduler.profiler.dp_rank or 0),
             server_args.decode_log_interval)
+        holder["dashboard"] = dashboard = SchedulerDashboard(DashboardSources(
+            scheduler.ledger, scheduler.tree_cache, scheduler.stats, scheduler.loop, scheduler.max_total_num_tokens))
         scheduler.profiler.dp_rank = dp_rank  # in its trace files' names
     except Exception as e:  # a model path that cannot load (LoadError): its one-line message, no traceback
         pipe.send({"status": "error", "error": str(e) if type(e).__name__ in ("LoadError", "LoRAError") else traceback.format_exc()})
@@ -292,9 +295,11 @@ def run_scheduler_process(
     try:
         while True:
             scheduler.process_input_requests(scheduler.recv_requests())
+            step_start = time.perf_counter()
             batch = scheduler.run_step()
             if tp_rank == 0:
                 metrics.on_batch(batch)
+                dashboard.on_step(batch, time.perf_counter() - step_start)
                 if time.monotonic() - last_heartbeat >= HEARTBEAT_INTERVAL_S:  # /health reads it
                     send_fn(SchedulerHeartbeat(dp_rank or 0))
                     last_heartbeat = time.monotonic()
