@@ -27,6 +27,7 @@ from torch import nn
 from radixserve.distributed.parallel_state import get_tp_group, tensor_model_parallel_all_reduce
 from radixserve.layers import cpu_kernels
 from radixserve.layers.quantization import LinearMethodBase, QuantizedWeight
+from radixserve.utils import progress
 
 
 class WeightShapeError(ValueError):
@@ -251,4 +252,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: Optional[PackedWeight]
 def pack_cpu_weights(model: nn.Module) -> int:
     """Once after loading: every module that can (linear layers, the LM head) packs its weight
     for the C++ GEMM. Returns how many did."""
-    return sum(1 for m in model.modules() if hasattr(m, "pack_cpu_weight") and m.pack_cpu_weight())
+    modules = [m for m in model.modules() if hasattr(m, "pack_cpu_weight")]
+    return sum(1 for m in progress(modules, desc="Packing weights for the C++ GEMM", unit="module",
+                                                      enabled=get_tp_group().rank == 0) if m.pack_cpu_weight())
