@@ -336,7 +336,8 @@ function renderPlots(st) {
 const chat = { messages: [], controller: null };
 
 function addMessage(role, text) {
-  const div = el("div", "msg " + role, text);
+  const div = el("div", "msg " + role);
+  div.appendChild(el("span", "text", text));
   $("chat-log").appendChild(div);
   div.scrollIntoView({ block: "end" });
   return div;
@@ -352,6 +353,7 @@ async function sendChat(text) {
   chat.messages.push({ role: "user", content: text });
   addMessage("user", text);
   const bubble = addMessage("assistant", "");
+  const bubbleText = bubble.querySelector(".text");
   bubble.dataset.state = "streaming";
   const body = {
     model: lastState ? lastState.model : undefined,
@@ -393,25 +395,25 @@ async function sendChat(text) {
           if (msg.error) throw new Error(msg.error.message);
           if (msg.usage) usage = msg.usage;
           const delta = (msg.choices && msg.choices[0] && msg.choices[0].delta) || {};
-          const piece = (delta.content || "") + (delta.reasoning_content || "");
+          const piece = delta.content || ""; // (a --reasoning-parser's reasoning_content is not shown)
           if (piece) {
             if (tFirst === null) tFirst = performance.now();
             chunks += 1;
             answer += piece;
-            bubble.textContent = answer;
+            bubbleText.textContent = answer;
             bubble.scrollIntoView({ block: "end" });
           }
         }
       }
     }
     chat.messages.push({ role: "assistant", content: answer });
-    bubble.textContent = answer || "(empty answer)";
+    if (!answer) bubbleText.textContent = "(empty answer)";
     bubble.appendChild(el("span", "meta", answerStats(usage, t0, tFirst, performance.now(), chunks)));
     bubble.dataset.state = "done";
   } catch (e) {
     chat.messages.pop(); // the question goes unanswered: not part of the conversation
     bubble.classList.add("error");
-    bubble.textContent = answer + (e.name === "AbortError" ? " [stopped]" : "Error: " + e.message);
+    bubbleText.textContent = answer + (e.name === "AbortError" ? " [stopped]" : "Error: " + e.message);
     bubble.dataset.state = "error";
   } finally {
     chat.controller = null;
