@@ -38,7 +38,7 @@ def _asset(name: str) -> bytes:
 
 async def dashboard_state(tm: TokenizerManager) -> Dict[str, Any]:
     st = await tm.get_internal_state(with_dashboard=True)
-    replicas: List[Dict[str, Any]] = st.pop("dp_states", None) or [st]
+    replicas: List[Dict[str, Any]] = st.pop("dp_states", None) or [dict(st)]
     st.pop("dashboard", None)  # each replica's is in replicas
     await _decode_prefix_previews(tm, replicas)
     return {
