@@ -22,16 +22,22 @@ import httpx
 
 
 def traffic(url: str, headers: dict, rounds: int, model: str) -> None:
-    """Bursts of chat requests sharing a long system prompt: prefix hits, batches, a full tree."""
+    """Bursts of streamed chat requests sharing a long system prompt: prefix hits, batches, a full
+    tree, and TTFT / ITL (which the page takes from streamed requests)."""
     system = "You are a helpful assistant who answers questions about lighthouses in detail. " * 8
     questions = ["Why are lighthouses tall?", "Who kept lighthouses?", "How far does the light reach?",
                  "What is a Fresnel lens?", "Why do lighthouses have stripes?", "Name a famous lighthouse."]
+
+    def ask(http: httpx.Client, question: str) -> None:
+        body = {"model": model, "max_tokens": 48, "temperature": 0.7, "stream": True,
+                "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
+        with http.stream("POST", "/v1/chat/completions", json=body) as r:
+            for _ in r.iter_lines():
+                pass
+
     with httpx.Client(base_url=url, headers=headers, timeout=300) as http:
-        for r in range(rounds):
-            threads = [threading.Thread(target=http.post, args=("/v1/chat/completions",), kwargs={"json": {
-                "model": model, "max_tokens": 48, "temperature": 0.7,
-                "messages": [{"role": "system", "content": system}, {"role": "user", "content": q}]}})
-                for q in questions]
+        for _ in range(rounds):
+            threads = [threading.Thread(target=ask, args=(http, q)) for q in questions]
             for t in threads:
                 t.start()
             for t in threads:

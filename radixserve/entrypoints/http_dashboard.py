@@ -55,16 +55,18 @@ async def dashboard_state(tm: TokenizerManager) -> Dict[str, Any]:
 
 
 async def _decode_prefix_previews(tm: TokenizerManager, replicas: List[Dict[str, Any]]) -> None:
-    """Each shared prefix gets `preview`: its first tokens as text (the tokenizer lives here)."""
+    """Each shared prefix gets `preview` and `preview_tail`: its first and last tokens as text (the
+    tokenizer lives in this process)."""
     prefixes = [p for r in replicas for p in (r.get("dashboard") or {}).get("tree", {}).get("shared_prefixes", [])]
     if not prefixes:
         return
+    ids = [p["head_ids"] for p in prefixes] + [p["tail_ids"] for p in prefixes]
     try:
-        texts = await tm.detokenize([p["head_ids"] for p in prefixes], False)
+        texts = await tm.detokenize(ids, False)
     except RequestError:  # no tokenizer (--skip-tokenizer-init): token ids only
-        texts = [" ".join(map(str, p["head_ids"])) for p in prefixes]
-    for p, text in zip(prefixes, texts):
-        p["preview"] = text
+        texts = [" ".join(map(str, x)) for x in ids]
+    for p, head, tail in zip(prefixes, texts, texts[len(prefixes):]):
+        p["preview"], p["preview_tail"] = head, tail
 
 
 def add_dashboard_routes(app: FastAPI, tm: TokenizerManager) -> None:

@@ -7,6 +7,8 @@ main process sees of each request, kept whether or not a page is open.
 
 Fed before TokenizerMetrics.on_update, which records the same request's first-token and last-token
 times (this reads them as they were before this output: None = this output brings the first token).
+TTFT and ITL come from streamed requests only: the scheduler sends a request that does not stream
+its output once, when it finishes, so its "first token" would be its end-to-end latency.
 A bucket is a few integers; HISTORY_SECONDS of them are kept (a deque), so memory is bounded.
 """
 
@@ -27,6 +29,7 @@ class SecondBucket:
     first_tokens: int = 0  # requests whose first token came in this second (prefills done)
     prompt_tokens: int = 0  # ... their prompts
     cached_tokens: int = 0  # ... and the part of them served from the prefix cache
+    ttft_n: int = 0  # streamed requests among first_tokens (TTFT is theirs)
     ttft_sum: float = 0.0
     ttft_max: float = 0.0
     itl_sum: float = 0.0  # one inter-token interval per token after the first
@@ -52,14 +55,16 @@ class RequestTimeline:
         if num_new_tokens:
             b.gen_tokens += num_new_tokens
             if state.first_token_time is None:  # this output brings the first token
-                ttft = now - state.created
                 b.first_tokens += 1
-                b.ttft_sum += ttft
-                b.ttft_max = max(b.ttft_max, ttft)
                 b.prompt_tokens += len(state.input_ids or ())
                 b.cached_tokens += state.cached_tokens
                 num_new_tokens -= 1
-            if num_new_tokens and state.last_time is not None:
+                if state.stream:
+                    ttft = now - state.created
+                    b.ttft_n += 1
+                    b.ttft_sum += ttft
+                    b.ttft_max = max(b.ttft_max, ttft)
+            if num_new_tokens and state.stream and state.last_time is not None:
                 b.itl_sum += now - state.last_time  # spread over the tokens of this interval
                 b.itl_n += num_new_tokens
         if state.finished:

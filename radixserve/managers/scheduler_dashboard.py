@@ -33,7 +33,10 @@ if TYPE_CHECKING:
 RECENT_BATCHES = 64  # how many batches the page's batch strip shows
 MAX_NODES_WALKED = 200_000  # a bound on the tree walk per snapshot
 NUM_SHARED_PREFIXES = 5
-PREFIX_HEAD_TOKENS = 48  # token ids sent per shared prefix (the front end decodes them for a preview)
+# token ids sent per shared prefix, its first ones and (when longer) its last ones: the main
+# process decodes them for the page's preview, where the end tells apart prefixes that begin alike
+PREFIX_HEAD_TOKENS = 32
+PREFIX_TAIL_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,7 @@ class SharedPrefix:
     hit_count: int  # inserts that ran through its last node (the tree's LFU count)
     in_use: bool  # locked by a running request
     head_ids: List[int]  # its first PREFIX_HEAD_TOKENS token ids
+    tail_ids: List[int]  # its last PREFIX_TAIL_TOKENS ones, after the head (empty: the head is all of it)
     namespace: Optional[str] = None  # the LoRA adapter it was cached under (None: the base model)
 
 
@@ -169,8 +173,14 @@ def _shared_prefix(order: List[Tuple[Any, int, Optional[int]]], i: int, num_sequ
         head.extend(int(t) for t in n.key[: PREFIX_HEAD_TOKENS - len(head)])
         if len(head) >= PREFIX_HEAD_TOKENS:
             break
+    tail: List[int] = []
+    for n in path:  # from the node up
+        need = min(PREFIX_TAIL_TOKENS, depth - PREFIX_HEAD_TOKENS) - len(tail)
+        if need <= 0:
+            break
+        tail = [int(t) for t in n.key[-need:]] + tail
     return SharedPrefix(num_tokens=depth, num_sequences=num_sequences, hit_count=int(getattr(node, "hit_count", 0)),
-                        in_use=node.lock_ref > 0, head_ids=head, namespace=getattr(node, "extra_key", None))
+                        in_use=node.lock_ref > 0, head_ids=head, tail_ids=tail, namespace=getattr(node, "extra_key", None))
 
 
 @dataclass(frozen=True)

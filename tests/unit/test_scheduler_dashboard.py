@@ -12,7 +12,7 @@ from typing import List, Optional
 from radixserve.engine import Engine
 from radixserve.managers.dashboard_history import RequestTimeline
 from radixserve.managers.scheduler_dashboard import (
-    PREFIX_HEAD_TOKENS, DashboardSources, SchedulerDashboard, batch_record, summarize_tree,
+    PREFIX_HEAD_TOKENS, PREFIX_TAIL_TOKENS, DashboardSources, SchedulerDashboard, batch_record, summarize_tree,
 )
 from radixserve.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from radixserve.mem_cache.radix_cache import RadixCache
@@ -45,6 +45,7 @@ def test_snapshot_after_requests_sharing_a_prefix():
         # the four prompts share exactly `prefix` (their next tokens differ)
         assert top.num_tokens == len(prefix) and top.num_sequences == 4 and not top.in_use
         assert top.head_ids == prefix[:PREFIX_HEAD_TOKENS]
+        assert top.tail_ids == prefix[-PREFIX_TAIL_TOKENS:]  # its end, which tells alike prefixes apart
         assert snap.to_dict()["tree"]["shared_prefixes"][0]["num_tokens"] == len(prefix)
     finally:
         engine.shutdown()
@@ -77,6 +78,7 @@ def test_summarize_tree_ranks_the_longest_shared_prefixes():
     tree = summarize_tree(cache.root_node)
     assert [(p.num_tokens, p.num_sequences, p.head_ids) for p in tree.shared_prefixes] == [(4, 2, [1, 2, 3, 4]), (1, 2, [8])]
     # [1 2 3] is shared by three sequences but [1 2 3 4] below it is longer: only the deepest branch counts
+    assert [p.tail_ids for p in tree.shared_prefixes] == [[], []]  # the head holds all of them
     assert tree.num_nodes == 9 and tree.num_leaves == 6 and tree.max_depth == 5
     assert tree.cached_tokens == cache.total_size()
     assert not tree.truncated
@@ -102,6 +104,7 @@ def test_batch_records_name_the_kind():
 class _State:  # the ReqState fields the timeline reads
     input_ids: List[int]
     created: float
+    stream: bool = True
     cached_tokens: int = 0
     finished: bool = False
     first_token_time: Optional[float] = None
@@ -121,6 +124,16 @@ def test_timeline_buckets_ttft_itl_and_hits():
     total = {k: sum(b[k] for b in buckets) for k in buckets[0] if k != "t"}
     assert total["gen_tokens"] == 3 and total["first_tokens"] == 1 and total["finished"] == 1
     assert total["prompt_tokens"] == 40 and total["cached_tokens"] == 30
-    assert abs(total["ttft_sum"] - 0.5) < 1e-9
+    assert total["ttft_n"] == 1 and abs(total["ttft_sum"] - 0.5) < 1e-9
     assert total["itl_n"] == 2 and abs(total["itl_sum"] / total["itl_n"] - 0.1) < 1e-9
     assert tl.since(-1) == []  # nothing from the future
+
+
+def test_timeline_takes_no_latency_from_unstreamed_requests():
+    # a request that does not stream gets its whole output once, at the end: no TTFT, no ITL
+    tl = RequestTimeline()
+    st = _State(input_ids=list(range(10)), created=100.0, stream=False, finished=True)
+    tl.on_update(st, 8, 103.0)
+    (b,) = tl.since(60)
+    assert (b["gen_tokens"], b["first_tokens"], b["prompt_tokens"], b["finished"]) == (8, 1, 10, 1)
+    assert b["ttft_n"] == 0 and b["ttft_sum"] == 0 and b["itl_n"] == 0

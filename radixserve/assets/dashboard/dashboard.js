@@ -207,7 +207,11 @@ function fillReplicaPanel(p, r, i, n) {
     tr.appendChild(el("td", null, String(sp.num_tokens)));
     tr.appendChild(el("td", null, String(sp.num_sequences)));
     tr.appendChild(el("td", null, sp.in_use ? "yes" : "no"));
-    tr.appendChild(el("td", "preview", (sp.namespace ? "[" + sp.namespace + "] " : "") + (sp.preview ?? sp.head_ids.join(" "))));
+    const head = sp.preview ?? sp.head_ids.join(" ");
+    const tail = sp.tail_ids.length ? " … " + (sp.preview_tail ?? sp.tail_ids.join(" ")) : "";
+    const cell = el("td");
+    cell.appendChild(el("div", "preview", (sp.namespace ? "[" + sp.namespace + "] " : "") + head + tail));
+    tr.appendChild(cell);
     tbody.appendChild(tr);
   }
   if (!tbody.children.length) {
@@ -308,7 +312,7 @@ function renderPlots(st) {
   for (let t = first; t <= Math.floor(now); t++) {
     const b = bySecond.get(t);
     throughput.push([t, b ? b.gen_tokens : 0]);
-    if (b && b.first_tokens) ttft.push([t, 1000 * b.ttft_sum / b.first_tokens]);
+    if (b && b.ttft_n) ttft.push([t, 1000 * b.ttft_sum / b.ttft_n]);
     if (b && b.itl_n) itl.push([t, 1000 * b.itl_sum / b.itl_n]);
     windowBuckets.push(b);
     if (b) { windowPrompt += b.prompt_tokens; windowCached += b.cached_tokens; }
