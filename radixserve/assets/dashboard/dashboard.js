@@ -207,10 +207,12 @@ function fillReplicaPanel(p, r, i, n) {
     tr.appendChild(el("td", null, String(sp.num_tokens)));
     tr.appendChild(el("td", null, String(sp.num_sequences)));
     tr.appendChild(el("td", null, sp.in_use ? "yes" : "no"));
-    const head = sp.preview ?? sp.head_ids.join(" ");
-    const tail = sp.tail_ids.length ? " … " + (sp.preview_tail ?? sp.tail_ids.join(" ")) : "";
+    // one line for its beginning and, when longer, one for its end (what tells alike prefixes apart)
+    const oneLine = (text) => text.replace(/\n/g, "⏎");
     const cell = el("td");
-    cell.appendChild(el("div", "preview", (sp.namespace ? "[" + sp.namespace + "] " : "") + head + tail));
+    cell.appendChild(el("div", "preview", (sp.namespace ? "[" + sp.namespace + "] " : "") +
+      oneLine(sp.preview ?? sp.head_ids.join(" "))));
+    if (sp.tail_ids.length) cell.appendChild(el("div", "preview", "… " + oneLine(sp.preview_tail ?? sp.tail_ids.join(" "))));
     tr.appendChild(cell);
     tbody.appendChild(tr);
   }
