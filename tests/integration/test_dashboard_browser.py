@@ -17,6 +17,7 @@ from conftest import ServerProcess
 
 ADMIN_KEY = "dash-admin-key"
 POLL_TIMEOUT_MS = 30_000  # the page polls every second; a loaded CI machine may answer slowly
+CHAT_MAX_TOKENS = 160
 
 
 def find_chromium() -> str:
@@ -102,7 +103,8 @@ def test_chat_streams_an_answer_into_the_page(browser, dash_server):
     try:
         page.wait_for_function("document.getElementById('status').textContent === 'up'", timeout=POLL_TIMEOUT_MS)
         page.fill("#chat-temperature", "0")
-        page.fill("#chat-max-tokens", "24")
+        # long enough that the answer arrives over many reads of the stream, never in one
+        page.fill("#chat-max-tokens", str(CHAT_MAX_TOKENS))
         # every text the answer's bubble shows while it streams
         page.evaluate("""() => {
             window.seen = [];
@@ -124,7 +126,7 @@ def test_chat_streams_an_answer_into_the_page(browser, dash_server):
 
         client = openai.OpenAI(base_url=dash_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         ref = client.chat.completions.create(model=page.text_content("#model").split(" · ")[0], temperature=0,
-                                             max_tokens=24, messages=[{"role": "user", "content": "Tell me a long story about a lighthouse."}])
+                                             max_tokens=CHAT_MAX_TOKENS, messages=[{"role": "user", "content": "Tell me a long story about a lighthouse."}])
         assert answer == ref.choices[0].message.content
         meta = page.text_content(".msg.assistant .meta")
         assert f"/ {ref.usage.prompt_tokens} prompt tokens" in meta and "TTFT" in meta and "tok/s" in meta
