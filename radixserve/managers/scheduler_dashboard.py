@@ -8,8 +8,10 @@ typed snapshot of its queues, its KV pool by owner and its radix tree.
 
 It reads the loop's queue and batch, the KV ledger, the prefix cache and the counters, and changes
 nothing. The snapshot is built only when the page asks (about once a second), so a server nobody
-watches pays for a ring append per batch and nothing else. The tree walk for the shared prefixes is
-bounded (MAX_NODES_WALKED), so a huge tree costs a bounded pause.
+watches pays for a ring append per batch and nothing else. The tree walk (nodes, the shared
+prefixes) runs on the scheduler's thread, a few microseconds per node: it is bounded
+(MAX_NODES_WALKED) and reused for TREE_SUMMARY_INTERVAL_S, so open pages cost a busy scheduler at
+most one bounded pause every few seconds.
 
 KV pool by owner (the ledger's invariant: every slot is in exactly one place):
 
@@ -31,7 +33,8 @@ if TYPE_CHECKING:
     from radixserve.mem_cache.kv_ledger import KVLedger
 
 RECENT_BATCHES = 64  # how many batches the page's batch strip shows
-MAX_NODES_WALKED = 200_000  # a bound on the tree walk per snapshot
+MAX_NODES_WALKED = 20_000  # a bound on one tree walk (~0.1 s on a loaded 2-core machine)
+TREE_SUMMARY_INTERVAL_S = 3.0  # how long a tree walk's result is shown before the next walk
 NUM_SHARED_PREFIXES = 5
 # token ids sent per shared prefix, its first ones and (when longer) its last ones: the main
 # process decodes them for the page's preview, where the end tells apart prefixes that begin alike
@@ -195,9 +198,11 @@ class DashboardSources:
 
 
 class SchedulerDashboard:
-    def __init__(self, sources: DashboardSources):
+    def __init__(self, sources: DashboardSources, tree_interval_s: float = TREE_SUMMARY_INTERVAL_S):
         self.src = sources
         self.batches = RecentBatches()
+        self.tree_interval_s = tree_interval_s
+        self._tree: Optional[Tuple[float, TreeSummary]] = None  # (when walked, what it found)
 
     def on_step(self, batch: Any, step_s: float) -> None:
         record = batch_record(batch, step_s, time.time())
@@ -217,6 +222,12 @@ class SchedulerDashboard:
             out.internal_state["dashboard"] = self.snapshot().to_dict()
         return out
 
+    def _tree_summary(self, root: Any) -> TreeSummary:
+        now = time.monotonic()
+        if self._tree is None or now - self._tree[0] >= self.tree_interval_s:
+            self._tree = (now, summarize_tree(root))
+        return self._tree[1]
+
     def snapshot(self) -> DashboardSnapshot:
         s, loop = self.src, self.src.loop
         root = None if getattr(s.tree_cache, "disable", False) else getattr(s.tree_cache, "root_node", None)
@@ -224,7 +235,7 @@ class SchedulerDashboard:
             queues={"waiting": len(loop.waiting_queue), "running": loop.running_batch.batch_size(),
                     "chunked": int(loop.chunked_req is not None)},
             kv=self.kv_by_owner(),
-            tree=summarize_tree(root),
+            tree=self._tree_summary(root),
             recent_batches=self.batches.to_list(),
             evicted_tokens=getattr(s.ledger, "num_evicted_tokens", 0),
             retractions=s.stats.num_retractions,

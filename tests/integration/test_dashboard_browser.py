@@ -157,9 +157,11 @@ def test_shared_prefix_burst_moves_hit_rate_plot_and_kv_gauge(browser, dash_serv
                                f"{gauge_before['evictable'] + len(prefix) + 6 * 3}", timeout=POLL_TIMEOUT_MS)
         assert gauge(page)["free"] < gauge_before["free"]
         assert page.get_attribute(".replica .kv-gauge .seg-evictable", "style") != ""
-        # the longest shared prefix: 300 tokens, shared by the six sequences
-        rows = page.eval_on_selector_all(".replica .prefixes tbody tr", "rs => rs.map(r => [...r.cells].map(c => c.textContent))")
-        assert ["300", "6", "no"] in [r[:3] for r in rows], rows
+        # the longest shared prefix: 300 tokens, shared by the six sequences (the tree's walk is
+        # refreshed every few seconds)
+        page.wait_for_function("""() => [...document.querySelectorAll('.replica .prefixes tbody tr')].some(
+            r => r.cells.length === 4 && r.cells[0].textContent === '300' && r.cells[1].textContent === '6'
+                 && r.cells[2].textContent === 'no')""", timeout=POLL_TIMEOUT_MS)
         assert page.problems == []
     finally:
         page.context.close()

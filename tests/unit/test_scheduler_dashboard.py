@@ -19,9 +19,10 @@ from radixserve.mem_cache.radix_cache import RadixCache
 from radixserve.model_executor.forward_batch import ForwardMode
 
 
-def _dashboard(engine: Engine) -> SchedulerDashboard:
+def _dashboard(engine: Engine, tree_interval_s: float = 0.0) -> SchedulerDashboard:
     s = engine.scheduler
-    return SchedulerDashboard(DashboardSources(s.ledger, s.tree_cache, s.stats, s.loop, s.max_total_num_tokens))
+    return SchedulerDashboard(DashboardSources(s.ledger, s.tree_cache, s.stats, s.loop, s.max_total_num_tokens),
+                              tree_interval_s)
 
 
 def test_snapshot_after_requests_sharing_a_prefix():
@@ -47,6 +48,12 @@ def test_snapshot_after_requests_sharing_a_prefix():
         assert top.head_ids == prefix[:PREFIX_HEAD_TOKENS]
         assert top.tail_ids == prefix[-PREFIX_TAIL_TOKENS:]  # its end, which tells alike prefixes apart
         assert snap.to_dict()["tree"]["shared_prefixes"][0]["num_tokens"] == len(prefix)
+        # the walk is reused for a while (it runs on the scheduler's thread), then taken again
+        slow = _dashboard(engine, tree_interval_s=3600)
+        first = slow.snapshot().tree
+        engine.generate(input_ids=[[900 + i for i in range(20)]], sampling_params={"max_new_tokens": 2}, progress=False)
+        engine.wait_until_idle()
+        assert slow.snapshot().tree is first and _dashboard(engine).snapshot().tree.num_leaves == 5
     finally:
         engine.shutdown()
 
