@@ -10,12 +10,11 @@ The tokens are a function of the position alone, so a request's output does not 
 batch, chunking, retraction or the overlap loop: the token sampled after a sequence of length p is
 `token_ids[p % len(token_ids)]` (`--null-worker-token-ids`; default: one id that is not EOS, so
 every request runs to max_new_tokens as in a benchmark with ignore_eos). The "logits" behind them
-are one-hot: the sampled token's logprob is 0, every other token's is -inf.
+are one-hot: the sampled token's logprob is 0, every other token's UNLIKELY (-inf is not JSON).
 """
 
 from __future__ import annotations
 
-import math
 from typing import List, Optional, Sequence
 
 import torch
@@ -27,6 +26,8 @@ from radixserve.models.model_config import ModelConfig
 from radixserve.server_args import ServerArgs
 from radixserve.sim.cost_model import get_device
 from radixserve.sim.worker import SimModelWorker, pick_sim_token
+
+UNLIKELY = -1e4  # the logprob of every token but the position's (finite: JSON has no -inf)
 
 
 def parse_token_ids(text: Optional[str], model_config: ModelConfig) -> List[int]:
@@ -67,19 +68,19 @@ class NullModelWorker(SimModelWorker):
 
     def _logits_output(self, batch: ModelWorkerBatch) -> Optional[LogitsProcessorOutput]:
         """Only what a request asked for: prompt logprobs (one-hot: 0 where the prompt token is the
-        position's token, else -inf)."""
+        position's token, else UNLIKELY)."""
         pos = batch.input_logprob_positions
         if pos is None:
             return None
         tokens = batch.input_logprob_token_ids.tolist()
         # the prompt token at flat position i was "sampled" after a sequence ending just before it
         prev_lens = self._positions_in_sequence(batch, pos.tolist())
-        vals = [0.0 if self.token_at(p) == t else -math.inf for p, t in zip(prev_lens, tokens)]
+        vals = [0.0 if self.token_at(p) == t else UNLIKELY for p, t in zip(prev_lens, tokens)]
         out = LogitsProcessorOutput(next_token_logits=torch.empty(0), input_token_logprobs=torch.tensor(vals))
         if batch.input_token_ids_logprob_ids is not None:
             asked = batch.input_token_ids_logprob_ids.tolist()
             out.input_token_ids_logprobs = torch.tensor(
-                [[0.0 if self.token_at(p) == t else -math.inf for t in row] for p, row in zip(prev_lens, asked)])
+                [[0.0 if self.token_at(p) == t else UNLIKELY for t in row] for p, row in zip(prev_lens, asked)])
         return out
 
     @staticmethod
@@ -99,12 +100,12 @@ class NullModelWorker(SimModelWorker):
         return out
 
     def _add_logprobs(self, batch: ModelWorkerBatch, ids: List[int], result: GenerationBatchResult) -> None:
-        """One-hot logits: the sampled token's logprob is 0; top-k is it, then -inf."""
+        """One-hot logits: the sampled token's logprob is 0; top-k is it, then UNLIKELY."""
         result.next_token_logprobs = torch.zeros(len(ids))
         ks = batch.top_logprobs_nums or [0] * len(ids)
-        result.top_logprobs_val = [[0.0] + [-math.inf] * (k - 1) if k else [] for k in ks]
+        result.top_logprobs_val = [[0.0] + [UNLIKELY] * (k - 1) if k else [] for k in ks]
         result.top_logprobs_idx = [[t] + [i for i in range(k) if i != t][: k - 1] if k else [] for t, k in zip(ids, ks)]
         if batch.token_ids_logprobs is not None:
             result.token_ids_logprobs_val = [
-                None if asked is None else [0.0 if a == t else -math.inf for a in asked]
+                None if asked is None else [0.0 if a == t else UNLIKELY for a in asked]
                 for t, asked in zip(ids, batch.token_ids_logprobs)]
