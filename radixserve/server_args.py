@@ -67,6 +67,10 @@ class ServerArgs:
     # Serve the model as an embedding model (prefill only; /encode, /v1/embeddings): the pooling
     # of its sentence-transformers config (modules.json), else the last token, normalized.
     is_embedding: bool = False
+    # Issue 57: no model forward at all (sim/null_worker.py): the pools sized from the model's
+    # config, a forward that returns at once; `bench serving` then measures the host path alone.
+    null_worker: bool = False
+    null_worker_token_ids: Optional[str] = None  # "5,6,7": the token after p tokens is ids[p % 3]
 
     # Memory
     max_total_tokens: Optional[int] = None  # KV pool size in tokens; derived from memory when None
@@ -231,6 +235,11 @@ class ServerArgs:
         if self.allowed_local_media_path is not None and not os.path.isdir(self.allowed_local_media_path):
             raise ValueError(f"--allowed-local-media-path {self.allowed_local_media_path!r} is not a directory")
         _choice("--load-format", self.load_format, LOAD_FORMATS)
+        if self.null_worker_token_ids is not None and not self.null_worker:
+            raise ValueError("--null-worker-token-ids needs --null-worker")
+        if self.null_worker and (self.pp_size > 1 or self.is_embedding or self.speculative_algorithm is not None):
+            raise ValueError("--null-worker serves plain generation only (no --pp-size, --is-embedding or "
+                             "--speculative-algorithm)")
         _choice("--quantization", self.quantization, QUANTIZATION_METHODS)
         _choice("--cpu-gemm-path", self.cpu_gemm_path, CPU_GEMM_PATHS)
         _choice("--dtype", self.dtype, DTYPES)
@@ -615,6 +624,10 @@ FLAG_HELP = {
     "tokenizer_path": "tokenizer directory, when it differs from --model-path",
     "chat_template": "chat template: a Jinja file, or the template text itself; none = the model's own",
     "sampling_defaults": "defaults of unset sampling fields: openai (temperature 1, top_p 1, ...) or model (its generation_config.json)",
+    "null_worker": "no model forward: fixed tokens at once, to measure the host path (HTTP, scheduler, "
+                   "detokenizer, streaming) alone",
+    "null_worker_token_ids": "--null-worker: comma-separated ids; the token after a sequence of p tokens is "
+                             "ids[p % len(ids)] (default: one id that is not EOS)",
     "load_format": f"weights: {', '.join(LOAD_FORMATS)} (dummy = random weights)",
     "quantization": "a GGUF file's quantized weights: gguf keeps the linear layers in the file's blocks (the C++ "
                     "integer kernel: activations quantized to 8 bits per block, as llama.cpp); none dequantizes "

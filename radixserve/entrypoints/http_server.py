@@ -47,6 +47,7 @@ from radixserve.entrypoints.native_protocol import (
 from radixserve.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest, error_body
 from radixserve.entrypoints.serving_base import (
     SSE_DONE,
+    CumulativeStreamEncoder,
     chain_first,
     check_model,
     first_result,
@@ -379,9 +380,10 @@ def add_native_routes(app: FastAPI, tm: TokenizerManager) -> None:
         first = await peek_first(gen)  # a refused request still gets its status, not a 200 stream
 
         async def stream() -> AsyncIterator[bytes]:
+            encode = CumulativeStreamEncoder()  # sse(), without re-encoding every id per chunk
             try:
                 async for out in chain_first(first, gen):
-                    yield sse(out)
+                    yield encode(out)
             except RequestError as e:
                 yield sse({"error": {"message": e.message, "code": e.status_code}})
             finally:

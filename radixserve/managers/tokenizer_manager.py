@@ -461,10 +461,11 @@ class TokenizerManager:
         A client that went away, or --request-timeout running out, aborts the request."""
         next_check = time.monotonic() + DISCONNECT_CHECK_INTERVAL
         while True:
-            try:
-                await asyncio.wait_for(state.event.wait(), timeout=max(next_check - time.monotonic(), 0.0))
-            except asyncio.TimeoutError:
-                pass
+            if not state.event.is_set():  # news already waiting (a busy loop): no timer, no task
+                try:
+                    await asyncio.wait_for(state.event.wait(), timeout=max(next_check - time.monotonic(), 0.0))
+                except asyncio.TimeoutError:
+                    pass
             if time.monotonic() >= next_check:  # also while news keeps coming
                 next_check = time.monotonic() + DISCONNECT_CHECK_INTERVAL
                 await self._check_client_and_deadline(state, request)
