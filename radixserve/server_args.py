@@ -338,8 +338,6 @@ class ServerArgs:
         unsupported = [
             (self.device == "cuda", "--device cuda (the GPU GEMMs are cuBLAS's, whose reduction order depends on the "
                                     "row count; the batch-invariant kernels are the CPU's)"),
-            (self.attention_backend == "triton", "--attention-backend triton (its extend kernel reduces the cached "
-                                                 "keys and the chunk's keys in two passes, split where the prefix ends)"),
             (self.speculative_algorithm is not None, "--speculative-algorithm (a verify forward computes a token "
                                                      "with other kernels than a decode step)"),
             (self.enable_mixed_chunk, "--enable-mixed-chunk (a decode token inside an extend forward takes the "

@@ -186,6 +186,74 @@ def differences(a: Outputs, b: Outputs, prefix_b: str = "p") -> List[str]:
     return out
 
 
+# ---- the kernels alone ------------------------------------------------------------------------------
+@pytest.fixture
+def ops():
+    from radixserve.layers import batch_invariant, cpu_kernels
+
+    mod = cpu_kernels.get()
+    assert mod is not None and mod.has_bf16_gemm(), "the C++ CPU kernels (with the bf16 GEMM) did not build"
+    yield mod
+    batch_invariant.enable_batch_invariant_mode(False)
+
+
+def test_bf16_gemm_rows_are_batch_invariant_under_the_flag(ops):
+    """Every row count (1 row, 2, the 5-row tiles, past the 64-row work items) gives a row the same
+    bits with the flag; without it the AVX2 build's one- and two-row tiles sum even and odd k apart."""
+    from radixserve.layers import batch_invariant
+
+    gen = torch.Generator().manual_seed(0)
+    k, n = 1536, 96  # three 512-wide K chunks
+    packed = ops.pack_bf16_weight((torch.randn(n, k, generator=gen) / 30).to(torch.bfloat16))
+    bias = torch.randn(n, generator=gen)
+    matmul = lambda x: ops.bf16_linear(x, packed, n, bias)  # noqa: E731
+    batch_invariant.enable_batch_invariant_mode(True)
+    assert ops.batch_invariant()
+    assert batch_invariant.check_rows_invariant(matmul, k)
+    batch_invariant.enable_batch_invariant_mode(False)
+    if not ops.has_avx512_bf16():  # the AVX-512 tiles are one chain per output either way
+        assert not batch_invariant.check_rows_invariant(matmul, k)
+
+
+def _decode(ops, q, k_buf, v_buf, table, rows, lens, split):
+    out = torch.empty_like(q)
+    ops.decode_attention(out, q, k_buf, v_buf, table, rows, lens, 0.125, 0, split)
+    return out
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_decode_attention_fixed_split_is_batch_invariant(ops, kv_dtype):
+    """A request decoded alone and in a batch of 9 (and with 1 or 3 threads): the same bits with
+    split_tokens fixed; the adaptive split (0) splits the lone request and not the batch."""
+    from radixserve.layers.batch_invariant import DECODE_SPLIT_TOKENS
+
+    gen = torch.Generator().manual_seed(1)
+    lens = torch.tensor([600, 300, 5, 129, 256, 257, 40, 512, 700], dtype=torch.int64)
+    slots = torch.randperm(4096, generator=gen)[: int(lens.sum())].to(torch.int32)
+    table = torch.zeros(len(lens), 1024, dtype=torch.int32)
+    start = 0
+    for i, n in enumerate(lens.tolist()):
+        table[i, :n] = slots[start : start + n]
+        start += n
+    k_buf = torch.randn(4096, 2, 64, generator=gen).to(kv_dtype)
+    v_buf = torch.randn(4096, 2, 64, generator=gen).to(kv_dtype)
+    q = torch.randn(len(lens), 8, 64, generator=gen)
+    rows = torch.arange(len(lens), dtype=torch.int64)
+    batch = _decode(ops, q, k_buf, v_buf, table, rows, lens, DECODE_SPLIT_TOKENS)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            for i in range(len(lens)):
+                alone = _decode(ops, q[i : i + 1], k_buf, v_buf, table, rows[i : i + 1], lens[i : i + 1], DECODE_SPLIT_TOKENS)
+                assert torch.equal(alone[0], batch[i]), (threads, i)
+        torch.set_num_threads(2)
+        adaptive = _decode(ops, q[:1], k_buf, v_buf, table, rows[:1], lens[:1], 0)
+        assert not torch.equal(adaptive[0], _decode(ops, q, k_buf, v_buf, table, rows, lens, 0)[0])
+    finally:
+        torch.set_num_threads(before)
+
+
 # ---- the tests ------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def alone(model_dir) -> Outputs:
@@ -243,7 +311,6 @@ def test_refused_combinations():
 
     for kw, words in [(dict(speculative_algorithm="NGRAM"), "--speculative-algorithm"),
                       (dict(enable_mixed_chunk=True), "--enable-mixed-chunk"),
-                      (dict(attention_backend="triton"), "--attention-backend triton"),
                       (dict(device="cuda"), "--device cuda"),
                       (dict(enable_lora=True), "--enable-lora")]:
         with pytest.raises(ValueError, match="--enable-deterministic-inference does not run with " + words):
