@@ -264,11 +264,11 @@ def alone(model_dir) -> Outputs:
     ("together", False, None),
     ("interleaved", False, None),
     ("interleaved", True, None),  # the overlap loop
-    ("interleaved", False, 16),  # chunked prefill: 16-token chunks
+    ("interleaved", False, 24),  # chunked prefill: 24-token chunks
     ("together", True, 33),  # chunks that end one token short of a prompt, in the overlap loop
     ("prefix_hit", False, None),
     ("prefix_hit", True, 40),
-], ids=["together", "interleaved", "interleaved-overlap", "interleaved-chunk16", "together-overlap-chunk33",
+], ids=["together", "interleaved", "interleaved-overlap", "interleaved-chunk24", "together-overlap-chunk33",
         "prefix-hit", "prefix-hit-overlap-chunk40"])
 def test_deterministic_outputs_equal_alone(model_dir, alone, scenario, overlap, chunk):
     got = run(model_dir, scenario, True, overlap=overlap, chunk=chunk)
