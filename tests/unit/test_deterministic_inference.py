@@ -254,6 +254,33 @@ def test_decode_attention_fixed_split_is_batch_invariant(ops, kv_dtype):
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("qtype_name", ["Q8_0", "Q4_0"])
+def test_gguf_blocks_take_one_checked_path(ops, monkeypatch, qtype_name):
+    """Under the flag a GGUF matrix takes one path at every row count (no switch by row bucket),
+    checked batch-invariant at start; a path that is not is refused with one line."""
+    import gguf
+    import numpy as np
+
+    import radixserve.layers.quantization.gguf as quant_gguf
+    from radixserve.layers import batch_invariant, gemm_select
+
+    qtype = getattr(gguf.GGMLQuantizationType, qtype_name)
+    w = np.random.default_rng(0).standard_normal((48, 512), dtype=np.float32)
+    qw = quant_gguf.QuantizedWeight(int(qtype), torch.from_numpy(gguf.quants.quantize(w, qtype)), 512)
+    before = gemm_select.current_plan()
+    try:
+        batch_invariant.enable_batch_invariant_mode(True)
+        quant_gguf._batch_invariant_paths([qw], "auto")
+        shape, paths = quant_gguf.gemm_shape(qw), quant_gguf.cpu_paths(qw.qtype)
+        assert {gemm_select.current_plan().path(shape, m, paths) for m in (1, 16, 64, 256, 4096)} == {"int8"}
+        # a path whose rows depend on the row count (as a BLAS that tiles by M may)
+        monkeypatch.setitem(quant_gguf.CPU_PATHS, "int8", lambda x, w_: quant_gguf.dequantized_f32_matmul(x, w_) * (1 + 1e-6 * x.shape[0]))
+        with pytest.raises(ValueError, match="--enable-deterministic-inference: the int8 GEMM path of"):
+            quant_gguf._batch_invariant_paths([qw], "auto")
+    finally:
+        gemm_select.set_plan(before)
+
+
 # ---- the tests ------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def alone(model_dir) -> Outputs:
