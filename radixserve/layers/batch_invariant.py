@@ -25,6 +25,10 @@ batch. Where each one comes from on the CPU:
   RMSNorm, softmax,     per row already (one thread per row, the same vector code).
   sampler
   TP all-reduce         gloo's sum of 2 ranks is a + b on both (commutative): deterministic at TP 2.
+  Triton attention      decode splits each request's own keys in num_kv_splits shares (per request
+                        already); extend (batch_invariant=True) reads every key from the pool and cuts
+                        both key and query blocks on absolute positions. Tested under the interpreter:
+                        on CUDA the flag is refused (torch's cuBLAS GEMMs are not batch-invariant).
 
 Sampling at temperature > 0 is reproducible with a per-request `sampling_seed` (sampler.py seeds
 each row's noise from (seed, step)). What cannot be made deterministic is refused at start with one
