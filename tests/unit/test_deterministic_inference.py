@@ -292,10 +292,10 @@ def alone(model_dir) -> Outputs:
     ("interleaved", False, None),
     ("interleaved", True, None),  # the overlap loop
     ("interleaved", False, 24),  # chunked prefill: 24-token chunks
-    ("together", True, 33),  # chunks that end one token short of a prompt, in the overlap loop
+    ("together", True, 44),  # p0 (221 tokens) in 44-token chunks: its last chunk is one token, in the overlap loop
     ("prefix_hit", False, None),
     ("prefix_hit", True, 40),
-], ids=["together", "interleaved", "interleaved-overlap", "interleaved-chunk24", "together-overlap-chunk33",
+], ids=["together", "interleaved", "interleaved-overlap", "interleaved-chunk24", "together-overlap-chunk44",
         "prefix-hit", "prefix-hit-overlap-chunk40"])
 def test_deterministic_outputs_equal_alone(model_dir, alone, scenario, overlap, chunk):
     got = run(model_dir, scenario, True, overlap=overlap, chunk=chunk)
