@@ -89,6 +89,9 @@ class ServerArgs:
     chunked_prefill_size: Optional[int] = 2048  # None or <= 0 disables chunking
     max_prefill_tokens: int = 16384
     enable_mixed_chunk: bool = False
+    # SGLang's: batch-invariant kernels, so a request's tokens and logprobs do not depend on its
+    # batch, chunking or prefix-cache hits (layers/batch_invariant.py)
+    enable_deterministic_inference: bool = False
     disable_radix_cache: bool = False
     radix_eviction_policy: str = "lru"  # "lru" or "lfu"
     max_queued_requests: Optional[int] = None
@@ -333,6 +336,24 @@ class ServerArgs:
             self._check_speculative()
         if self.enable_lora or self.lora_paths:
             self._check_lora()
+        if self.enable_deterministic_inference:
+            what = self.deterministic_inference_unsupported()
+            if what is not None:
+                raise ValueError(f"--enable-deterministic-inference does not run with {what}")
+
+    def deterministic_inference_unsupported(self) -> Optional[str]:
+        """The first flag whose kernels or scheduling are not batch-invariant here (None: none);
+        what depends on the model (windowed or linear attention, GGUF paths) is checked at load."""
+        unsupported = [
+            (self.device == "cuda", "--device cuda (the GPU GEMMs are cuBLAS's, whose reduction order depends on the "
+                                    "row count; the batch-invariant kernels are the CPU's)"),
+            (self.speculative_algorithm is not None, "--speculative-algorithm (a verify forward computes a token "
+                                                     "with other kernels than a decode step)"),
+            (self.enable_mixed_chunk, "--enable-mixed-chunk (a decode token inside an extend forward takes the "
+                                      "extend kernel, alone the decode kernel)"),
+            (self.enable_lora or bool(self.lora_paths), "--enable-lora (the segmented LoRA matmul is not batch-invariant)"),
+        ]
+        return next((what for bad, what in unsupported if bad), None)
 
     def _check_hybrid_swa_memory(self) -> None:
         """What the SWA pool does not run with is refused here, each with one line, where it was
@@ -659,6 +680,9 @@ FLAG_HELP = {
     "chunked_prefill_size": "split prefills longer than this many tokens; <= 0 disables chunking",
     "max_prefill_tokens": "most new prompt tokens in one prefill batch",
     "enable_mixed_chunk": "run the decode batch inside chunked prefill forwards",
+    "enable_deterministic_inference": "batch-invariant kernels: a request's tokens and logprobs do not depend on what it "
+                                      "is batched with, on chunked prefill or on prefix-cache hits (with sampling_seed, "
+                                      "at temperature > 0 too)",
     "disable_radix_cache": "no prefix sharing between requests",
     "radix_eviction_policy": "radix cache eviction: lru or lfu",
     "max_queued_requests": "refuse new requests with 503 while this many wait; none = unbounded",
