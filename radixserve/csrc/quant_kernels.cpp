@@ -38,6 +38,8 @@
 //     prefetch 8 KiB ahead); each unit (a group of 4 blocks, or a super-block) is unpacked once
 //     into uint8 lanes in an L1 scratch and used for 8 rows of x at a time (a second group of 8
 //     re-unpacks the row from L1, not from memory). M = 16 thus reads the weights once, like M = 1.
+//   - AVX2 only, decode of M <= quant_decode_fused_rows() (4) rows of x (issue 54): fused, each
+//     block unpacked in registers and dotted at once (no scratch; see "Fused decode" below).
 //   - prefill: tiles of 4 output rows; for a block of up to MC rows of x (their quantized bytes
 //     held in L2) the tile's rows are unpacked chunk by chunk of K (2048 values) into an L1 buffer,
 //     once, and used for every row of x in the block: register blocks of 2 weight rows x 4 rows
