@@ -36,6 +36,19 @@ K-quants); the values do not matter to the times.
 (--threads 2,1: both thread counts in one run and one JSON; on a machine shared with other work,
 two OpenMP threads on two cores wait for each other's time slices, and the 1-thread rows show the
 kernels' own speed.)
+
+--decode-paths (issue 54) times only the integer kernel's two decode paths against each other, on
+the shapes above plus the LM head (151936 x 1536; Q6_K in a Q4_K_M file, Q8_0 in a Q8_0 one):
+
+  fused     cpu_kernels.quant_decode_fused_rows(16): each block unpacked in registers and dotted
+            at once with up to 4 rows of x (AVX2; llama.cpp's ggml_vec_dot_q4_K_q8_K scheme)
+  scratch   quant_decode_fused_rows(0): each block unpacked into an L1 scratch, then dotted (the
+            path before issue 54's fused decode)
+
+in turns, for M = 1, 2, 4, 8, 16, with GB/s = the weight's bytes / best time (the weights are read
+once for any M <= 16). "err" is against the float product on the first rows only.
+
+    python benchmarks/cpu/quant_gemm.py --decode-paths --threads 1,2 --out benchmarks/cpu/quant_gemm_decode_avx2.json
 """
 
 from __future__ import annotations
@@ -64,6 +77,8 @@ from radixserve.layers.quantization.gguf import QuantizedWeight, dequantized_bf1
 
 SHAPES = [("gate/up", 1536, 8960), ("down", 8960, 1536), ("q/o", 1536, 1536), ("k/v", 1536, 256)]
 TYPES = [Q.Q4_K, Q.Q6_K]
+LM_HEAD = ("lm_head", 1536, 151936)
+LM_HEAD_TYPES = [Q.Q6_K, Q.Q8_0]
 COLD_BYTES = 96 << 20  # per method: the weight copies cycled through
 
 
@@ -79,6 +94,8 @@ def random_blocks(qtype: Q, n: int, k: int, seed: int) -> np.ndarray:
 
     if qtype == Q.Q6_K:
         b[:, 208:210] = fp16(2e-3)
+    elif block == 32:  # d only
+        b[:, 0:2] = fp16(2e-3)
     else:
         b[:, 0:2] = fp16(2e-3)
         b[:, 2:4] = fp16(1e-2)
@@ -112,10 +129,18 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=0, help="rounds per case (default: 30 for M<=16, 6 for more)")
     ap.add_argument("--shapes", default="", help="comma-separated subset of: " + ",".join(s[0] for s in SHAPES))
     ap.add_argument("--out", default=str(REPO / "benchmarks/cpu/quant_gemm.json"))
+    ap.add_argument("--decode-paths", action="store_true", help="the fused and scratch decode paths only (see above)")
     args = ap.parse_args()
     thread_counts = [int(v) for v in str(args.threads).split(",") if v.strip()] or [torch.get_num_threads()]
     ops = cpu_kernels.get()
     assert ops is not None and ops.has_quant_gemm(), "quant_linear is not built (cpu_kernels: AVX512-VNNI or AVX2)"
+    if args.decode_paths:
+        ms = [int(v) for v in args.ms.split(",")] if args.ms != ap.get_default("ms") else [1, 2, 4, 8, 16]
+        shapes = [s for s in SHAPES + [LM_HEAD] if not args.shapes or s[0] in args.shapes.split(",")]
+        out = decode_paths(ops, shapes, ms, thread_counts, args.reps or 20)
+        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+        print(f"wrote {args.out}")
+        return
     rs_bf16 = bool(ops.has_bf16_gemm())
     ms = [int(v) for v in args.ms.split(",")]
     shapes = [s for s in SHAPES if not args.shapes or s[0] in args.shapes.split(",")]
@@ -147,6 +172,75 @@ def main() -> None:
     }
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(f"load average {load1[0]:.2f} at the end; wrote {args.out}")
+
+
+def decode_paths(ops, shapes, ms: List[int], thread_counts: List[int], reps: int) -> dict:
+    """The fused and the scratch decode paths of quant_linear, in turns (see the docstring)."""
+    load0 = os.getloadavg()
+    prev = ops.quant_decode_fused_rows()
+    rows = []
+
+    def with_rows(limit: int, x: torch.Tensor, w: torch.Tensor, qtype: Q, k: int) -> torch.Tensor:
+        ops.quant_decode_fused_rows(limit)
+        return ops.quant_linear(x, w, int(qtype), k)
+
+    print(f"{'thr':>3} {'layer':8} {'type':5} {'M':>3} | {'fused ms':>9} {'scratch':>9} | {'GB/s f':>6} {'s':>6} | "
+          f"{'f/s':>5} | err")
+    try:
+        for label, k, n in shapes:
+            for qtype in (LM_HEAD_TYPES if (label, k, n) == LM_HEAD else TYPES):
+                data = torch.from_numpy(random_blocks(qtype, n, k, seed=int(qtype)))
+                nref = min(n, 512)
+                w32 = torch.from_numpy(gguf.quants.dequantize(data[:nref].numpy(), qtype).reshape(nref, k))
+                wq = copies(data)
+                for threads in thread_counts:
+                    torch.set_num_threads(threads)
+                    for m in ms:
+                        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+                        fns = {"fused": lambda i: with_rows(16, x, wq[i % len(wq)], qtype, k),
+                               "scratch": lambda i: with_rows(0, x, wq[i % len(wq)], qtype, k)}
+                        t = bench(fns, reps if n * k < 1e8 else max(4, reps // 4))
+                        errs = {}
+                        for name, limit in (("fused", 16), ("scratch", 0)):
+                            y = with_rows(limit, x, data[:nref], qtype, k).double()
+                            ref = F.linear(x.double(), w32.double())
+                            errs[name] = float((y - ref).norm() / ref.norm())
+                        best = {name: v["best_ms"] for name, v in t.items()}
+                        gbps = {name: data.numel() / v / 1e6 for name, v in best.items()}
+                        rows.append({"threads": threads, "layer": label, "K": k, "N": n, "type": qtype.name, "M": m,
+                                     "weight_bytes": data.numel(), "ms": t, "gbps_best": gbps,
+                                     "fused_over_scratch_speed": best["scratch"] / best["fused"],
+                                     "err_vs_fp32_first_rows": errs})
+                        print(f"{threads:>3} {label:8} {qtype.name:5} {m:>3} | {best['fused']:9.3f} {best['scratch']:9.3f} | "
+                              f"{gbps['fused']:6.1f} {gbps['scratch']:6.1f} | {best['scratch'] / best['fused']:5.2f} | "
+                              f"{errs['fused']:.1e} {errs['scratch']:.1e}", flush=True)
+                del wq, data
+    finally:
+        ops.quant_decode_fused_rows(prev)
+    load1 = os.getloadavg()
+    return {
+        "label": "issue 54: fused AVX2 decode",
+        "what": "quant_linear's decode paths in turns: fused (blocks unpacked in registers and dotted at once) vs scratch "
+        "(unpacked into an L1 scratch, then dotted); random blocks, weights cycled through > 2x L3",
+        "isa": ops.quant_gemm_isa(),
+        "fused_rows_default": prev,
+        "threads": thread_counts,
+        "cpu": cpu_model(),
+        "torch": torch.__version__,
+        "load_average_start_end": [load0[0], load1[0]],
+        "note": "GB/s = weight bytes / best time; f/s = scratch time / fused time",
+        "rows": rows,
+    }
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def run_shapes(ops, shapes, ms, reps_arg, rs_bf16, threads) -> list:

@@ -38,6 +38,8 @@
 //     prefetch 8 KiB ahead); each unit (a group of 4 blocks, or a super-block) is unpacked once
 //     into uint8 lanes in an L1 scratch and used for 8 rows of x at a time (a second group of 8
 //     re-unpacks the row from L1, not from memory). M = 16 thus reads the weights once, like M = 1.
+//   - AVX2 only, decode of M <= quant_decode_fused_rows() (4) rows of x (issue 54): fused, each
+//     block unpacked in registers and dotted at once (no scratch; see "Fused decode" below).
 //   - prefill: tiles of 4 output rows; for a block of up to MC rows of x (their quantized bytes
 //     held in L2) the tile's rows are unpacked chunk by chunk of K (2048 values) into an L1 buffer,
 //     once, and used for every row of x in the block: register blocks of 2 weight rows x 4 rows
@@ -52,6 +54,7 @@
 #include "parallel.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -1023,7 +1026,9 @@ inline float amax_of(const float* x, int64_t n) {
   return hmax8(mx);
 }
 
-void quantize_row(const float* x, int64_t K, int64_t qtype, int8_t* q, float* ad, float* amin) {
+// isum (may be null): the same sums of q as int16 (|sum| <= 32 * 127), slot for slot with amin,
+// for the fused decode, which adds the offsets / mins in integers.
+void quantize_row(const float* x, int64_t K, int64_t qtype, int8_t* q, float* ad, float* amin, int16_t* isum) {
   const int64_t nv = is_kq(qtype) ? 256 : 32;
   for (int64_t b = 0; b < K / nv; ++b) {
     const float* xb = x + nv * b;
@@ -1036,8 +1041,13 @@ void quantize_row(const float* x, int64_t K, int64_t qtype, int8_t* q, float* ad
       if (qtype == Q6_K) {
         amin[16 * b + 2 * k] = d * static_cast<float>(s0);
         amin[16 * b + 2 * k + 1] = d * static_cast<float>(s1);
+        if (isum) {
+          isum[16 * b + 2 * k] = static_cast<int16_t>(s0);
+          isum[16 * b + 2 * k + 1] = static_cast<int16_t>(s1);
+        }
       } else {
         amin[(nv / 32) * b + k] = d * static_cast<float>(s0 + s1);
+        if (isum) isum[(nv / 32) * b + k] = static_cast<int16_t>(s0 + s1);
       }
     }
   }
@@ -1159,6 +1169,213 @@ void decode_rows(const uint8_t* W, int64_t ldw, int64_t n0, int64_t n1, int64_t 
         }
       }
 #undef RS_PASS
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Fused decode (M <= fused_rows(): 4 by default, measured in benchmarks/cpu/quant_gemm.py): each
+// weight block is unpacked in registers and dotted at once with up to 4 rows of x, as llama.cpp's
+// ggml_vec_dot_q4_K_q8_K / q6_K_q8_K do on AVX2. Nothing goes to memory between the unpacking and
+// the products: the scratch path above stores each super-block's 256 values and eight 32-byte
+// scale vectors to L1 and reads them back, ~2x the instructions, and streams 9-11 GB/s a thread
+// where this one streams close to the memory's rate.
+//   - K-quants: one int32 vector per super-block and row of x, the sub-block scales applied by
+//     vpmaddwd (as the scratch path); Q6_K's -32 offset is 32 * sum_s scale_s * isum_s, taken off
+//     the same int32 sum (exact); the Q4_K / Q5_K mins are an int32 dot of the 8 mins with the 8
+//     activation sums (isum), scaled by -dmin * d_a. So a super-block adds two float terms (Q6_K:
+//     one) where the scratch path adds 8 or 16 wmin * amin products.
+//   - 32-block types: per block the int32 lanes times d_w * d_a, plus wmin * amin (the scratch
+//     path's offset / min term) as a float.
+// Rows of x beyond 4 take more passes over the row (it is then in L1 / L2, not memory).
+
+constexpr int kFusedRowsDefault = 4;
+std::atomic<int> g_fused_rows{kFusedRowsDefault};
+
+// int16 lane s of a vector of 8 int16 (both 128-bit halves) in every int16 lane
+inline __m256i lane16(int s) { return _mm256_set1_epi16(static_cast<int16_t>(0x0100 + 0x0202 * s)); }
+// low half: int16 lane s, high half: lane t
+inline __m256i lanes16(int s, int t) {
+  return _mm256_setr_m128i(_mm_set1_epi16(static_cast<int16_t>(0x0100 + 0x0202 * s)),
+                           _mm_set1_epi16(static_cast<int16_t>(0x0100 + 0x0202 * t)));
+}
+inline float hsum4(__m128 v) {
+  const __m128 t = _mm_add_ps(v, _mm_movehl_ps(v, v));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+// The rows of x of one unit: a[c] its activation bytes, da[c] its d, is[c] its int16 sums, am[c]
+// its float sums (amin).
+template <int C>
+struct FusedX {
+  const int8_t* a[C];
+  float da[C];
+  const int16_t* is[C];
+  float am[C];
+};
+
+// One Q4_K / Q5_K super-block at p.
+template <int64_t T, int C>
+__attribute__((always_inline)) inline void fused_sb_q4k(const uint8_t* p, const FusedX<C>& x, __m256* acc,
+                                                        __m128* accm) {
+  constexpr bool q5 = T == Q5_K;
+  const float d = h2f(p), dmin = h2f(p + 2);
+  uint32_t utmp[4];
+  k_scales_mins(p + 4, utmp);  // bytes 0..7: the 8 scales, 8..15: the 8 mins
+  const __m256i sm = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(utmp)));
+  const __m256i sc = _mm256_permute2x128_si256(sm, sm, 0x00);  // the 8 scales (int16) in both halves
+  const __m128i mins = _mm256_extracti128_si256(sm, 1);
+  const uint8_t* qs = p + (q5 ? 48 : 16);
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  __m256i iacc[C];
+  for (int c = 0; c < C; ++c) iacc[c] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j) {  // qs[32j ..]: low nibbles = sub-block 2j (values 64j ..), high = 2j + 1
+    const __m256i bits = ld256(qs + 32 * j);
+    __m256i lo = _mm256_and_si256(bits, m4), hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
+    if constexpr (q5) {  // qh[l] bit s: the 5th bit of value l of sub-block s
+      const __m256i qh = ld256(p + 16), one = _mm256_set1_epi8(1);
+      lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j), one), 4));
+      hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j + 1), one), 4));
+    }
+    const __m256i sl = _mm256_shuffle_epi8(sc, lane16(2 * j)), sh = _mm256_shuffle_epi8(sc, lane16(2 * j + 1));
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      const __m256i pl = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, ld256(x.a[c] + 64 * j)), sl);
+      const __m256i ph = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, ld256(x.a[c] + 64 * j + 32)), sh);
+      iacc[c] = _mm256_add_epi32(iacc[c], _mm256_add_epi32(pl, ph));
+    }
+  }
+#pragma GCC unroll 4
+  for (int c = 0; c < C; ++c) {
+    acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[c]), _mm256_set1_ps(d * x.da[c]), acc[c]);
+    const __m128i pm = _mm_madd_epi16(mins, _mm_loadu_si128(reinterpret_cast<const __m128i*>(x.is[c])));
+    accm[c] = _mm_fmadd_ps(_mm_cvtepi32_ps(pm), _mm_set1_ps(-dmin * x.da[c]), accm[c]);
+  }
+}
+
+// One Q6_K super-block at p: values 128h + 32i (vector k = 4h + i) from ql (low 4 bits) and qh
+// (2 bits), as in unpack_sb_q6k; vector k holds sub-blocks 2k, 2k + 1.
+template <int C>
+__attribute__((always_inline)) inline void fused_sb_q6k(const uint8_t* p, const FusedX<C>& x, __m256* acc) {
+  const float d = h2f(p + 208);
+  const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192)));
+  const __m256i sa = _mm256_permute2x128_si256(s16, s16, 0x00);  // scales 0..7 in both halves
+  const __m256i sb = _mm256_permute2x128_si256(s16, s16, 0x11);  // scales 8..15
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+  __m256i iacc[C];
+#pragma GCC unroll 4
+  for (int c = 0; c < C; ++c)  // the -32 offset: 32 * sum_s scale_s * isum_s
+    iacc[c] = _mm256_sub_epi32(_mm256_setzero_si256(),
+                               _mm256_slli_epi32(_mm256_madd_epi16(s16, ld256(x.is[c])), 5));
+#pragma GCC unroll 2
+  for (int h = 0; h < 2; ++h) {
+    const __m256i l0 = ld256(p + 64 * h), l1 = ld256(p + 64 * h + 32), q = ld256(p + 128 + 32 * h);
+    const __m256i s = h == 0 ? sa : sb;
+    __m256i w[4];
+    w[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(q, 4), m30));
+    w[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(q, 2), m30));
+    w[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(q, m30));
+    w[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                           _mm256_and_si256(_mm256_srli_epi16(q, 2), m30));
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+      const __m256i sv = _mm256_shuffle_epi8(s, lanes16(2 * i, 2 * i + 1));
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c)
+        iacc[c] = _mm256_add_epi32(
+            iacc[c], _mm256_madd_epi16(_mm256_maddubs_epi16(w[i], ld256(x.a[c] + 128 * h + 32 * i)), sv));
+    }
+  }
+#pragma GCC unroll 4
+  for (int c = 0; c < C; ++c) acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[c]), _mm256_set1_ps(d * x.da[c]), acc[c]);
+}
+
+// One block of a 32-block type at p.
+template <int64_t T, int C>
+__attribute__((always_inline)) inline void fused_block32(const uint8_t* p, const FusedX<C>& x, __m256* acc,
+                                                         float* accm) {
+  const float d = h2f(p);
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (T == Q8_0) {  // the sign trick (see the AVX2 section's comment): no offset
+    const __m256i q = ld256(p + 2), w = _mm256_abs_epi8(q);
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      const __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_sign_epi8(ld256(x.a[c]), q)), ones);
+      acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(d * x.da[c]), acc[c]);
+    }
+  } else {
+    constexpr int64_t QO = T == Q4_0 ? 2 : T == Q4_1 ? 4 : T == Q5_0 ? 6 : 8;
+    __m256i v = nibbles32(p + QO);
+    if constexpr (T == Q5_0 || T == Q5_1) v = _mm256_or_si256(v, bits32_x16(ld32(p + (T == Q5_0 ? 2 : 4))));
+    const float wmin = (T == Q4_1 || T == Q5_1) ? h2f(p + 2) : d * (T == Q4_0 ? -8.f : -16.f);
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      const __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(v, ld256(x.a[c])), ones);
+      acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(d * x.da[c]), acc[c]);
+      accm[c] += wmin * x.am[c];
+    }
+  }
+}
+
+constexpr int64_t kFusedPrefetch = 1024;  // bytes ahead in the row stream (software prefetch)
+
+// One weight row against C (<= 4) rows of x: y[c * ldy] = x_c . row.
+template <int64_t T, int C>
+void fused_row(const uint8_t* row, int64_t nunits, const int8_t* Aq, int64_t K, const float* Ad, int64_t nad,
+               const float* Am, const int16_t* As, int64_t spad, float* y, int64_t ldy) {
+  constexpr int64_t TS = type_size(T), UV = unit_values(T), SPU = slots_per_unit(T);
+  __m256 acc[C];
+  __m128 accm[C];
+  float accs[C];
+  for (int c = 0; c < C; ++c) {
+    acc[c] = _mm256_setzero_ps();
+    accm[c] = _mm_setzero_ps();
+    accs[c] = 0.f;
+  }
+  for (int64_t u = 0; u < nunits; ++u) {
+    const uint8_t* p = row + u * TS;
+    if constexpr (kFusedPrefetch > 0) {
+      _mm_prefetch(reinterpret_cast<const char*>(p) + kFusedPrefetch, _MM_HINT_T0);
+      if constexpr (TS > 64)
+        for (int64_t b = 64; b < TS; b += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + kFusedPrefetch + b, _MM_HINT_T0);
+    }
+    FusedX<C> x;
+    for (int c = 0; c < C; ++c) {
+      x.a[c] = Aq + c * K + u * UV;
+      x.da[c] = Ad[c * nad + u];
+      x.is[c] = As + c * spad + u * SPU;
+      x.am[c] = Am[c * spad + u * SPU];
+    }
+    if constexpr (T == Q4_K || T == Q5_K)
+      fused_sb_q4k<T, C>(p, x, acc, accm);
+    else if constexpr (T == Q6_K)
+      fused_sb_q6k<C>(p, x, acc);
+    else
+      fused_block32<T, C>(p, x, acc, accs);
+  }
+  for (int c = 0; c < C; ++c) y[c * ldy] = hsum8(acc[c]) + (hsum4(accm[c]) + accs[c]);
+}
+
+// Weight rows [n0, n1) against all M rows of x, 4 at a time.
+template <int64_t T>
+void fused_rows(const uint8_t* W, int64_t ldw, int64_t n0, int64_t n1, int64_t M, int64_t K, const int8_t* Aq,
+                const float* Ad, int64_t nad, const float* Am, const int16_t* As, int64_t spad, float* y,
+                int64_t ldy) {
+  const int64_t nunits = K / unit_values(T);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = W + n * ldw;
+    for (int64_t c0 = 0; c0 < M; c0 += 4) {
+#define RS_FUSED(C)                                                                                               \
+  fused_row<T, C>(row, nunits, Aq + c0 * K, K, Ad + c0 * nad, nad, Am + c0 * spad, As + c0 * spad, spad, \
+                  y + c0 * ldy + n, ldy)
+      switch (std::min<int64_t>(4, M - c0)) {
+        case 1: RS_FUSED(1); break;
+        case 2: RS_FUSED(2); break;
+        case 3: RS_FUSED(3); break;
+        default: RS_FUSED(4); break;
+      }
+#undef RS_FUSED
     }
   }
 }
@@ -1356,16 +1573,26 @@ void quant_gemm_t(const float* x, int64_t M, int64_t K, const uint8_t* W, int64_
   const int64_t nad = K / unit_values(T);                   // activation d per row
   const int64_t spad = pad8(nad * slots_per_unit(T));       // offset / min slots per row
   // 1. every row of x quantized once
+  const bool fused = M <= g_fused_rows.load(std::memory_order_relaxed);
   auto Aq = aligned_buffer<int8_t>(M * K);
   auto Ad = aligned_buffer<float>(M * nad);
   auto Am = aligned_buffer<float>(M * spad);
+  auto As = aligned_buffer<int16_t>(fused ? M * spad : 0);
   radixserve::parallel_for_dynamic(M, 4, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       float* am = Am.get() + m * spad;
       std::fill(am, am + spad, 0.f);
-      quantize_row(x + m * K, K, T, Aq.get() + m * K, Ad.get() + m * nad, am);
+      int16_t* is = fused ? As.get() + m * spad : nullptr;
+      if (is) std::fill(is, is + spad, int16_t{0});
+      quantize_row(x + m * K, K, T, Aq.get() + m * K, Ad.get() + m * nad, am, is);
     }
   });
+  if (fused) {
+    radixserve::parallel_for_dynamic(N, 16, [&](int64_t n0, int64_t n1) {
+      fused_rows<T>(W, ldw, n0, n1, M, K, Aq.get(), Ad.get(), nad, Am.get(), As.get(), spad, y, ldy);
+    });
+    return;
+  }
   if (M <= kDecodeRows) {
     radixserve::parallel_for_dynamic(N, 16, [&](int64_t n0, int64_t n1) {
       decode_rows<T>(W, ldw, n0, n1, M, K, Aq.get(), Ad.get(), nad, Am.get(), spad, y, ldy);
@@ -1595,6 +1822,20 @@ const char* quant_gemm_isa() {
 #endif
 }
 
+// The fused decode's row limit (AVX2 build): quant_linear with M <= this many rows of x takes it,
+// 0 turns it off (the scratch path then decodes, as before: for comparing the two). Sets it when
+// rows >= 0; returns the previous value. Other builds have no fused path: always 0.
+int64_t quant_decode_fused_rows(int64_t rows) {
+#if defined(RADIXSERVE_QUANT_AVX2)
+  const int prev = g_fused_rows.load();
+  if (rows >= 0) g_fused_rows.store(static_cast<int>(std::min<int64_t>(rows, kDecodeRows)));
+  return prev;
+#else
+  (void)rows;
+  return 0;
+#endif
+}
+
 bool has_quant_gemm() {
 #if defined(RADIXSERVE_QUANT_GEMM)
   return true;
@@ -1670,6 +1911,10 @@ void register_quant_kernels(pybind11::module_& m) {
   m.def("quant_gemm_isa", [] { return std::string(quant_gemm_isa()); },
         "the instruction set quant_linear is built for: \"avx512_vnni\", \"avx2\" or \"\" (none)");
   m.def("quant_gemm_types", &quant_gemm_types, "the ggml type ids quant_linear supports");
+  m.def("quant_decode_fused_rows", &quant_decode_fused_rows,
+        "the AVX2 build's fused decode takes quant_linear calls of up to this many rows of x (0: off, the "
+        "scratch path); sets it where rows >= 0 (at most 16), returns the previous value (0 where not built)",
+        py::arg("rows") = -1);
   m.def("quant_linear", &quant_linear,
         "y = x @ dequantize(weight)^T with GGUF-quantized weight rows (x quantized to 8 bits per block, "
         "integer dot products)",

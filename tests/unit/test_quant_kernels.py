@@ -112,6 +112,35 @@ def test_quant_linear_matches_references(ops, qtype, shape, m):
     check(ops, qtype, m, k, n)
 
 
+@pytest.fixture
+def fused_rows(ops):
+    """Sets cpu_kernels.quant_decode_fused_rows for one test, restoring it after."""
+    prev = ops.quant_decode_fused_rows()
+    yield ops.quant_decode_fused_rows
+    ops.quant_decode_fused_rows(prev)
+
+
+@pytest.mark.parametrize("limit", [0, 16], ids=["scratch", "fused"])
+@pytest.mark.parametrize("m", [1, 2, 4, 7])
+@pytest.mark.parametrize("shape", [0, 1], ids=["one-chunk", "chunks-tails"])
+@pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
+def test_both_decode_paths_match_references(ops, fused_rows, qtype, shape, m, limit):
+    """Issue 54: the AVX2 build decodes few rows of x either fused (each block unpacked in registers
+    and dotted at once; 4 rows of x a pass, so 7 = 4 + 3) or through an L1 scratch (limit 0): both
+    keep the numerics above. (Other builds have one decode path; the limit is a no-op there.)"""
+    fused_rows(limit)
+    k, n = SHAPES[256 if qtype in K_QUANTS else 32][shape]
+    check(ops, qtype, m, k, n)
+
+
+def test_fused_rows_limit_round_trips(ops, fused_rows):
+    built = ops.quant_gemm_isa() == "avx2"
+    assert fused_rows(3) == (4 if built else 0)  # the default: measured (benchmarks/cpu/quant_gemm.py --decode-paths)
+    assert fused_rows() == (3 if built else 0)
+    assert fused_rows(99) == (3 if built else 0)
+    assert fused_rows() == (16 if built else 0)  # at most the decode path's 16 rows
+
+
 def test_types_and_layout_sizes(ops):
     assert sorted(ops.quant_gemm_types()) == sorted(int(t) for t in TYPES)
 
