@@ -21,6 +21,7 @@ import threading
 from pathlib import Path
 from typing import Any, Dict, List
 
+import httpx
 import pytest
 import torch
 
@@ -168,8 +169,9 @@ def by_doc(samples: List[Dict[str, Any]]) -> Dict[int, Dict[str, Any]]:
 
 
 def test_lm_eval_local_completions_equals_its_hf_model(real_server, hf_dir, task_dir):
+    name = httpx.get(real_server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
     served = run_lm_eval("local-completions", {
-        "model": "served", "base_url": real_server.url + "/v1/completions", "tokenizer": str(hf_dir),
+        "model": name, "base_url": real_server.url + "/v1/completions", "tokenizer": str(hf_dir),
         "tokenizer_backend": "huggingface", "batch_size": 4, "num_concurrent": 1, "max_retries": 1,
     }, task_dir)
     ref = run_lm_eval("hf", {"pretrained": str(hf_dir), "dtype": "float32", "device": "cpu", "batch_size": 4}, task_dir)
