@@ -201,20 +201,25 @@ class SchedulerOutputProcessor:
 
     @staticmethod
     def _add_input_logprobs(batch: ScheduleBatch, result: GenerationBatchResult) -> None:
-        out = result.logits_output
-        values = out.input_token_logprobs.tolist() if out.input_token_logprobs is not None else []
-        asked = out.input_token_ids_logprobs  # [positions, k]: token_ids_logprob
-        top_val = out.input_top_logprobs_val.tolist() if out.input_top_logprobs_val is not None else None
-        top_idx = out.input_top_logprobs_idx.tolist() if out.input_top_logprobs_idx is not None else None
+        out = result.logits_output  # None from a worker that computes no logits (the simulator's)
+        values = getattr(out, "input_token_logprobs", None)
+        values = values.tolist() if values is not None else []
+        asked = getattr(out, "input_token_ids_logprobs", None)  # [positions, k]: token_ids_logprob
+        top_val = getattr(out, "input_top_logprobs_val", None)
+        top_val = top_val.tolist() if top_val is not None else None
+        top_idx = getattr(out, "input_top_logprobs_idx", None)
+        top_idx = top_idx.tolist() if top_idx is not None else None
         offset = 0
-        for req, n in zip(batch.reqs, batch.input_logprob_counts):
+        for req, count in zip(batch.reqs, batch.input_logprob_counts):
             if req.req_pool_idx is None or not req.wants_input_logprobs():  # retracted in flight: recomputed later
-                offset += n
+                offset += count
                 continue
             if not req.input_token_logprobs_idx and not req.output_ids:  # its prompt's first prefill round
                 req.add_input_logprob_head()
             first = req.next_input_logprob_token()
-            req.input_token_logprobs_val += values[offset : offset + n]
+            got = values[offset : offset + count]
+            n = len(got)  # (count, unless the worker computed none)
+            req.input_token_logprobs_val += got
             req.input_token_logprobs_idx += req.origin_input_ids[first : first + n]
             ids = req.token_ids_logprob
             if ids is not None and n:
@@ -228,7 +233,7 @@ class SchedulerOutputProcessor:
                     raise RuntimeError("top_logprobs_num was asked but the forward did not rank the prompt's positions")
                 req.input_top_logprobs_val += [row[:k] for row in top_val[offset : offset + n]]
                 req.input_top_logprobs_idx += [row[:k] for row in top_idx[offset : offset + n]]
-            offset += n
+            offset += count
 
     # ---- output (seed 001 §21) ---------------------------------------------------------------
     def _due(self, req: Req) -> bool:
