@@ -144,7 +144,7 @@ class SchedulerOutputProcessor:
         return True
 
     def _add_token(self, req: Req, token: int, result: GenerationBatchResult, i: int) -> None:
-        if req.sampling_params.max_new_tokens == 0:
+        if req.is_prefill_only:
             # SGLang's prefill-only request (e.g. its frontend's select, lm-eval's echo scoring):
             # the prompt and its logprobs, no token; the one the prefill sampled is dropped.
             req.finished_reason = FINISH_LENGTH(length=0)

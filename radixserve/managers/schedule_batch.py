@@ -200,6 +200,9 @@ class Req:
         self.origin_input_text = origin_input_text
         self.origin_input_ids = list(origin_input_ids)
         self.sampling_params = sampling_params
+        # SGLang's prefill-only request: max_new_tokens 0 as asked (read before the scheduler clips
+        # max_new_tokens to the context's room, where 0 still means the prefill's one token)
+        self.is_prefill_only = sampling_params.max_new_tokens == 0
         self.return_logprob = return_logprob
         self.top_logprobs_num = top_logprobs_num
         # SGLang's default (-1) with return_logprob: the last prompt token's entry only, which is
