@@ -91,21 +91,25 @@ def prompt_logprobs(model, ids: List[int]) -> torch.Tensor:
 
 # ---- lm-evaluation-harness ------------------------------------------------------------------
 def mc_items() -> List[Dict[str, Any]]:
-    """Simple arithmetic and word questions, four choices each (generated, deterministic)."""
+    """Easy continuations, four choices each (generated, deterministic): the next of a run of
+    numbers or letters ("4, 5, 6, 7," -> "8"), small sums ("3 + 4 =" -> "7")."""
+    letters = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
     items = []
     for i in range(NUM_ITEMS):
-        a, b = 2 + (i * 7) % 23, 1 + (i * 5) % 17
+        a, b = 2 + (i * 7) % 23, 1 + (i * 5) % 9
         if i % 3 == 0:
-            question, answer = f"What is {a} plus {b}?", a + b
+            run = [a + j for j in range(4)]
+            question, answer, wrong = f"{', '.join(map(str, run))},", str(a + 4), [a + 9, a + 2, a + 17]
         elif i % 3 == 1:
-            question, answer = f"What is {a + b} minus {b}?", a
+            j = i % 20
+            question, answer = f"{', '.join(letters[j:j + 4])},", letters[j + 4]
+            wrong = [letters[(j + 11) % 26], letters[(j + 17) % 26], letters[(j + 23) % 26]]
         else:
-            question, answer = f"How many legs do {a % 5 + 1} dogs have in total?", 4 * (a % 5 + 1)
-        wrong = [answer + 1, answer + 10, max(answer - 3, 0) if answer > 3 else answer + 4]
-        choices = [str(answer), *map(str, wrong)]
+            question, answer, wrong = f"{a} + {b} =", str(a + b), [a + b + 1, a + b + 10, a * b + 3]
+        choices = [answer, *map(str, wrong)]
         k = i % 4  # the right answer moves around
         choices[0], choices[k] = choices[k], choices[0]
-        items.append({"question": question, "choices": choices, "label": k, "answer": str(answer)})
+        items.append({"question": question, "choices": choices, "label": k, "answer": answer})
     return items
 
 
@@ -116,7 +120,7 @@ dataset_kwargs:
     test: {data}
 test_split: test
 output_type: multiple_choice
-doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
+doc_to_text: "{{{{question}}}}"
 doc_to_choice: "{{{{choices}}}}"
 doc_to_target: label
 target_delimiter: " "
@@ -185,11 +189,15 @@ def test_lm_eval_local_completions_equals_its_hf_model(real_server, hf_dir, task
             worst = max(worst, abs(float(g[0]) - float(w[0])))
             assert bool(g[1]) == bool(w[1]), (doc_id, g, w)
         assert (got["acc"], got["acc_norm"]) == (want["acc"], want["acc_norm"]), doc_id
+    print(f"lm-eval {NUM_ITEMS} items: acc {served['results']['radixserve_mc']['acc,none']} (hf "
+          f"{ref['results']['radixserve_mc']['acc,none']}), acc_norm {served['results']['radixserve_mc']['acc_norm,none']} "
+          f"(hf {ref['results']['radixserve_mc']['acc_norm,none']}), worst per-choice loglikelihood gap {worst:.2e}")
     assert worst <= LOGLIK_TOL
     for metric in ("acc,none", "acc_norm,none"):
         assert served["results"]["radixserve_mc"][metric] == ref["results"]["radixserve_mc"][metric]
-    # a task the model is not hopeless at: the scores mean something (the issue's bug gave 0.25)
-    assert ref["results"]["radixserve_mc"]["acc,none"] > 0.25
+    # a task the model is good at, so the scores mean something: the issue's bug (every choice
+    # scored 0, the first one always won) gave 0.25 here, a quarter of the answers being first
+    assert ref["results"]["radixserve_mc"]["acc,none"] >= 0.5
     got_gen, want_gen = by_doc(served["samples"]["radixserve_gen"]), by_doc(ref["samples"]["radixserve_gen"])
     assert [got_gen[i]["resps"] for i in sorted(want_gen)] == [want_gen[i]["resps"] for i in sorted(want_gen)]
 
