@@ -119,7 +119,7 @@ class Engine:
                 self._withdraw(states)
                 raise ValueError("stream=True takes a single prompt (and n = 1).")
             return self._stream(states[0])
-        bar = tqdm(total=len(states), desc="generate", disable=not progress or len(states) < 16)
+        bar = tqdm(total=len(states), desc="generate", disable=True if not progress or len(states) < 16 else None)  # None: quiet off a terminal
         done = 0
         try:
             while done < len(states):

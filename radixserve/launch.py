@@ -7,8 +7,15 @@
 Children are started with the "spawn" method and report ready through a pipe (the scheduler
 sends its pool sizes); only then is the HTTP port opened. A watcher thread waits on the
 children: if one dies, the server logs which and why, fails the requests in flight, and
-exits non-zero. SIGINT / SIGTERM shut everything down. The ZeroMQ ipc sockets live in a
-private temporary directory that is removed on every exit path.
+exits non-zero. The ZeroMQ ipc sockets live in a private temporary directory that is removed
+on every exit path the launcher lives to see.
+
+Signals: SIGTERM and SIGINT are the main process's alone, whether sent to it or to the whole
+process group (systemd's KillMode=control-group, `kill -TERM -PGID`, Ctrl-C): the children
+ignore them (managers/process_utils.py). SIGTERM drains (new requests get 503, the running ones
+get up to --graceful-shutdown-timeout), SIGINT or a second SIGTERM stops at once; either way
+the launcher then stops the children in order (Runtime.stop) and exits 0. A child that ignores
+SIGTERM still never outlives the launcher: the kernel kills it when the launcher exits.
 """
 
 from __future__ import annotations
@@ -51,17 +58,33 @@ class Runtime:
     tokenizer: Any = None  # loaded once here, for the TokenizerManager (None on other nodes, or without one)
 
     def stop(self) -> None:
-        """Terminate the children (SIGTERM, then SIGKILL) and remove the socket directory."""
+        """Stop the children in order and remove the socket directory. The children ignore
+        SIGTERM (it is the launcher's), so a stop is SIGKILL: what SIGTERM's default action did
+        before, as no child has state to save."""
         self.stopping = True
-        for proc in self.procs.values():
-            if proc.is_alive():
-                proc.terminate()
-        for proc in self.procs.values():
-            proc.join(CHILD_STOP_TIMEOUT)
-            if proc.is_alive():
-                proc.kill()
+        for stage in self.stop_order():
+            for proc in stage:
+                if proc.is_alive():
+                    proc.kill()
+            for proc in stage:
                 proc.join(CHILD_STOP_TIMEOUT)
         shutil.rmtree(self.port_args.ipc_dir, ignore_errors=True)
+
+    def stop_order(self) -> List[List[Any]]:
+        """Front to back along a request's path: the DP controller (no more routing), then every
+        scheduler rank at once (they run collectives in lockstep; a rank left alone would fail in
+        one and log it), then the detokenizer, then anything else."""
+        def stage(name: str) -> int:
+            if name == "dp_controller":
+                return 0
+            if name.startswith("scheduler"):  # "scheduler", "scheduler_tp1", "scheduler_dp1_tp0", ...
+                return 1
+            return 2 if name == "detokenizer" else 3
+
+        stages: Dict[int, List[Any]] = {}
+        for name, proc in self.procs.items():
+            stages.setdefault(stage(name), []).append(proc)
+        return [stages[k] for k in sorted(stages)]
 
 
 def _free_port() -> int:

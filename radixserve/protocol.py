@@ -136,12 +136,14 @@ class ClearHiCacheReqOutput:
 @dataclass
 class GetInternalStateReq:
     query_id: str = ""
+    with_dashboard: bool = False  # /dashboard/state: add the scheduler's snapshot (managers/scheduler_dashboard.py)
 
 
 @dataclass
 class GetInternalStateReqOutput:
     internal_state: Dict[str, Any]
     query_id: str = ""
+    with_dashboard: bool = False
 
 
 # SGLang's POST /set_internal_state: scheduler settings changed at run time

@@ -67,6 +67,10 @@ class ServerArgs:
     # Serve the model as an embedding model (prefill only; /encode, /v1/embeddings): the pooling
     # of its sentence-transformers config (modules.json), else the last token, normalized.
     is_embedding: bool = False
+    # Issue 57: no model forward at all (sim/null_worker.py): the pools sized from the model's
+    # config, a forward that returns at once; `bench serving` then measures the host path alone.
+    null_worker: bool = False
+    null_worker_token_ids: Optional[str] = None  # "5,6,7": the token after p tokens is ids[p % 3]
 
     # Memory
     max_total_tokens: Optional[int] = None  # KV pool size in tokens; derived from memory when None
@@ -85,6 +89,9 @@ class ServerArgs:
     chunked_prefill_size: Optional[int] = 2048  # None or <= 0 disables chunking
     max_prefill_tokens: int = 16384
     enable_mixed_chunk: bool = False
+    # SGLang's: batch-invariant kernels, so a request's tokens and logprobs do not depend on its
+    # batch, chunking or prefix-cache hits (layers/batch_invariant.py)
+    enable_deterministic_inference: bool = False
     disable_radix_cache: bool = False
     radix_eviction_policy: str = "lru"  # "lru" or "lfu"
     max_queued_requests: Optional[int] = None
@@ -231,6 +238,11 @@ class ServerArgs:
         if self.allowed_local_media_path is not None and not os.path.isdir(self.allowed_local_media_path):
             raise ValueError(f"--allowed-local-media-path {self.allowed_local_media_path!r} is not a directory")
         _choice("--load-format", self.load_format, LOAD_FORMATS)
+        if self.null_worker_token_ids is not None and not self.null_worker:
+            raise ValueError("--null-worker-token-ids needs --null-worker")
+        if self.null_worker and (self.pp_size > 1 or self.is_embedding or self.speculative_algorithm is not None):
+            raise ValueError("--null-worker serves plain generation only (no --pp-size, --is-embedding or "
+                             "--speculative-algorithm)")
         _choice("--quantization", self.quantization, QUANTIZATION_METHODS)
         _choice("--cpu-gemm-path", self.cpu_gemm_path, CPU_GEMM_PATHS)
         _choice("--dtype", self.dtype, DTYPES)
@@ -324,6 +336,24 @@ class ServerArgs:
             self._check_speculative()
         if self.enable_lora or self.lora_paths:
             self._check_lora()
+        if self.enable_deterministic_inference:
+            what = self.deterministic_inference_unsupported()
+            if what is not None:
+                raise ValueError(f"--enable-deterministic-inference does not run with {what}")
+
+    def deterministic_inference_unsupported(self) -> Optional[str]:
+        """The first flag whose kernels or scheduling are not batch-invariant here (None: none);
+        what depends on the model (windowed or linear attention, GGUF paths) is checked at load."""
+        unsupported = [
+            (self.device == "cuda", "--device cuda (the GPU GEMMs are cuBLAS's, whose reduction order depends on the "
+                                    "row count; the batch-invariant kernels are the CPU's)"),
+            (self.speculative_algorithm is not None, "--speculative-algorithm (a verify forward computes a token "
+                                                     "with other kernels than a decode step)"),
+            (self.enable_mixed_chunk, "--enable-mixed-chunk (a decode token inside an extend forward takes the "
+                                      "extend kernel, alone the decode kernel)"),
+            (self.enable_lora or bool(self.lora_paths), "--enable-lora (the segmented LoRA matmul is not batch-invariant)"),
+        ]
+        return next((what for bad, what in unsupported if bad), None)
 
     def _check_hybrid_swa_memory(self) -> None:
         """What the SWA pool does not run with is refused here, each with one line, where it was
@@ -615,6 +645,10 @@ FLAG_HELP = {
     "tokenizer_path": "tokenizer directory, when it differs from --model-path",
     "chat_template": "chat template: a Jinja file, or the template text itself; none = the model's own",
     "sampling_defaults": "defaults of unset sampling fields: openai (temperature 1, top_p 1, ...) or model (its generation_config.json)",
+    "null_worker": "no model forward: fixed tokens at once, to measure the host path (HTTP, scheduler, "
+                   "detokenizer, streaming) alone",
+    "null_worker_token_ids": "--null-worker: comma-separated ids; the token after a sequence of p tokens is "
+                             "ids[p % len(ids)] (default: one id that is not EOS)",
     "load_format": f"weights: {', '.join(LOAD_FORMATS)} (dummy = random weights)",
     "quantization": "a GGUF file's quantized weights: gguf keeps the linear layers in the file's blocks (the C++ "
                     "integer kernel: activations quantized to 8 bits per block, as llama.cpp); none dequantizes "
@@ -646,6 +680,9 @@ FLAG_HELP = {
     "chunked_prefill_size": "split prefills longer than this many tokens; <= 0 disables chunking",
     "max_prefill_tokens": "most new prompt tokens in one prefill batch",
     "enable_mixed_chunk": "run the decode batch inside chunked prefill forwards",
+    "enable_deterministic_inference": "batch-invariant kernels: a request's tokens and logprobs do not depend on what it "
+                                      "is batched with, on chunked prefill or on prefix-cache hits (with sampling_seed, "
+                                      "at temperature > 0 too)",
     "disable_radix_cache": "no prefix sharing between requests",
     "radix_eviction_policy": "radix cache eviction: lru or lfu",
     "max_queued_requests": "refuse new requests with 503 while this many wait; none = unbounded",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, List, Tuple, Type
+from typing import Any, Callable, Iterable, List, Optional, Tuple, Type
 
 
 class TypeBasedDispatcher:
@@ -29,3 +29,15 @@ def held_suffix_len(text: str, markers: Iterable[str]) -> int:
                 hold = k
                 break
     return hold
+
+
+def progress(iterable: Optional[Iterable[Any]] = None, total: Optional[int] = None, desc: str = "",
+             unit: str = "it", enabled: bool = True) -> Any:
+    """A progress bar on stderr for long work (loading weights, packing them, capturing graphs,
+    bench runs): tqdm, shown only where stderr is a terminal (tqdm's disable=None), so logs, CI
+    output and a server under a process manager stay free of carriage returns. leave=False: the
+    bar goes away when done, and the log line that follows says what was done."""
+    from tqdm import tqdm
+
+    return tqdm(iterable, total=total, desc=desc, unit=unit, leave=False, dynamic_ncols=True,
+                disable=None if enabled else True)

@@ -46,6 +46,19 @@ if [ "$TEST" = 1 ]; then
       fi
     fi
   fi
+
+  # Chromium (Debian's), which the /dashboard browser tests drive through Playwright (the test
+  # extra); Playwright's own browser download is never used. Installed where we may; else say so.
+  if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+      export DEBIAN_FRONTEND=noninteractive
+      apt-get install -y -q chromium >/dev/null 2>&1 ||
+        { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; } ||
+        echo "install.sh: could not apt-get install chromium; the dashboard browser tests will fail in CI and skip elsewhere" >&2
+    else
+      echo "install.sh: no chromium (as root: apt-get install chromium); the dashboard browser tests will skip" >&2
+    fi
+  fi
 else
   "$PY" -m pip install -q -e .
 fi

@@ -38,6 +38,7 @@ from radixserve.bench.datasets import FIRST_ORDINARY_ID
 from radixserve.bench.report import machine_info, markdown_table, write_json
 from radixserve.model_executor.forward_batch import ForwardBatch, ForwardMode, ModelWorkerBatch
 from radixserve.server_args import ServerArgs
+from radixserve.utils import progress
 
 DEFAULT_OUTPUT = "benchmarks/one_batch.json"
 
@@ -370,7 +371,7 @@ def run(args: argparse.Namespace) -> int:
     gen = torch.Generator().manual_seed(server_args.seed)
 
     results: List[Dict[str, Any]] = []
-    for bs in args.batch_sizes:
+    for bs in progress(args.batch_sizes, desc="bench one-batch", unit="batch size"):  # a bar on a terminal only
         prompts = torch.randint(FIRST_ORDINARY_ID, vocab, (bs, args.input_len), generator=gen, dtype=torch.int64)
         drivers: Dict[str, Any] = {"ours": ours, "linear": linear} if hf is None else {"ours": ours, "hf": hf, "linear": linear}
         row: Dict[str, Any] = {"batch_size": bs, **_measure(drivers, prompts, args.decode_steps)}

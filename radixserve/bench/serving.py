@@ -372,7 +372,7 @@ async def benchmark(args: argparse.Namespace, transport: Any = None) -> Dict[str
         before = await scrape_server_counters(client, base_url, args.headers)
 
         if multi_turn:
-            bar = tqdm(total=workload.num_users * workload.num_turns, disable=args.disable_tqdm,
+            bar = tqdm(total=workload.num_users * workload.num_turns, disable=True if args.disable_tqdm else None,  # None: quiet off a terminal
                        desc="bench serving (multi-turn)")
             t0 = time.perf_counter()
             outputs = await run_conversations(
@@ -387,7 +387,7 @@ async def benchmark(args: argparse.Namespace, transport: Any = None) -> Dict[str
         times = [r.arrival_time for r in rows] if all(r.arrival_time is not None for r in rows) else \
             arrival_times(len(rows), args.request_rate, args.burstiness, args.seed)
         sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
-        bar = tqdm(total=len(rows), disable=args.disable_tqdm, desc="bench serving")
+        bar = tqdm(total=len(rows), disable=True if args.disable_tqdm else None, desc="bench serving")  # None: quiet off a terminal
         t0 = time.perf_counter()
 
         async def one(row: DatasetRow, at: float) -> RequestOutput:

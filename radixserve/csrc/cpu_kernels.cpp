@@ -39,6 +39,12 @@ constexpr int64_t kMinSplitTokens = 128; // a split-KV chunk holds at least this
 constexpr int64_t kPrefetch = 4;         // K/V rows fetched ahead (slots are scattered)
 constexpr int64_t kPrefetchKeys = 64;    // the AVX-512 paths: K/V rows prefetched into L2 this far ahead
 
+// --enable-deterministic-inference (layers/batch_invariant.py sets it once at start): every kernel
+// whose reduction order would otherwise depend on the number of rows takes one fixed order. Today
+// that is the AVX2 GEMM's register tiles (one or two rows sum even and odd k apart, more rows in
+// one chain); the decode attention's split is fixed by its caller (split_tokens), not here.
+bool g_batch_invariant = false;
+
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // ---- loads and stores in float32 -------------------------------------------------------------
@@ -525,7 +531,7 @@ void shared_prefix_partials(const TQ* qp, int64_t qs0, int64_t qs1, int64_t B, i
 template <typename TQ, typename TKV>
 void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
                            const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
-                           const at::Tensor& seq_lens, double scale, int64_t shared_len) {
+                           const at::Tensor& seq_lens, double scale, int64_t shared_len, int64_t split_tokens) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t Hkv = k_buf.size(1), G = H / Hkv;
   const TQ* qp = q.data_ptr<TQ>();
@@ -546,7 +552,17 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
   const int64_t items = B;
   const int64_t want = 4 * static_cast<int64_t>(at::get_num_threads());
   int64_t nsplit = 1;
-  if (items < want) nsplit = std::max<int64_t>(1, std::min(ceil_div(want, items), ceil_div(max_len, kMinSplitTokens)));
+  if (split_tokens > 0)  // batch-invariant: split s is keys [s * split_tokens, (s + 1) * split_tokens) of every request
+    nsplit = std::max<int64_t>(1, ceil_div(max_len, split_tokens));
+  else if (items < want)
+    nsplit = std::max<int64_t>(1, std::min(ceil_div(want, items), ceil_div(max_len, kMinSplitTokens)));
+  // Keys [t0, t1) of split sp of a request of len keys: an even share of its own keys, or (fixed
+  // split) the split's absolute positions, empty past the request's end.
+  auto split_span = [&](int64_t len, int64_t sp) -> std::pair<int64_t, int64_t> {
+    const int64_t chunk = split_tokens > 0 ? split_tokens : ceil_div(len - shared_len, nsplit);
+    const int64_t t0 = std::min(len, shared_len + sp * chunk);
+    return {t0, std::min(len, t0 + chunk)};
+  };
 #if defined(RADIXSERVE_TILE_ATTENTION)
   const int64_t shared_chunks = shared_len > 0 ? ceil_div(shared_len, kSharedChunk) : 0;
 #else
@@ -584,8 +600,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
 #endif
     for (int64_t w = begin; w < end; ++w) {
       const int64_t b = w / nsplit, sp = w % nsplit;
-      const int64_t len = lens[b], chunk = ceil_div(len - shared_len, nsplit);
-      const int64_t t0 = std::min(len, shared_len + sp * chunk), t1 = std::min(len, t0 + chunk);
+      const auto [t0, t1] = split_span(lens[b], sp);
       const int32_t* slots = r2t + rows[b] * r2t_s0;
       for (int64_t hq = 0; hq < H; ++hq) {
         load_row(qp + b * qs0 + hq * qs1, qf.data() + hq * D, D);
@@ -598,9 +613,9 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
       // the slot of key t0 + i of item w + 1 (in this thread's range), -1 past it
       auto slot_of_next_item = [&](int64_t w_, int64_t i) -> int64_t {
         if (w_ + 1 >= end) return -1;
-        const int64_t b2 = (w_ + 1) / nsplit, sp2 = (w_ + 1) % nsplit, len2 = lens[b2];
-        const int64_t ch2 = ceil_div(len2 - shared_len, nsplit), u0 = std::min(len2, shared_len + sp2 * ch2), u = u0 + i;
-        return u < std::min(len2, u0 + ch2) ? static_cast<int64_t>(r2t[rows[b2] * r2t_s0 + u]) : -1;
+        const int64_t b2 = (w_ + 1) / nsplit;
+        const auto [u0, u1] = split_span(lens[b2], (w_ + 1) % nsplit);
+        return u0 + i < u1 ? static_cast<int64_t>(r2t[rows[b2] * r2t_s0 + u0 + i]) : -1;
       };
 #if defined(__AVX512BF16__)
       if (fast_bf16) {
@@ -725,7 +740,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
 
 void decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
                       const at::Tensor& req_to_token, const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
-                      double scale, int64_t shared_prefix_len) {
+                      double scale, int64_t shared_prefix_len, int64_t split_tokens) {
   TORCH_CHECK(q.dim() == 3 && k_buf.dim() == 3 && v_buf.dim() == 3 && out.sizes() == q.sizes(),
               "decode_attention: q/out [B, H, D], k_buf/v_buf [slots, Hkv, D]");
   TORCH_CHECK(q.size(1) % k_buf.size(1) == 0, "decode_attention: heads must be a multiple of KV heads");
@@ -747,6 +762,8 @@ void decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_b
               "decode_attention: shared_prefix_len must be below every sequence length");
   TORCH_CHECK(shared_prefix_len == 0 || q.size(2) % 16 == 0,
               "decode_attention: a shared prefix needs head_dim a multiple of 16");
+  TORCH_CHECK(split_tokens >= 0 && (split_tokens == 0 || shared_prefix_len == 0),
+              "decode_attention: split_tokens >= 0 (0: adaptive), and a fixed split reads no shared prefix apart");
   check_attention_layout(q, out, k_buf, v_buf, "decode_attention");
   // q in the activations' dtype, the KV pool in --kv-cache-dtype (float32 q over a bf16 pool on
   // the CPU's bf16 mode): each row is widened to float32 as it is read.
@@ -754,7 +771,7 @@ void decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_b
     using q_t = scalar_t;
     DISPATCH_FLOAT_TYPES(k_buf.scalar_type(), "decode_attention", [&] {
       decode_attention_impl<q_t, scalar_t>(out, q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, scale,
-                                           shared_prefix_len);
+                                           shared_prefix_len, split_tokens);
     });
   });
 }
@@ -1130,6 +1147,9 @@ using TileFn = void (*)(const GemmX*, int64_t, const uint16_t*, int64_t, int64_t
                         int64_t, int64_t);
 constexpr TileFn kTiles[kMr + 1] = {nullptr,         gemm_tile<1>, gemm_tile<2>, gemm_tile<3>, gemm_tile<4>,
                                     gemm_tile<5>, gemm_tile<6>, gemm_tile<7>, gemm_tile<8>, gemm_tile<9>, gemm_tile<10>, gemm_tile<11>, gemm_tile<12>};
+// Every output lane sums its K pairs in one chain, in order, whatever the tile's rows: already
+// batch-invariant, so the batch-invariant mode takes the same tiles.
+inline const TileFn* tile_fns(bool = false) { return kTiles; }
 
 // y [M, N] (float32, or bf16: out_f32 false) = x [M, K] @ the packed weight^T + bias.
 void gemm_rows(const GemmX* xp, int64_t M, int64_t K, const at::Tensor& wp, int64_t N, const float* bp, at::Tensor& y) {
@@ -1162,7 +1182,7 @@ void gemm_rows(const GemmX* xp, int64_t M, int64_t K, const at::Tensor& wp, int6
         const uint16_t* w_tile = wpp + b0 * k2 * kBlockN * 2;
         for (int64_t m0 = m_begin; m0 < m_end; m0 += mr_max) {
           const int64_t mr = std::min(mr_max, m_end - m0);
-          kTiles[mr](xp + m0 * K, K, w_tile, k2, blocks, bp, yp + m0 * y_row_bytes, out_f32, N, n0, N);
+          tile_fns()[mr](xp + m0 * K, K, w_tile, k2, blocks, bp, yp + m0 * y_row_bytes, out_f32, N, n0, N);
         }
       }
     }
@@ -1200,13 +1220,15 @@ inline uint32_t lanes_at_least(const float* v, float t) {  // bit i: v[i] >= t, 
 // output's K pair: the even k (low half) widens by a shift, the odd k (high half) by a mask.
 // y: float32 (out_f32) or bf16 (rounded once, to nearest even). `blocks` is always 1 here. ACC:
 // add to float32 y (the sums of earlier K chunks; gemm_rows) instead of overwriting it.
-template <int MR, bool ACC = false>
+template <int MR, bool ACC = false, bool ONE_CHAIN = false>
 inline void gemm_tile(const float* x, int64_t x_stride, const uint16_t* wp, int64_t k2, int64_t /*blocks*/,
                       const float* bias, void* y, bool out_f32, int64_t y_stride, int64_t n0, int64_t N) {
   // One or two rows: even and odd k sum apart (more independent FMA chains than FMA latency
-  // needs); more rows have enough chains in one set. Every loop over the accumulators is unrolled
-  // (constant indices): one indexed at run time puts them in memory, stored on every k.
-  constexpr int S = MR <= 2 ? 2 : 1;
+  // needs); more rows have enough chains in one set. ONE_CHAIN (batch-invariant mode): one set
+  // whatever MR, so an output's sum does not depend on how many rows share its tile. Every loop
+  // over the accumulators is unrolled (constant indices): one indexed at run time puts them in
+  // memory, stored on every k.
+  constexpr int S = MR <= 2 && !ONE_CHAIN ? 2 : 1;
   __m256 acc[MR][S][2];
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
@@ -1264,6 +1286,15 @@ using TileFn = void (*)(const GemmX*, int64_t, const uint16_t*, int64_t, int64_t
 constexpr TileFn kTiles[kMr + 1] = {nullptr, gemm_tile<1>, gemm_tile<2>, gemm_tile<3>, gemm_tile<4>, gemm_tile<5>};
 constexpr TileFn kTilesAcc[kMr + 1] = {nullptr, gemm_tile<1, true>, gemm_tile<2, true>, gemm_tile<3, true>,
                                        gemm_tile<4, true>, gemm_tile<5, true>};
+constexpr TileFn kTilesOne[kMr + 1] = {nullptr, gemm_tile<1, false, true>, gemm_tile<2, false, true>,
+                                       gemm_tile<3, false, true>, gemm_tile<4, false, true>, gemm_tile<5, false, true>};
+constexpr TileFn kTilesAccOne[kMr + 1] = {nullptr, gemm_tile<1, true, true>, gemm_tile<2, true, true>,
+                                          gemm_tile<3, true, true>, gemm_tile<4, true, true>, gemm_tile<5, true, true>};
+// The register tiles a call uses: batch-invariant mode takes the one-chain ones.
+inline const TileFn* tile_fns(bool acc = false) {
+  if (g_batch_invariant) return acc ? kTilesAccOne : kTilesOne;
+  return acc ? kTilesAcc : kTiles;
+}
 
 // y [M, N] (float32, or bf16) = x [M, K] @ the packed weight^T + bias. A work item is one block of
 // 16 outputs for up to kMBlock rows (consecutive items: the same rows, the next block), walking K
@@ -1285,7 +1316,7 @@ void gemm_rows(const GemmX* xp, int64_t M, int64_t K, const at::Tensor& wp, int6
       const int64_t rows = std::min(M, m_begin + kMBlock) - m_begin, groups = ceil_div(rows, kMr);
       for (int64_t c0 = 0; c0 < k2; c0 += kChunkPairs) {
         const int64_t pairs = std::min(kChunkPairs, k2 - c0);
-        const TileFn* fns = c0 == 0 ? kTiles : kTilesAcc;
+        const TileFn* fns = tile_fns(c0 != 0);
         const float* bias = c0 + pairs == k2 ? bp : nullptr;
         const uint16_t* w_chunk = wpp + (tile * k2 + c0) * kBlockN * 2;
         for (int64_t g = 0, m0 = m_begin; g < groups; ++g) {
@@ -1438,7 +1469,7 @@ void moe_grouped_gemm(const GemmX* x, int64_t K, const uint16_t* w, int64_t nb, 
       const uint16_t* w_tile = w + c.expert * expert_stride + b0 * k2 * kBlockN * 2;
       for (int64_t m0 = 0; m0 < c.rows; m0 += kMr) {
         const int64_t r = c.row0 + m0, mr = std::min(kMr, c.rows - m0);
-        kTiles[mr](x + r * K, K, w_tile, k2, blocks, nullptr, y + r * N, true, N, n0, N);
+        tile_fns()[mr](x + r * K, K, w_tile, k2, blocks, nullptr, y + r * N, true, N, n0, N);
       }
     }
   });
@@ -1462,7 +1493,7 @@ void moe_down_accumulate(const GemmX* act, int64_t K, const uint16_t* w, int64_t
         const uint16_t* w_tile = w + c.expert * expert_stride + b0 * k2 * kBlockN * 2;
         for (int64_t m0 = 0; m0 < c.rows; m0 += kMr) {
           const int64_t r = c.row0 + m0, mr = std::min(kMr, c.rows - m0);
-          kTiles[mr](act + r * K, K, w_tile, k2, blocks, nullptr, y.data(), true, N, n0, N);
+          tile_fns()[mr](act + r * K, K, w_tile, k2, blocks, nullptr, y.data(), true, N, n0, N);
           for (int64_t i = 0; i < mr; ++i)
             axpy(out + pair_token[r + i] * N + n0, pair_weight[r + i], y.data() + i * N + n0, n1 - n0);
         }
@@ -1564,7 +1595,10 @@ void register_gdn_kernels(pybind11::module_& m);  // gdn_kernels.cpp
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention (writes out)", py::arg("out"), py::arg("q"),
         py::arg("k_buf"), py::arg("v_buf"), py::arg("req_to_token"), py::arg("req_pool_indices"), py::arg("seq_lens"),
-        py::arg("scale"), py::arg("shared_prefix_len") = 0);
+        py::arg("scale"), py::arg("shared_prefix_len") = 0, py::arg("split_tokens") = 0);
+  m.def("set_batch_invariant", [](bool on) { g_batch_invariant = on; },
+        "--enable-deterministic-inference: the GEMMs take one reduction order whatever the row count");
+  m.def("batch_invariant", [] { return g_batch_invariant; }, "whether set_batch_invariant(True) was called");
   m.def("has_extend_attention", &has_extend_attention, "whether extend_attention is built (AVX-512)");
   m.def("extend_attention", &extend_attention, "causal extend attention over the paged KV pool (writes out)");
   m.def("store_kv", &store_kv, "write new tokens' K/V rows at their KV-pool slots");

@@ -26,6 +26,7 @@ ADMIN_PATHS: FrozenSet[str] = frozenset({
     "/release_memory_occupation", "/resume_memory_occupation", "/pause_generation", "/continue_generation",
     "/start_profile", "/stop_profile", "/flush_cache", "/clear_hicache_storage_backend", "/set_internal_state",
     "/start_expert_distribution_record", "/stop_expert_distribution_record", "/dump_expert_distribution_record", "/eplb_rebalance",
+    "/dashboard/state",  # the live view's data (http_dashboard.py); the page itself holds none
 })
 
 

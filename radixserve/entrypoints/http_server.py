@@ -4,6 +4,8 @@ Native:  POST /generate, GET /health, GET /health_generate, GET /get_model_info,
          GET /get_server_info, GET|POST /flush_cache, POST /abort_request, POST /open_session,
          POST /close_session, GET /metrics
 OpenAI:  POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id}
+Responses (serving_responses.py): POST /v1/responses, GET|DELETE /v1/responses/{id},
+         POST /v1/responses/{id}/cancel
 Embeddings (--is-embedding, serving_embedding.py): POST /encode, POST /v1/embeddings
 Weights (http_weights.py): POST /update_weights_from_disk, /update_weights_from_tensor,
          /init_weights_update_group, /update_weights_from_distributed, /destroy_weights_update_group,
@@ -11,6 +13,7 @@ Weights (http_weights.py): POST /update_weights_from_disk, /update_weights_from_
 Memory, pause, profiling (http_admin.py): /release_memory_occupation, /resume_memory_occupation,
          /pause_generation, /continue_generation, /start_profile, /stop_profile,
          /clear_hicache_storage_backend (HiCache's storage tier), /set_internal_state (run-time settings)
+Live view (http_dashboard.py): GET /dashboard (the page), GET /dashboard/state (its data, an operations route)
 Docs:    GET /docs (Swagger UI), GET /openapi.json
 
 Request bodies are typed models (native_protocol.py, openai_protocol.py) that FastAPI parses and
@@ -36,6 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radixserve.entrypoints.admin_auth import ADMIN_PATHS, AdminKeyMiddleware
 from radixserve.entrypoints.http_admin import add_admin_routes
+from radixserve.entrypoints.http_dashboard import DASHBOARD_PAGE_PATHS, add_dashboard_routes
 from radixserve.entrypoints.http_weights import add_weight_update_routes
 from radixserve.entrypoints.native_protocol import (
     AbortRequest, DetokenizeRequest, GenerateRequest, TokenizeRequest, lone_surrogate_error,
@@ -43,6 +47,7 @@ from radixserve.entrypoints.native_protocol import (
 from radixserve.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest, error_body
 from radixserve.entrypoints.serving_base import (
     SSE_DONE,
+    CumulativeStreamEncoder,
     chain_first,
     check_model,
     first_result,
@@ -52,6 +57,7 @@ from radixserve.entrypoints.serving_base import (
 from radixserve.entrypoints.serving_chat import serve_chat
 from radixserve.entrypoints.serving_completions import serve_completions
 from radixserve.entrypoints.serving_embedding import add_embedding_routes
+from radixserve.entrypoints.serving_responses import add_responses_routes
 from radixserve.managers.tokenizer_manager import ClientDisconnected, RequestError, TokenizerManager
 from radixserve.protocol import CloseSessionReqInput, OpenSessionReqInput
 
@@ -221,14 +227,17 @@ def create_app(tm: TokenizerManager) -> Any:
     add_native_routes(app, tm)
     add_openai_routes(app, tm)
     add_embedding_routes(app, tm)  # /encode, /v1/embeddings
+    add_responses_routes(app, tm)  # /v1/responses (serving_responses.py)
     add_weight_update_routes(app, tm)  # /update_weights_from_disk, ... (http_weights.py)
     add_admin_routes(app, tm)  # memory release, pause, profiling (http_admin.py)
+    add_dashboard_routes(app, tm)  # /dashboard and its data (http_dashboard.py)
 
     wrapped: Any = AdminKeyMiddleware(app, tm.server_args.admin_api_key, tm.server_args.host)
     if tm.server_args.api_key:
         # with an admin key the operations routes take that one instead (AdminKeyMiddleware)
+        # the dashboard's page and files hold no data, and a browser opening a page sends no key
         wrapped = ApiKeyMiddleware(wrapped, tm.server_args.api_key,
-                                   exempt=ADMIN_PATHS if tm.server_args.admin_api_key else frozenset())
+                                   exempt=(ADMIN_PATHS if tm.server_args.admin_api_key else frozenset()) | DASHBOARD_PAGE_PATHS)
     wrapped = BodySizeLimitMiddleware(wrapped, tm.server_args.max_request_body_bytes)
     return _Outer(wrapped, app)
 
@@ -371,9 +380,10 @@ def add_native_routes(app: FastAPI, tm: TokenizerManager) -> None:
         first = await peek_first(gen)  # a refused request still gets its status, not a 200 stream
 
         async def stream() -> AsyncIterator[bytes]:
+            encode = CumulativeStreamEncoder()  # sse(), without re-encoding every id per chunk
             try:
                 async for out in chain_first(first, gen):
-                    yield sse(out)
+                    yield encode(out)
             except RequestError as e:
                 yield sse({"error": {"message": e.message, "code": e.status_code}})
             finally:

@@ -4,7 +4,7 @@ answering (so a refused streaming request still gets its HTTP status), model-nam
 from __future__ import annotations
 
 import json
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Dict, Optional, Tuple
 
 from radixserve.managers.tokenizer_manager import RequestError
 
@@ -16,6 +16,36 @@ def sse(obj: Any) -> bytes:
 
 
 SSE_DONE = b"data: [DONE]\n\n"
+
+_IDS_MARK = "\x00output_ids\x00"
+_IDS_SLOT = '"output_ids": ' + json.dumps(_IDS_MARK)
+
+
+class CumulativeStreamEncoder:
+    """sse() for /generate's stream, byte for byte. Every chunk carries all the output_ids so far
+    (SGLang's cumulative format), so encoding them is O(tokens so far) per chunk: most of the HTTP
+    process's time per token in long streams (issue 57). The ids only grow, so their JSON is kept
+    per sample (`index` for n > 1) and extended with the new ids alone."""
+
+    def __init__(self) -> None:
+        self._ids: Dict[Any, Tuple[int, str]] = {}  # sample index -> (ids encoded, their JSON)
+
+    def __call__(self, out: Any) -> bytes:
+        ids = out.get("output_ids") if isinstance(out, dict) else None
+        if not isinstance(ids, list):
+            return sse(out)
+        key = out.get("index")
+        n, text = self._ids.get(key, (0, ""))
+        if n > len(ids):
+            n, text = 0, ""
+        if len(ids) > n:
+            new = ", ".join(map(str, ids[n:]))  # json.dumps writes an int as repr(int)
+            text = f"{text}, {new}" if text else new
+        self._ids[key] = (len(ids), text)
+        body = json.dumps({**out, "output_ids": _IDS_MARK}, ensure_ascii=False)
+        # `"output_ids": "` cannot occur inside a JSON string (its quotes are escaped there)
+        body = body.replace(_IDS_SLOT, f'"output_ids": [{text}]', 1)
+        return b"data: " + body.encode("utf-8") + b"\n\n"
 
 
 async def peek_first(gen: AsyncIterator[Any]) -> Any:

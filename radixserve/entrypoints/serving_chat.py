@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Tuple
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -174,7 +175,19 @@ def _output_factory(tm: TokenizerManager, req: ChatCompletionRequest) -> Any:
     return lambda: ChatOutput(tool_parser, reasoning, forced)
 
 
-async def serve_chat(tm: TokenizerManager, req: ChatCompletionRequest, raw_request: Any) -> Response:
+@dataclass
+class PreparedChat:
+    """A chat request made ready for the engine: what serve_chat and the Responses route
+    (serving_responses.py) both generate from."""
+
+    obj: GenerateReqInput
+    model: str  # the name answered in the response
+    new_output: Callable[[], ChatOutput]  # one per choice: parses its text into deltas
+
+
+async def prepare_chat(tm: TokenizerManager, req: ChatCompletionRequest) -> PreparedChat:
+    """Checks, the chat template, the sampling params (grammar of response_format or of a forced
+    tool call) and the output parsers of a chat request; RequestError (400) for a bad one."""
     pd = req.bootstrap_room is not None  # sglang-router picked this server (and sends "unknown" for no model)
     check_model(tm, None if pd else req.model)
     model = tm.served_model_name if pd or not req.model else req.model  # `model` is optional
@@ -196,7 +209,6 @@ async def serve_chat(tm: TokenizerManager, req: ChatCompletionRequest, raw_reque
             raise RequestError("tool_choice 'required' or a named function constrains the output; "
                                "it cannot be combined with response_format, json_schema, regex or ebnf.")
         sp["json_schema"] = json.dumps(forced_schema)
-    new_output = _output_factory(tm, req)
     obj = GenerateReqInput(
         input_ids=input_ids, sampling_params=sp, rid=req.rid, return_logprob=req.logprobs,
         top_logprobs_num=req.top_logprobs or 0, return_text_in_logprobs=True, stream=req.stream,
@@ -204,6 +216,12 @@ async def serve_chat(tm: TokenizerManager, req: ChatCompletionRequest, raw_reque
         lora_path=lora_path_of_model(tm, None if pd else req.model),  # model: "adapter" / "base:adapter"
         image_data=image_urls or None, image_labels=image_labels or None,
     )
+    return PreparedChat(obj, model, _output_factory(tm, req))
+
+
+async def serve_chat(tm: TokenizerManager, req: ChatCompletionRequest, raw_request: Any) -> Response:
+    prepared = await prepare_chat(tm, req)
+    obj, model, new_output = prepared.obj, prepared.model, prepared.new_output
     created = int(time.time())
     cid = f"chatcmpl-{uuid.uuid4().hex}"
     gen = tm.generate_request(obj, raw_request)

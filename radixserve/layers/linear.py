@@ -25,8 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve.distributed.parallel_state import get_tp_group, tensor_model_parallel_all_reduce
-from radixserve.layers import cpu_kernels
+from radixserve.layers import batch_invariant, cpu_kernels
 from radixserve.layers.quantization import LinearMethodBase, QuantizedWeight
+from radixserve.utils import progress
 
 
 class WeightShapeError(ValueError):
@@ -245,10 +246,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: Optional[PackedWeight]
     """F.linear, or the C++ bf16 GEMM on the packed copy of the weight when there is one."""
     if packed is not None:
         return cpu_kernels.get().bf16_linear(x, packed.data, packed.out_features, bias)
+    if batch_invariant.is_enabled() and x.device.type == "cpu":  # torch's BLAS tiles by row count
+        return batch_invariant.linear_rows(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
 def pack_cpu_weights(model: nn.Module) -> int:
     """Once after loading: every module that can (linear layers, the LM head) packs its weight
     for the C++ GEMM. Returns how many did."""
-    return sum(1 for m in model.modules() if hasattr(m, "pack_cpu_weight") and m.pack_cpu_weight())
+    modules = [m for m in model.modules() if hasattr(m, "pack_cpu_weight")]
+    return sum(1 for m in progress(modules, desc="Packing weights for the C++ GEMM", unit="module",
+                                                      enabled=get_tp_group().rank == 0) if m.pack_cpu_weight())

@@ -18,6 +18,10 @@ logger = logging.getLogger("radixserve.detokenizer")
 # aborts it in the scheduler, which did not end it.
 DETOKENIZE_ERROR = "DetokenizeError"
 
+# Per-request fields of features (logprobs, speculation, hidden states, HiCache's tiers) that the
+# scheduler leaves empty when no request of its batch uses them.
+OPTIONAL_KEYS = (*LOGPROB_KEYS, *SPEC_KEYS, "output_hidden_states", "cached_tokens_details")
+
 # Tokens before the first output token used as decoding context (SGLang's INIT offset).
 INIT_INCREMENTAL_DETOKENIZATION_OFFSET = 5
 
@@ -128,16 +132,14 @@ class DetokenizerManager:
             res.prompt_tokens.append(out.prompt_tokens[i])
             res.completion_tokens.append(out.completion_tokens[i])
             res.cached_tokens.append(out.cached_tokens[i])
-            res.cached_tokens_details.append(out.cached_tokens_details[i] if i < len(out.cached_tokens_details) else None)
-            for key in LOGPROB_KEYS:
-                src = getattr(out, key)
-                getattr(res, key).append(src[i] if i < len(src) else [])
-            res.output_hidden_states.append(out.output_hidden_states[i] if i < len(out.output_hidden_states) else [])
             res.retraction_counts.append(out.retraction_counts[i] if i < len(out.retraction_counts) else 0)
             res.queue_times.append(out.queue_times[i] if i < len(out.queue_times) else None)
-            for key in SPEC_KEYS:
+            # The features' fields pass through only where the scheduler filled them: an empty
+            # list means no request of the batch uses the feature (output_processor.stream_output).
+            for key in OPTIONAL_KEYS:
                 src = getattr(out, key, ())
-                getattr(res, key).append(src[i] if i < len(src) else 0)
+                if src:
+                    getattr(res, key).append(src[i])
         return res
 
     def _text(self, state: _DetokState, out: Any, i: int, finished: bool) -> str:
@@ -156,14 +158,13 @@ def run_detokenizer_process(server_args: Any, port_args: Any, pipe: Any, decoder
     """Process entry: PULL token outputs from the scheduler, PUSH text to the tokenizer manager.
     decoder: the launcher's TextDecoder (managers/text_decoder.py); None: load the tokenizer here."""
     import os
-    import signal
     import traceback
 
-    from radixserve.managers.process_utils import configure_process_logging, watch_parent
+    from radixserve.managers.process_utils import (become_server_child, configure_process_logging,
+                                                   leave_stop_signals_to_launcher)
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher stops us
+    become_server_child(port_args.ipc_dir)  # never outlive the launcher
     configure_process_logging(server_args, "detokenizer")
-    watch_parent(os.getppid(), port_args.ipc_dir)
     try:
         import zmq
 
@@ -185,6 +186,7 @@ def run_detokenizer_process(server_args: Any, port_args: Any, pipe: Any, decoder
     except Exception as e:  # a model path that cannot load (LoadError): its one-line message, no traceback
         pipe.send({"status": "error", "error": str(e) if type(e).__name__ == "LoadError" else traceback.format_exc()})
         raise SystemExit(1)
+    leave_stop_signals_to_launcher()  # from now on SIGTERM / SIGINT are the launcher's
     pipe.send({"status": "ready", "pid": os.getpid()})
     try:
         while True:

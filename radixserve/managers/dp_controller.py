@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import traceback
 from dataclasses import dataclass, replace
 from typing import Any, Dict, List
 
 from radixserve.managers.dp_budget import DPBudget
-from radixserve.managers.process_utils import configure_process_logging, watch_parent
+from radixserve.managers.process_utils import (become_server_child, configure_process_logging,
+                                               leave_stop_signals_to_launcher)
 from radixserve.layers.expert_distribution import merge_expert_records
 from radixserve.protocol import (
     BatchTokenizedEmbeddingReqInput,
@@ -177,14 +177,14 @@ class DataParallelController:
 
 
 def run_data_parallel_controller_process(server_args: ServerArgs, port_args: PortArgs, pipe: Any) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    become_server_child(port_args.ipc_dir)  # never outlive the launcher
     configure_process_logging(server_args, "dp controller")
-    watch_parent(os.getppid(), port_args.ipc_dir)
     try:
         controller = DataParallelController(server_args, port_args)
     except Exception:
         pipe.send({"status": "error", "error": traceback.format_exc()})
         raise SystemExit(1)
+    leave_stop_signals_to_launcher()  # from now on SIGTERM / SIGINT are the launcher's
     pipe.send({"status": "ready", "pid": os.getpid()})
     try:
         controller.event_loop()

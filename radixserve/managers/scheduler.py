@@ -625,7 +625,7 @@ class Scheduler:
         return FlushCacheReqOutput(ok, "" if ok else "Cache not flushed: requests are running or waiting.", recv.query_id)
 
     def get_internal_state(self, recv: GetInternalStateReq) -> GetInternalStateReqOutput:
-        return GetInternalStateReqOutput(self.internal_state(), recv.query_id)
+        return GetInternalStateReqOutput(self.internal_state(), recv.query_id, with_dashboard=recv.with_dashboard)
 
     def settable_state(self) -> Dict[str, Any]:
         return {name: getattr(self, name) for name in SETTABLE_AT_RUN_TIME}

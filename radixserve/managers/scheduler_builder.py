@@ -48,6 +48,10 @@ def build_scheduler_parts(args: ServerArgs, tp_rank: int = 0, tp_size: int = 1,
                           tp_worker: Optional[ModelWorker] = None) -> SchedulerParts:
     """The parts, in the order the Scheduler built them (tp_worker None: load the model)."""
     tokenizer = get_tokenizer(args)
+    if tp_worker is None and args.null_worker:  # issue 57: the host path alone, no forward
+        from radixserve.sim.null_worker import NullModelWorker
+
+        tp_worker = NullModelWorker(args, ModelConfig.from_pretrained(resolve_model_path(args)))
     if tp_worker is None:
         tp_worker = TpModelWorker(args, ModelConfig.from_pretrained(resolve_model_path(args)), tp_rank, tp_size)
     req_to_token_pool, allocator = tp_worker.get_memory_pool()

@@ -8,7 +8,8 @@
 the socket with a timeout while there is nothing to do, so an idle server uses no CPU.
 Around the loop: SGLang-style prefill / decode log lines, a watchdog thread (no forward
 progress while there is work for --watchdog-timeout seconds: dump every thread's stack,
-exit non-zero, the launcher takes the server down) and a parent-death check (no orphans).
+exit non-zero, the launcher takes the server down); SIGTERM / SIGINT left to the launcher, and
+no orphans (process_utils.become_server_child).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 import faulthandler
 import logging
 import os
-import signal
 import sys
 import threading
 import time
@@ -25,7 +25,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, List, Optional
 
 from radixserve.managers.dp_controller import dp_port_args
-from radixserve.managers.process_utils import configure_process_logging, watch_parent
+from radixserve.managers.process_utils import (become_server_child, configure_process_logging,
+                                               leave_stop_signals_to_launcher)
+from radixserve.managers.scheduler_dashboard import DashboardSources, SchedulerDashboard
 from radixserve.managers.schedule_policy import configure_lora_admission
 from radixserve.managers.loop_state import LoopState
 from radixserve.protocol import BatchTokenIDOutput, GetInternalStateReqOutput, SchedulerHeartbeat, SchedulerLoad
@@ -214,7 +216,7 @@ def run_scheduler_process(
     With --tp-size N there are N of these; rank 0 owns the sockets and broadcasts what it
     receives (Scheduler.recv_requests), the other ranks follow in lockstep. With --pp-size P,
     the first stage's ranks run the Scheduler and the later stages' ranks a PPStage."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the launcher, which stops us
+    become_server_child(port_args.ipc_dir)  # never outlive the launcher
     if pp_rank > 0:
         return run_pp_stage_process(server_args, port_args, pipe, tp_rank, pp_rank)
     tag = "scheduler" if server_args.tp_size == 1 else f"scheduler TP{tp_rank}"
@@ -224,7 +226,6 @@ def run_scheduler_process(
         tag = f"scheduler DP{dp_rank}" + (f" TP{tp_rank}" if server_args.tp_size > 1 else "")
         port_args = dp_port_args(port_args, dp_rank)
     configure_process_logging(server_args, tag)
-    watch_parent(os.getppid(), port_args.ipc_dir)
     recv_sock = None
     try:
         import zmq
@@ -252,7 +253,7 @@ def run_scheduler_process(
                 if isinstance(obj, BatchTokenIDOutput):
                     to_detokenizer.send_pyobj(obj)
                 else:
-                    to_tokenizer.send_pyobj(holder["metrics"].decorate_state(obj))
+                    to_tokenizer.send_pyobj(holder["dashboard"].decorate_state(holder["metrics"].decorate_state(obj)))
 
         parts = build_scheduler_parts(server_args, tp_rank, server_args.tp_size)  # the model loads here
         scheduler = Scheduler(server_args, recv_fn=recv_fn, send_fn=send_fn, tp_rank=tp_rank, tp_size=server_args.tp_size,
@@ -262,11 +263,14 @@ def run_scheduler_process(
             scheduler.ledger, scheduler.tree_cache, scheduler.stats, scheduler.loop, scheduler.max_total_num_tokens,
             scheduler.spec_worker is not None, lambda: scheduler.forward_ct, lambda: scheduler.profiler.dp_rank or 0),
             server_args.decode_log_interval)
+        holder["dashboard"] = dashboard = SchedulerDashboard(DashboardSources(
+            scheduler.ledger, scheduler.tree_cache, scheduler.stats, scheduler.loop, scheduler.max_total_num_tokens))
         scheduler.profiler.dp_rank = dp_rank  # in its trace files' names
     except Exception as e:  # a model path that cannot load (LoadError): its one-line message, no traceback
         pipe.send({"status": "error", "error": str(e) if type(e).__name__ in ("LoadError", "LoRAError") else traceback.format_exc()})
         raise SystemExit(1)
 
+    leave_stop_signals_to_launcher()  # from now on SIGTERM / SIGINT are the launcher's
     pipe.send({
         "status": "ready",
         "pid": os.getpid(),
@@ -291,9 +295,11 @@ def run_scheduler_process(
     try:
         while True:
             scheduler.process_input_requests(scheduler.recv_requests())
+            step_start = time.perf_counter()
             batch = scheduler.run_step()
             if tp_rank == 0:
                 metrics.on_batch(batch)
+                dashboard.on_step(batch, time.perf_counter() - step_start)
                 if time.monotonic() - last_heartbeat >= HEARTBEAT_INTERVAL_S:  # /health reads it
                     send_fn(SchedulerHeartbeat(dp_rank or 0))
                     last_heartbeat = time.monotonic()
@@ -327,7 +333,6 @@ def run_pp_stage_process(server_args: ServerArgs, port_args: PortArgs, pipe: Any
     """A pipeline stage after the first (managers/scheduler_pp.py): no sockets, it only hears
     from the stage before. A receive that fails (a dead neighbour) or times out exits non-zero."""
     configure_process_logging(server_args, f"scheduler PP{pp_rank} TP{tp_rank}")
-    watch_parent(os.getppid(), port_args.ipc_dir)
     try:
         from radixserve.hf_transformers_utils import resolve_model_path
         from radixserve.managers.scheduler_pp import PPStage
@@ -337,6 +342,7 @@ def run_pp_stage_process(server_args: ServerArgs, port_args: PortArgs, pipe: Any
     except Exception as e:
         pipe.send({"status": "error", "error": str(e) if type(e).__name__ == "LoadError" else traceback.format_exc()})
         raise SystemExit(1)
+    leave_stop_signals_to_launcher()  # from now on SIGTERM / SIGINT are the launcher's
     pipe.send({"status": "ready", "pid": os.getpid(), "tp_rank": tp_rank, "pp_rank": pp_rank})
     logger.info("Pipeline stage %d ready (pid %d): layers %s", pp_rank, os.getpid(), stage.layer_range)
     try:

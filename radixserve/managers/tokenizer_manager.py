@@ -20,6 +20,7 @@ from typing import Any, AsyncIterator, Dict, List, Optional, Union
 
 from radixserve.hf_transformers_utils import get_tokenizer, load_sampling_defaults, resolve_model_path
 from radixserve.managers.admin_requests import TokenizerAdmin
+from radixserve.managers.dashboard_history import RequestTimeline
 from radixserve.managers.detokenizer import DETOKENIZE_ERROR
 from radixserve.managers.embedding_frontend import EmbeddingFrontend, EmbeddingReqState, check_request_kind
 from radixserve.managers.metrics import TokenizerMetrics
@@ -134,6 +135,7 @@ class TokenizerManager:
         self.metrics = TokenizerMetrics(server_args.speculative_num_draft_tokens if server_args.speculative_algorithm else None,
                                        model_name=self.served_model_name)
         self.admin = TokenizerAdmin(self)  # memory release, pause, profiling (admin_requests.py)
+        self.timeline = RequestTimeline()  # the /dashboard page's plots (dashboard_history.py)
         self.dead_reason: Optional[str] = None  # set when a child process died
         self.draining = False  # SIGTERM: finish what runs, refuse what comes (503)
         self.server_status = ServerStatus.Starting  # Up once the warm-up request is answered
@@ -247,6 +249,7 @@ class TokenizerManager:
         now = time.monotonic()
         self._health_check_passed()  # any output since a probe began proves the runtime moves (SGLang)
         for state, num_new in self.frontend.handle_batch_output(out):
+            self.timeline.on_update(state, num_new, now)  # before metrics.on_update sets first/last token times
             self.metrics.on_update(state, num_new, now)
             if (state.finished_reason or {}).get("err_type") == DETOKENIZE_ERROR:
                 self.abort_request(state.rid)  # the scheduler still runs it: free its KV
@@ -458,10 +461,11 @@ class TokenizerManager:
         A client that went away, or --request-timeout running out, aborts the request."""
         next_check = time.monotonic() + DISCONNECT_CHECK_INTERVAL
         while True:
-            try:
-                await asyncio.wait_for(state.event.wait(), timeout=max(next_check - time.monotonic(), 0.0))
-            except asyncio.TimeoutError:
-                pass
+            if not state.event.is_set():  # news already waiting (a busy loop): no timer, no task
+                try:
+                    await asyncio.wait_for(state.event.wait(), timeout=max(next_check - time.monotonic(), 0.0))
+                except asyncio.TimeoutError:
+                    pass
             if time.monotonic() >= next_check:  # also while news keeps coming
                 next_check = time.monotonic() + DISCONNECT_CHECK_INTERVAL
                 await self._check_client_and_deadline(state, request)
@@ -506,10 +510,12 @@ class TokenizerManager:
         self._check_alive()
         return await self.communicator(FlushCacheReqInput())
 
-    async def get_internal_state(self) -> Dict[str, Any]:
+    async def get_internal_state(self, with_dashboard: bool = False) -> Dict[str, Any]:
+        """The scheduler's state (per DP replica in dp_states); with_dashboard adds each replica's
+        "dashboard" snapshot (managers/scheduler_dashboard.py)."""
         if self.dead_reason is not None:
             raise RequestError(self.dead_reason, 503, "ServiceUnavailable")
-        out = await self.communicator(GetInternalStateReq())
+        out = await self.communicator(GetInternalStateReq(with_dashboard=with_dashboard))
         st = dict(out.internal_state)
         self.metrics.set_scheduler_state(st)
         return st

@@ -79,6 +79,7 @@ class KVLedger:
         self.allocator = allocator
         self.tree_cache = tree_cache
         self.kv_pool = kv_pool  # the K/V buffers (None: a simulated worker has none)
+        self.num_evicted_tokens = 0  # slots make_room took back from the tree (the dashboard's count)
 
     @property
     def page_size(self) -> int:
@@ -114,7 +115,7 @@ class KVLedger:
         """Evict from the tree until `num_tokens` slots are free; False if it cannot."""
         available = self.allocator.available_size()
         if available < num_tokens:
-            self.tree_cache.evict(num_tokens - available)
+            self.num_evicted_tokens += self.tree_cache.evict(num_tokens - available)
         return self.allocator.available_size() >= num_tokens
 
     def evict_extra_key(self, extra_key: str) -> int:

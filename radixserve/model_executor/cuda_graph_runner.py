@@ -28,8 +28,10 @@ from typing import Any, Callable, Dict, List, Optional, Protocol
 
 import torch
 
+from radixserve.distributed.parallel_state import get_tp_group
 from radixserve.layers.logits_processor import LogitsProcessorOutput
 from radixserve.model_executor.forward_batch import ForwardBatch, ForwardMode
+from radixserve.utils import progress
 
 logger = logging.getLogger(__name__)
 
@@ -153,7 +155,8 @@ class CudaGraphRunner:
     def capture(self) -> None:
         pool = self.graph_backend.new_pool()
         # Largest first: it sizes the shared pool, and the smaller graphs reuse its memory.
-        for bs in reversed(self.capture_bs):
+        for bs in progress(list(reversed(self.capture_bs)), desc="Capturing decode graphs", unit="graph",
+                           enabled=get_tp_group().rank == 0):
             self.graphs[bs] = self.graph_backend.capture(self._capture_forward(bs), pool)
         logger.info("captured decode CUDA graphs for batch sizes %s", self.capture_bs)
 

@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from radixserve.distributed.parallel_state import get_pp_group
+from radixserve.distributed.parallel_state import get_pp_group, get_tp_group
 from radixserve.layers.cpu_weight_only import weight_only_available
 from radixserve.layers.moe import FusedMoE
 from radixserve.layers.quantization import GGUFLinearMethod, kernel_types
@@ -26,6 +26,7 @@ from radixserve.models.model_config import LoadError, ModelConfig
 from radixserve.models.qwen3_moe import is_sparse_layer, num_experts
 from radixserve.models.registry import get_model_class
 from radixserve.models.weight_utils import NamedWeight, param_name_for
+from radixserve.utils import progress
 
 logger = logging.getLogger(__name__)
 
@@ -126,8 +127,38 @@ def get_model(config: ModelConfig, load_format: str, dtype: torch.dtype, device:
     # Cast before loading: the (still untouched) float32 parameters are never filled, so a
     # bf16 model never holds a float32 copy of its weights; each tensor is cast as it is copied in.
     model = model.to(dtype=dtype)
-    model.load_weights(weights)
+    total = None if keep is not None else _num_tensors(config, load_format)
+    model.load_weights(_with_progress(weights, total, "Loading weights" + (" (GGUF)" if config.gguf_file else "")))
     return model.to(dtype=dtype).eval()
+
+
+def _num_tensors(config: ModelConfig, load_format: str) -> Optional[int]:
+    """How many tensors the checkpoint holds (the progress bar's total); None where counting costs a read."""
+    if load_format == "dummy":
+        return len(checkpoint_shapes(config))
+    if config.gguf_file:
+        return None
+    total = 0
+    for fn in safetensors_files(config.model_path):
+        with safe_open(fn, framework="pt") as f:  # reads the header only
+            total += len(f.keys())
+    return total
+
+
+def _with_progress(weights: Iterator[NamedWeight], total: Optional[int], desc: str) -> Iterator[NamedWeight]:
+    """The weights, counted on a progress bar (TP rank 0 only; a terminal only) that names the shard
+    being read (a GGUF's tensors are dequantized or copied out of their blocks as they come)."""
+    bar = progress(total=total, desc=desc, unit="tensor", enabled=get_tp_group().rank == 0)
+    shard = None
+    try:
+        for name, tensor, fn in weights:
+            if fn != shard and not bar.disable:
+                shard = fn
+                bar.set_postfix_str(os.path.basename(fn), refresh=False)
+            yield name, tensor, fn
+            bar.update(1)
+    finally:
+        bar.close()
 
 
 def safetensors_files(model_path: str) -> List[str]:

@@ -19,6 +19,7 @@ from radixserve.distributed.parallel_state import (
 from radixserve.eplb.eplb_manager import EPLBManager, load_logical_count
 from radixserve.layers.attention.base_attn_backend import AttentionBackend
 from radixserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from radixserve.layers import batch_invariant
 from radixserve.layers.cpu_weight_only import convert_to_weight_only, resolve_kv_cache_dtype, weight_only_available
 from radixserve.layers.logits_processor import LogitsProcessorOutput
 from radixserve.layers.expert_distribution import ExpertDistributionRecorder
@@ -87,6 +88,13 @@ class ModelRunner:
             check_hybrid_server_args(server_args, model_config.model_path or model_config.architecture)
         if getattr(MODEL_REGISTRY.get(model_config.architecture), "takes_images", False):
             check_vision_server_args(server_args, model_config.model_path or model_config.architecture)
+        if server_args.enable_deterministic_inference:  # before loading: GGUF's paths are chosen at load
+            why = batch_invariant.unsupported_for_model(self.device, self.is_hybrid, model_config.sliding_window,
+                                                        model_config.head_dim)
+            if why is not None:
+                raise LoadError(f"--enable-deterministic-inference does not run with {why}")
+        # set either way: an in-process Engine without the flag may follow one with it
+        batch_invariant.enable_batch_invariant_mode(server_args.enable_deterministic_inference)
         if self.device == "cpu":
             share_cpu_cores(server_args.dp_size * tp_size * server_args.pp_size // server_args.nnodes)
         if tp_size > 1 or server_args.pp_size > 1:  # --pp-size: this stage's TP group and the stages' group

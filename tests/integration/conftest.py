@@ -78,9 +78,10 @@ def assert_children_gone(pids: List[int], timeout: float = 10) -> None:
 
 class ServerProcess:
     """`radixserve serve` on a free port; with wait=False, call wait_healthy() later (servers
-    that start side by side)."""
+    that start side by side). start_new_session: in a process group of its own (pgid = its pid),
+    as a service manager starts it, so a test can signal the whole group."""
 
-    def __init__(self, *args: str, api_key: Optional[str] = None, wait: bool = True):
+    def __init__(self, *args: str, api_key: Optional[str] = None, wait: bool = True, start_new_session: bool = False):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -89,7 +90,8 @@ class ServerProcess:
         if api_key:
             cmd += ["--api-key", api_key]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=start_new_session)
         if wait:
             self.wait_healthy()
 

@@ -14,7 +14,8 @@ from conftest import ServerProcess
 
 ADMIN_ROUTES = [("POST", "/flush_cache", None), ("POST", "/pause_generation", {"mode": "abort"}),
                 ("POST", "/continue_generation", {}), ("POST", "/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": 2}),
-                ("POST", "/set_internal_state", {"server_args": {"max_running_requests": 8}})]
+                ("POST", "/set_internal_state", {"server_args": {"max_running_requests": 8}}),
+                ("GET", "/dashboard/state", None)]
 GENERATE = {"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
 
 
@@ -67,6 +68,8 @@ def test_generation_takes_the_generation_key_only(two_keys):
         assert c.post("/generate", json=GENERATE, headers=_bearer("gen-A")).status_code == 200
         assert c.post("/generate", json=GENERATE, headers=_bearer("admin-B")).status_code == 401
         assert c.get("/health").status_code == 200  # no key, as before
+        # the live view's page and files hold no data: no key (its data, /dashboard/state, takes the admin key)
+        assert c.get("/dashboard").status_code == 200 and c.get("/dashboard/assets/dashboard.css").status_code == 200
         info = c.get("/get_server_info", headers=_bearer("gen-A")).json()
         assert "admin_api_key" not in info and "api_key" not in info
 

@@ -31,6 +31,14 @@ def test_dp2_serves_64_concurrent_requests_like_dp1(http, method):
         with srv.client() as c, ThreadPoolExecutor(16) as pool:
             got = list(pool.map(lambda ids: c.post("/generate", json=body(ids)).json(), prompts))
             info = c.get("/get_server_info").json()
+            dash = c.get("/dashboard/state").json()
+        # the live view: one panel's data per replica, each from that replica's own scheduler
+        assert dash["dp_size"] == 2 and len(dash["replicas"]) == 2
+        for replica, state in zip(dash["replicas"], info["internal_states"]):
+            d = replica["dashboard"]
+            assert d["kv"]["total"] == state["max_total_num_tokens"] and d["tree"]["cached_tokens"] > 0
+            assert {b["kind"] for b in d["recent_batches"]} >= {"prefill", "decode"}
+            assert replica["prompt_tokens"] == state["prompt_tokens"]
         ref = [http.post("/generate", json=body(ids)).json() for ids in prompts]
         assert [g["output_ids"] for g in got] == [r["output_ids"] for r in ref]
         states = info["internal_states"]  # one per replica: both served

@@ -161,3 +161,38 @@ def test_another_format_stays_text(fmt_server):
                     finish = chunk.choices[0].finish_reason or finish
             got = (r, c, tools or None, finish)
         assert got == (reasoning, content, None, "stop"), (stream, got)
+
+
+RESPONSES_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]  # the Responses API's flat shape
+
+
+def test_responses_route_parses_alike(fmt_server):
+    """POST /v1/responses (issue 60) on the same parsers: a reasoning item, a message, and one
+    function_call item per call, streamed and not; the stream's deltas add up to the items."""
+    _, fmt, client = fmt_server
+    model = client.models.list().data[0].id
+    kw = dict(model=model, input=MESSAGES, tools=RESPONSES_TOOLS, temperature=0,
+              max_output_tokens=len(fmt.text) + 16, extra_body={"regex": forcing(fmt.text)})
+    resp = client.responses.create(**kw)
+    assert resp.status == "completed"
+    assert [o.type for o in resp.output] == ["reasoning", "message"] + ["function_call"] * len(fmt.calls)
+    assert resp.output[0].content[0].text == fmt.reasoning and resp.output[0].summary == []
+    assert resp.output_text == fmt.content
+    assert [(o.name, json.loads(o.arguments)) for o in resp.output[2:]] == list(fmt.calls)
+    assert all(o.call_id.startswith("call_") for o in resp.output[2:])
+    assert resp.usage.output_tokens_details.reasoning_tokens > 0
+
+    events = list(client.responses.create(stream=True, **kw))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    final = events[-1].response
+    assert events[-1].type == "response.completed"
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == fmt.reasoning
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == fmt.content
+    args: Dict[int, str] = {}
+    for e in events:
+        if e.type == "response.function_call_arguments.delta":
+            args[e.output_index] = args.get(e.output_index, "") + e.delta
+    assert [json.loads(a) for _, a in sorted(args.items())] == [c[1] for c in fmt.calls]
+    assert [o.type for o in final.output] == [o.type for o in resp.output]
+    added = [e.item.type for e in events if e.type == "response.output_item.added"]
+    assert added == [o.type for o in resp.output]

@@ -95,6 +95,40 @@ def test_odd_head_dim_and_single_split():
     assert (out - ref).abs().max().item() <= TOL
 
 
+def test_extend_batch_invariant_mode_ignores_where_the_prefix_ends():
+    """--enable-deterministic-inference: a request's tokens get the same bits from one extend of the
+    whole prompt, from an extend after a 37-token prefix (a chunk boundary or a prefix hit), from a
+    one-token extend, and beside another request: every key is read from the pool in blocks on
+    absolute positions (the fresh k/v are stored there before the kernel runs)."""
+    from radixserve.layers.attention.triton_ops import extend_attention_fwd
+
+    g = torch.Generator().manual_seed(5)
+    heads, kv_heads, d, n = 4, 2, 16, 70
+    k_buf = torch.randn(256, kv_heads, d, generator=g).to(TEST_DEVICE)
+    v_buf = torch.randn(256, kv_heads, d, generator=g).to(TEST_DEVICE)
+    r2t = torch.zeros(2, 128, dtype=torch.int32)
+    r2t[0, :n] = torch.randperm(128, generator=g)[:n].to(torch.int32)
+    r2t[1, :50] = (128 + torch.randperm(128, generator=g)[:50]).to(torch.int32)
+    r2t = r2t.to(TEST_DEVICE)
+    q_all = torch.randn(n, heads, d, generator=g).to(TEST_DEVICE)
+    q_other = torch.randn(50, heads, d, generator=g).to(TEST_DEVICE)
+
+    def extend(prefix: int, with_other: bool) -> torch.Tensor:
+        q = torch.cat([q_other, q_all[prefix:]]) if with_other else q_all[prefix:].contiguous()
+        kv = torch.zeros(q.shape[0], kv_heads, d, device=TEST_DEVICE)  # read from the pool, not here
+        o = torch.empty_like(q)
+        t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=TEST_DEVICE)  # noqa: E731
+        rows, prefixes, lens = ([1, 0], [0, prefix], [50, n - prefix]) if with_other else ([0], [prefix], [n - prefix])
+        starts = [0, 50] if with_other else [0]
+        extend_attention_fwd(q, kv, kv, o, k_buf, v_buf, r2t, t(rows), t(prefixes), t(lens), t(starts), max(lens),
+                             0.25, batch_invariant=True)
+        return o[50:] if with_other else o
+
+    whole = extend(0, False)
+    for prefix, with_other in [(37, False), (37, True), (64, False), (69, False), (0, True)]:
+        assert torch.equal(extend(prefix, with_other), whole[prefix:]), (prefix, with_other)
+
+
 def test_store_kv_kernel():
     g = torch.Generator().manual_seed(0)
     k_buf = torch.zeros(64, 2, 24, device=TEST_DEVICE)

@@ -35,7 +35,7 @@ from typing import List, Optional
 import torch
 import torch.nn.functional as F
 
-from radixserve.layers import cpu_kernels
+from radixserve.layers import batch_invariant, cpu_kernels
 from radixserve.layers.attention.base_attn_backend import AttentionBackend, window_table
 
 
@@ -138,7 +138,10 @@ class TorchNativeAttnBackend(AttentionBackend):
             md.all_decode = True
             token_of_row = dec_rows
         else:
-            dec_rows = [i for i, n in enumerate(ext_lens) if n == 1]
+            # Batch-invariant mode: a one-token extend (the last token of a chunked prompt or of a
+            # prefix hit) takes the extend kernel, as the same token does in a longer extend.
+            one_token_extends = not (batch_invariant.is_enabled() and self._tiles_fit(fb.token_to_kv_pool))
+            dec_rows = [i for i, n in enumerate(ext_lens) if n == 1 and one_token_extends]
             starts = _starts(ext_lens)
             token_of_row = {i: starts[i] for i in dec_rows}
         if dec_rows and self.cpu_ops is not None:
@@ -214,7 +217,8 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     @staticmethod
     def _extend_rows(fb, starts: List[int]) -> Optional[ExtendRows]:
-        ext = [i for i, n in enumerate(fb.extend_seq_lens_cpu) if n > 1]
+        shortest = 1 if batch_invariant.is_enabled() else 2  # see init_forward_metadata
+        ext = [i for i, n in enumerate(fb.extend_seq_lens_cpu) if n >= shortest]
         if not ext:
             return None
         pick = lambda xs: torch.tensor([xs[i] for i in ext], dtype=torch.int64)  # noqa: E731
@@ -240,7 +244,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         req_to_token = fb.req_to_token_pool.req_to_token
         if all_decode:
             rows = fb.req_pool_indices.long().contiguous()
-            fits = self._tiles_fit(fb.token_to_kv_pool)
+            # batch-invariant mode: no shared-prefix pass (it depends on who shares the batch)
+            fits = self._tiles_fit(fb.token_to_kv_pool) and not batch_invariant.is_enabled()
             shared = shared_prefix_len(req_to_token, rows, fb.seq_lens_cpu) if fits else 0
             return DecodeRows(None, rows, fb.seq_lens.long().contiguous(), req_to_token, shared)
         idx = torch.tensor(dec_rows, dtype=torch.int64)
@@ -334,11 +339,12 @@ class TorchNativeAttnBackend(AttentionBackend):
         rows = md.decode_rows
         if rows is not None:
             args = (k_buf, v_buf, rows.req_to_token, rows.req_pool_indices, rows.seq_lens, layer.scaling)
+            split = batch_invariant.decode_split_tokens()  # fixed under the flag, else 0: by the batch
             if rows.token_idx is None:
-                self.cpu_ops.decode_attention(out, q, *args, rows.shared_prefix_len)
+                self.cpu_ops.decode_attention(out, q, *args, rows.shared_prefix_len, split)
             else:
                 o = torch.empty((len(rows.token_idx), *q.shape[1:]), dtype=q.dtype)
-                self.cpu_ops.decode_attention(o, q[rows.token_idx], *args)
+                self.cpu_ops.decode_attention(o, q[rows.token_idx], *args, 0, split)
                 out[rows.token_idx] = o
         for g in md.decode_groups:
             shape = (*g.shape, k_buf.shape[1], k_buf.shape[2])

@@ -7,7 +7,9 @@ Same contract as TorchNativeAttnBackend (the reference it is tested against):
 - verify over token trees (speculative decoding): every token a decode row whose KV slots are
   its prefix and its root-to-token path (layers/attention/spec_tree.py), decode_attention_fwd;
 - decode: decode_attention_fwd, split-KV (stage 1 per (request, head, split), stage 2 merges
-  the splits by log-sum-exp).
+  the splits by log-sum-exp). The splits are num_kv_splits shares of each request's own keys,
+  whatever the batch: batch-invariant as they are (--enable-deterministic-inference); its extend
+  then reads every key from the pool in blocks on absolute positions (batch_invariant=True).
 The per-forward index tensors are built once in init_forward_metadata, not once per layer.
 CUDA graphs (decode): the decode kernels read req_pool_indices and seq_lens from device tensors
 only, so a captured forward reads static copies of them (refilled in place before each replay)
@@ -22,6 +24,7 @@ from typing import Optional
 
 import torch
 
+from radixserve.layers import batch_invariant
 from radixserve.layers.attention.base_attn_backend import AttentionBackend, window_table
 
 
@@ -121,6 +124,7 @@ class TritonAttnBackend(AttentionBackend):
             fb.req_to_token_pool.req_to_token, md.req_pool_indices,
             md.prefix_lens, md.extend_lens, md.extend_start, md.max_extend_len, layer.scaling,
             sliding_window=layer.sliding_window_size or 0,
+            batch_invariant=batch_invariant.is_enabled(),  # --enable-deterministic-inference: keys on absolute blocks
         )
         return out
 

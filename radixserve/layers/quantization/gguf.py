@@ -32,7 +32,7 @@ from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from radixserve.layers import cpu_kernels, gemm_select
+from radixserve.layers import batch_invariant, cpu_kernels, gemm_select
 from radixserve.layers.quantization.base import LinearMethodBase
 
 logger = logging.getLogger(__name__)
@@ -165,7 +165,8 @@ class GGUFLinearMethod(LinearMethodBase):
     @staticmethod
     def _matmul(seg: Segment, x: torch.Tensor) -> torch.Tensor:
         if seg.qtype is None:
-            return F.linear(x, seg.data if seg.data.dtype == x.dtype else seg.data.to(x.dtype))
+            mm = batch_invariant.linear_rows if batch_invariant.is_enabled() else F.linear
+            return mm(x, seg.data if seg.data.dtype == x.dtype else seg.data.to(x.dtype))
         return quant_matmul(x, QuantizedWeight(seg.qtype, seg.data, x.shape[1]))
 
 
@@ -285,6 +286,8 @@ def select_cpu_gemm_paths(model: torch.nn.Module, forced: str = "auto") -> Optio
     if forced != "auto" and not any(forced in cpu_paths(w.qtype) for w in weights):
         raise ValueError(f"--cpu-gemm-path {forced}: no matrix of this model can take it here "
                          f"(paths here: {sorted({p for w in weights for p in cpu_paths(w.qtype)})})")
+    if batch_invariant.is_enabled():
+        return _batch_invariant_paths(weights, forced)
     shapes, candidates = gemm_candidates(weights)
     ops = cpu_kernels.get()
     build = cpu_kernels.extension_name() + (f"/{ops.quant_gemm_isa()}" if ops is not None and hasattr(ops, "quant_gemm_isa") else "")
@@ -301,3 +304,25 @@ def select_cpu_gemm_paths(model: torch.nn.Module, forced: str = "auto") -> Optio
     for line in gemm_select.summarize(selection):
         logger.info("  %s", line)
     return selection
+
+
+def _batch_invariant_paths(weights: List[QuantizedWeight], forced: str) -> None:
+    """--enable-deterministic-inference: one path per matrix whatever the row count (the integer
+    kernel where the type has it, else float32; or --cpu-gemm-path), each checked at start to give
+    a row the same bits at every row count; a path that does not is refused with one line."""
+    plan = gemm_select.GemmPlan(forced=forced if forced != "auto" else "int8")
+    gemm_select.set_plan(plan)
+    seen = set()
+    with torch.inference_mode():
+        for w in weights:
+            shape = gemm_shape(w)
+            if shape in seen:
+                continue
+            seen.add(shape)
+            path = plan.path(shape, 1, cpu_paths(w.qtype))
+            if not batch_invariant.check_rows_invariant(lambda x: CPU_PATHS[path](x, w), w.cols):
+                raise ValueError(f"--enable-deterministic-inference: the {path} GEMM path of {shape.key()} GGUF blocks "
+                                 f"gives a row different bits at different row counts; load the model unquantized "
+                                 f"(--quantization none) or pick another --cpu-gemm-path")
+    logger.info("CPU GEMM paths for %d GGUF matrix shapes: one per shape whatever the row count "
+                "(--enable-deterministic-inference; checked batch-invariant)", len(seen))
