@@ -15,6 +15,7 @@ LOGPROB_KEYS = (
     "output_token_logprobs_idx", "output_top_logprobs_val", "output_top_logprobs_idx",
     "output_token_ids_logprobs_val", "output_token_ids_logprobs_idx",
     "input_token_ids_logprobs_val", "input_token_ids_logprobs_idx",
+    "input_top_logprobs_val", "input_top_logprobs_idx",
 )
 # Speculative decoding's per-request counters (SGLang's names), in BatchTokenIDOutput and BatchStrOutput.
 SPEC_KEYS = ("spec_verify_ct", "spec_num_correct_drafts", "spec_num_proposed_drafts")
@@ -224,6 +225,9 @@ class BatchTokenIDOutput:
     # token_ids_logprob at prompt positions (logprob_start_len): None for the prompt's first token
     input_token_ids_logprobs_val: List[List[Optional[List[float]]]] = field(default_factory=list)
     input_token_ids_logprobs_idx: List[List[Optional[List[int]]]] = field(default_factory=list)
+    # top_logprobs_num at prompt positions (logprob_start_len): None for the first token from there
+    input_top_logprobs_val: List[List[Optional[List[float]]]] = field(default_factory=list)
+    input_top_logprobs_idx: List[List[Optional[List[int]]]] = field(default_factory=list)
     # return_hidden_states: the final hidden state each new output token was sampled from
     output_hidden_states: List[List[List[float]]] = field(default_factory=list)
     retraction_counts: List[int] = field(default_factory=list)
@@ -305,6 +309,9 @@ class BatchStrOutput:
     # token_ids_logprob at prompt positions (logprob_start_len): None for the prompt's first token
     input_token_ids_logprobs_val: List[List[Optional[List[float]]]] = field(default_factory=list)
     input_token_ids_logprobs_idx: List[List[Optional[List[int]]]] = field(default_factory=list)
+    # top_logprobs_num at prompt positions (logprob_start_len): None for the first token from there
+    input_top_logprobs_val: List[List[Optional[List[float]]]] = field(default_factory=list)
+    input_top_logprobs_idx: List[List[Optional[List[int]]]] = field(default_factory=list)
     # return_hidden_states: the final hidden state each new output token was sampled from
     output_hidden_states: List[List[List[float]]] = field(default_factory=list)
     retraction_counts: List[int] = field(default_factory=list)

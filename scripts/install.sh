@@ -22,6 +22,9 @@ if [ "$TEST" = 1 ]; then
     "$PY" -m pip install -q "triton>=3.2"
   fi
   "$PY" -m pip install -q -e ".[test]"
+  # SGLang's frontend language (tests/sglang_frontend_programs.py), without its server's
+  # requirements (pyproject's sglang-frontend extra says why; its import needs come with [test]).
+  "$PY" -m pip install -q --no-deps "sglang==0.5.23"
 
   # Mooncake (the PD tests' transfer backend; Linux wheels only) loads Debian's RDMA, NUMA and
   # curl libraries when imported. Install the missing ones where we may; else say which.

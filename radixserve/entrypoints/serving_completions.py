@@ -43,16 +43,29 @@ def _prompt_texts(tm: TokenizerManager, req: CompletionRequest) -> List[str]:
     return [tm.tokenizer.decode(r) if tm.tokenizer is not None else "" for r in rows]
 
 
-def _logprobs(tm: TokenizerManager, meta: Dict[str, Any], start: int, text_offset: int) -> Dict[str, Any]:
-    toks = meta.get("output_token_logprobs", [])[start:]
-    tops = meta.get("output_top_logprobs", [])[start:] if meta.get("output_top_logprobs") else []
+def _logprobs(tm: TokenizerManager, meta: Dict[str, Any], start: int, text_offset: int,
+              prompt: bool = False) -> Dict[str, Any]:
+    """OpenAI's legacy logprobs of the output tokens from `start` (text_offset: where the first
+    begins in the choice's text); with `prompt` (echo), the prompt's tokens first, as OpenAI,
+    vLLM and SGLang return them: the first one's token_logprobs and top_logprobs entries null
+    (it has no context), its text_offset 0. lm-eval's loglikelihood sums these."""
+    toks = list(meta.get("input_token_logprobs") or []) if prompt else []
+    tops: List[Any] = list(meta.get("input_top_logprobs") or [None] * len(toks)) if prompt else []
+    prompt_len = len(toks)
+    toks += meta.get("output_token_logprobs", [])[start:]
+    out_tops = meta.get("output_top_logprobs")
+    tops += out_tops[start:] if out_tops else []
     tokens, offsets = [], []
-    for lp, tid, s in toks:
+    offset = 0
+    for j, (lp, tid, s) in enumerate(toks):
+        if j == prompt_len:  # the output's tokens sit where the output's text begins
+            offset = text_offset
         s = s if s is not None else tm.decode_token(tid)
         tokens.append(s)
-        offsets.append(text_offset)
-        text_offset += len(s)
-    top = [{(s if s is not None else tm.decode_token(t)): lp for lp, t, s in row} for row in tops] if tops else None
+        offsets.append(offset)
+        offset += len(s)
+    top = [None if row is None else {(s if s is not None else tm.decode_token(t)): lp for lp, t, s in row}
+           for row in tops] if out_tops is not None else None
     return {"tokens": tokens, "token_logprobs": [t[0] for t in toks], "top_logprobs": top, "text_offset": offsets}
 
 
@@ -66,6 +79,8 @@ async def serve_completions(tm: TokenizerManager, req: CompletionRequest, raw_re
         rid=req.rid,
         return_logprob=req.logprobs is not None,
         top_logprobs_num=req.logprobs or 0,
+        # echo with logprobs: the prompt's logprobs too (SGLang's; max_tokens 0 gives only them)
+        logprob_start_len=0 if req.echo and req.logprobs is not None else -1,
         return_text_in_logprobs=True,
         stream=req.stream,
         priority=req.priority,
@@ -88,7 +103,7 @@ async def serve_completions(tm: TokenizerManager, req: CompletionRequest, raw_re
             choices.append({
                 "index": i,
                 "text": prefix + out["text"],
-                "logprobs": _logprobs(tm, out["meta_info"], 0, len(prefix)) if req.logprobs is not None else None,
+                "logprobs": _logprobs(tm, out["meta_info"], 0, len(prefix), req.echo) if req.logprobs is not None else None,
                 "finish_reason": openai_finish_reason(reason),
                 "matched_stop": matched_stop(reason),
             })
@@ -103,20 +118,22 @@ async def serve_completions(tm: TokenizerManager, req: CompletionRequest, raw_re
     async def stream() -> AsyncIterator[bytes]:
         sent_text: Dict[int, int] = {}
         sent_tokens: Dict[int, int] = {}
+        echo_len: Dict[int, int] = {}  # the echoed prompt's length: where each choice's output begins
         finals: Dict[int, Dict[str, Any]] = {}
         try:
             async for out in chain_first(first, gen):
                 idx = out.get("index", 0)
                 meta = out["meta_info"]
-                prefix = ""
-                if idx not in sent_text:
+                prefix, first_chunk = "", idx not in sent_text
+                if first_chunk:
                     sent_text[idx], sent_tokens[idx] = 0, 0
                     prefix = prompts[idx // req.n] if req.echo else ""
+                    echo_len[idx] = len(prefix)
                 delta = prefix + out["text"][sent_text[idx]:]
                 reason = meta["finish_reason"]
                 logprobs = None
-                if req.logprobs is not None:
-                    logprobs = _logprobs(tm, meta, sent_tokens[idx], sent_text[idx])
+                if req.logprobs is not None:  # echo: the prompt's logprobs go in the first chunk
+                    logprobs = _logprobs(tm, meta, sent_tokens[idx], echo_len[idx] + sent_text[idx], req.echo and first_chunk)
                     sent_tokens[idx] = len(meta.get("output_token_logprobs", []))
                 sent_text[idx] = len(out["text"])
                 if delta or reason is not None or (logprobs and logprobs["tokens"]):

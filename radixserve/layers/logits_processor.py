@@ -22,6 +22,9 @@ class LogitsProcessorOutput:
     last_hidden_states: Optional[torch.Tensor] = None
     # [n, k] for input_logprob_positions: the logprobs of input_token_ids_logprob_ids (token_ids_logprob)
     input_token_ids_logprobs: Optional[torch.Tensor] = None
+    # [n, k] for input_logprob_positions: the k best tokens' logprobs and ids (input_top_logprobs_k)
+    input_top_logprobs_val: Optional[torch.Tensor] = None
+    input_top_logprobs_idx: Optional[torch.Tensor] = None
 
 
 class LogitsProcessor(nn.Module):
@@ -44,6 +47,9 @@ class LogitsProcessor(nn.Module):
             asked = getattr(forward_batch, "input_token_ids_logprob_ids", None)
             if asked is not None:
                 out.input_token_ids_logprobs = logprobs.gather(1, asked.to(logprobs.device))
+            k = min(getattr(forward_batch, "input_top_logprobs_k", 0), logprobs.shape[-1])
+            if k > 0:
+                out.input_top_logprobs_val, out.input_top_logprobs_idx = logprobs.topk(k, dim=-1)
         return out
 
     @staticmethod

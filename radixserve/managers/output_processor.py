@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, List, Optional
 
-from radixserve.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch
+from radixserve.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH, Req, ScheduleBatch
 from radixserve.managers.scheduler_stats import SchedulerStats
 from radixserve.mem_cache.base_prefix_cache import BasePrefixCache
 from radixserve.mem_cache.hiradix_cache import HiRadixCache
@@ -144,6 +144,11 @@ class SchedulerOutputProcessor:
         return True
 
     def _add_token(self, req: Req, token: int, result: GenerationBatchResult, i: int) -> None:
+        if req.is_prefill_only:
+            # SGLang's prefill-only request (e.g. its frontend's select, lm-eval's echo scoring):
+            # the prompt and its logprobs, no token; the one the prefill sampled is dropped.
+            req.finished_reason = FINISH_LENGTH(length=0)
+            return
         req.output_ids.append(token)
         try:
             if req.grammar is not None:
@@ -196,30 +201,39 @@ class SchedulerOutputProcessor:
 
     @staticmethod
     def _add_input_logprobs(batch: ScheduleBatch, result: GenerationBatchResult) -> None:
-        values = result.logits_output.input_token_logprobs
+        out = result.logits_output  # None from a worker that computes no logits (the simulator's)
+        values = getattr(out, "input_token_logprobs", None)
         values = values.tolist() if values is not None else []
-        asked = result.logits_output.input_token_ids_logprobs  # [positions, k]: token_ids_logprob
+        asked = getattr(out, "input_token_ids_logprobs", None)  # [positions, k]: token_ids_logprob
+        top_val = getattr(out, "input_top_logprobs_val", None)
+        top_val = top_val.tolist() if top_val is not None else None
+        top_idx = getattr(out, "input_top_logprobs_idx", None)
+        top_idx = top_idx.tolist() if top_idx is not None else None
         offset = 0
-        for req, n in zip(batch.reqs, batch.input_logprob_counts):
-            if n == 0 or req.req_pool_idx is None:  # retracted while in flight: recomputed later
-                offset += n
+        for req, count in zip(batch.reqs, batch.input_logprob_counts):
+            if req.req_pool_idx is None or not req.wants_input_logprobs():  # retracted in flight: recomputed later
+                offset += count
                 continue
-            ids = req.token_ids_logprob
-            if not req.input_token_logprobs_idx and req.logprob_start_len == 0:
-                req.input_token_logprobs_val.append(None)  # the first token has no context
-                req.input_token_logprobs_idx.append(req.origin_input_ids[0])
-                if ids is not None:
-                    req.input_token_ids_logprobs_val.append(None)
-                    req.input_token_ids_logprobs_idx.append(None)
+            if not req.input_token_logprobs_idx and not req.output_ids:  # its prompt's first prefill round
+                req.add_input_logprob_head()
             first = req.next_input_logprob_token()
-            req.input_token_logprobs_val += values[offset : offset + n]
+            got = values[offset : offset + count]
+            n = len(got)  # (count, unless the worker computed none)
+            req.input_token_logprobs_val += got
             req.input_token_logprobs_idx += req.origin_input_ids[first : first + n]
-            if ids is not None:
+            ids = req.token_ids_logprob
+            if ids is not None and n:
                 if asked is None:
                     raise RuntimeError("token_ids_logprob was asked but the forward did not score the prompt's positions")
                 req.input_token_ids_logprobs_val += asked[offset : offset + n, : len(ids)].tolist()
                 req.input_token_ids_logprobs_idx += [list(ids)] * n
-            offset += n
+            k = req.top_logprobs_num
+            if k > 0 and n:
+                if top_val is None:
+                    raise RuntimeError("top_logprobs_num was asked but the forward did not rank the prompt's positions")
+                req.input_top_logprobs_val += [row[:k] for row in top_val[offset : offset + n]]
+                req.input_top_logprobs_idx += [row[:k] for row in top_idx[offset : offset + n]]
+            offset += count
 
     # ---- output (seed 001 §21) ---------------------------------------------------------------
     def _due(self, req: Req) -> bool:
@@ -290,6 +304,8 @@ class SchedulerOutputProcessor:
         out.input_token_logprobs_idx.append(req.input_token_logprobs_idx[k:])
         out.input_token_ids_logprobs_val.append(req.input_token_ids_logprobs_val[k:])
         out.input_token_ids_logprobs_idx.append(req.input_token_ids_logprobs_idx[k:])
+        out.input_top_logprobs_val.append(req.input_top_logprobs_val[k:])
+        out.input_top_logprobs_idx.append(req.input_top_logprobs_idx[k:])
         req.input_logprob_send_offset = len(req.input_token_logprobs_idx)
         out.output_token_logprobs_val.append(req.output_token_logprobs_val[start:])
         out.output_token_logprobs_idx.append(req.output_token_logprobs_idx[start:])

@@ -512,8 +512,9 @@ class RequestFrontend:
             "e2e_latency": time.monotonic() - state.created,
             "weight_version": self.weight_version,
         }
+        meta["num_retractions"] = state.retraction_count  # SGLang's (always present)
         if state.retraction_count:
-            meta["retraction_count"] = state.retraction_count
+            meta["retraction_count"] = state.retraction_count  # radixserve's older name, kept for its clients
         if state.queue_time is not None:
             meta["queue_time"] = state.queue_time
         if state.spec_verify_ct:  # speculative decoding, SGLang's fields
@@ -521,13 +522,19 @@ class RequestFrontend:
         if state.return_logprob:
             lp, with_text = state.logprobs, state.return_text_in_logprobs
             meta["output_token_logprobs"] = self._logprob_triples(lp["output_token_logprobs_val"], lp["output_token_logprobs_idx"], with_text)
-            # Always present (empty without logprob_start_len): sglang-router puts a PD prefill
-            # server's input logprobs in front of the decode server's list.
+            # Always present: from logprob_start_len (the last prompt token without one), the
+            # first entry None (SGLang's). sglang-router puts a PD prefill server's input logprobs
+            # in front of the decode server's (empty) list.
             meta["input_token_logprobs"] = self._logprob_triples(lp["input_token_logprobs_val"], lp["input_token_logprobs_idx"], with_text)
             if state.top_logprobs_num > 0:
                 meta["output_top_logprobs"] = [
                     self._logprob_triples(v, ix, with_text)
                     for v, ix in zip(lp["output_top_logprobs_val"], lp["output_top_logprobs_idx"])
+                ]
+                # ... one list per prompt token from logprob_start_len, None for the first
+                meta["input_top_logprobs"] = [
+                    None if v is None else self._logprob_triples(v, ix, with_text)
+                    for v, ix in zip(lp["input_top_logprobs_val"], lp["input_top_logprobs_idx"])
                 ]
             if state.token_ids_logprob is not None:  # SGLang's: one list of the asked ids per output token
                 meta["output_token_ids_logprobs"] = [

@@ -200,8 +200,15 @@ class Req:
         self.origin_input_text = origin_input_text
         self.origin_input_ids = list(origin_input_ids)
         self.sampling_params = sampling_params
+        # SGLang's prefill-only request: max_new_tokens 0 as asked (read before the scheduler clips
+        # max_new_tokens to the context's room, where 0 still means the prefill's one token)
+        self.is_prefill_only = sampling_params.max_new_tokens == 0
         self.return_logprob = return_logprob
         self.top_logprobs_num = top_logprobs_num
+        # SGLang's default (-1) with return_logprob: the last prompt token's entry only, which is
+        # None (input_token_logprobs == [[None, last_id, text]]); nothing more is computed for it.
+        if return_logprob and logprob_start_len == -1:
+            logprob_start_len = len(origin_input_ids) - 1
         self.logprob_start_len = logprob_start_len
         self.stream = stream
         self.priority = priority
@@ -244,8 +251,9 @@ class Req:
         self.grammar_key: Optional[tuple] = None
         self.grammar_queued_at = 0.0
 
-        # Input logprobs (logprob_start_len >= 0): logprob of prompt token j given tokens < j,
-        # for j >= logprob_start_len; token 0 has none. Filled chunk by chunk.
+        # Input logprobs, SGLang's convention: one entry per prompt token j >= logprob_start_len,
+        # the first None (whatever the start), then the logprob of token j given the tokens < j.
+        # Filled chunk by chunk (add_input_logprob_head puts the None first).
         self.input_token_logprobs_val: List[Optional[float]] = []
         self.input_token_logprobs_idx: List[int] = []
         self.input_logprob_send_offset = 0
@@ -259,6 +267,9 @@ class Req:
         # ... and at prompt positions (logprob_start_len), in step with input_token_logprobs_*
         self.input_token_ids_logprobs_val: List[Optional[List[float]]] = []
         self.input_token_ids_logprobs_idx: List[Optional[List[int]]] = []
+        # ... and the top_logprobs_num best tokens there (SGLang's input_top_logprobs)
+        self.input_top_logprobs_val: List[Optional[List[float]]] = []
+        self.input_top_logprobs_idx: List[Optional[List[int]]] = []
         # return_hidden_states: row j is the final hidden state output token j was sampled from
         self.return_hidden_states = False
         self.hidden_states: List[List[float]] = []
@@ -294,9 +305,29 @@ class Req:
         return self.return_logprob and 0 <= self.logprob_start_len < len(self.origin_input_ids)
 
     def next_input_logprob_token(self) -> int:
-        """The next prompt token whose logprob is still to compute (token 0 has none)."""
-        done = len(self.input_token_logprobs_idx) - (self.logprob_start_len == 0 and bool(self.input_token_logprobs_idx))
-        return max(self.logprob_start_len, 1) + done
+        """The next prompt token whose logprob is still to compute: the one at
+        logprob_start_len gets None (SGLang's convention), so the first is the one after it."""
+        return self.logprob_start_len + max(len(self.input_token_logprobs_idx), 1)
+
+    def input_logprobs_pending(self) -> bool:
+        """Input logprobs still to compute or to head with their None (a prefill to come)."""
+        return self.wants_input_logprobs() and (
+            not self.input_token_logprobs_idx or self.next_input_logprob_token() < len(self.origin_input_ids))
+
+    def add_input_logprob_head(self) -> None:
+        """The None entry of the token at logprob_start_len, first in every input list asked for
+        (SGLang: `[None] + logprobs[:-1]`). An image's pad value is reported as 0, as SGLang does."""
+        token = self.origin_input_ids[self.logprob_start_len]
+        if self.vocab_size is not None and token >= self.vocab_size:
+            token = 0
+        self.input_token_logprobs_val.append(None)
+        self.input_token_logprobs_idx.append(token)
+        if self.top_logprobs_num > 0:
+            self.input_top_logprobs_val.append(None)
+            self.input_top_logprobs_idx.append(None)
+        if self.token_ids_logprob is not None:
+            self.input_token_ids_logprobs_val.append(None)
+            self.input_token_ids_logprobs_idx.append(None)
 
     def input_logprob_positions(self, prefix_len: int, extend_len: int) -> range:
         """Positions of this round whose logits score prompt tokens still to compute (the
@@ -338,8 +369,8 @@ class Req:
         self.loaded_host_tokens = self.loaded_storage_tokens = 0
         if tree_cache is not None:
             max_prefix_len = len(self.fill_ids) - 1
-            if self.wants_input_logprobs():
-                # the logits at position start-1 give token start's logprob: compute from there
+            if self.input_logprobs_pending():
+                # the logits at position j-1 give token j's logprob: compute from there
                 max_prefix_len = min(max_prefix_len, self.next_input_logprob_token() - 1)
             # only prefixes computed under this request's adapter (lora_path; None = base)
             match = tree_cache.match_prefix(self.fill_ids[: max(max_prefix_len, 0)], self.lora_path)
@@ -470,6 +501,7 @@ class ScheduleBatch:
     input_logprob_counts: List[int] = field(default_factory=list)
     # ... token_ids_logprob there: [positions, k] the ids each position scores (see ModelWorkerBatch)
     input_token_ids_logprob_ids: Optional[torch.Tensor] = None
+    input_top_logprobs_k: int = 0  # ... top_logprobs_num there (the batch's largest)
     # input_embeds: the flat rows of input_ids whose embeddings are given, and those embeddings
     input_embeds_rows: Optional[torch.Tensor] = None
     input_embeds: Optional[torch.Tensor] = None
@@ -579,7 +611,7 @@ class ScheduleBatch:
         self._prepare_input_embeds()
 
     def _prepare_input_logprobs(self) -> None:
-        if not any(r.wants_input_logprobs() for r in self.reqs):
+        if not any(r.input_logprobs_pending() for r in self.reqs):
             return
         positions, token_ids, counts, offset = [], [], [], 0
         for r, p, n in zip(self.reqs, self.prefix_lens, self.extend_lens):
@@ -596,6 +628,8 @@ class ScheduleBatch:
         if width:  # token_ids_logprob at prompt positions: each position's row of ids, padded with 0
             rows = [a + [0] * (width - len(a)) for a, c in zip(asked, counts) for _ in range(c)]
             self.input_token_ids_logprob_ids = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), width)
+        # top_logprobs_num at prompt positions: the widest asked; each request keeps its own k
+        self.input_top_logprobs_k = max((r.top_logprobs_num for r, c in zip(self.reqs, counts) if c), default=0)
 
     def _prepare_input_embeds(self) -> None:
         """input_embeds: this round's prompt positions [prefix_len, min(seq_len, prompt_len)) of
@@ -798,6 +832,7 @@ class ScheduleBatch:
                                                   self.out_cache_loc),
             return_hidden_states=any(r.return_hidden_states for r in self.reqs),
             input_token_ids_logprob_ids=self.input_token_ids_logprob_ids if extend else None,
+            input_top_logprobs_k=self.input_top_logprobs_k if extend else 0,
             input_embeds_rows=self.input_embeds_rows if extend else None,
             input_embeds=self.input_embeds if extend else None,
         )

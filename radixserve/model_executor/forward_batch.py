@@ -93,6 +93,9 @@ class ModelWorkerBatch:
     # token_ids_logprob at prompt positions: [positions, k] the ids scored at each
     # input_logprob_positions row (padded with 0; each request reads its own k columns)
     input_token_ids_logprob_ids: Optional[torch.Tensor] = None
+    # top_logprobs_num at prompt positions: the k best tokens of each input_logprob_positions row
+    # (the batch's largest k; each request keeps its own)
+    input_top_logprobs_k: int = 0
     # input_embeds (SGLang's): the rows of input_ids whose embedding is given ([n] flat token
     # indices) and those embeddings ([n, hidden]); the model uses them instead of embed_tokens
     input_embeds_rows: Optional[torch.Tensor] = None
@@ -134,6 +137,7 @@ class ForwardBatch:
     swa_locs: Optional[SWAForwardLocs] = None  # (ModelWorkerBatch's, on the device)
     return_hidden_states: bool = False  # (ModelWorkerBatch's)
     input_token_ids_logprob_ids: Optional[torch.Tensor] = None
+    input_top_logprobs_k: int = 0  # (ModelWorkerBatch's)
     input_embeds_rows: Optional[torch.Tensor] = None
     input_embeds: Optional[torch.Tensor] = None
 
@@ -178,6 +182,7 @@ class ForwardBatch:
             swa_locs=None if batch.swa_locs is None else batch.swa_locs.to(device),
             return_hidden_states=batch.return_hidden_states,
             input_token_ids_logprob_ids=batch.input_token_ids_logprob_ids,
+            input_top_logprobs_k=batch.input_top_logprobs_k,
             input_embeds_rows=None if batch.input_embeds_rows is None else batch.input_embeds_rows.to(device),
             input_embeds=None if batch.input_embeds is None else batch.input_embeds.to(device),
         )

@@ -236,5 +236,6 @@ def test_input_logprobs_over_http(http):
             "sampling_params": {"max_new_tokens": 3, "temperature": 0}}
     meta = http.post("/generate", json=body).json()["meta_info"]
     lp = meta["input_token_logprobs"]
-    assert [t for _, t, _ in lp] == ids[10:] and all(v <= 0 for v, _, _ in lp)
+    # SGLang's convention: the first entry from logprob_start_len is None, whatever the start
+    assert [t for _, t, _ in lp] == ids[10:] and lp[0][0] is None and all(v <= 0 for v, _, _ in lp[1:])
     assert len(meta["output_token_logprobs"]) == 3

@@ -134,9 +134,10 @@ def teacher_forced(engine: Engine, prompts: List[List[int]], answers: List[List[
     """Our logprob of each token of float32's answers (prompt + answer as the input)."""
     forced = []
     for p, a in zip(prompts, answers):
+        # from the prompt's last token: its entry is None (SGLang's convention), the answer's follow
         o = engine.generate(input_ids=p + a, sampling_params={"max_new_tokens": 1, "temperature": 0},
-                            return_logprob=True, logprob_start_len=len(p), progress=False)
-        forced.append([lp for lp, _, _ in o["meta_info"]["input_token_logprobs"]])
+                            return_logprob=True, logprob_start_len=len(p) - 1, progress=False)
+        forced.append([lp for lp, _, _ in o["meta_info"]["input_token_logprobs"][1:]])
     assert [len(f) for f in forced] == [len(a) for a in answers]
     return forced
 

@@ -87,3 +87,11 @@ def test_removing_a_declared_dependency_is_caught(tmp_path):
     edited.write_text(re.sub(r'^\s*"scipy[^"]*",.*\n', "", text, flags=re.M))
     problems = undeclared_imports(edited)
     assert set(problems) == {"scipy"}, problems
+
+
+def test_install_script_pins_the_sglang_frontend_extra():
+    """scripts/install.sh --test installs SGLang's frontend with --no-deps (its requirements are
+    its whole server); the version it installs is the one pyproject's sglang-frontend extra pins."""
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["sglang-frontend"]
+    script = (ROOT / "scripts" / "install.sh").read_text()
+    assert [f'--no-deps "{r}"' in script for r in extra] == [True] * len(extra), extra
