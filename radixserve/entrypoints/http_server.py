@@ -48,6 +48,7 @@ from radixserve.entrypoints.openai_protocol import ChatCompletionRequest, Comple
 from radixserve.entrypoints.serving_base import (
     SSE_DONE,
     CumulativeStreamEncoder,
+    OutputJSONResponse,
     chain_first,
     check_model,
     first_result,
@@ -376,7 +377,7 @@ def add_native_routes(app: FastAPI, tm: TokenizerManager) -> None:
         obj = body.to_input()
         gen = tm.generate_request(obj, request)
         if not obj.stream:
-            return JSONResponse(await first_result(gen))
+            return OutputJSONResponse(await first_result(gen))
         first = await peek_first(gen)  # a refused request still gets its status, not a 200 stream
 
         async def stream() -> AsyncIterator[bytes]:

@@ -4,15 +4,45 @@ answering (so a refused streaming request still gets its HTTP status), model-nam
 from __future__ import annotations
 
 import json
+import math
 from typing import Any, AsyncIterator, Dict, Optional, Tuple
+
+from fastapi.responses import JSONResponse
 
 from radixserve.managers.tokenizer_manager import RequestError
 
 _STREAM_END = object()
 
 
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def to_json(obj: Any) -> str:
+    """JSON of an output object, a logprob of -inf (a token the sampler's mask removed) written as
+    null, as SGLang's orjson does: JSON has no -inf, and json.dumps would either write `-Infinity`
+    (which strict clients reject) or, in a JSONResponse, fail the whole request with a 500."""
+    try:
+        return json.dumps(obj, ensure_ascii=False, allow_nan=False)
+    except ValueError:  # rare: only outputs that hold a non-finite float pay for the copy
+        return json.dumps(_finite(obj), ensure_ascii=False, allow_nan=False)
+
+
+class OutputJSONResponse(JSONResponse):
+    """The JSONResponse of the generation routes: non-finite floats as null (to_json)."""
+
+    def render(self, content: Any) -> bytes:
+        return to_json(content).encode("utf-8")
+
+
 def sse(obj: Any) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False).encode("utf-8") + b"\n\n"
+    return b"data: " + to_json(obj).encode("utf-8") + b"\n\n"
 
 
 SSE_DONE = b"data: [DONE]\n\n"
@@ -42,7 +72,7 @@ class CumulativeStreamEncoder:
             new = ", ".join(map(str, ids[n:]))  # json.dumps writes an int as repr(int)
             text = f"{text}, {new}" if text else new
         self._ids[key] = (len(ids), text)
-        body = json.dumps({**out, "output_ids": _IDS_MARK}, ensure_ascii=False)
+        body = to_json({**out, "output_ids": _IDS_MARK})
         # `"output_ids": "` cannot occur inside a JSON string (its quotes are escaped there)
         body = body.replace(_IDS_SLOT, f'"output_ids": [{text}]', 1)
         return b"data: " + body.encode("utf-8") + b"\n\n"

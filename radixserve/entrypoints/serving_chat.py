@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Tuple
 
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from radixserve.entrypoints.openai_protocol import (
     ChatCompletionRequest,
@@ -26,7 +26,7 @@ from radixserve.entrypoints.openai_protocol import (
 from radixserve.entrypoints.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS, ToolCall, ToolCallDelta
 from radixserve.entrypoints.parsers.tool_call import as_tool_call
 from radixserve.entrypoints.serving_base import (
-    SSE_DONE, bootstrap_fields, chain_first, check_model, first_result, lora_path_of_model, peek_first, sse,
+    SSE_DONE, OutputJSONResponse, bootstrap_fields, chain_first, check_model, first_result, lora_path_of_model, peek_first, sse,
 )
 from radixserve.managers.tokenizer_manager import RequestError, TokenizerManager
 from radixserve.protocol import GenerateReqInput
@@ -240,7 +240,7 @@ async def serve_chat(tm: TokenizerManager, req: ChatCompletionRequest, raw_reque
                 "finish_reason": finish,
                 "matched_stop": matched_stop(reason),
             })
-        return JSONResponse({
+        return OutputJSONResponse({
             "id": cid, "object": "chat.completion", "created": created, "model": model,
             "choices": choices, "usage": usage_of(outs, req.n),
             "metadata": {"weight_version": outs[0]["meta_info"]["weight_version"]},  # SGLang's

@@ -6,7 +6,7 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Dict, List
 
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from radixserve.entrypoints.openai_protocol import (
     CompletionRequest,
@@ -16,7 +16,7 @@ from radixserve.entrypoints.openai_protocol import (
     usage_of,
 )
 from radixserve.entrypoints.serving_base import (
-    SSE_DONE, bootstrap_fields, chain_first, check_model, first_result, lora_path_of_model, peek_first, sse,
+    SSE_DONE, OutputJSONResponse, bootstrap_fields, chain_first, check_model, first_result, lora_path_of_model, peek_first, sse,
 )
 from radixserve.managers.tokenizer_manager import RequestError, TokenizerManager
 from radixserve.protocol import GenerateReqInput
@@ -107,7 +107,7 @@ async def serve_completions(tm: TokenizerManager, req: CompletionRequest, raw_re
                 "finish_reason": openai_finish_reason(reason),
                 "matched_stop": matched_stop(reason),
             })
-        return JSONResponse({
+        return OutputJSONResponse({
             "id": cid, "object": "text_completion", "created": created, "model": model,
             "choices": choices, "usage": usage_of(outs, req.n),
             "metadata": {"weight_version": outs[0]["meta_info"]["weight_version"]},  # SGLang's

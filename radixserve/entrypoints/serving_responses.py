@@ -24,7 +24,6 @@ wait for); GET polls it, cancel aborts it in the scheduler and marks it `cancell
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -37,7 +36,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from radixserve.entrypoints.openai_protocol import openai_finish_reason
 from radixserve.entrypoints.responses_protocol import ResponsesRequest, input_messages
-from radixserve.entrypoints.serving_base import chain_first, first_result, peek_first
+from radixserve.entrypoints.serving_base import OutputJSONResponse, chain_first, first_result, peek_first, to_json
 from radixserve.entrypoints.serving_chat import ChatOutput, prepare_chat
 from radixserve.managers.tokenizer_manager import RequestError, TokenizerManager
 
@@ -328,7 +327,7 @@ async def serve_responses(tm: TokenizerManager, state: ResponsesState, req: Resp
         task.add_done_callback(lambda _: state.running.pop(head.id, None))
         return JSONResponse(queued)
     if not req.stream:
-        return JSONResponse(await whole())
+        return OutputJSONResponse(await whole())
     first = await peek_first(gen)
     return StreamingResponse(_stream(head, first, gen, output, builder, finish), media_type="text/event-stream")
 
@@ -367,7 +366,7 @@ async def _stream(head: ResponseHead, first: Any, gen: Any, output: ChatOutput, 
         nonlocal seq
         obj = {**obj, "sequence_number": seq}
         seq += 1
-        return f"event: {obj['type']}\ndata: {json.dumps(obj, ensure_ascii=False)}\n\n".encode("utf-8")
+        return f"event: {obj['type']}\ndata: {to_json(obj)}\n\n".encode("utf-8")
 
     yield event({"type": "response.created", "response": head.body("in_progress", [])})
     yield event({"type": "response.in_progress", "response": head.body("in_progress", [])})

@@ -29,3 +29,22 @@ def test_a_shorter_list_and_other_objects_fall_back_to_plain_encoding():
     assert encode(out) == sse(out)
     err = {"error": {"message": "x", "code": 400}}
     assert encode(err) == sse(err)
+
+
+def test_non_finite_logprobs_are_null_as_sglang_writes_them():
+    """A logprob of -inf (a token the sampler's mask removed) is null in every output route's JSON,
+    as SGLang's orjson writes it: not `-Infinity` (invalid JSON) in a stream, not a 500 in a
+    JSONResponse (json.dumps with allow_nan=False raises on it)."""
+    import json
+
+    from radixserve.entrypoints.serving_base import OutputJSONResponse
+
+    out = {"text": "a", "output_ids": [1, 2],
+           "meta_info": {"output_top_logprobs": [[(-0.1, 1, "a"), (float("-inf"), 2, "b")]],
+                         "score": float("nan")}}
+    want = {"text": "a", "output_ids": [1, 2],
+            "meta_info": {"output_top_logprobs": [[[-0.1, 1, "a"], [None, 2, "b"]]], "score": None}}
+    for body in (sse(out), CumulativeStreamEncoder()(out)):
+        assert b"Infinity" not in body and b"NaN" not in body
+        assert json.loads(body[len(b"data: "):]) == want
+    assert json.loads(OutputJSONResponse(out).body) == want
