@@ -17,7 +17,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -42,27 +41,14 @@ def gguf_path() -> Path:
 
 @pytest.fixture(scope="module", autouse=True)
 def _server_start(gguf_path):
-    """Start the server first, in a thread: it loads while this process loads its own models."""
-    box: Dict[str, Any] = {}
-
-    def start():
-        try:
-            box["srv"] = ServerProcess("--model-path", str(gguf_path), "--dtype", "float32", "--max-total-tokens", "8192")
-        except BaseException as e:  # noqa: BLE001 - raised in the test thread
-            box["err"] = e
-
-    th = threading.Thread(target=start, daemon=True)
-    th.start()
-    return th, box
+    """Start the server first (wait=False): it loads while this process loads its own models."""
+    return ServerProcess("--model-path", str(gguf_path), "--dtype", "float32", "--max-total-tokens", "8192", wait=False)
 
 
 @pytest.fixture(scope="module")
 def real_server(_server_start):
-    th, box = _server_start
-    th.join()
-    if "err" in box:
-        raise box["err"]
-    srv = box["srv"]
+    srv = _server_start
+    srv.wait_healthy()  # kills the server if it does not come up
     yield srv
     code = srv.stop()
     assert code == 0, srv.read_log()[-3000:]

@@ -6,7 +6,6 @@ safetensors directory made from the GGUF loads into an Engine that generates the
 from __future__ import annotations
 
 import asyncio
-import threading
 import sys
 from pathlib import Path
 
@@ -40,27 +39,14 @@ def gguf_path() -> Path:
 
 @pytest.fixture(scope="module", autouse=True)
 def _server_start(gguf_path):
-    """Start the server first, in a thread: it loads while this process loads its own models."""
-    box = {}
-
-    def start():
-        try:
-            box["srv"] = ServerProcess("--model-path", str(gguf_path), "--dtype", "float32", "--max-total-tokens", "4096")
-        except BaseException as e:  # noqa: BLE001 - raised in the test thread
-            box["err"] = e
-
-    th = threading.Thread(target=start, daemon=True)
-    th.start()
-    return th, box
+    """Start the server first (wait=False): it loads while this process loads its own models."""
+    return ServerProcess("--model-path", str(gguf_path), "--dtype", "float32", "--max-total-tokens", "4096", wait=False)
 
 
 @pytest.fixture(scope="module")
 def real_server(_server_start):
-    th, box = _server_start
-    th.join()
-    if "err" in box:
-        raise box["err"]
-    srv = box["srv"]
+    srv = _server_start
+    srv.wait_healthy()  # kills the server if it does not come up
     yield srv
     code = srv.stop()
     assert code == 0, srv.read_log()[-3000:]

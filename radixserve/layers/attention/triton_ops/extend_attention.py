@@ -22,6 +22,17 @@ import triton.language as tl
 
 
 @triton.jit
+def _online_softmax_step(qk, v, acc, l_i, m_i, INPUT_PRECISION: tl.constexpr):
+    """Fold one block of keys (scores qk, -inf where not seen; values v) into the running
+    softmax: rescale what is summed so far to the new row maximum, add this block."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    p = tl.exp(qk - m_new[:, None])
+    alpha = tl.exp(m_i - m_new)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+    return acc, l_i * alpha + tl.sum(p, 1), m_new
+
+
+@triton.jit
 def _extend_kernel(
     Q,
     K,
@@ -96,13 +107,8 @@ def _extend_kernel(
                 if SLIDING_WINDOW > 0:
                     seen = seen & (offs_n[None, :] > q_pos[:, None] - SLIDING_WINDOW)
                 qk = tl.where(seen, qk, -float("inf"))
-                m_new = tl.maximum(m_i, tl.max(qk, 1))
-                p = tl.exp(qk - m_new[:, None])
-                alpha = tl.exp(m_i - m_new)
                 v = tl.load(V_Buf + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                m_i = m_new
+                acc, l_i, m_i = _online_softmax_step(qk, v, acc, l_i, m_i, INPUT_PRECISION)
         else:
             # 1. the cached prefix, through req_to_token
             for n0 in range(0, prefix_len, BLOCK_N):
@@ -117,13 +123,8 @@ def _extend_kernel(
                 if SLIDING_WINDOW > 0:  # positions: prefix key n, query prefix_len + m
                     seen = seen & (offs_n[None, :] > prefix_len + offs_m[:, None] - SLIDING_WINDOW)
                 qk = tl.where(seen, qk, -float("inf"))
-                m_new = tl.maximum(m_i, tl.max(qk, 1))
-                p = tl.exp(qk - m_new[:, None])
-                alpha = tl.exp(m_i - m_new)
                 v = tl.load(V_Buf + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                m_i = m_new
+                acc, l_i, m_i = _online_softmax_step(qk, v, acc, l_i, m_i, INPUT_PRECISION)
 
             # 2. the new tokens, causal, from the fresh k/v
             end = tl.minimum(ext_len, row0 + BLOCK_M)
@@ -138,14 +139,9 @@ def _extend_kernel(
                 if SLIDING_WINDOW > 0:
                     causal = causal & (offs_n[None, :] > offs_m[:, None] - SLIDING_WINDOW)
                 qk = tl.where(causal, qk, -float("inf"))
-                m_new = tl.maximum(m_i, tl.max(qk, 1))
-                p = tl.exp(qk - m_new[:, None])
-                alpha = tl.exp(m_i - m_new)
                 v = tl.load(V + (start + offs_n[:, None]) * stride_vt + kv_h * stride_vh + offs_d[None, :],
                             mask=kv_mask, other=0.0).to(q.dtype)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                m_i = m_new
+                acc, l_i, m_i = _online_softmax_step(qk, v, acc, l_i, m_i, INPUT_PRECISION)
 
         out = acc / l_i[:, None]
         o_ptrs = O + (start + offs_m[:, None]) * stride_ot + h * stride_oh + offs_d[None, :]
