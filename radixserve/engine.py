@@ -46,6 +46,8 @@ SamplingArg = Optional[Union[Dict[str, Any], List[Dict[str, Any]]]]
 class Engine:
     def __init__(self, model_path: Optional[str] = None, **kwargs: Any):
         self.server_args = ServerArgs(model_path=model_path, **kwargs)
+        if self.server_args.null_worker:  # it measures the served host path (HTTP, processes, streams)
+            raise ValueError("--null-worker is a server flag (radixserve serve --null-worker); the Engine runs the model")
         self._inbox: List[Any] = []
         self._outbox: List[Any] = []
         self.scheduler = Scheduler(self.server_args, recv_fn=self._drain_inbox, send_fn=self._outbox.append,

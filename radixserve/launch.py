@@ -21,6 +21,7 @@ SIGTERM still never outlives the launcher: the kernel kills it when the launcher
 from __future__ import annotations
 
 import faulthandler
+import functools
 import logging
 import multiprocessing as mp
 import os
@@ -107,6 +108,10 @@ def launch_subprocesses(server_args: ServerArgs, should_abort: Any = lambda: Fal
     from radixserve.managers.detokenizer import run_detokenizer_process
     from radixserve.managers.scheduler_process import run_scheduler_process
 
+    if server_args.null_worker:  # issue 57: every rank gets the null worker in place of the model
+        from radixserve.sim.null_worker import NullModelWorker
+
+        run_scheduler_process = functools.partial(run_scheduler_process, make_worker=NullModelWorker)
     rt = Runtime(server_args, PortArgs.init_new())
     logger.info("IPC sockets in %s", rt.port_args.ipc_dir)
     ctx = mp.get_context("spawn")

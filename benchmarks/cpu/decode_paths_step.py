@@ -39,7 +39,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.num_threads)
     ops = cpu_kernels.get()
-    fused = ops.quant_decode_fused_rows()
+    before = ops.quant_decode_fused_rows()
+    fused = 4  # the fused path's measured limit (it is off by default: cpu_kernels.FUSED_DECODE_ENV)
     need = args.batch_size * (args.input_len + 2 * args.steps + 4) + 64
     ours = _OursDriver(ServerArgs(model_path=args.model_path, max_total_tokens=need,
                                   max_running_requests=args.batch_size))
@@ -55,7 +56,7 @@ def main() -> None:
                 ops.quant_decode_fused_rows(limit)
                 times[name].append(ours.step() * 1e3)
     finally:
-        ops.quant_decode_fused_rows(fused)
+        ops.quant_decode_fused_rows(before)
         ours.finish()
     out = {"model_path": args.model_path, "threads": args.num_threads, "batch_size": args.batch_size,
            "fused_rows": fused, "isa": ops.quant_gemm_isa(),

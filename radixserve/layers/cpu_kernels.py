@@ -209,6 +209,20 @@ def stage_sources(build_dir: Path, files: Sequence[Path]) -> dict[Path, Path]:
     return staged
 
 
+FUSED_DECODE_ENV = "RADIXSERVE_FUSED_DECODE_ROWS"
+
+
+def fused_decode_rows_from_env(environ: Mapping[str, str] = os.environ) -> int:
+    """The AVX2 GGUF kernel's fused decode (issue 54: blocks unpacked in registers, 1.2-1.5x the
+    scratch path at 1-2 rows) serves calls of up to this many rows of x; 0 (the default) turns it
+    off. Off by default because its float sums run in another order than the prefill tiles': a
+    row's logits would then depend on how many rows share the call, and the engine promises they
+    do not (speculative verification equals plain decoding; --enable-deterministic-inference).
+    It comes on by default once its order is the tiles' (benchmarks/NOTES.md, issue 54)."""
+    value = environ.get(FUSED_DECODE_ENV, "").strip()
+    return max(0, int(value)) if value else 0
+
+
 @functools.lru_cache(maxsize=1)
 def build() -> Optional[ModuleType]:
     """Compile (or load the cached build of) the extension; None when that fails."""
@@ -220,7 +234,7 @@ def build() -> Optional[ModuleType]:
         with build_lock(build_dir):  # held for the whole load(): see the comment above BUILD_LOCK
             _remove_orphaned_torch_lock(build_dir)
             staged = stage_sources(build_dir, build_inputs(SOURCES))
-            return load(
+            mod = load(
                 name=name,
                 sources=[str(staged[s]) for s in SOURCES],
                 extra_cflags=CFLAGS,
@@ -228,6 +242,8 @@ def build() -> Optional[ModuleType]:
                 build_directory=str(build_dir),
                 verbose=False,
             )
+        mod.quant_decode_fused_rows(fused_decode_rows_from_env())
+        return mod
     except Exception as e:  # no compiler, no headers: the torch path serves
         logger.warning("CPU kernels unavailable, using the torch path: %s", str(e).splitlines()[0] if str(e) else e)
         return None

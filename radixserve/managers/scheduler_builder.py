@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from radixserve.constrained.base_grammar_backend import BaseGrammarBackend
 from radixserve.constrained.factory import create_grammar_backend
@@ -44,14 +44,19 @@ class SchedulerParts:
     hicache: SchedulerHiCache  # HiCache's storage tier, /clear_hicache_storage_backend
 
 
-def build_scheduler_parts(args: ServerArgs, tp_rank: int = 0, tp_size: int = 1,
-                          tp_worker: Optional[ModelWorker] = None) -> SchedulerParts:
-    """The parts, in the order the Scheduler built them (tp_worker None: load the model)."""
-    tokenizer = get_tokenizer(args)
-    if tp_worker is None and args.null_worker:  # issue 57: the host path alone, no forward
-        from radixserve.sim.null_worker import NullModelWorker
+# Builds the model worker in place of TpModelWorker: the top layer (launch, Engine) passes one for
+# --null-worker, so the managers never import the simulator's workers.
+WorkerFactory = Callable[[ServerArgs, ModelConfig], ModelWorker]
 
-        tp_worker = NullModelWorker(args, ModelConfig.from_pretrained(resolve_model_path(args)))
+
+def build_scheduler_parts(args: ServerArgs, tp_rank: int = 0, tp_size: int = 1,
+                          tp_worker: Optional[ModelWorker] = None,
+                          make_worker: Optional[WorkerFactory] = None) -> SchedulerParts:
+    """The parts, in the order the Scheduler built them (tp_worker None: make_worker's, or load
+    the model)."""
+    tokenizer = get_tokenizer(args)
+    if tp_worker is None and make_worker is not None:  # e.g. --null-worker (sim/null_worker.py)
+        tp_worker = make_worker(args, ModelConfig.from_pretrained(resolve_model_path(args)))
     if tp_worker is None:
         tp_worker = TpModelWorker(args, ModelConfig.from_pretrained(resolve_model_path(args)), tp_rank, tp_size)
     req_to_token_pool, allocator = tp_worker.get_memory_pool()

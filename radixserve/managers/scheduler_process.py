@@ -210,7 +210,7 @@ class Watchdog:
 
 def run_scheduler_process(
     server_args: ServerArgs, port_args: PortArgs, pipe: Any, tp_rank: int = 0, dp_rank: Optional[int] = None,
-    pp_rank: int = 0,
+    pp_rank: int = 0, make_worker: Optional[Any] = None,
 ) -> None:
     """Process entry: build the Scheduler on ZeroMQ, report ready, loop until killed.
     With --tp-size N there are N of these; rank 0 owns the sockets and broadcasts what it
@@ -255,7 +255,8 @@ def run_scheduler_process(
                 else:
                     to_tokenizer.send_pyobj(holder["dashboard"].decorate_state(holder["metrics"].decorate_state(obj)))
 
-        parts = build_scheduler_parts(server_args, tp_rank, server_args.tp_size)  # the model loads here
+        parts = build_scheduler_parts(server_args, tp_rank, server_args.tp_size,  # the model loads here
+                                      make_worker=make_worker)
         scheduler = Scheduler(server_args, recv_fn=recv_fn, send_fn=send_fn, tp_rank=tp_rank, tp_size=server_args.tp_size,
                               parts=parts)
         configure_lora_admission(scheduler.policy, server_args)

@@ -135,10 +135,31 @@ def test_both_decode_paths_match_references(ops, fused_rows, qtype, shape, m, li
 
 def test_fused_rows_limit_round_trips(ops, fused_rows):
     built = ops.quant_gemm_isa() == "avx2"
-    assert fused_rows(3) == (4 if built else 0)  # the default: measured (benchmarks/cpu/quant_gemm.py --decode-paths)
+    default = min(cpu_kernels.fused_decode_rows_from_env(), 16)  # 0 unless RADIXSERVE_FUSED_DECODE_ROWS
+    assert fused_rows(3) == (default if built else 0)
     assert fused_rows() == (3 if built else 0)
     assert fused_rows(99) == (3 if built else 0)
     assert fused_rows() == (16 if built else 0)  # at most the decode path's 16 rows
+
+
+def test_fused_decode_is_off_unless_asked():
+    assert cpu_kernels.fused_decode_rows_from_env({}) == 0
+    assert cpu_kernels.fused_decode_rows_from_env({cpu_kernels.FUSED_DECODE_ENV: "4"}) == 4
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
+def test_default_path_gives_a_row_the_same_bits_at_any_row_count(ops, fused_rows, qtype):
+    """What the engine relies on (speculative verification of k+1 rows equals k+1 plain decode
+    steps; --enable-deterministic-inference): a row of x gets the same bits from quant_linear
+    whether it comes alone, with 3 others (decode) or with 15 others (the prefill tiles). The
+    fused decode sums in another order, which is why it is off by default (cpu_kernels)."""
+    from radixserve.layers.batch_invariant import check_rows_invariant
+
+    fused_rows(cpu_kernels.fused_decode_rows_from_env({}))
+    k = 1024
+    data, _ = make_weight(qtype, 48, k)
+    w = torch.from_numpy(data)
+    assert check_rows_invariant(lambda x: ops.quant_linear(x, w, int(qtype), k), k, rows=(1, 2, 3, 4, 5, 8, 16))
 
 
 def test_types_and_layout_sizes(ops):
