@@ -299,20 +299,10 @@ class SchedulerOutputProcessor:
             for key in LOGPROB_KEYS:
                 getattr(out, key).append([])
             return
-        k = req.input_logprob_send_offset
-        out.input_token_logprobs_val.append(req.input_token_logprobs_val[k:])
-        out.input_token_logprobs_idx.append(req.input_token_logprobs_idx[k:])
-        out.input_token_ids_logprobs_val.append(req.input_token_ids_logprobs_val[k:])
-        out.input_token_ids_logprobs_idx.append(req.input_token_ids_logprobs_idx[k:])
-        out.input_top_logprobs_val.append(req.input_top_logprobs_val[k:])
-        out.input_top_logprobs_idx.append(req.input_top_logprobs_idx[k:])
+        k = req.input_logprob_send_offset  # the prompt's entries not sent yet; the output's from `start`
+        for key in LOGPROB_KEYS:
+            getattr(out, key).append(getattr(req, key)[k if key.startswith("input_") else start:])
         req.input_logprob_send_offset = len(req.input_token_logprobs_idx)
-        out.output_token_logprobs_val.append(req.output_token_logprobs_val[start:])
-        out.output_token_logprobs_idx.append(req.output_token_logprobs_idx[start:])
-        out.output_top_logprobs_val.append(req.output_top_logprobs_val[start:])
-        out.output_top_logprobs_idx.append(req.output_top_logprobs_idx[start:])
-        out.output_token_ids_logprobs_val.append(req.output_token_ids_logprobs_val[start:])
-        out.output_token_ids_logprobs_idx.append(req.output_token_ids_logprobs_idx[start:])
 
     def answer_health_checks(self) -> None:
         """Results were just processed: the loop and the forward pass move, so the probes waiting

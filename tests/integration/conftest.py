@@ -144,6 +144,23 @@ class ServerProcess:
         return self.proc.returncode
 
 
+def start_float32_server(model_path, max_total_tokens: int) -> ServerProcess:
+    """A real model served in float32 (the tests compare it with transformers), started without
+    waiting: it loads while the test process loads its own models. serve_until_done() waits."""
+    return ServerProcess("--model-path", str(model_path), "--dtype", "float32",
+                         "--max-total-tokens", str(max_total_tokens), wait=False)
+
+
+def serve_until_done(srv: ServerProcess):
+    """A module fixture's body: wait for the server, hand it out, then a clean stop (exit 0, no
+    child left)."""
+    srv.wait_healthy()  # kills the server if it does not come up
+    yield srv
+    code = srv.stop()
+    assert code == 0, srv.read_log()[-3000:]
+    assert_children_gone(srv.children)
+
+
 @pytest.fixture(scope="session")
 def server():
     srv = ServerProcess(

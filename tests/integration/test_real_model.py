@@ -14,7 +14,7 @@ import httpx
 import pytest
 import torch
 
-from conftest import ServerProcess, assert_children_gone
+from conftest import serve_until_done, start_float32_server
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from real_model import NEAR_TIE, QUESTIONS, chat_prompt_ids, hf_from_gguf, smollm2_gguf, smollm2_hf_dir  # noqa: E402
@@ -40,17 +40,12 @@ def gguf_path() -> Path:
 @pytest.fixture(scope="module", autouse=True)
 def _server_start(gguf_path):
     """Start the server first (wait=False): it loads while this process loads its own models."""
-    return ServerProcess("--model-path", str(gguf_path), "--dtype", "float32", "--max-total-tokens", "4096", wait=False)
+    return start_float32_server(gguf_path, 4096)
 
 
 @pytest.fixture(scope="module")
 def real_server(_server_start):
-    srv = _server_start
-    srv.wait_healthy()  # kills the server if it does not come up
-    yield srv
-    code = srv.stop()
-    assert code == 0, srv.read_log()[-3000:]
-    assert_children_gone(srv.children)
+    yield from serve_until_done(_server_start)
 
 
 @pytest.fixture(scope="module")
