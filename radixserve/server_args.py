@@ -25,6 +25,7 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 QUANTIZATION_METHODS = ("auto", "none", "gguf", "w8a8_int8")  # layers/quantization/
 CPU_GEMM_PATHS = ("auto", "int8", "onednn_bf16", "f32")  # layers/gemm_select.py
+CPU_CHUNKED_PREFILL_SIZE, GPU_CHUNKED_PREFILL_SIZE = 512, 2048  # --chunked-prefill-size unset (chunked_prefill_size_on)
 GRAMMAR_BACKENDS = ("xgrammar", "none")
 SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "NEXTN")  # SGLang's names
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
@@ -86,7 +87,7 @@ class ServerArgs:
     # Scheduling
     schedule_policy: str = "fcfs"
     schedule_conservativeness: float = 1.0
-    chunked_prefill_size: Optional[int] = 2048  # None or <= 0 disables chunking
+    chunked_prefill_size: Optional[int] = None  # None: by device (chunked_prefill_size_on); <= 0 disables chunking
     max_prefill_tokens: int = 16384
     enable_mixed_chunk: bool = False
     # SGLang's: batch-invariant kernels, so a request's tokens and logprobs do not depend on its
@@ -283,8 +284,8 @@ class ServerArgs:
         if self.stream_interval < 1:
             raise ValueError("--stream-interval must be >= 1")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size <= 0:
-            self.chunked_prefill_size = None
-        if self.chunked_prefill_size is not None and self.chunked_prefill_size < self.page_size:
+            self.chunked_prefill_size = -1  # SGLang's "off"
+        if self.chunked_prefill_size is not None and 0 < self.chunked_prefill_size < self.page_size:
             raise ValueError("--chunked-prefill-size must be >= --page-size")
         if not 1 <= self.port <= 65535:
             raise ValueError(f"--port must be in [1, 65535], got {self.port}")
@@ -371,7 +372,7 @@ class ServerArgs:
             (self.enable_hierarchical_cache, "--enable-hierarchical-cache (the host tier keeps no windowed layers' KV)"),
             (self.speculative_algorithm is not None, "--speculative-algorithm (a verify forward's drafts are not windowed)"),
             (self.attention_backend == "triton", "--attention-backend triton (its extend kernel reads req_to_token's full slots)"),
-            (self.chunked_prefill_size is None, "chunked prefill off (a prompt's window slots must fit the SWA pool chunk by chunk)"),
+            (self.chunked_prefill_size == -1, "chunked prefill off (a prompt's window slots must fit the SWA pool chunk by chunk)"),
             (self.pp_size > 1, "--pp-size > 1"),
             (self.disaggregation_mode != "null", "--disaggregation-mode (the transfer moves full-pool KV only)"),
         ]
@@ -605,6 +606,16 @@ class ServerArgs:
             return device != "cpu"
         return not self.disable_overlap_schedule
 
+    def chunked_prefill_size_on(self, device: str) -> Optional[int]:
+        """The prefill chunk in tokens on `device`, None when chunking is off. Unset, it is picked
+        by device, as SGLang picks it by GPU memory: 2048 on a GPU; 512 on a CPU, where 512
+        tokens already take seconds and its GEMMs run as fast as at 2048, while a batch of 2048
+        holds back the first token of every request in it (a quarter of the mean TTFT at 16
+        concurrent on Qwen2.5-Coder-1.5B, benchmarks/NOTES.md)."""
+        if self.chunked_prefill_size is None:
+            return max(self.page_size, CPU_CHUNKED_PREFILL_SIZE if device == "cpu" else GPU_CHUNKED_PREFILL_SIZE)
+        return self.chunked_prefill_size if self.chunked_prefill_size > 0 else None
+
     def replace(self, **changes: Any) -> "ServerArgs":
         return dataclasses.replace(self, **changes)
 
@@ -677,7 +688,7 @@ FLAG_HELP = {
     "cuda_graph_max_bs": "largest decode batch captured as a CUDA graph; larger batches run eagerly",
     "schedule_policy": f"order of the waiting queue: {', '.join(SCHEDULE_POLICIES)}",
     "schedule_conservativeness": "higher reserves more KV for running requests (fewer retractions)",
-    "chunked_prefill_size": "split prefills longer than this many tokens; <= 0 disables chunking",
+    "chunked_prefill_size": "the most prompt tokens one prefill forward takes (longer prompts are split into chunks); by device when unset: 512 on a CPU, 2048 on a GPU; -1 disables chunking",
     "max_prefill_tokens": "most new prompt tokens in one prefill batch",
     "enable_mixed_chunk": "run the decode batch inside chunked prefill forwards",
     "enable_deterministic_inference": "batch-invariant kernels: a request's tokens and logprobs do not depend on what it "

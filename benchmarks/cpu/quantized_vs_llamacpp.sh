@@ -30,6 +30,7 @@ ONE_USER_PROMPTS=${ONE_USER_PROMPTS:-8}
 NUM_PROMPTS=${NUM_PROMPTS:-32}
 CONCURRENCY=${CONCURRENCY:-16}
 PORT=${PORT:-18090}
+RADIXSERVE_FLAGS=${RADIXSERVE_FLAGS:-}  # more flags for the radixserve server (e.g. --chunked-prefill-size 512)
 BUSY=${BUSY:-0}  # "0 1": each workload quiet and then with a competing busy process on core 1
 OUT=${OUT:-$REPO/benchmarks/cpu/quantized_vs_llamacpp.jsonl}
 
@@ -50,7 +51,7 @@ start() {  # ENGINE
     llamacpp) setsid "$LLAMA_BIN/llama-server" -m "$GGUF" -c "$CTX" -np "$CONCURRENCY" -t 2 --host 127.0.0.1 \
                 --port "$PORT" > "$CACHE/quantized_$1.log" 2>&1 & ;;
     radixserve) (cd "$REPO" && exec setsid "$PYTHON" -m radixserve.cli serve --model-path "$GGUF" --port "$PORT" \
-                --max-total-tokens "$CTX") > "$CACHE/quantized_$1.log" 2>&1 & ;;
+                --max-total-tokens "$CTX" $RADIXSERVE_FLAGS) > "$CACHE/quantized_$1.log" 2>&1 & ;;
     radixserve-dequant) (cd "$REPO" && exec setsid "$PYTHON" -m radixserve.cli serve --model-path "$GGUF" \
                 --port "$PORT" --max-total-tokens "$CTX" --quantization none) > "$CACHE/quantized_$1.log" 2>&1 & ;;
   esac
@@ -79,10 +80,12 @@ for engine in $ENGINES; do
       one-user) args=(--num-prompts "$ONE_USER_PROMPTS" --max-concurrency 1) ;;
       concurrent) args=(--num-prompts "$NUM_PROMPTS" --max-concurrency "$CONCURRENCY") ;;
     esac
+    # each workload its own prompts: a run must not hit the prefix cache another run filled
+    seed=$(( ${#workload} * 10 + busy + 1 ))
     log "bench $engine/$workload"
     (cd "$REPO" && "$PYTHON" -m radixserve.cli bench serving --backend openai --base-url "http://127.0.0.1:$PORT" \
       --tokenizer "$GGUF" --dataset-name random --random-input-len "$INPUT_LEN" --random-output-len "$OUTPUT_LEN" \
-      --random-range-ratio 1.0 --seed 1 --disable-tqdm --output-file "$OUT" --tag "$MODEL/$engine/$workload$suffix" \
+      --random-range-ratio 1.0 --seed "$seed" --disable-tqdm --output-file "$OUT" --tag "$MODEL/$engine/$workload$suffix" \
       "${args[@]}") | grep -E "Output token throughput|Mean TTFT|Mean ITL" || true
     rss=$(tree_rss_mb "$SERVER_PID")
     log "$engine/$workload: server RSS $rss MB"

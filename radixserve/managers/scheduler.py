@@ -101,7 +101,7 @@ class Scheduler:
             args.schedule_policy, self.tree_cache, args.enable_priority_scheduling,
             args.schedule_low_priority_values_first, args.seed,
         )
-        self.chunked_prefill_size = args.chunked_prefill_size
+        self.chunked_prefill_size = args.chunked_prefill_size_on(self.device)
         self.max_prefill_tokens = args.max_prefill_tokens
         self.is_mixed_chunk = args.enable_mixed_chunk and self.chunked_prefill_size is not None
 

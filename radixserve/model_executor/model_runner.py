@@ -332,7 +332,7 @@ class ModelRunner:
             need = self.swa_pool_min_size()
             if size_swa < need:
                 why = (f"a SWA pool of {size_swa} slots: it needs {need} (3 x sliding window {self.model_config.sliding_window} "
-                       f"+ --chunked-prefill-size {self.server_args.chunked_prefill_size} + 8); raise --swa-full-tokens-ratio "
+                       f"+ --chunked-prefill-size {self.server_args.chunked_prefill_size_on(self.device)} + 8); raise --swa-full-tokens-ratio "
                        f"or the KV budget")
         if why is None:
             return True
@@ -345,7 +345,7 @@ class ModelRunner:
     def swa_pool_min_size(self) -> int:
         """A prefill chunk beside a decoding request must fit: the windows their prefixes lock, the
         decoding one's own window (kept a forward late) and the chunk."""
-        return 3 * self.model_config.sliding_window + self.server_args.chunked_prefill_size + 8
+        return 3 * self.model_config.sliding_window + (self.server_args.chunked_prefill_size_on(self.device) or 0) + 8
 
     def swa_pool_sizes(self) -> Tuple[int, int]:
         """(full slots, swa slots) of the SWA pool layout, the same on every rank."""

@@ -89,7 +89,7 @@ def sweep_configs(args: argparse.Namespace, base: ServerArgs, default_pool: int)
 
     axes: List[Tuple[str, List[Any]]] = [
         ("schedule_policy", list(args.sweep_policies)),
-        ("chunked_prefill_size", [c if c > 0 else None for c in args.sweep_chunked_prefill_sizes]),
+        ("chunked_prefill_size", [c if c > 0 else -1 for c in args.sweep_chunked_prefill_sizes]),
         ("enable_mixed_chunk", [v == "on" for v in args.sweep_mixed_chunk]),
         ("max_total_tokens", [pool(v) for v in args.sweep_pool_sizes]),
     ]
@@ -108,21 +108,25 @@ def sweep_configs(args: argparse.Namespace, base: ServerArgs, default_pool: int)
                 configs.append(dict(base_values, **{key: v}))
     out: List[Dict[str, Any]] = []
     for c in configs:
-        if c.get("enable_mixed_chunk") and c.get("chunked_prefill_size") is None:
+        if c.get("enable_mixed_chunk") and c["chunked_prefill_size"] <= 0:
             continue  # mixed chunk needs chunked prefill
         if c not in out:
             out.append(c)
     return out
 
 
+def _chunk_label(chunk: int) -> str:
+    return str(chunk) if chunk > 0 else "off"
+
+
 def config_label(c: Dict[str, Any]) -> str:
-    chunk = c["chunked_prefill_size"] or "off"
+    chunk = _chunk_label(c["chunked_prefill_size"])
     return f"{c['schedule_policy']} chunk={chunk}{' mixed' if c['enable_mixed_chunk'] else ''} pool={c['max_total_tokens']}"
 
 
 SWEEP_COLUMNS = [
     ("policy", lambda c, m: c["schedule_policy"]),
-    ("chunk", lambda c, m: str(c["chunked_prefill_size"] or "off")),
+    ("chunk", lambda c, m: _chunk_label(c["chunked_prefill_size"])),
     ("mixed", lambda c, m: "on" if c["enable_mixed_chunk"] else "off"),
     ("pool tokens", lambda c, m: str(c["max_total_tokens"])),
     ("done", lambda c, m: str(m["completed"])),
@@ -221,6 +225,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_model_config(args.model_config or args.model_path)
     device = device_from_args(args)
     base = ServerArgs.from_cli_args(args)
+    if base.chunked_prefill_size is None:  # unset: the simulated device's default, not this machine's
+        base = base.replace(chunked_prefill_size=base.chunked_prefill_size_on(device.kind))
     tokenizer = None  # random: no tokenizer, so the prompts stay token ids (as random-ids)
     if args.dataset_name == "sharegpt":
         tokenizer = load_tokenizer_or_tiny(args.tokenizer_path or args.model_path)

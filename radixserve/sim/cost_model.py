@@ -49,6 +49,11 @@ class DeviceSpec:
     per_token_overhead_s: float = 0.0  # per computed token (embedding, norms, rotary: small kernels)
     combine: str = "max"  # "max": roofline (GPU); "sum": compute and memory do not overlap (CPU)
     dtype_bytes: int = 2  # bytes per weight / KV element
+
+    @property
+    def kind(self) -> str:
+        """The device kind ServerArgs' by-device defaults take: the "sum" form is the CPU's."""
+        return "cpu" if self.combine == "sum" else "cuda"
     link_bandwidth: float = 450e9  # bytes/s per GPU for TP all-reduce (NVLink)
 
     def with_overrides(self, **changes: Any) -> "DeviceSpec":

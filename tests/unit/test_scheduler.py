@@ -387,3 +387,31 @@ def test_prompt_one_short_of_the_context_is_served():
         assert behind.finished and len(behind.output_ids) == 2
     finally:
         engine.shutdown()
+
+
+def test_chunked_prefill_size_unset_is_picked_by_device():
+    """SGLang's semantics: unset picks by device (here 512 on a CPU, 2048 on a GPU), -1 (or any
+    value <= 0) turns chunking off, a number is taken as given."""
+    assert ServerArgs().chunked_prefill_size_on("cpu") == 512
+    assert ServerArgs().chunked_prefill_size_on("cuda") == 2048
+    assert ServerArgs(page_size=1024).chunked_prefill_size_on("cpu") == 1024  # never below a page
+    for off in (-1, 0):
+        assert ServerArgs(chunked_prefill_size=off).chunked_prefill_size_on("cpu") is None
+    assert ServerArgs(chunked_prefill_size=300).chunked_prefill_size_on("cuda") == 300
+
+
+def test_cpu_engine_chunks_a_long_prompt_by_default():
+    """A 700-token prompt on the CPU is prefilled in two chunks (512 + 188), with the same greedy
+    tokens as with chunking off."""
+    rng = random.Random(3)
+    prompt = [rng.randrange(VOCAB_LO, 8192) for _ in range(700)]
+    params = {"max_new_tokens": 4, "temperature": 0}
+    chunked = Engine(max_total_tokens=4096)
+    assert chunked.scheduler.chunked_prefill_size == 512
+    out = chunked.generate(input_ids=[prompt], sampling_params=[params], progress=False)
+    assert chunked.stats().num_chunked_prefills == 1  # the first 512 tokens; the rest finishes it
+    whole = Engine(max_total_tokens=4096, chunked_prefill_size=-1)
+    assert whole.scheduler.chunked_prefill_size is None
+    ref = whole.generate(input_ids=[prompt], sampling_params=[params], progress=False)
+    assert whole.stats().num_chunked_prefills == 0
+    assert_same_greedy(out, ref)
