@@ -9,6 +9,8 @@ Two measurements, each printed as a table and written as JSON:
 
 Before/after comparisons pass several source trees (label=path); the trees are run round-robin,
 `--repeats` times, on a shared machine, and the best run of each is kept (noise only slows down).
+A path may carry more PYTHONPATH entries after a colon (label=tree:/dir/with/packages), e.g.
+packages a tree depends on that the shared environment lacks.
 
     python benchmarks/host_path.py step --trees before=/tmp/base after=. --running 256 1024
     python benchmarks/host_path.py serving --trees before=/tmp/base after=. --concurrency 1 16 256
@@ -81,9 +83,14 @@ def _step_child(running: int, steps: int) -> Dict[str, float]:
             "cpu_ms_median": cpu[len(cpu) // 2], "cpu_us_per_request": cpu[len(cpu) // 2] * 1e3 / running}
 
 
+def tree_env(tree: str) -> Dict[str, str]:
+    """The environment that runs `tree` (its PYTHONPATH: the tree, then any extra entries)."""
+    return dict(os.environ, PYTHONPATH=":".join(os.path.abspath(p) for p in tree.split(":")))
+
+
 def run_in_tree(tree: str, argv: List[str], timeout: float = 600) -> str:
-    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), *argv], env=env, cwd=tree,
+    env = tree_env(tree)
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), *argv], env=env, cwd=tree.split(":")[0],
                          capture_output=True, text=True, timeout=timeout)
     if out.returncode != 0:
         raise RuntimeError(f"{tree}: {' '.join(argv)} failed:\n{out.stderr[-3000:]}")
@@ -110,7 +117,7 @@ def free_port() -> int:
 
 
 def launch(tree: str, port: int, extra: List[str]) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
+    env = tree_env(tree)
     cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--null-worker", "--port", str(port),
            "--log-level", "warning", *extra]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -169,7 +176,7 @@ def bench_once(tree: str, server_pid: int, port: int, concurrency: int, output_l
            "--dataset-name", "random-ids", "--random-input-len", "32", "--random-output-len", str(output_len),
            "--random-range-ratio", "1", "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency),
            "--request-rate", "inf", "--disable-tqdm", "--output-file", out_file, "--tag", f"c{concurrency}"]
-    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
+    env = tree_env(tree)
     import resource
 
     procs = server_processes(server_pid)

@@ -280,6 +280,39 @@ def _uvicorn_server_class() -> Any:
     return DrainingServer
 
 
+def http_stack() -> Tuple[str, str]:
+    """uvicorn's (loop, http): uvloop and httptools, an event loop and an HTTP parser in C, as
+    SGLang's server runs (dependencies: issue 57 measured the pure-Python h11 and asyncio path as
+    a large part of the HTTP process's time per streamed chunk); asyncio and h11 where either is
+    missing (uvloop has no Windows build), with a warning."""
+    try:
+        import uvloop  # noqa: F401
+
+        loop = "uvloop"
+    except ImportError:
+        loop = "asyncio"
+    try:
+        import httptools  # noqa: F401
+
+        http = "httptools"
+    except ImportError:
+        http = "h11"
+    if (loop, http) != ("uvloop", "httptools"):
+        logger.warning("HTTP server on %s + %s: install uvloop and httptools (radixserve's dependencies) "
+                       "for less CPU per streamed token.", loop, http)
+    return loop, http
+
+
+def uvicorn_config(app: Any, server_args: ServerArgs) -> Any:
+    import uvicorn
+
+    loop, http = http_stack()
+    return uvicorn.Config(
+        app, host=server_args.host, port=server_args.port, log_level=server_args.log_level.lower(),
+        timeout_keep_alive=5, timeout_graceful_shutdown=3, lifespan="on", loop=loop, http=http,
+    )
+
+
 def _start_warmup(server_args: ServerArgs, server: Any, tm: Any, state: Dict[str, Any], stopping: Any) -> threading.Thread:
     """SGLang's warm-up thread (entrypoints/warmup.py): once uvicorn listens, one short request
     through the HTTP path; /health is 503 until it is answered. If it fails, the server stops
@@ -299,8 +332,6 @@ def _start_warmup(server_args: ServerArgs, server: Any, tm: Any, state: Dict[str
 
 def launch_server(server_args: ServerArgs) -> int:
     """Run the server until SIGINT / SIGTERM (exit code 0) or a child's death (1)."""
-    import uvicorn
-
     DrainingServer = _uvicorn_server_class()
     from radixserve.entrypoints.http_server import create_app
     from radixserve.managers.tokenizer_manager import TokenizerManager
@@ -353,10 +384,7 @@ def launch_server(server_args: ServerArgs) -> int:
         )
         tm = TokenizerManager(server_args, rt.port_args, sched, rt.tokenizer)
         app = create_app(tm)
-        config = uvicorn.Config(
-            app, host=server_args.host, port=server_args.port, log_level=server_args.log_level.lower(),
-            timeout_keep_alive=5, timeout_graceful_shutdown=3, lifespan="on",
-        )
+        config = uvicorn_config(app, server_args)
         server = DrainingServer(config, on_sigterm=lambda: threading.Thread(
             target=drain_then_stop, args=(server, tm), daemon=True).start())
         state["server"] = server

@@ -9,7 +9,7 @@ from typing import Any, AsyncIterator, Dict, Optional, Tuple
 
 from fastapi.responses import JSONResponse
 
-from radixserve.managers.tokenizer_manager import RequestError
+from radixserve.managers.tokenizer_manager import ClientDisconnected, RequestError
 
 _STREAM_END = object()
 
@@ -88,11 +88,17 @@ async def peek_first(gen: AsyncIterator[Any]) -> Any:
 
 
 async def chain_first(first: Any, gen: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """The stream's items, `first` included. A client that left mid-stream (its request is
+    aborted already) ends the stream quietly: what follows is written to nobody (the ASGI
+    server drops it), and no error is logged for a client that merely went away."""
     if first is _STREAM_END:
         return
     yield first
-    async for item in gen:
-        yield item
+    try:
+        async for item in gen:
+            yield item
+    except ClientDisconnected:
+        return
 
 
 async def first_result(gen: AsyncIterator[Any]) -> Any:

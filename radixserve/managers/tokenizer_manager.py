@@ -4,7 +4,8 @@ The RequestFrontend does the request work shared with the offline Engine (tokeni
 SamplingParams -> 400, fan `n > 1` and batches out into one TokenizedGenerateReqInput per
 sample, build outputs). This class sends those to the scheduler over ZeroMQ and waits on a
 per-request asyncio.Event that `handle_loop` sets when the detokenizer's BatchStrOutput brings
-new text. A request whose client went away is aborted (AbortReq: the scheduler frees its KV).
+new text. A request whose client went away is aborted (AbortReq: the scheduler frees its KV):
+a ClientWatch per HTTP request hears the ASGI `http.disconnect` and wakes its waiters.
 It also keeps the Prometheus metrics (managers/metrics.py).
 """
 
@@ -20,6 +21,7 @@ from typing import Any, AsyncIterator, Dict, List, Optional, Union
 
 from radixserve.hf_transformers_utils import get_tokenizer, load_sampling_defaults, resolve_model_path
 from radixserve.managers.admin_requests import TokenizerAdmin
+from radixserve.managers.client_watch import ClientWatch
 from radixserve.managers.dashboard_history import RequestTimeline
 from radixserve.managers.detokenizer import DETOKENIZE_ERROR
 from radixserve.managers.embedding_frontend import EmbeddingFrontend, EmbeddingReqState, check_request_kind
@@ -60,7 +62,6 @@ logger = logging.getLogger("radixserve.tokenizer_manager")
 
 __all__ = ["ClientDisconnected", "RequestError", "TokenizerManager", "TokenizerMetrics"]
 
-DISCONNECT_CHECK_INTERVAL = 0.5  # s between "is the client still there?" checks while waiting
 RPC_TIMEOUT = 60.0  # s to wait for the scheduler's reply to flush / state requests
 RESEND_INTERVAL = 0.05  # s between tries to send control messages the full socket refused
 
@@ -369,25 +370,26 @@ class TokenizerManager:
         self.frontend.register(obj, *prepared)
         states = [self.rid_to_state[r.rid] for r in reqs]
         single = len(reqs) == 1 and is_single(obj)
+        watch = ClientWatch.of(request, [s.event for s in states])
         try:
             self._send_request(reqs[0] if len(reqs) == 1 else BatchTokenizedGenerateReqInput(reqs))
             if obj.stream:
                 if len(states) == 1:
-                    async for out in self._wait_one_request(states[0], request):
+                    async for out in self._wait_one_request(states[0], watch):
                         if not single:
                             out["index"] = 0
                         yield out
                 else:
-                    async for out in self._merge_streams(states, request):
+                    async for out in self._merge_streams(states, watch):
                         yield out
             else:
                 if len(states) == 1:
                     final = None
-                    async for final in self._wait_one_request(states[0], request):
+                    async for final in self._wait_one_request(states[0], watch):
                         pass
                     yield final if single else [final]
                 else:
-                    tasks = [asyncio.create_task(self._final_output(s, request)) for s in states]
+                    tasks = [asyncio.create_task(self._final_output(s, watch)) for s in states]
                     try:
                         results = await asyncio.gather(*tasks)
                     finally:  # one failed: stop waiting for the others (they are aborted below)
@@ -395,6 +397,8 @@ class TokenizerManager:
                             t.cancel()
                     yield list(results)
         finally:
+            if watch is not None:
+                watch.close()
             for s in states:
                 if not s.finished:
                     self.abort_request(s.rid)
@@ -409,11 +413,14 @@ class TokenizerManager:
                                503, "ServiceUnavailable")
         states = self.embeddings.register(reqs)
         tasks: List[asyncio.Task] = []
+        watch = ClientWatch.of(request, [s.event for s in states])
         try:
             self._send_request(reqs[0] if len(reqs) == 1 else BatchTokenizedEmbeddingReqInput(reqs))
-            tasks = [asyncio.create_task(self._final_output(s, request)) for s in states]
+            tasks = [asyncio.create_task(self._final_output(s, watch)) for s in states]
             results = await asyncio.gather(*tasks)
         finally:  # one failed: stop waiting for the others, abort what still runs
+            if watch is not None:
+                watch.close()
             for t in tasks:
                 t.cancel()
             for s in states:
@@ -422,18 +429,18 @@ class TokenizerManager:
                 self.rid_to_state.pop(s.rid, None)
         return results[0] if single else list(results)
 
-    async def _final_output(self, state: ReqState, request: Any) -> Dict[str, Any]:
+    async def _final_output(self, state: ReqState, watch: Optional[ClientWatch]) -> Dict[str, Any]:
         final = None
-        async for final in self._wait_one_request(state, request):
+        async for final in self._wait_one_request(state, watch):
             pass
         return final
 
-    async def _merge_streams(self, states: List[ReqState], request: Any) -> AsyncIterator[Dict[str, Any]]:
+    async def _merge_streams(self, states: List[ReqState], watch: Optional[ClientWatch]) -> AsyncIterator[Dict[str, Any]]:
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(index: int, state: ReqState) -> None:
             try:
-                async for out in self._wait_one_request(state, request):
+                async for out in self._wait_one_request(state, watch):
                     out["index"] = index
                     await queue.put(out)
             except BaseException as e:  # forwarded to the consumer
@@ -456,19 +463,21 @@ class TokenizerManager:
             for t in tasks:
                 t.cancel()
 
-    async def _wait_one_request(self, state: ReqState, request: Any) -> AsyncIterator[Dict[str, Any]]:
+    async def _wait_one_request(self, state: ReqState, watch: Optional[ClientWatch]) -> AsyncIterator[Dict[str, Any]]:
         """Yield the output after every update of this request; its end raises on an error.
-        A client that went away, or --request-timeout running out, aborts the request."""
-        next_check = time.monotonic() + DISCONNECT_CHECK_INTERVAL
+        A client that went away (the watch wakes the state's event), or --request-timeout
+        running out, aborts the request."""
+        timeout = self.server_args.request_timeout
         while True:
-            if not state.event.is_set():  # news already waiting (a busy loop): no timer, no task
-                try:
-                    await asyncio.wait_for(state.event.wait(), timeout=max(next_check - time.monotonic(), 0.0))
-                except asyncio.TimeoutError:
-                    pass
-            if time.monotonic() >= next_check:  # also while news keeps coming
-                next_check = time.monotonic() + DISCONNECT_CHECK_INTERVAL
-                await self._check_client_and_deadline(state, request)
+            if not state.event.is_set():  # news already waiting (a busy loop): no wait at all
+                if timeout is None:  # no timer per wake-up: the watch wakes us when the client leaves
+                    await state.event.wait()
+                else:
+                    try:
+                        await asyncio.wait_for(state.event.wait(), timeout=max(state.created + timeout - time.monotonic(), 0.0))
+                    except asyncio.TimeoutError:
+                        pass
+            self._check_client_and_deadline(state, watch, timeout)
             if not state.event.is_set():
                 continue
             state.event.clear()
@@ -485,15 +494,14 @@ class TokenizerManager:
             if state.stream:
                 yield self.make_output(state)
 
-    async def _check_client_and_deadline(self, state: ReqState, request: Any) -> None:
+    def _check_client_and_deadline(self, state: ReqState, watch: Optional[ClientWatch], timeout: Optional[float]) -> None:
         """Abort the request if its client went away or --request-timeout ran out."""
-        if request is not None and await request.is_disconnected():
+        if watch is not None and watch.gone:
             self.metrics.num_disconnect_aborts += 1
             self.abort_request(state.rid)
             logger.info("Client disconnected: aborted request %s", state.rid)
             raise ClientDisconnected(state.rid)
-        timeout = self.server_args.request_timeout
-        if timeout is not None and time.monotonic() - state.created > timeout:
+        if timeout is not None and time.monotonic() - state.created >= timeout:
             self.abort_request(state.rid)
             raise RequestError(f"The request did not finish within {timeout:g} s (--request-timeout).", 504, "Timeout")
 
