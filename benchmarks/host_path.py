@@ -175,7 +175,8 @@ def bench_once(tree: str, server_pid: int, port: int, concurrency: int, output_l
     cmd = [sys.executable, "-m", "radixserve.cli", "bench", "serving", "--port", str(port),
            "--dataset-name", "random-ids", "--random-input-len", "32", "--random-output-len", str(output_len),
            "--random-range-ratio", "1", "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency),
-           "--request-rate", "inf", "--disable-tqdm", "--output-file", out_file, "--tag", f"c{concurrency}"]
+           "--request-rate", "inf", "--disable-tqdm", "--output-file", out_file, "--tag", f"c{concurrency}",
+           "--output-details"]
     env = tree_env(tree)
     import resource
 
@@ -187,6 +188,9 @@ def bench_once(tree: str, server_pid: int, port: int, concurrency: int, output_l
     with open(out_file) as f:
         r = json.loads(f.read().strip().splitlines()[-1])
     tokens = max(r["total_output_tokens"], 1)
+    # Under load a chunk carries every token the request made since its last one (the
+    # TokenizerManager yields the latest state): per-chunk costs then spread over more tokens.
+    r["num_chunks"] = max(sum(len(d.get("chunks") or ()) for d in r.pop("details", [])), 1)
     r["cpu_us_per_token"] = {k: (cpu_seconds(p) - before[k]) * 1e6 / tokens for k, p in procs.items()}
     r["cpu_us_per_token"]["bench client"] = ((client_after.ru_utime + client_after.ru_stime) -
                                              (client.ru_utime + client.ru_stime)) * 1e6 / tokens
@@ -206,7 +210,8 @@ def measure_serving(trees: List[Tuple[str, str]], concurrency: List[int], output
                     r = bench_once(tree, proc.pid, port, c, output_len, max(4, 2 * c) if c > 1 else 4, tmp)
                     row = {"tree": label, "concurrency": c, "output_tok_s": r["output_throughput"],
                            "median_tpot_ms": r["median_tpot_ms"], "median_itl_ms": r["median_itl_ms"],
-                           "completed": r["completed"]}
+                           "completed": r["completed"], "tokens_per_chunk": r["total_output_tokens"] / r["num_chunks"],
+                           "main_us_per_chunk": r["cpu_us_per_token"][PROCESS_NAMES[0]] * r["total_output_tokens"] / r["num_chunks"]}
                     row.update({f"cpu_us/tok {k.split()[0]}": v for k, v in r["cpu_us_per_token"].items()})
                     key = (label, c)
                     if key not in best or row["output_tok_s"] > best[key]["output_tok_s"]:
@@ -255,7 +260,7 @@ def main() -> None:
     else:
         rows = measure_serving(trees, a.concurrency, a.output_len, a.repeats, a.server_args.split())
         add_ratios(rows, "concurrency", "output_tok_s", higher_is_better=True)
-        cols = ["tree", "concurrency", "output_tok_s", "median_tpot_ms", "vs_first"] + \
+        cols = ["tree", "concurrency", "output_tok_s", "median_tpot_ms", "vs_first", "tokens_per_chunk", "main_us_per_chunk"] + \
             [f"cpu_us/tok {k.split()[0]}" for k in (*PROCESS_NAMES, "bench client")]
     print(f"CPU: {cpu_model()}   command: {' '.join(sys.argv)}")
     print_table(rows, cols)
