@@ -118,6 +118,7 @@ inline bool static_division() { return division() == Division::kStatic; }
 // wakes and stalls before claiming a chunk; an OpenMP team member stalls at the region's start).
 struct TestHold {
   std::atomic<int> armed_id{-1};
+  std::atomic<int> armed_division{0};  // only that division's thread `id` stalls
   std::atomic<bool> held{false};
   std::atomic<bool> released{true};
 };
@@ -127,6 +128,7 @@ inline TestHold& test_hold() {
 }
 inline void test_hold_thread(int id) {
   test_hold().released.store(false);
+  test_hold().armed_division.store(static_cast<int>(division()));
   test_hold().armed_id.store(id);
 }
 inline void test_release_thread() {
@@ -134,10 +136,12 @@ inline void test_release_thread() {
   test_hold().released.store(true);
 }
 inline bool test_thread_held() { return test_hold().held.load(); }
-inline void test_hold_point(int id) {
+inline void test_hold_point(int id, Division d) {
   TestHold& h = test_hold();
   int expected = id;
-  if (h.armed_id.load(std::memory_order_relaxed) != id || !h.armed_id.compare_exchange_strong(expected, -1)) return;
+  if (h.armed_id.load(std::memory_order_relaxed) != id || h.armed_division.load() != static_cast<int>(d) ||
+      !h.armed_id.compare_exchange_strong(expected, -1))
+    return;
   h.held.store(true);
   while (!h.released.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   h.held.store(false);
@@ -223,9 +227,12 @@ class WorkerPool {
 
   bool ensure_workers(int wanted) {
     try {
+      // A new worker starts from the last published generation, so it takes part in the region
+      // about to be published (its thread may start after the publish).
+      const uint32_t seen = wake_.load(std::memory_order_relaxed);
       while (nworkers_ < wanted) {
         const int id = ++nworkers_;  // workers are 1..nworkers_
-        std::thread([this, id] { worker_main(id); }).detach();
+        std::thread([this, id, seen] { worker_main(id, seen); }).detach();
       }
     } catch (const std::system_error&) {  // no more threads: this region goes elsewhere
       --nworkers_;
@@ -294,11 +301,10 @@ class WorkerPool {
     }
   }
 
-  void worker_main(int id) {
-    uint32_t seen = wake_.load(std::memory_order_acquire);
+  void worker_main(int id, uint32_t seen) {
     for (;;) {
       seen = wait_wake(seen);
-      test_hold_point(id);
+      test_hold_point(id, Division::kPool);
       work(id);
     }
   }
@@ -347,7 +353,7 @@ void omp_dynamic(int64_t n, int64_t chunk, int64_t chunks, const F& fn) {
 #pragma omp parallel
   {
     at::internal::ThreadIdGuard tid_guard(omp_get_thread_num());
-    test_hold_point(omp_get_thread_num());
+    test_hold_point(omp_get_thread_num(), Division::kOmp);
     try {
       for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < chunks;
            c = next.fetch_add(1, std::memory_order_relaxed))
