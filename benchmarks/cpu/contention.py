@@ -22,6 +22,13 @@ several thread-pool configurations in ONE run:
 
 --sequential runs one worker at a time (all its rounds, still quiet/loaded alternating) for a
 model too large to keep one copy per configuration in memory.
+
+--divisions pool omp times the C++ kernels' work divisions (csrc/parallel.h) in turns inside each
+worker (cpu_kernels.set_parallel_division before each run): one process, one model copy, the
+same load on both; results are keyed config/division.
+
+    python benchmarks/cpu/contention.py --model qwen1.5b --configs engine --divisions pool omp \
+        --rounds 4 --out benchmarks/cpu/contention_pool_qwen1.5b.json
 """
 
 from __future__ import annotations
@@ -88,7 +95,7 @@ def worker(args: argparse.Namespace) -> None:
     from radixserve.server_args import ServerArgs
 
     sa = ServerArgs(model_path=_model_path(args.model), max_total_tokens=args.input_len + args.decode_steps + 64,
-                    max_running_requests=1)
+                    max_running_requests=1, dtype=args.dtype)
     driver = _OursDriver(sa)
     vocab = driver.runner.model_config.vocab_size
     prompts = torch.randint(FIRST_ORDINARY_ID, vocab, (1, args.input_len),
@@ -98,9 +105,14 @@ def worker(args: argparse.Namespace) -> None:
             "model_path": driver.model_path,
             "env": {k: os.environ[k] for k in POLICY_VARS if k in os.environ}}
     print(json.dumps(info), flush=True)
+    from radixserve.layers import cpu_kernels
+
     for line in sys.stdin:
-        if line.strip() != "go":
+        words = line.split()
+        if not words or words[0] != "go":
             break
+        if len(words) > 1:  # the kernels' work division for this run
+            cpu_kernels.get().set_parallel_division(words[1])
         c0 = time.process_time()
         prefill = driver.start(prompts)
         steps = [driver.step() for _ in range(args.decode_steps)]
@@ -117,7 +129,7 @@ class Worker:
         env.update(env_over)
         env.setdefault("RADIXSERVE_OMP_DEFAULTS", "0")  # raw libgomp behaviour unless a config asks otherwise
         cmd = [sys.executable, __file__, "--worker", "--model", args.model, "--input-len", str(args.input_len),
-               "--decode-steps", str(args.decode_steps)]
+               "--decode-steps", str(args.decode_steps), "--dtype", args.dtype]
         if threads:
             cmd += ["--threads", str(threads)]
         self.name = name
@@ -132,8 +144,8 @@ class Worker:
             if line.startswith("{"):
                 return json.loads(line)
 
-    def run(self) -> Dict[str, Any]:
-        self.proc.stdin.write("go\n")
+    def run(self, division: str = "") -> Dict[str, Any]:
+        self.proc.stdin.write(f"go {division}\n")
         self.proc.stdin.flush()
         return self._read()
 
@@ -185,40 +197,47 @@ def summarize(name: str, w_info: Dict[str, Any], quiet: List[Dict[str, Any]], lo
 
 def format_table(rows: List[Dict[str, Any]]) -> str:
     head = ("| config | threads | prefill quiet s (med/best) | prefill loaded s (med/best) | prefill slowdown "
-            "| decode quiet ms | decode loaded ms | decode slowdown |")
-    lines = [head, "|" + " --- |" * 8]
+            "| decode quiet ms (med/best) | decode loaded ms (med/best) | decode slowdown | CPU s quiet / loaded |")
+    lines = [head, "|" + " --- |" * 9]
     for r in rows:
         p, d = r["prefill_s"], r["decode_s"]
         lines.append(
             f"| {r['config']} | {r['threads']} | {p['quiet']['median']:.3f} / {p['quiet']['best']:.3f} "
             f"| {p['loaded']['median']:.3f} / {p['loaded']['best']:.3f} | {p['slowdown']:.2f}x "
-            f"| {d['quiet']['median'] * 1e3:.1f} | {d['loaded']['median'] * 1e3:.1f} | {d['slowdown']:.2f}x |")
+            f"| {d['quiet']['median'] * 1e3:.1f} / {d['quiet']['best'] * 1e3:.1f} "
+            f"| {d['loaded']['median'] * 1e3:.1f} / {d['loaded']['best'] * 1e3:.1f} | {d['slowdown']:.2f}x "
+            f"| {r['cpu_s']['quiet']['median']:.2f} / {r['cpu_s']['loaded']['median']:.2f} |")
     return "\n".join(lines)
 
 
-def _one(w: Worker, busy_core: int, loaded: bool) -> Dict[str, Any]:
+def _one(w: Worker, busy_core: int, loaded: bool, division: str = "") -> Dict[str, Any]:
     if loaded:
         with Busy(busy_core):
-            r = w.run()
+            r = w.run(division)
     else:
-        r = w.run()
+        r = w.run(division)
     r["loadavg1"] = os.getloadavg()[0]
     return r
 
 
 def main(args: argparse.Namespace) -> None:
-    results: Dict[str, Dict[str, List[Dict[str, Any]]]] = {c: {"quiet": [], "loaded": []} for c in args.configs}
+    divisions = args.divisions or [""]
+    labels = [f"{c}/{d}" if d else c for c in args.configs for d in divisions]
+    results: Dict[str, Dict[str, List[Dict[str, Any]]]] = {lb: {"quiet": [], "loaded": []} for lb in labels}
     infos: Dict[str, Dict[str, Any]] = {}
     t0 = time.time()
 
     def rounds(workers: List[Worker]) -> None:
         for i in range(args.rounds):
             for w in workers:  # quiet, then loaded, config after config: noise lands on all alike
-                for loaded in (False, True) if i % 2 == 0 else (True, False):
-                    r = _one(w, args.busy_core, loaded)
-                    results[w.name]["loaded" if loaded else "quiet"].append(r)
-                    print(f"round {i} {w.name:10s} {'loaded' if loaded else 'quiet ':6s} prefill {r['prefill_s']:.3f} s "
-                          f"decode {r['decode_s'] * 1e3:.1f} ms  load {r['loadavg1']:.1f}", flush=True)
+                for j, d in enumerate(divisions if i % 2 == 0 else divisions[::-1]):
+                    label = f"{w.name}/{d}" if d else w.name
+                    for loaded in (False, True) if (i + j) % 2 == 0 else (True, False):
+                        r = _one(w, args.busy_core, loaded, d)
+                        results[label]["loaded" if loaded else "quiet"].append(r)
+                        print(f"round {i} {label:14s} {'loaded' if loaded else 'quiet ':6s} prefill {r['prefill_s']:.3f} s "
+                              f"decode {r['decode_s'] * 1e3:.1f} ms  cpu {r['cpu_s']:.2f} s  load {r['loadavg1']:.1f}",
+                              flush=True)
 
     if args.sequential:
         for c in args.configs:
@@ -233,8 +252,9 @@ def main(args: argparse.Namespace) -> None:
         for w in workers:
             w.close()
 
-    rows = [summarize(c, infos[c], results[c]["quiet"], results[c]["loaded"]) for c in args.configs]
+    rows = [summarize(lb, infos[lb.split("/")[0]], results[lb]["quiet"], results[lb]["loaded"]) for lb in labels]
     table = format_table(rows)
+    print(f"CPU: {cpu_model()}, {os.cpu_count()} cores")
     print(table)
     if args.out:
         report = {
@@ -259,11 +279,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--model", default="smollm2", help="smollm2 | qwen1.5b | tiny | a model path")
     p.add_argument("--input-len", type=int, default=225)
+    p.add_argument("--dtype", default="auto", help="ServerArgs.dtype (auto | bfloat16 | float32)")
     p.add_argument("--decode-steps", type=int, default=4)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--busy-core", type=int, default=1)
     p.add_argument("--sequential", action="store_true", help="one worker at a time (large models)")
+    p.add_argument("--divisions", nargs="*", default=[], choices=["pool", "omp", "static"],
+                   help="the kernels' work divisions to time in turns in each worker")
     p.add_argument("--out", default="")
     return p.parse_args()
 

@@ -10,9 +10,9 @@
 // GEMM and the decode attention over a bf16 pool multiply bf16 operands on vdpbf16ps, summing in
 // float32; that attention splits its float32 operands in bf16 hi + lo halves; the AVX2 GEMM widens
 // its bf16 weights and multiplies in float32).
-// Parallel loops run on torch's own OpenMP thread pool through parallel_for_dynamic (parallel.h:
-// chunks from an atomic counter, so a thread whose core another process took does not hold each
-// region up).
+// Parallel loops run through parallel_for_dynamic (parallel.h: chunks from an atomic counter on a
+// small worker pool whose regions end when the chunks are done, so a thread whose core another
+// process took does not hold each region up).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -1061,6 +1062,62 @@ at::Tensor parallel_for_visits(int64_t n, int64_t grain) {
   return counts;
 }
 
+// ---- the division of parallel_for_dynamic, and test hooks for it (parallel.h) ------------------
+void set_parallel_division(const std::string& name) {
+  if (name == "pool") {
+    radixserve::set_division(radixserve::Division::kPool);
+  } else if (name == "omp") {
+    radixserve::set_division(radixserve::Division::kOmp);
+  } else if (name == "static") {
+    radixserve::set_division(radixserve::Division::kStatic);
+  } else {
+    TORCH_CHECK(false, "set_parallel_division: expected 'pool', 'omp' or 'static', got '", name, "'");
+  }
+}
+
+std::string parallel_division() {
+  switch (radixserve::division()) {
+    case radixserve::Division::kPool: return "pool";
+    case radixserve::Division::kOmp: return "omp";
+    default: return "static";
+  }
+}
+
+// For tests: the thread ids that ran chunks of a region of n items (one item a chunk). Each
+// thread's first chunk waits (up to timeout_s) until `wait_for` distinct threads have started
+// one, so that a test sees every thread of the region take part.
+std::vector<int64_t> parallel_thread_ids(int64_t n, int64_t wait_for, double timeout_s) {
+  std::vector<std::atomic<int>> seen(64);
+  std::atomic<int> distinct{0};
+  std::atomic<bool> bad_id{false};
+  const int64_t nthreads = at::get_num_threads();
+  radixserve::parallel_for_dynamic(n, 1, [&](int64_t, int64_t) {
+    const int id = at::get_thread_num();
+    if (id < 0 || id >= nthreads || id >= 64) {
+      bad_id = true;
+      return;
+    }
+    if (seen[id].fetch_add(1) == 0) {
+      distinct.fetch_add(1);
+      const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+      while (distinct.load() < wait_for && std::chrono::steady_clock::now() < until)
+        std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+  });
+  TORCH_CHECK(!bad_id.load(), "parallel_thread_ids: at::get_thread_num() outside [0, get_num_threads())");
+  std::vector<int64_t> ids;
+  for (int i = 0; i < 64; ++i)
+    if (seen[i].load() > 0) ids.push_back(i);
+  return ids;
+}
+
+// For tests: a region of n items whose item `bad` throws.
+void parallel_for_throw(int64_t n, int64_t grain, int64_t bad) {
+  radixserve::parallel_for_dynamic(n, grain, [&](int64_t begin, int64_t end) {
+    if (begin <= bad && bad < end) throw std::runtime_error("parallel_for_throw: item " + std::to_string(bad));
+  });
+}
+
 // ---- small-batch bf16 linear layers: y = x @ W^T on AVX512_BF16 or AVX2 + FMA -------------------
 //
 // A decode step multiplies a few rows of activations by every weight matrix once: it is bound by
@@ -1612,7 +1669,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_linear", &bf16_linear, "y = x @ W^T (+ bias) with a packed bf16 weight", py::arg("x"), py::arg("packed"),
         py::arg("out_features"), py::arg("bias") = py::none());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
-  m.def("parallel_for_visits", &parallel_for_visits, "visits per item of parallel_for_dynamic (tests)");
+  m.def("parallel_for_visits", &parallel_for_visits, "visits per item of parallel_for_dynamic (tests)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("set_parallel_division", &set_parallel_division,
+        "parallel_for_dynamic's division: 'pool' (default), 'omp' (OpenMP region, to compare) or 'static'");
+  m.def("parallel_division", &parallel_division, "parallel_for_dynamic's division now");
+  m.def("parallel_thread_ids", &parallel_thread_ids, "thread ids that ran a region's chunks (tests)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("parallel_for_throw", &parallel_for_throw, "a region whose item `bad` throws (tests)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("parallel_test_hold", &radixserve::test_hold_thread,
+        "tests: thread `id` blocks on entering its next region until parallel_test_release()");
+  m.def("parallel_test_release", &radixserve::test_release_thread, "tests: release the held thread");
+  m.def("parallel_test_held", &radixserve::test_thread_held, "tests: whether a thread is held now");
   m.def("refine_top_logits", &refine_top_logits, "recompute each row's k largest logits from float32 hidden states");
   m.def("fused_moe_bf16", &fused_moe_bf16, "a MoE layer's experts over their routed tokens, packed bf16 weights",
         py::arg("x"), py::arg("w13"), py::arg("w2"), py::arg("topk_weights"), py::arg("topk_ids"), py::arg("inter"));

@@ -3,7 +3,7 @@ and extend (prefill) attention, the KV store, fused add+RMSNorm, rotary embeddin
 GEMM of the linear layers (AVX512_BF16, or AVX2 + FMA; weights packed once by linear.pack_cpu_weights).
 
 They are compiled once per machine with torch.utils.cpp_extension (`-O3 -march=native`,
-torch's own OpenMP pool) into torch's extension cache, in a directory named by the ISA and a hash
+torch's OpenMP for torch's ops; the kernels' own worker pool, csrc/parallel.h) into torch's extension cache, in a directory named by the ISA and a hash
 of the sources, flags and toolchain (`extension_name()`), so that installs with other sources
 never rebuild each other's; `scripts/install.sh` builds them, and otherwise the first process that
 needs them does (~30-120 s on two cores). One process builds at a time (`build_lock`), and a lock
