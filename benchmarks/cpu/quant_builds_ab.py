@@ -8,7 +8,7 @@ shapes (random blocks, weights cycled through > 2x L3):
     decode (quant_decode_fused_rows(0)): four methods in turns;
   - prefill (M > 16: the tiles): the two builds in turns.
 
-Prints the best of --reps rounds per method and the ratios ref / tree (> 1: the tree is faster),
+Prints the best of --reps rounds (the methods' order rotated each round) per method and the ratios ref / tree (> 1: the tree is faster),
 and writes them to --out with the CPU model. Issue 54 (the fused decode in the tiles' float order):
 
     python benchmarks/cpu/quant_builds_ab.py --ref main --threads 1 --ms 1,2,4,128 \\
@@ -23,6 +23,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -72,6 +73,22 @@ def methods(builds: dict, x: torch.Tensor, wq: list, qtype, k: int) -> dict:
     return fns
 
 
+def bench_rotating(fns: dict, reps: int) -> dict:
+    """{name: best ms} over `reps` rounds; each round runs every method once, the order rotated by
+    one a round (no method always runs right after another's cache or frequency footprint)."""
+    names = list(fns)
+    times = {k: [] for k in names}
+    for i in range(2):  # warm-up
+        for f in fns.values():
+            f(i)
+    for i in range(reps):
+        for name in names[i % len(names):] + names[: i % len(names)]:
+            t0 = time.perf_counter()
+            fns[name](i)
+            times[name].append(time.perf_counter() - t0)
+    return {k: min(v) * 1e3 for k, v in times.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ref", default="main", help="the git ref whose radixserve/csrc is the 'ref' build")
@@ -97,8 +114,7 @@ def main() -> None:
             wq = qg.copies(data)
             for m in ms:
                 x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-                t = qg.bench(methods(builds, x, wq, qtype, k), args.reps if m <= 16 else max(3, args.reps // 3))
-                best = {name: v["best_ms"] for name, v in t.items()}
+                best = bench_rotating(methods(builds, x, wq, qtype, k), args.reps if m <= 16 else max(4, args.reps // 3))
                 paths = sorted({name.split("/")[1] for name in best})
                 ratios = {p: best[f"ref/{p}"] / best[f"tree/{p}"] for p in paths}
                 if m <= 16:
