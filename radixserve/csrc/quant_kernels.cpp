@@ -1071,12 +1071,14 @@ inline __m256 wmin_dot(const float* wm, const float* am, int64_t n, __m256 acc) 
 // The float order of one output, the same in every path (the prefill tiles, the scratch decode and
 // the fused decode), so that a row of x gets the same bits whatever the row count (speculative
 // verification of k + 1 rows equals plain decoding; --enable-deterministic-inference):
-//   for each K chunk of KCHUNK values (the tiles' unit of work), from an 8-lane zero:
+//   for each K chunk of KCHUNK values (the tiles' unit of work), two sets of 8 lanes from zero:
 //     per unit in order: lanes = fma(float(the unit's int32 lanes), d_w * d_a, lanes);
-//     then the chunk's offset / min slots, 8 at a time: lanes = fma(wmin[j..], amin[j..], lanes);
-//     y = hsum8(lanes) at the first chunk, y + hsum8(lanes) after.
+//     the chunk's offset / min slots in order, 8 at a time: wl = fma(wmin[j..], amin[j..], wl);
+//     y = hsum8(lanes + wl) at the first chunk, y + hsum8(lanes + wl) after.
 // The int32 lanes are exact sums (the paths may add them in any order); the unit's offset / min
 // terms stay float products wmin * amin (not folded into the integers), as the tiles have them.
+// wl is a chain of its own so that the fused decode adds a super-block's terms as it goes (its
+// 8 or 16 slots are the next ones in order), beside the integer work, not in a serial tail.
 
 // The slots of the offset / min terms of the chunk of units [u0, u0 + uc): its units' own, and at
 // the last chunk the padding up to spad (zeros on both sides).
@@ -1084,10 +1086,15 @@ inline int64_t chunk_slots(int64_t u0, int64_t uc, int64_t nunits, int64_t spu, 
   return u0 + uc == nunits ? spad - u0 * spu : uc * spu;
 }
 
+// One chunk's lanes and offset / min lanes (wl) into *y.
+inline void add_chunk_lanes(__m256 lanes, __m256 wl, bool first, float* y) {
+  const float v = hsum8(_mm256_add_ps(lanes, wl));
+  *y = first ? v : *y + v;
+}
+
 // One chunk's lanes + its offset / min slots (wm, am: the chunk's first slot; n slots) into *y.
 inline void add_chunk(__m256 lanes, const float* wm, const float* am, int64_t n, bool first, float* y) {
-  const float v = hsum8(wmin_dot(wm, am, n, lanes));
-  *y = first ? v : *y + v;
+  add_chunk_lanes(lanes, wmin_dot(wm, am, n, _mm256_setzero_ps()), first, y);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1220,17 +1227,19 @@ inline __m256i lanes16(int s, int t) {
                            _mm_set1_epi16(static_cast<int16_t>(0x0100 + 0x0202 * t)));
 }
 
-// The rows of x of one unit: a[c] its activation bytes, da[c] its d.
+// The rows of x of one unit: a[c] its activation bytes, da[c] its d, am[c] its first amin slot.
 template <int C>
 struct FusedX {
   const int8_t* a[C];
   float da[C];
+  const float* am[C];
 };
 
-// One Q4_K / Q5_K super-block at p; its 8 wmin slots (-dmin * min, as unpack_sb_q4k) -> wm.
+// One Q4_K / Q5_K super-block at p; its 8 wmin slots (-dmin * min, as unpack_sb_q4k) times amin
+// into wl.
 template <int64_t T, int C>
 __attribute__((always_inline)) inline void fused_sb_q4k(const uint8_t* p, const FusedX<C>& x, __m256* acc,
-                                                        float* wm) {
+                                                        __m256* wl) {
   constexpr bool q5 = T == Q5_K;
   const float d = h2f(p), dmin = h2f(p + 2);
   uint32_t utmp[4];
@@ -1239,7 +1248,7 @@ __attribute__((always_inline)) inline void fused_sb_q4k(const uint8_t* p, const 
   const __m256i sm = _mm256_cvtepu8_epi16(sm8);
   const __m256i sc = _mm256_permute2x128_si256(sm, sm, 0x00);  // the 8 scales (int16) in both halves
   const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm8, 8)));
-  _mm256_storeu_ps(wm, _mm256_mul_ps(mins, _mm256_set1_ps(-dmin)));
+  const __m256 wm = _mm256_mul_ps(mins, _mm256_set1_ps(-dmin));
   const uint8_t* qs = p + (q5 ? 48 : 16);
   const __m256i m4 = _mm256_set1_epi8(0x0F);
   __m256i iacc[C];
@@ -1262,23 +1271,26 @@ __attribute__((always_inline)) inline void fused_sb_q4k(const uint8_t* p, const 
     }
   }
 #pragma GCC unroll 4
-  for (int c = 0; c < C; ++c) acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[c]), _mm256_set1_ps(d * x.da[c]), acc[c]);
+  for (int c = 0; c < C; ++c) {
+    acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[c]), _mm256_set1_ps(d * x.da[c]), acc[c]);
+    wl[c] = _mm256_fmadd_ps(wm, _mm256_loadu_ps(x.am[c]), wl[c]);
+  }
 }
 
 // One Q6_K super-block at p: values 128h + 32i (vector k = 4h + i) from ql (low 4 bits) and qh
 // (2 bits), as in unpack_sb_q6k; vector k holds sub-blocks 2k, 2k + 1. Its 16 wmin slots (the -32
-// offset: -32 * d * scale, as unpack_sb_q6k) -> wm.
+// offset: -32 * d * scale, as unpack_sb_q6k) times amin into wl.
 template <int C>
 __attribute__((always_inline)) inline void fused_sb_q6k(const uint8_t* p, const FusedX<C>& x, __m256* acc,
-                                                        float* wm) {
+                                                        __m256* wl) {
   const float d = h2f(p + 208);
   const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192));  // a signed scale per 16 values
   const __m256i s16 = _mm256_cvtepi8_epi16(s8);
   const __m256i sa = _mm256_permute2x128_si256(s16, s16, 0x00);  // scales 0..7 in both halves
   const __m256i sb = _mm256_permute2x128_si256(s16, s16, 0x11);  // scales 8..15
   const __m256 m32 = _mm256_set1_ps(-32.f * d);
-  _mm256_storeu_ps(wm, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s8)), m32));
-  _mm256_storeu_ps(wm + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(s8, 8))), m32));
+  const __m256 wm0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s8)), m32);
+  const __m256 wm1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(s8, 8))), m32);
   const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
   __m256i iacc[C];
   for (int c = 0; c < C; ++c) iacc[c] = _mm256_setzero_si256();
@@ -1302,7 +1314,11 @@ __attribute__((always_inline)) inline void fused_sb_q6k(const uint8_t* p, const 
     }
   }
 #pragma GCC unroll 4
-  for (int c = 0; c < C; ++c) acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[c]), _mm256_set1_ps(d * x.da[c]), acc[c]);
+  for (int c = 0; c < C; ++c) {
+    acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[c]), _mm256_set1_ps(d * x.da[c]), acc[c]);
+    wl[c] = _mm256_fmadd_ps(wm0, _mm256_loadu_ps(x.am[c]), wl[c]);
+    wl[c] = _mm256_fmadd_ps(wm1, _mm256_loadu_ps(x.am[c] + 8), wl[c]);
+  }
 }
 
 // One block of a 32-block type at p; its wmin slot (as unpack_block32) -> *wm.
@@ -1339,12 +1355,11 @@ template <int64_t T, int C>
 void fused_row(const uint8_t* row, int64_t nunits, const int8_t* Aq, int64_t K, const float* Ad, int64_t nad,
                const float* Am, int64_t spad, float* y, int64_t ldy) {
   constexpr int64_t TS = type_size(T), UV = unit_values(T), SPU = slots_per_unit(T), UC = KCHUNK / UV;
-  alignas(32) float wm[UC * SPU];  // the chunk's offset / min slots
+  alignas(32) float wm[is_kq(T) ? 8 : UC];  // 32-block types: the chunk's offset / min slots (one a block)
   for (int64_t u0 = 0; u0 < nunits; u0 += UC) {
     const int64_t uc = std::min(UC, nunits - u0), ns = chunk_slots(u0, uc, nunits, SPU, spad);
-    std::fill(wm + uc * SPU, wm + ns, 0.f);  // the last chunk's padding
-    __m256 acc[C];
-    for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
+    __m256 acc[C], wl[C];
+    for (int c = 0; c < C; ++c) acc[c] = wl[c] = _mm256_setzero_ps();
     for (int64_t u = u0; u < u0 + uc; ++u) {
       const uint8_t* p = row + u * TS;
       if constexpr (kFusedPrefetch > 0) {
@@ -1356,16 +1371,20 @@ void fused_row(const uint8_t* row, int64_t nunits, const int8_t* Aq, int64_t K, 
       for (int c = 0; c < C; ++c) {
         x.a[c] = Aq + c * K + u * UV;
         x.da[c] = Ad[c * nad + u];
+        x.am[c] = Am + c * spad + u * SPU;
       }
-      float* wmu = wm + (u - u0) * SPU;
       if constexpr (T == Q4_K || T == Q5_K)
-        fused_sb_q4k<T, C>(p, x, acc, wmu);
+        fused_sb_q4k<T, C>(p, x, acc, wl);
       else if constexpr (T == Q6_K)
-        fused_sb_q6k<C>(p, x, acc, wmu);
+        fused_sb_q6k<C>(p, x, acc, wl);
       else
-        fused_block32<T, C>(p, x, acc, wmu);
+        fused_block32<T, C>(p, x, acc, wm + (u - u0));
     }
-    for (int c = 0; c < C; ++c) add_chunk(acc[c], wm, Am + c * spad + u0 * SPU, ns, u0 == 0, y + c * ldy);
+    if constexpr (!is_kq(T)) {  // a slot a block: the chunk's slots summed 8 at a time at its end
+      std::fill(wm + uc, wm + ns, 0.f);  // the last chunk's padding
+      for (int c = 0; c < C; ++c) wl[c] = wmin_dot(wm, Am + c * spad + u0, ns, wl[c]);
+    }
+    for (int c = 0; c < C; ++c) add_chunk_lanes(acc[c], wl[c], u0 == 0, y + c * ldy);
   }
 }
 
