@@ -40,7 +40,7 @@ def main() -> None:
     torch.set_num_threads(args.num_threads)
     ops = cpu_kernels.get()
     before = ops.quant_decode_fused_rows()
-    fused = 4  # the fused path's measured limit (it is off by default: cpu_kernels.FUSED_DECODE_ENV)
+    fused = cpu_kernels.FUSED_DECODE_ROWS_DEFAULT  # the fused path's measured limit (its default)
     need = args.batch_size * (args.input_len + 2 * args.steps + 4) + 64
     ours = _OursDriver(ServerArgs(model_path=args.model_path, max_total_tokens=need,
                                   max_running_requests=args.batch_size))

@@ -40,6 +40,8 @@
 //     re-unpacks the row from L1, not from memory). M = 16 thus reads the weights once, like M = 1.
 //   - AVX2 only, decode of M <= quant_decode_fused_rows() (4) rows of x (issue 54): fused, each
 //     block unpacked in registers and dotted at once (no scratch; see "Fused decode" below).
+// Every path of a build sums an output in one float order (the prefill tiles'; AVX2: see "The
+// float order" below), so a row of x gets the same bits at any row count.
 //   - prefill: tiles of 4 output rows; for a block of up to MC rows of x (their quantized bytes
 //     held in L2) the tile's rows are unpacked chunk by chunk of K (2048 values) into an L1 buffer,
 //     once, and used for every row of x in the block: register blocks of 2 weight rows x 4 rows
@@ -359,6 +361,18 @@ std::unique_ptr<T[], AlignedFree> aligned_buffer(int64_t n) {
   return std::unique_ptr<T[], AlignedFree>(static_cast<T*>(std::aligned_alloc(64, bytes)));
 }
 
+// The horizontal sums of 4 vectors: [sum a, sum b, sum c, sum d].
+inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  // per 128-bit chunk: [a0+a2, b0+b2, a1+a3, b1+b3] and the same of c, d
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  // per chunk: [a, b, c, d] partial sums
+  const __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(abcd), _mm512_extractf32x8_ps(abcd, 1));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
 // ---------------------------------------------------------------------------------------------
 // Decode (M <= 4 rows of x): one weight row at a time, each unit unpacked into an L1 scratch and
 // used at once for the (up to 4) rows of x. The weight bytes are read in one sequential stream per
@@ -433,7 +447,9 @@ inline void decode_row(const uint8_t* row, int64_t nblocks, int64_t nunits, cons
   for (int c = 0; c < C; ++c) {
     const float* am = Am + c * spad;
     for (int64_t j = 0; j < spad; j += 16) acc[c] = _mm512_fmadd_ps(_mm512_load_ps(wm + j), _mm512_loadu_ps(am + j), acc[c]);
-    y[c * ldy] = _mm512_reduce_add_ps(acc[c]);
+    // the 16 lanes summed as the prefill tiles sum them (hsum4's lane 0 depends on its first
+    // vector alone), not as _mm512_reduce_add_ps does: a row gets the same bits at any row count
+    y[c * ldy] = _mm_cvtss_f32(hsum4(acc[c], acc[c], acc[c], acc[c]));
   }
 }
 
@@ -578,18 +594,6 @@ void mk_dispatch(int rr, int cc, const uint8_t* const* uw, const uint8_t* const*
 }
 
 inline int64_t pad16(int64_t n) { return (n + 15) / 16 * 16; }
-
-// The horizontal sums of 4 vectors: [sum a, sum b, sum c, sum d].
-inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
-  // per 128-bit chunk: [a0+a2, b0+b2, a1+a3, b1+b3] and the same of c, d
-  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-  // per chunk: [a, b, c, d] partial sums
-  const __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
-                                    _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(abcd), _mm512_extractf32x8_ps(abcd, 1));
-  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-}
 
 // y[M, N] (row stride ldy) = x[M, K] (contiguous) @ dequantize(W)^T.
 template <bool KQ>
@@ -1026,9 +1030,7 @@ inline float amax_of(const float* x, int64_t n) {
   return hmax8(mx);
 }
 
-// isum (may be null): the same sums of q as int16 (|sum| <= 32 * 127), slot for slot with amin,
-// for the fused decode, which adds the offsets / mins in integers.
-void quantize_row(const float* x, int64_t K, int64_t qtype, int8_t* q, float* ad, float* amin, int16_t* isum) {
+void quantize_row(const float* x, int64_t K, int64_t qtype, int8_t* q, float* ad, float* amin) {
   const int64_t nv = is_kq(qtype) ? 256 : 32;
   for (int64_t b = 0; b < K / nv; ++b) {
     const float* xb = x + nv * b;
@@ -1041,13 +1043,8 @@ void quantize_row(const float* x, int64_t K, int64_t qtype, int8_t* q, float* ad
       if (qtype == Q6_K) {
         amin[16 * b + 2 * k] = d * static_cast<float>(s0);
         amin[16 * b + 2 * k + 1] = d * static_cast<float>(s1);
-        if (isum) {
-          isum[16 * b + 2 * k] = static_cast<int16_t>(s0);
-          isum[16 * b + 2 * k + 1] = static_cast<int16_t>(s1);
-        }
       } else {
         amin[(nv / 32) * b + k] = d * static_cast<float>(s0 + s1);
-        if (isum) isum[(nv / 32) * b + k] = static_cast<int16_t>(s0 + s1);
       }
     }
   }
@@ -1068,6 +1065,36 @@ inline int64_t pad8(int64_t n) { return (n + 7) / 8 * 8; }
 inline __m256 wmin_dot(const float* wm, const float* am, int64_t n, __m256 acc) {
   for (int64_t j = 0; j < n; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(wm + j), _mm256_loadu_ps(am + j), acc);
   return acc;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The float order of one output, the same in every path (the prefill tiles, the scratch decode and
+// the fused decode), so that a row of x gets the same bits whatever the row count (speculative
+// verification of k + 1 rows equals plain decoding; --enable-deterministic-inference):
+//   for each K chunk of KCHUNK values (the tiles' unit of work), two sets of 8 lanes from zero:
+//     per unit in order: lanes = fma(float(the unit's int32 lanes), d_w * d_a, lanes);
+//     the chunk's offset / min slots in order, 8 at a time: wl = fma(wmin[j..], amin[j..], wl);
+//     y = hsum8(lanes + wl) at the first chunk, y + hsum8(lanes + wl) after.
+// The int32 lanes are exact sums (the paths may add them in any order); the unit's offset / min
+// terms stay float products wmin * amin (not folded into the integers), as the tiles have them.
+// wl is a chain of its own so that the fused decode adds a super-block's terms as it goes (its
+// 8 or 16 slots are the next ones in order), beside the integer work, not in a serial tail.
+
+// The slots of the offset / min terms of the chunk of units [u0, u0 + uc): its units' own, and at
+// the last chunk the padding up to spad (zeros on both sides).
+inline int64_t chunk_slots(int64_t u0, int64_t uc, int64_t nunits, int64_t spu, int64_t spad) {
+  return u0 + uc == nunits ? spad - u0 * spu : uc * spu;
+}
+
+// One chunk's lanes and offset / min lanes (wl) into *y.
+inline void add_chunk_lanes(__m256 lanes, __m256 wl, bool first, float* y) {
+  const float v = hsum8(_mm256_add_ps(lanes, wl));
+  *y = first ? v : *y + v;
+}
+
+// One chunk's lanes + its offset / min slots (wm, am: the chunk's first slot; n slots) into *y.
+inline void add_chunk(__m256 lanes, const float* wm, const float* am, int64_t n, bool first, float* y) {
+  add_chunk_lanes(lanes, wmin_dot(wm, am, n, _mm256_setzero_ps()), first, y);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1112,27 +1139,31 @@ __attribute__((always_inline)) inline void dot_unit(const uint8_t* w, const int8
 template <int64_t T, int C, bool UNPACK>
 void decode_pass(const uint8_t* row, int64_t nunits, uint8_t* uw, float* udw, float* wm, const int8_t* Aq,
                  int64_t K, const float* Ad, int64_t nad, const float* Am, int64_t spad, float* y, int64_t ldy) {
-  constexpr int64_t UW = unpacked_bytes(T), UV = unit_values(T), SPU = slots_per_unit(T);
-  __m256 acc[C];
-  for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
-  for (int64_t u = 0; u < nunits; ++u) {
-    if constexpr (UNPACK) {
-      _mm_prefetch(reinterpret_cast<const char*>(row) + u * type_size(T) + 8192, _MM_HINT_T0);
-      if constexpr (type_size(T) > 64) {
-        for (int64_t b = 64; b < type_size(T); b += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(row) + u * type_size(T) + 8192 + b, _MM_HINT_T0);
+  constexpr int64_t UW = unpacked_bytes(T), UV = unit_values(T), SPU = slots_per_unit(T), UC = KCHUNK / UV;
+  for (int64_t u0 = 0; u0 < nunits; u0 += UC) {  // the tiles' K chunks (see "The float order")
+    const int64_t uc = std::min(UC, nunits - u0);
+    __m256 acc[C];
+    for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
+    for (int64_t u = u0; u < u0 + uc; ++u) {
+      if constexpr (UNPACK) {
+        _mm_prefetch(reinterpret_cast<const char*>(row) + u * type_size(T) + 8192, _MM_HINT_T0);
+        if constexpr (type_size(T) > 64) {
+          for (int64_t b = 64; b < type_size(T); b += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(row) + u * type_size(T) + 8192 + b, _MM_HINT_T0);
+        }
+        unpack_unit<T>(row, u, uw + u * UW, udw + u, wm + u * SPU);
       }
-      unpack_unit<T>(row, u, uw + u * UW, udw + u, wm + u * SPU);
+      const int8_t* a[C];
+      float sd[C];
+      for (int c = 0; c < C; ++c) {
+        a[c] = Aq + c * K + u * UV;
+        sd[c] = udw[u] * Ad[c * nad + u];
+      }
+      dot_unit<T, C>(uw + u * UW, a, sd, acc);
     }
-    const int8_t* a[C];
-    float sd[C];
-    for (int c = 0; c < C; ++c) {
-      a[c] = Aq + c * K + u * UV;
-      sd[c] = udw[u] * Ad[c * nad + u];
-    }
-    dot_unit<T, C>(uw + u * UW, a, sd, acc);
+    const int64_t s0 = u0 * SPU, ns = chunk_slots(u0, uc, nunits, SPU, spad);
+    for (int c = 0; c < C; ++c) add_chunk(acc[c], wm + s0, Am + c * spad + s0, ns, u0 == 0, y + c * ldy);
   }
-  for (int c = 0; c < C; ++c) y[c * ldy] = hsum8(wmin_dot(wm, Am + c * spad, spad, acc[c]));
 }
 
 template <int64_t T>
@@ -1176,17 +1207,13 @@ void decode_rows(const uint8_t* W, int64_t ldw, int64_t n0, int64_t n1, int64_t 
 // ---------------------------------------------------------------------------------------------
 // Fused decode (M <= fused_rows(): 4 by default, measured in benchmarks/cpu/quant_gemm.py): each
 // weight block is unpacked in registers and dotted at once with up to 4 rows of x, as llama.cpp's
-// ggml_vec_dot_q4_K_q8_K / q6_K_q8_K do on AVX2. Nothing goes to memory between the unpacking and
-// the products: the scratch path above stores each super-block's 256 values and eight 32-byte
-// scale vectors to L1 and reads them back, ~2x the instructions, and streams 9-11 GB/s a thread
-// where this one streams close to the memory's rate.
-//   - K-quants: one int32 vector per super-block and row of x, the sub-block scales applied by
-//     vpmaddwd (as the scratch path); Q6_K's -32 offset is 32 * sum_s scale_s * isum_s, taken off
-//     the same int32 sum (exact); the Q4_K / Q5_K mins are an int32 dot of the 8 mins with the 8
-//     activation sums (isum), scaled by -dmin * d_a. So a super-block adds two float terms (Q6_K:
-//     one) where the scratch path adds 8 or 16 wmin * amin products.
-//   - 32-block types: per block the int32 lanes times d_w * d_a, plus wmin * amin (the scratch
-//     path's offset / min term) as a float.
+// ggml_vec_dot_q4_K_q8_K / q6_K_q8_K do on AVX2. Only a unit's offset / min terms (wmin: 1, 8 or
+// 16 floats) go to memory, into a chunk-sized buffer; the scratch path above also stores each
+// super-block's 256 values and eight 32-byte scale vectors to L1 and reads them back (~2x the
+// instructions). The sums are the scratch path's and the tiles', in their order ("The float
+// order" above): per unit the same exact int32 lanes (the K-quants' sub-block scales applied by
+// vpmaddwd), times the same d_w * d_a, and per K chunk the same wmin * amin products, so taking
+// the fused path changes the speed, not the bits.
 // Rows of x beyond 4 take more passes over the row (it is then in L1 / L2, not memory).
 
 constexpr int kFusedRowsDefault = 4;
@@ -1199,32 +1226,29 @@ inline __m256i lanes16(int s, int t) {
   return _mm256_setr_m128i(_mm_set1_epi16(static_cast<int16_t>(0x0100 + 0x0202 * s)),
                            _mm_set1_epi16(static_cast<int16_t>(0x0100 + 0x0202 * t)));
 }
-inline float hsum4(__m128 v) {
-  const __m128 t = _mm_add_ps(v, _mm_movehl_ps(v, v));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
 
-// The rows of x of one unit: a[c] its activation bytes, da[c] its d, is[c] its int16 sums, am[c]
-// its float sums (amin).
+// The rows of x of one unit: a[c] its activation bytes, da[c] its d, am[c] its first amin slot.
 template <int C>
 struct FusedX {
   const int8_t* a[C];
   float da[C];
-  const int16_t* is[C];
-  float am[C];
+  const float* am[C];
 };
 
-// One Q4_K / Q5_K super-block at p.
+// One Q4_K / Q5_K super-block at p; its 8 wmin slots (-dmin * min, as unpack_sb_q4k) times amin
+// into wl.
 template <int64_t T, int C>
 __attribute__((always_inline)) inline void fused_sb_q4k(const uint8_t* p, const FusedX<C>& x, __m256* acc,
-                                                        __m128* accm) {
+                                                        __m256* wl) {
   constexpr bool q5 = T == Q5_K;
   const float d = h2f(p), dmin = h2f(p + 2);
   uint32_t utmp[4];
   k_scales_mins(p + 4, utmp);  // bytes 0..7: the 8 scales, 8..15: the 8 mins
-  const __m256i sm = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(utmp)));
+  const __m128i sm8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(utmp));
+  const __m256i sm = _mm256_cvtepu8_epi16(sm8);
   const __m256i sc = _mm256_permute2x128_si256(sm, sm, 0x00);  // the 8 scales (int16) in both halves
-  const __m128i mins = _mm256_extracti128_si256(sm, 1);
+  const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm8, 8)));
+  const __m256 wm = _mm256_mul_ps(mins, _mm256_set1_ps(-dmin));
   const uint8_t* qs = p + (q5 ? 48 : 16);
   const __m256i m4 = _mm256_set1_epi8(0x0F);
   __m256i iacc[C];
@@ -1249,25 +1273,27 @@ __attribute__((always_inline)) inline void fused_sb_q4k(const uint8_t* p, const 
 #pragma GCC unroll 4
   for (int c = 0; c < C; ++c) {
     acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[c]), _mm256_set1_ps(d * x.da[c]), acc[c]);
-    const __m128i pm = _mm_madd_epi16(mins, _mm_loadu_si128(reinterpret_cast<const __m128i*>(x.is[c])));
-    accm[c] = _mm_fmadd_ps(_mm_cvtepi32_ps(pm), _mm_set1_ps(-dmin * x.da[c]), accm[c]);
+    wl[c] = _mm256_fmadd_ps(wm, _mm256_loadu_ps(x.am[c]), wl[c]);
   }
 }
 
 // One Q6_K super-block at p: values 128h + 32i (vector k = 4h + i) from ql (low 4 bits) and qh
-// (2 bits), as in unpack_sb_q6k; vector k holds sub-blocks 2k, 2k + 1.
+// (2 bits), as in unpack_sb_q6k; vector k holds sub-blocks 2k, 2k + 1. Its 16 wmin slots (the -32
+// offset: -32 * d * scale, as unpack_sb_q6k) times amin into wl.
 template <int C>
-__attribute__((always_inline)) inline void fused_sb_q6k(const uint8_t* p, const FusedX<C>& x, __m256* acc) {
+__attribute__((always_inline)) inline void fused_sb_q6k(const uint8_t* p, const FusedX<C>& x, __m256* acc,
+                                                        __m256* wl) {
   const float d = h2f(p + 208);
-  const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192)));
+  const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192));  // a signed scale per 16 values
+  const __m256i s16 = _mm256_cvtepi8_epi16(s8);
   const __m256i sa = _mm256_permute2x128_si256(s16, s16, 0x00);  // scales 0..7 in both halves
   const __m256i sb = _mm256_permute2x128_si256(s16, s16, 0x11);  // scales 8..15
+  const __m256 m32 = _mm256_set1_ps(-32.f * d);
+  const __m256 wm0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s8)), m32);
+  const __m256 wm1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(s8, 8))), m32);
   const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
   __m256i iacc[C];
-#pragma GCC unroll 4
-  for (int c = 0; c < C; ++c)  // the -32 offset: 32 * sum_s scale_s * isum_s
-    iacc[c] = _mm256_sub_epi32(_mm256_setzero_si256(),
-                               _mm256_slli_epi32(_mm256_madd_epi16(s16, ld256(x.is[c])), 5));
+  for (int c = 0; c < C; ++c) iacc[c] = _mm256_setzero_si256();
 #pragma GCC unroll 2
   for (int h = 0; h < 2; ++h) {
     const __m256i l0 = ld256(p + 64 * h), l1 = ld256(p + 64 * h + 32), q = ld256(p + 128 + 32 * h);
@@ -1288,17 +1314,22 @@ __attribute__((always_inline)) inline void fused_sb_q6k(const uint8_t* p, const 
     }
   }
 #pragma GCC unroll 4
-  for (int c = 0; c < C; ++c) acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[c]), _mm256_set1_ps(d * x.da[c]), acc[c]);
+  for (int c = 0; c < C; ++c) {
+    acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[c]), _mm256_set1_ps(d * x.da[c]), acc[c]);
+    wl[c] = _mm256_fmadd_ps(wm0, _mm256_loadu_ps(x.am[c]), wl[c]);
+    wl[c] = _mm256_fmadd_ps(wm1, _mm256_loadu_ps(x.am[c] + 8), wl[c]);
+  }
 }
 
-// One block of a 32-block type at p.
+// One block of a 32-block type at p; its wmin slot (as unpack_block32) -> *wm.
 template <int64_t T, int C>
 __attribute__((always_inline)) inline void fused_block32(const uint8_t* p, const FusedX<C>& x, __m256* acc,
-                                                         float* accm) {
+                                                         float* wm) {
   const float d = h2f(p);
   const __m256i ones = _mm256_set1_epi16(1);
   if constexpr (T == Q8_0) {  // the sign trick (see the AVX2 section's comment): no offset
     const __m256i q = ld256(p + 2), w = _mm256_abs_epi8(q);
+    *wm = 0.f;
 #pragma GCC unroll 4
     for (int c = 0; c < C; ++c) {
       const __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_sign_epi8(ld256(x.a[c]), q)), ones);
@@ -1308,67 +1339,65 @@ __attribute__((always_inline)) inline void fused_block32(const uint8_t* p, const
     constexpr int64_t QO = T == Q4_0 ? 2 : T == Q4_1 ? 4 : T == Q5_0 ? 6 : 8;
     __m256i v = nibbles32(p + QO);
     if constexpr (T == Q5_0 || T == Q5_1) v = _mm256_or_si256(v, bits32_x16(ld32(p + (T == Q5_0 ? 2 : 4))));
-    const float wmin = (T == Q4_1 || T == Q5_1) ? h2f(p + 2) : d * (T == Q4_0 ? -8.f : -16.f);
+    *wm = (T == Q4_1 || T == Q5_1) ? h2f(p + 2) : d * (T == Q4_0 ? -8.f : -16.f);
 #pragma GCC unroll 4
     for (int c = 0; c < C; ++c) {
       const __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(v, ld256(x.a[c])), ones);
       acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(d * x.da[c]), acc[c]);
-      accm[c] += wmin * x.am[c];
     }
   }
 }
 
 constexpr int64_t kFusedPrefetch = 1024;  // bytes ahead in the row stream (software prefetch)
 
-// One weight row against C (<= 4) rows of x: y[c * ldy] = x_c . row.
+// One weight row against C (<= 4) rows of x: y[c * ldy] = x_c . row, by K chunks (the tiles').
 template <int64_t T, int C>
 void fused_row(const uint8_t* row, int64_t nunits, const int8_t* Aq, int64_t K, const float* Ad, int64_t nad,
-               const float* Am, const int16_t* As, int64_t spad, float* y, int64_t ldy) {
-  constexpr int64_t TS = type_size(T), UV = unit_values(T), SPU = slots_per_unit(T);
-  __m256 acc[C];
-  __m128 accm[C];
-  float accs[C];
-  for (int c = 0; c < C; ++c) {
-    acc[c] = _mm256_setzero_ps();
-    accm[c] = _mm_setzero_ps();
-    accs[c] = 0.f;
-  }
-  for (int64_t u = 0; u < nunits; ++u) {
-    const uint8_t* p = row + u * TS;
-    if constexpr (kFusedPrefetch > 0) {
-      _mm_prefetch(reinterpret_cast<const char*>(p) + kFusedPrefetch, _MM_HINT_T0);
-      if constexpr (TS > 64)
-        for (int64_t b = 64; b < TS; b += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + kFusedPrefetch + b, _MM_HINT_T0);
+               const float* Am, int64_t spad, float* y, int64_t ldy) {
+  constexpr int64_t TS = type_size(T), UV = unit_values(T), SPU = slots_per_unit(T), UC = KCHUNK / UV;
+  alignas(32) float wm[is_kq(T) ? 8 : UC];  // 32-block types: the chunk's offset / min slots (one a block)
+  for (int64_t u0 = 0; u0 < nunits; u0 += UC) {
+    const int64_t uc = std::min(UC, nunits - u0), ns = chunk_slots(u0, uc, nunits, SPU, spad);
+    __m256 acc[C], wl[C];
+    for (int c = 0; c < C; ++c) acc[c] = wl[c] = _mm256_setzero_ps();
+    for (int64_t u = u0; u < u0 + uc; ++u) {
+      const uint8_t* p = row + u * TS;
+      if constexpr (kFusedPrefetch > 0) {
+        _mm_prefetch(reinterpret_cast<const char*>(p) + kFusedPrefetch, _MM_HINT_T0);
+        if constexpr (TS > 64)
+          for (int64_t b = 64; b < TS; b += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + kFusedPrefetch + b, _MM_HINT_T0);
+      }
+      FusedX<C> x;
+      for (int c = 0; c < C; ++c) {
+        x.a[c] = Aq + c * K + u * UV;
+        x.da[c] = Ad[c * nad + u];
+        x.am[c] = Am + c * spad + u * SPU;
+      }
+      if constexpr (T == Q4_K || T == Q5_K)
+        fused_sb_q4k<T, C>(p, x, acc, wl);
+      else if constexpr (T == Q6_K)
+        fused_sb_q6k<C>(p, x, acc, wl);
+      else
+        fused_block32<T, C>(p, x, acc, wm + (u - u0));
     }
-    FusedX<C> x;
-    for (int c = 0; c < C; ++c) {
-      x.a[c] = Aq + c * K + u * UV;
-      x.da[c] = Ad[c * nad + u];
-      x.is[c] = As + c * spad + u * SPU;
-      x.am[c] = Am[c * spad + u * SPU];
+    if constexpr (!is_kq(T)) {  // a slot a block: the chunk's slots summed 8 at a time at its end
+      std::fill(wm + uc, wm + ns, 0.f);  // the last chunk's padding
+      for (int c = 0; c < C; ++c) wl[c] = wmin_dot(wm, Am + c * spad + u0, ns, wl[c]);
     }
-    if constexpr (T == Q4_K || T == Q5_K)
-      fused_sb_q4k<T, C>(p, x, acc, accm);
-    else if constexpr (T == Q6_K)
-      fused_sb_q6k<C>(p, x, acc);
-    else
-      fused_block32<T, C>(p, x, acc, accs);
+    for (int c = 0; c < C; ++c) add_chunk_lanes(acc[c], wl[c], u0 == 0, y + c * ldy);
   }
-  for (int c = 0; c < C; ++c) y[c * ldy] = hsum8(acc[c]) + (hsum4(accm[c]) + accs[c]);
 }
 
 // Weight rows [n0, n1) against all M rows of x, 4 at a time.
 template <int64_t T>
 void fused_rows(const uint8_t* W, int64_t ldw, int64_t n0, int64_t n1, int64_t M, int64_t K, const int8_t* Aq,
-                const float* Ad, int64_t nad, const float* Am, const int16_t* As, int64_t spad, float* y,
-                int64_t ldy) {
+                const float* Ad, int64_t nad, const float* Am, int64_t spad, float* y, int64_t ldy) {
   const int64_t nunits = K / unit_values(T);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = W + n * ldw;
     for (int64_t c0 = 0; c0 < M; c0 += 4) {
-#define RS_FUSED(C)                                                                                               \
-  fused_row<T, C>(row, nunits, Aq + c0 * K, K, Ad + c0 * nad, nad, Am + c0 * spad, As + c0 * spad, spad, \
-                  y + c0 * ldy + n, ldy)
+#define RS_FUSED(C) \
+  fused_row<T, C>(row, nunits, Aq + c0 * K, K, Ad + c0 * nad, nad, Am + c0 * spad, spad, y + c0 * ldy + n, ldy)
       switch (std::min<int64_t>(4, M - c0)) {
         case 1: RS_FUSED(1); break;
         case 2: RS_FUSED(2); break;
@@ -1511,8 +1540,7 @@ void prefill_tiles(const uint8_t* W, int64_t ldw, int64_t t0, int64_t t1, int64_
   std::fill(Wm.get(), Wm.get() + NT * spad, 0.f);  // the slots past the last unit stay zero
   for (int64_t u0 = 0; u0 < nunits; u0 += UC) {
     const int64_t uc = std::min(UC, nunits - u0);
-    // this chunk's offset / min slots (multiples of 8 but at the end: there up to spad, zeros)
-    const int64_t s0 = u0 * SPU, s1 = u0 + uc == nunits ? spad : (u0 + uc) * SPU;
+    const int64_t s0 = u0 * SPU, ns = chunk_slots(u0, uc, nunits, SPU, spad);  // this chunk's offset / min slots
     for (int64_t mb = 0; mb < M; mb += MC) {
       const int64_t mc = std::min(MC, M - mb);
       for (int64_t tile = t0; tile < t1; ++tile) {
@@ -1556,10 +1584,8 @@ void prefill_tiles(const uint8_t* W, int64_t ldw, int64_t t0, int64_t t1, int64_
         for (int64_t c = 0; c < mc; ++c) {  // the chunk's sums + its offsets / mins (wmin . amin) into y
           const float* am = Am + (mb + c) * spad + s0;
           float* yp = y + (mb + c) * ldy + n0;
-          for (int64_t r = 0; r < nr; ++r) {
-            const float v = hsum8(wmin_dot(Wm.get() + r * spad + s0, am, s1 - s0, _mm256_loadu_ps(Fb.get() + (r * MC + c) * 8)));
-            yp[r] = u0 == 0 ? v : yp[r] + v;
-          }
+          for (int64_t r = 0; r < nr; ++r)
+            add_chunk(_mm256_loadu_ps(Fb.get() + (r * MC + c) * 8), Wm.get() + r * spad + s0, am, ns, u0 == 0, yp + r);
         }
       }
     }
@@ -1577,19 +1603,16 @@ void quant_gemm_t(const float* x, int64_t M, int64_t K, const uint8_t* W, int64_
   auto Aq = aligned_buffer<int8_t>(M * K);
   auto Ad = aligned_buffer<float>(M * nad);
   auto Am = aligned_buffer<float>(M * spad);
-  auto As = aligned_buffer<int16_t>(fused ? M * spad : 0);
   radixserve::parallel_for_dynamic(M, 4, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       float* am = Am.get() + m * spad;
       std::fill(am, am + spad, 0.f);
-      int16_t* is = fused ? As.get() + m * spad : nullptr;
-      if (is) std::fill(is, is + spad, int16_t{0});
-      quantize_row(x + m * K, K, T, Aq.get() + m * K, Ad.get() + m * nad, am, is);
+      quantize_row(x + m * K, K, T, Aq.get() + m * K, Ad.get() + m * nad, am);
     }
   });
   if (fused) {
     radixserve::parallel_for_dynamic(N, 16, [&](int64_t n0, int64_t n1) {
-      fused_rows<T>(W, ldw, n0, n1, M, K, Aq.get(), Ad.get(), nad, Am.get(), As.get(), spad, y, ldy);
+      fused_rows<T>(W, ldw, n0, n1, M, K, Aq.get(), Ad.get(), nad, Am.get(), spad, y, ldy);
     });
     return;
   }

@@ -210,17 +210,17 @@ def stage_sources(build_dir: Path, files: Sequence[Path]) -> dict[Path, Path]:
 
 
 FUSED_DECODE_ENV = "RADIXSERVE_FUSED_DECODE_ROWS"
+FUSED_DECODE_ROWS_DEFAULT = 4  # measured: at 8 rows the fused and scratch decodes are even (benchmarks/NOTES.md)
 
 
 def fused_decode_rows_from_env(environ: Mapping[str, str] = os.environ) -> int:
     """The AVX2 GGUF kernel's fused decode (issue 54: blocks unpacked in registers, 1.2-1.5x the
-    scratch path at 1-2 rows) serves calls of up to this many rows of x; 0 (the default) turns it
-    off. Off by default because its float sums run in another order than the prefill tiles': a
-    row's logits would then depend on how many rows share the call, and the engine promises they
-    do not (speculative verification equals plain decoding; --enable-deterministic-inference).
-    It comes on by default once its order is the tiles' (benchmarks/NOTES.md, issue 54)."""
+    scratch path at 1-2 rows) serves calls of up to this many rows of x: FUSED_DECODE_ROWS_DEFAULT
+    unless RADIXSERVE_FUSED_DECODE_ROWS says otherwise (0 turns it off). It sums in the prefill
+    tiles' float order, so a row gets the same bits whichever path its row count takes (speculative
+    verification equals plain decoding; --enable-deterministic-inference)."""
     value = environ.get(FUSED_DECODE_ENV, "").strip()
-    return max(0, int(value)) if value else 0
+    return max(0, int(value)) if value else FUSED_DECODE_ROWS_DEFAULT
 
 
 @functools.lru_cache(maxsize=1)

@@ -135,24 +135,24 @@ def test_both_decode_paths_match_references(ops, fused_rows, qtype, shape, m, li
 
 def test_fused_rows_limit_round_trips(ops, fused_rows):
     built = ops.quant_gemm_isa() == "avx2"
-    default = min(cpu_kernels.fused_decode_rows_from_env(), 16)  # 0 unless RADIXSERVE_FUSED_DECODE_ROWS
+    default = min(cpu_kernels.fused_decode_rows_from_env(), 16)  # 4 unless RADIXSERVE_FUSED_DECODE_ROWS
     assert fused_rows(3) == (default if built else 0)
     assert fused_rows() == (3 if built else 0)
     assert fused_rows(99) == (3 if built else 0)
     assert fused_rows() == (16 if built else 0)  # at most the decode path's 16 rows
 
 
-def test_fused_decode_is_off_unless_asked():
-    assert cpu_kernels.fused_decode_rows_from_env({}) == 0
-    assert cpu_kernels.fused_decode_rows_from_env({cpu_kernels.FUSED_DECODE_ENV: "4"}) == 4
+def test_fused_decode_is_on_unless_turned_off():
+    assert cpu_kernels.fused_decode_rows_from_env({}) == cpu_kernels.FUSED_DECODE_ROWS_DEFAULT == 4
+    assert cpu_kernels.fused_decode_rows_from_env({cpu_kernels.FUSED_DECODE_ENV: "0"}) == 0
+    assert cpu_kernels.fused_decode_rows_from_env({cpu_kernels.FUSED_DECODE_ENV: "2"}) == 2
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
 def test_default_path_gives_a_row_the_same_bits_at_any_row_count(ops, fused_rows, qtype):
     """What the engine relies on (speculative verification of k+1 rows equals k+1 plain decode
     steps; --enable-deterministic-inference): a row of x gets the same bits from quant_linear
-    whether it comes alone, with 3 others (decode) or with 15 others (the prefill tiles). The
-    fused decode sums in another order, which is why it is off by default (cpu_kernels)."""
+    whether it comes alone, with 3 others (decode) or with 15 others (the prefill tiles)."""
     from radixserve.layers.batch_invariant import check_rows_invariant
 
     fused_rows(cpu_kernels.fused_decode_rows_from_env({}))
@@ -160,6 +160,25 @@ def test_default_path_gives_a_row_the_same_bits_at_any_row_count(ops, fused_rows
     data, _ = make_weight(qtype, 48, k)
     w = torch.from_numpy(data)
     assert check_rows_invariant(lambda x: ops.quant_linear(x, w, int(qtype), k), k, rows=(1, 2, 3, 4, 5, 8, 16))
+
+
+@pytest.mark.parametrize("limit", [4, 16])
+@pytest.mark.parametrize("shape", [0, 1], ids=["one-chunk", "chunks-tails"])
+@pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
+def test_fused_decode_gives_a_row_the_same_bits_at_any_row_count(ops, fused_rows, qtype, shape, limit):
+    """Issue 54: with the fused decode on (up to 4 rows of x, its default; or all 16 of the decode
+    path), every row count 1..16 (fused; past the limit the scratch decode), 17 and 33 (the prefill
+    tiles) gives each row the same bits as a 67-row call (the tiles, more than one block of rows of
+    x at the larger K). The shapes cross K chunks (2048 values: the tiles'
+    partial sums) and end in a partial chunk and group of blocks."""
+    fused_rows(limit)
+    k, n = SHAPES[256 if qtype in K_QUANTS else 32][shape]
+    data, _ = make_weight(qtype, n, k)
+    w = torch.from_numpy(data)
+    x = torch.from_numpy(make_x(67, k, seed=2))
+    full = ops.quant_linear(x, w, int(qtype), k)
+    differ = [m for m in [*range(1, 18), 33] if not torch.equal(ops.quant_linear(x[:m], w, int(qtype), k), full[:m])]
+    assert not differ, f"{qtype.name} K={k}: a row's bits at these row counts differ from the 67-row call's: {differ}"
 
 
 def test_types_and_layout_sizes(ops):
