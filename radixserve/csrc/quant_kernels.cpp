@@ -30,7 +30,7 @@
 // lane is 4 products, |lane| < 2^15) with vpdpwssd, so a super-block is one int32 accumulator,
 // scaled once by d_w * d_a.
 //
-// Structure, parallel over output rows (parallel_for_dynamic of parallel.h on torch's OpenMP pool:
+// Structure, parallel over output rows (parallel_for_dynamic of parallel.h on its worker pool:
 // chunks of rows from an atomic counter, so a thread whose core another process took holds no
 // region up; the AVX2 build is the same with 8-lane vectors, 4 rows of x per decode pass and K
 // chunks of 2048 values):
