@@ -42,9 +42,9 @@ import random
 import re
 import time
 from dataclasses import asdict
+from typing import Any, Dict, List, Optional, Sequence
 
 import orjson
-from typing import Any, Dict, List, Optional, Sequence
 
 from radixserve.bench.datasets import (DatasetRow, MultiTurnWorkload, add_dataset_args, arrival_times,
                                        build_turn_prompt, get_dataset, load_tokenizer_or_tiny, random_text,

@@ -220,7 +220,13 @@ def fused_decode_rows_from_env(environ: Mapping[str, str] = os.environ) -> int:
     tiles' float order, so a row gets the same bits whichever path its row count takes (speculative
     verification equals plain decoding; --enable-deterministic-inference)."""
     value = environ.get(FUSED_DECODE_ENV, "").strip()
-    return max(0, int(value)) if value else FUSED_DECODE_ROWS_DEFAULT
+    if not value:
+        return FUSED_DECODE_ROWS_DEFAULT
+    try:
+        return max(0, int(value))
+    except ValueError:  # never a reason to lose the kernels (build() falls back to torch on errors)
+        logger.warning("%s=%r is not a row count: the default, %d", FUSED_DECODE_ENV, value, FUSED_DECODE_ROWS_DEFAULT)
+        return FUSED_DECODE_ROWS_DEFAULT
 
 
 @functools.lru_cache(maxsize=1)

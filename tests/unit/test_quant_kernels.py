@@ -146,6 +146,7 @@ def test_fused_decode_is_on_unless_turned_off():
     assert cpu_kernels.fused_decode_rows_from_env({}) == cpu_kernels.FUSED_DECODE_ROWS_DEFAULT == 4
     assert cpu_kernels.fused_decode_rows_from_env({cpu_kernels.FUSED_DECODE_ENV: "0"}) == 0
     assert cpu_kernels.fused_decode_rows_from_env({cpu_kernels.FUSED_DECODE_ENV: "2"}) == 2
+    assert cpu_kernels.fused_decode_rows_from_env({cpu_kernels.FUSED_DECODE_ENV: "four"}) == 4  # a typo: the default, kernels kept
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
