@@ -41,6 +41,7 @@ from radixserve.models.qwen3_next import check_hybrid_server_args
 from radixserve.models.qwen3_next_mtp import MTP_ARCHITECTURES, mtp_config
 from radixserve.models.registry import MODEL_REGISTRY
 from radixserve.server_args import ServerArgs
+from radixserve.utils import trim_heap
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +116,7 @@ class ModelRunner:
         self.activation_dtype = torch.float32 if self.weight_only else self.dtype
         if self.device == "cpu":  # which GEMM multiplies each GGUF-block matrix: measured (gemm_select.py)
             select_cpu_gemm_paths(self.model, server_args.cpu_gemm_path)
+            trim_heap()  # the load's freed temporaries back to the OS (resident memory, issue 54)
         self.lora_manager = self.init_lora_manager()
         self.expert_recorder = ExpertDistributionRecorder.for_model(self.model, FusedMoE)
         self.eplb_manager = self.init_eplb_manager()  # EPLB: re-placing the experts (radixserve/eplb/)

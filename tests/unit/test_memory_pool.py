@@ -1,5 +1,6 @@
 """L2 and L3 of seed 003: ReqToTokenPool, TokenToKVPoolAllocator, MHATokenToKVPool."""
 
+import os
 import random
 
 import pytest
@@ -315,3 +316,27 @@ def test_allocator_slots_fit_kv_buffers():
         pool = MHATokenToKVPool(size, page_size, torch.float32, 1, 1, 1)
         x = a.alloc(size)
         assert x.max().item() < pool.get_key_buffer(0).shape[0]
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="resident memory read from Linux's /proc")
+def test_cpu_pools_are_resident_only_as_far_as_they_are_used():
+    # Sized as for Qwen2.5-1.5B at -c 8192: req_to_token 2049 x 32768 int32 (256 MB), KV 8192 slots of
+    # 28 layers x 2 heads x 128 fp16 (224 MB). torch.zeros would make all 480 MB resident at once.
+    before = _rss_mb()
+    req = ReqToTokenPool(2049, 32768)
+    kv = MHATokenToKVPool(8192, 1, torch.float16, head_num=2, head_dim=128, layer_num=28)
+    assert _rss_mb() - before < 48
+    idx = req.alloc(1)
+    req.write((idx[0], slice(0, 300)), torch.arange(1, 301, dtype=torch.int32))
+    loc = torch.arange(1, 301)
+    for layer in range(28):
+        kv.set_kv_buffer(layer, loc, torch.ones(300, 2, 128), torch.ones(300, 2, 128))
+    assert _rss_mb() - before < 64  # a 300-token request touches a few pages of each
+    assert req.req_to_token[idx[0], :301].tolist() == list(range(1, 301)) + [0]  # zeros where never written
+    assert kv.get_key_buffer(27)[loc].eq(1).all() and kv.get_value_buffer(3)[8000:].eq(0).all()
+    assert req.req_to_token.is_contiguous() and req.req_to_token.data_ptr() % 4096 == 0
