@@ -1017,6 +1017,36 @@ std::vector<at::Tensor> rotary_embedding(const at::Tensor& positions, const at::
 }
 
 // ---- SiLU-and-mul: out = silu(x[:, :d]) * x[:, d:] ---------------------------------------------
+// g[j] = silu(g[j]) * u[j], sigmoid from exp(-|g|) <= 1 (in range of exp_neg). On vectors of
+// exp_neg_v: GCC left the scalar loop unvectorized (nearbyint, the bit cast), 6x slower than
+// torch's silu * mul at 262 x 8960 (5% of a Qwen2.5-1.5B prefill).
+inline void silu_mul_row(float* g, const float* u, int64_t d) {
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  const __m512 sign = _mm512_set1_ps(-0.f), one = _mm512_set1_ps(1.f);
+  for (; j + 16 <= d; j += 16) {
+    const __m512 gv = _mm512_loadu_ps(g + j);
+    const __m512 e = exp_neg_v(_mm512_or_ps(gv, sign));  // -|g|
+    const __m512 num = _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(gv, _mm512_setzero_ps(), _CMP_GE_OQ), one);
+    _mm512_storeu_ps(g + j, _mm512_mul_ps(_mm512_mul_ps(gv, _mm512_div_ps(num, _mm512_add_ps(one, e))),
+                                          _mm512_loadu_ps(u + j)));
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m256 sign = _mm256_set1_ps(-0.f), one = _mm256_set1_ps(1.f);
+  for (; j + 8 <= d; j += 8) {
+    const __m256 gv = _mm256_loadu_ps(g + j);
+    const __m256 e = exp_neg_v(_mm256_or_ps(gv, sign));  // -|g|
+    const __m256 num = _mm256_blendv_ps(e, one, _mm256_cmp_ps(gv, _mm256_setzero_ps(), _CMP_GE_OQ));
+    _mm256_storeu_ps(g + j, _mm256_mul_ps(_mm256_mul_ps(gv, _mm256_div_ps(num, _mm256_add_ps(one, e))),
+                                          _mm256_loadu_ps(u + j)));
+  }
+#endif
+  for (; j < d; ++j) {
+    const float e = exp_neg(-std::fabs(g[j]));
+    g[j] = g[j] * ((g[j] >= 0.f ? 1.f : e) / (1.f + e)) * u[j];
+  }
+}
+
 template <typename T>
 void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
   const int64_t d = out.size(-1), rows = out.numel() / d;
@@ -1027,12 +1057,7 @@ void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
     for (int64_t i = begin; i < end; ++i) {
       load_row(xp + i * 2 * d, g.data(), d);
       load_row(xp + i * 2 * d + d, u.data(), d);
-#pragma omp simd
-      for (int64_t j = 0; j < d; ++j) {  // sigmoid from exp(-|g|) <= 1, in range of exp_neg
-        const float e = exp_neg(-std::fabs(g[j]));
-        const float sigmoid = (g[j] >= 0.f ? 1.f : e) / (1.f + e);
-        g[j] = g[j] * sigmoid * u[j];
-      }
+      silu_mul_row(g.data(), u.data(), d);
       store_row(g.data(), op + i * d, d);
     }
   });
@@ -1614,12 +1639,8 @@ at::Tensor fused_moe_bf16(const at::Tensor& x_in, const at::Tensor& w13, const a
     std::vector<float> a(inter);
     for (int64_t s = s0; s < s1; ++s) {
       const float* g = h13.data() + s * 2 * inter;
-      const float* u = g + inter;
-#pragma omp simd
-      for (int64_t j = 0; j < inter; ++j) {  // as silu_and_mul: sigmoid from exp(-|g|) <= 1
-        const float e = exp_neg(-std::fabs(g[j]));
-        a[j] = g[j] * ((g[j] >= 0.f ? 1.f : e) / (1.f + e)) * u[j];
-      }
+      std::copy(g, g + inter, a.data());
+      silu_mul_row(a.data(), g + inter, inter);  // as silu_and_mul
       to_gemm_x(a.data(), act.data() + s * inter, inter);
     }
   });
