@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import mmap
 from typing import Any, Callable, Iterable, List, Optional, Tuple, Type
 
 
@@ -45,12 +46,35 @@ def progress(iterable: Optional[Iterable[Any]] = None, total: Optional[int] = No
                 disable=None if enabled else True)
 
 
+def _libc() -> Optional[ctypes.CDLL]:
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name, use_errno=True) if name else None
+    except OSError:
+        return None
+
+
+def zero_pages_lazily(t: Any) -> bool:  # a torch.Tensor (torch stays out of this module's imports)
+    """Make a CPU tensor all zeros without writing its whole pages: madvise(MADV_DONTNEED) hands the
+    pages back, and the kernel maps zeroed memory on the first touch of each (anonymous memory,
+    Linux). Only the partial pages at the two ends are written. False where that is unavailable
+    (the caller then zeroes it)."""
+    addr, n, page = t.data_ptr(), t.numel() * t.element_size(), mmap.PAGESIZE
+    start, end = -(-addr // page) * page, (addr + n) // page * page
+    libc = _libc()
+    if not t.is_contiguous() or end - start < page or libc is None or not hasattr(libc, "madvise"):
+        return False
+    if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), getattr(mmap, "MADV_DONTNEED", 4)) != 0:
+        return False
+    flat, size = t.view(-1), t.element_size()  # torch's CPU buffers are 64-byte aligned: whole elements
+    flat[: (start - addr) // size].zero_()
+    flat[(end - addr) // size :].zero_()
+    return True
+
+
 def trim_heap() -> bool:
     """Give the C heap's free memory back to the OS (glibc's malloc_trim; False elsewhere). After
     a load its temporaries (tensors dequantized or converted on the way, the GEMM paths' timing
     buffers) are freed but stay resident in the heap: ~110 MB for Qwen2.5-1.5B Q4_K_M."""
-    name = ctypes.util.find_library("c")
-    try:
-        return bool(name) and bool(ctypes.CDLL(name).malloc_trim(0))
-    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim this way
-        return False
+    libc = _libc()
+    return libc is not None and hasattr(libc, "malloc_trim") and bool(libc.malloc_trim(0))  # glibc only

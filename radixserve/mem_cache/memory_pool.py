@@ -10,8 +10,6 @@ padded positions and garbage decode rows point at, so writes to it are harmless.
 
 from __future__ import annotations
 
-import math
-import mmap
 from collections import deque
 from dataclasses import dataclass
 from typing import Deque, List, Optional, Tuple, Union
@@ -19,19 +17,20 @@ from typing import Deque, List, Optional, Tuple, Union
 import torch
 
 from radixserve.layers import cpu_kernels
+from radixserve.utils import zero_pages_lazily
 
 
 def zeros_on_demand(shape: Tuple[int, ...], dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
-    """torch.zeros(shape), except on the CPU: a fresh anonymous mapping, whose pages the kernel
-    gives memory (zeroed) when they are first touched. A pool sized for its worst case (every
-    request at full context, every KV slot used) is then resident only as far as it is used,
-    where torch.zeros writes (and keeps) all of it: 256 MB of req_to_token and 224 MB of KV for
-    Qwen2.5-1.5B at -c 8192 before the first request. llama.cpp's mmap'd weights count the same way."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if torch.device(device).type != "cpu" or nbytes == 0:
-        return torch.zeros(shape, dtype=dtype, device=device)
-    # the tensor keeps the mapping alive (frombuffer holds a reference); page-aligned
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
+    """torch.zeros(shape), except that on the CPU its pages get memory when first touched (utils.
+    zero_pages_lazily). A pool sized for its worst case (every request at full context, every KV
+    slot used) is then resident only as far as it is used, where torch.zeros writes (and keeps) all
+    of it: 256 MB of req_to_token and 224 MB of KV for Qwen2.5-1.5B at -c 8192 before the first
+    request. llama.cpp's mmap'd weights count the same way. The storage is torch's own (the memory
+    saver resizes it)."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    if t.device.type != "cpu" or not zero_pages_lazily(t):
+        t.zero_()
+    return t
 
 
 @dataclass

@@ -339,4 +339,4 @@ def test_cpu_pools_are_resident_only_as_far_as_they_are_used():
     assert _rss_mb() - before < 64  # a 300-token request touches a few pages of each
     assert req.req_to_token[idx[0], :301].tolist() == list(range(1, 301)) + [0]  # zeros where never written
     assert kv.get_key_buffer(27)[loc].eq(1).all() and kv.get_value_buffer(3)[8000:].eq(0).all()
-    assert req.req_to_token.is_contiguous() and req.req_to_token.data_ptr() % 4096 == 0
+    assert all(t.untyped_storage().resizable() for t in (req.req_to_token, kv.get_key_buffer(0)))  # the memory saver's
