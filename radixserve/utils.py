@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import functools
 import mmap
+import sys
 from typing import Any, Callable, Iterable, List, Optional, Tuple, Type
 
 
@@ -46,10 +47,14 @@ def progress(iterable: Optional[Iterable[Any]] = None, total: Optional[int] = No
                 disable=None if enabled else True)
 
 
+@functools.lru_cache(maxsize=None)
 def _libc() -> Optional[ctypes.CDLL]:
-    name = ctypes.util.find_library("c")
+    """The process's own C library on Linux (its symbols are global: no ldconfig lookup); None
+    elsewhere (macOS's MADV_DONTNEED keeps the pages' contents)."""
+    if not sys.platform.startswith("linux"):
+        return None
     try:
-        return ctypes.CDLL(name, use_errno=True) if name else None
+        return ctypes.CDLL(None, use_errno=True)
     except OSError:
         return None
 

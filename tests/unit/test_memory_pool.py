@@ -7,7 +7,10 @@ import pytest
 import torch
 
 from radixserve.mem_cache.mamba_pool import HybridReqToTokenPool, MambaPool, MambaStateShape
-from radixserve.mem_cache.memory_pool import ForwardFence, MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from radixserve.mem_cache.memory_pool import (
+    ForwardFence, MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator, zeros_on_demand,
+)
+from radixserve.utils import zero_pages_lazily
 
 
 # ---- TokenToKVPoolAllocator ------------------------------------------------------------
@@ -340,3 +343,12 @@ def test_cpu_pools_are_resident_only_as_far_as_they_are_used():
     assert req.req_to_token[idx[0], :301].tolist() == list(range(1, 301)) + [0]  # zeros where never written
     assert kv.get_key_buffer(27)[loc].eq(1).all() and kv.get_value_buffer(3)[8000:].eq(0).all()
     assert all(t.untyped_storage().resizable() for t in (req.req_to_token, kv.get_key_buffer(0)))  # the memory saver's
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="madvise zeroing is Linux's")
+def test_zero_pages_lazily_zeroes_exactly_the_tensor():
+    buf = torch.ones(2_000_003, dtype=torch.int32)
+    view = buf[7:-5]  # starts and ends inside pages: those partial pages are written, the rest given back
+    assert zero_pages_lazily(view)
+    assert view.eq(0).all() and buf[:7].eq(1).all() and buf[-5:].eq(1).all()
+    assert zeros_on_demand((3, 5), torch.float16).eq(0).all()
