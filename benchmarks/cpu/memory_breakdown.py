@@ -11,6 +11,7 @@ import argparse
 import collections
 import gc
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -27,6 +28,7 @@ def rollup() -> dict:
 
 def storages() -> list:
     seen = {}
+    warnings.simplefilter("ignore", FutureWarning)  # isinstance on a deprecated torch.distributed alias
     for o in gc.get_objects():
         if isinstance(o, torch.Tensor) and o.device.type == "cpu":
             s = o.untyped_storage()
