@@ -37,20 +37,22 @@ def main() -> None:
     path, prompts, eos, answers, ref_lp, gaps, _ = t.build_reference(smollm2_q8_0_gguf() if which == "q8_0" else smollm2_gguf())
     rows = []
     for cfg in configs:
-        dtype, gemm_path = cfg.split(":")
-        engine = Engine(str(path), dtype=dtype, max_total_tokens=16384, quantization="gguf", cpu_gemm_path=gemm_path)
+        dtype, gemm_path, *det = cfg.split(":")  # DTYPE:PATH[:det] (det: --enable-deterministic-inference)
+        engine = Engine(str(path), dtype=dtype, max_total_tokens=16384, quantization="gguf", cpu_gemm_path=gemm_path,
+                        enable_deterministic_inference=bool(det))
         forced = t.teacher_forced(engine, prompts, answers)
         fig = agreement_figures(answers, ref_lp, t.greedy(engine, prompts), forced, eos, ref_gaps=gaps)
         per = [[abs(a - b) for a, b in zip(r, f)] for r, f in zip(ref_lp, forced)]
-        row = {"file": which, "dtype": dtype, "path": gemm_path, "agree": fig["agree"],
+        row = {"file": which, "dtype": dtype, "path": gemm_path, "deterministic": bool(det), "agree": fig["agree"],
                "mean": fig["tf_dlogprob_mean"], "p99": fig["tf_dlogprob_p99"], "max": fig["tf_dlogprob_max"],
                "mean_se": bootstrap_se(per, statistics.fmean), "p99_se": bootstrap_se(per, p99)}
         rows.append(row)
-        print(f"{which} {dtype:9s} {gemm_path:12s} agree {row['agree']:2d}/64  mean {row['mean']:.4f} (se {row['mean_se']:.4f})"
+        print(f"{which} {dtype:9s} {gemm_path:12s}{' det' if det else ''} agree {row['agree']:2d}/64  mean {row['mean']:.4f} (se {row['mean_se']:.4f})"
               f"  p99 {row['p99']:.3f} (se {row['p99_se']:.3f})  max {row['max']:.3f}", flush=True)
         engine.shutdown()
     out = REPO / "benchmarks" / "cpu" / f"gguf_agreement_paths_{which}.json"
-    out.write_text(json.dumps({"cpu": cpu_model(), "rows": rows}, indent=1))
+    old = json.loads(out.read_text())["rows"] if out.exists() else []
+    out.write_text(json.dumps({"cpu": cpu_model(), "rows": old + rows}, indent=1))
 
 
 if __name__ == "__main__":
