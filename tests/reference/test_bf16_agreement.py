@@ -127,9 +127,10 @@ def build_reference(path: Path):
 #     min terms on lanes of their own, issue 54): 26 / 64, mean 0.0358, p99 0.209, max 0.384: the
 #     same products summed in another order moved the p99 3% above llama.cpp's and the other three
 #     figures below it.
-#   Both forced to the int8 path (the test below; 2026-11-29, AVX2): Q4_1 21 / 64, mean 0.0377, p99
-#     0.212, max 0.390; Q8_0 31 / 64, mean 0.0383, p99 0.216, max 0.355 (float32 activations: 27,
-#     0.0387, 0.206, 0.398). The other paths on Q8_0 are far closer to float32: f32 62 / 64, mean
+#   Both forced to the int8 path (the test below; 2026-11-29, AVX2; the same figures batch-invariant,
+#     benchmarks/cpu/gguf_agreement_paths_*.json): Q4_1 21 / 64, mean 0.0377, p99 0.212, max 0.390;
+#     Q8_0 31 / 64, mean 0.0383, p99 0.216, max 0.355 (float32 activations: 26-27, 0.0387, 0.206,
+#     0.398). The other paths on Q8_0 are far closer to float32: f32 62 / 64, mean
 #     0.0015; onednn_bf16 42 / 64, mean 0.0173 (the int8 path's error is the activations' 8 bits).
 # Held: agreement at llama.cpp's, the mean at 5% above it, the p99 and max at 25%. The tail is the
 # noisy figure: a p99 of ~1,700 tokens is their 17th largest, and bootstrapped over the 64 prompts
@@ -160,8 +161,11 @@ def test_gguf_blocks_answer_as_llamacpp_does_on_the_file(request, file):
         "reference" if file == "q4_1" else f"reference_{file}")
     qtype, agree, mean, p99, worst = LLAMACPP_FIGURES[file]
     # int8 at every row count, as llama.cpp multiplies the file's blocks: "auto" picks a prefill
-    # path per shape by timing it at start, so the figures would follow the machine's load
-    engine = Engine(str(path), dtype="bfloat16", max_total_tokens=16384, quantization="gguf", cpu_gemm_path="int8")
+    # path per shape by timing it at start, so the figures would follow the machine's load. Batch-
+    # invariant (--enable-deterministic-inference): the 64 greedy answers run batched, and how the
+    # batches form followed the load too (Q8_0: 30 / 64 beside another job, 31 alone and here)
+    engine = Engine(str(path), dtype="bfloat16", max_total_tokens=16384, quantization="gguf", cpu_gemm_path="int8",
+                    enable_deterministic_inference=True)
     layer = engine.scheduler.tp_worker.model_runner.model.model.layers[0].mlp.down_proj
     assert [s.qtype for s in layer.quant_method.ordered] == [qtype]  # in the file's blocks
     fig = agreement_figures(answers, ref_logprobs, greedy(engine, prompts), teacher_forced(engine, prompts, answers),
