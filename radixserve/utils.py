@@ -69,7 +69,7 @@ def zero_pages_lazily(t: Any) -> bool:  # a torch.Tensor (torch stays out of thi
     libc = _libc()
     if not t.is_contiguous() or end - start < page or libc is None or not hasattr(libc, "madvise"):
         return False
-    if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), getattr(mmap, "MADV_DONTNEED", 4)) != 0:
+    if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), mmap.MADV_DONTNEED) != 0:
         return False
     flat, size = t.view(-1), t.element_size()  # torch's CPU buffers are 64-byte aligned: whole elements
     flat[: (start - addr) // size].zero_()

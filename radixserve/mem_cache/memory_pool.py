@@ -62,7 +62,7 @@ class ReqToTokenPool:
         self.device = device
         self.req_to_token = zeros_on_demand((size, max_context_len), torch.int32, device)
         self.req_to_token_cpu = self.req_to_token if self.req_to_token.device.type == "cpu" else \
-            torch.zeros((size, max_context_len), dtype=torch.int32)
+            zeros_on_demand((size, max_context_len), torch.int32)
         self.free_slots: List[int] = list(range(size))
         # The overlap loop (KVLedger.defer_row_frees): rows freed while batches were in flight, with
         # the launch count then; they go back once that many batches are done.

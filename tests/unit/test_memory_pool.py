@@ -10,7 +10,7 @@ from radixserve.mem_cache.mamba_pool import HybridReqToTokenPool, MambaPool, Mam
 from radixserve.mem_cache.memory_pool import (
     ForwardFence, MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator, zeros_on_demand,
 )
-from radixserve.utils import zero_pages_lazily
+from radixserve.utils import trim_heap, zero_pages_lazily
 
 
 # ---- TokenToKVPoolAllocator ------------------------------------------------------------
@@ -352,3 +352,22 @@ def test_zero_pages_lazily_zeroes_exactly_the_tensor():
     assert zero_pages_lazily(view)
     assert view.eq(0).all() and buf[:7].eq(1).all() and buf[-5:].eq(1).all()
     assert zeros_on_demand((3, 5), torch.float16).eq(0).all()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="resident memory read from Linux's /proc")
+def test_trim_heap_gives_freed_heap_memory_back():
+    # 64 KiB blocks come from the heap (under glibc's mmap threshold); the last one stays allocated,
+    # so the 128 MiB freed below it cannot go back by shrinking the heap's top: only malloc_trim does it
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    blocks = [libc.malloc(64 * 1024) for _ in range(2049)]
+    for b in blocks:
+        ctypes.memset(b, 1, 64 * 1024)
+    for b in blocks[:-1]:
+        libc.free(ctypes.c_void_p(b))
+    before = _rss_mb()
+    assert trim_heap()
+    assert before - _rss_mb() > 100
+    libc.free(ctypes.c_void_p(blocks[-1]))
