@@ -69,6 +69,10 @@ CONFIGS: Dict[str, Dict[str, Any]] = {
     "rs:w8a8_int8": {"engine": "radixserve", "format": "w8a8_int8",
                      "kwargs": {"dtype": "bfloat16", "quantization": "w8a8_int8"}},
     "rs:float32": {"engine": "radixserve", "format": "float32", "kwargs": {"dtype": "float32"}},
+    # The Q8_0 GGUF file itself, served in its blocks (the HF directory above is made from it):
+    # int8 weights as OpenVINO's int8 export has them.
+    "rs:gguf_q8_0": {"engine": "radixserve", "format": "gguf Q8_0",
+                     "kwargs": {"dtype": "bfloat16", "model_path": str(HF_DIR.with_suffix(".gguf"))}},
 }
 # In turns: the two engines alternate, so a change in the machine's load lands on both.
 DEFAULT_ORDER = ["ov:int8", "rs:bfloat16", "ov:fp16", "rs:w8a8_int8", "rs:float32"]
@@ -198,7 +202,8 @@ def run_radixserve(kwargs: Dict[str, Any], wl: Dict[str, Any], args: argparse.Na
     torch.set_num_threads(args.threads)
     from radixserve.engine import Engine
 
-    engine, load_s = timed(lambda: Engine(model_path=args.hf_dir, **kwargs))
+    kwargs = {"model_path": args.hf_dir, **kwargs}
+    engine, load_s = timed(lambda: Engine(**kwargs))
 
     def generate(prompts: List[List[int]], n: int) -> List[List[int]]:
         sp = {"max_new_tokens": n, "ignore_eos": True, "temperature": 0}

@@ -38,7 +38,7 @@ namespace {
 constexpr int64_t kBlockTokens = 64;     // keys scored per online-softmax block
 constexpr int64_t kMinSplitTokens = 128; // a split-KV chunk holds at least this many keys
 constexpr int64_t kPrefetch = 4;         // K/V rows fetched ahead (slots are scattered)
-constexpr int64_t kPrefetchKeys = 64;    // the AVX-512 paths: K/V rows prefetched into L2 this far ahead
+constexpr int64_t kPrefetchKeys = 64;    // the block paths: K/V rows prefetched into L2 this far ahead
 
 // --enable-deterministic-inference (layers/batch_invariant.py sets it once at start): every kernel
 // whose reduction order would otherwise depend on the number of rows takes one fixed order. Today
@@ -64,6 +64,10 @@ inline void load_row(const at::Half* src, float* dst, int64_t n) {
 #if defined(__AVX512F__)
   for (; i + 16 <= n; i += 16)  // vcvtph2ps: 16 halves at a time (an fp16 KV cache is read per step)
     _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+#endif
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8)  // vcvtph2ps on 8 (AVX2 machines): c10::Half's conversion is a scalar bit routine
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
 #endif
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
@@ -185,48 +189,6 @@ inline __m512 transpose_sum16(__m512 v[16]) {
   for (int i = 0; i < 2; ++i)
     c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88), _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
   return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
-}
-#endif
-
-#if defined(__AVX512F__)
-constexpr int64_t kFastMaxChunks = 8;  // head_dim <= 128 on the AVX-512 path
-
-// A slot's K and V rows (all KV heads), fetched into L2.
-inline void prefetch_row_l2(const void* k, const void* v, int64_t bytes) {
-  for (int64_t o = 0; o < bytes; o += 64) {
-    _mm_prefetch(static_cast<const char*>(k) + o, _MM_HINT_T1);
-    _mm_prefetch(static_cast<const char*>(v) + o, _MM_HINT_T1);
-  }
-}
-
-// One block of n <= 16 keys of one work item: kf/vf hold the block's K/V rows in fp32
-// ([16][Hkv * D]); qf the scaled queries [H][D]; acc/m/l the running output, max and sum per head.
-inline void attend_block16(const float* qf, const float* kf, const float* vf, int64_t n, int64_t H, int64_t G,
-                           int64_t D, int64_t row, float* acc, float* m, float* l) {
-  const int64_t chunks = D / 16;
-  const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
-  alignas(64) float p[16];
-  for (int64_t hq = 0; hq < H; ++hq) {
-    const int64_t off = (hq / G) * D;
-    __m512 q[kFastMaxChunks], v[16];
-    for (int64_t c = 0; c < chunks; ++c) q[c] = _mm512_loadu_ps(qf + hq * D + 16 * c);
-    for (int64_t j = 0; j < 16; ++j) {
-      __m512 a = _mm512_setzero_ps();
-      if (j < n)
-        for (int64_t c = 0; c < chunks; ++c) a = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(kf + j * row + off + 16 * c), a);
-      v[j] = a;
-    }
-    float corr;
-    _mm512_store_ps(p, online_softmax_block(transpose_sum16(v), valid, m[hq], l[hq], corr));
-    __m512 o[kFastMaxChunks];
-    const __m512 cv = _mm512_set1_ps(corr);
-    for (int64_t c = 0; c < chunks; ++c) o[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + hq * D + 16 * c), cv);
-    for (int64_t j = 0; j < n; ++j) {
-      const __m512 pj = _mm512_set1_ps(p[j]);
-      for (int64_t c = 0; c < chunks; ++c) o[c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vf + j * row + off + 16 * c), o[c]);
-    }
-    for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(acc + hq * D + 16 * c, o[c]);
-  }
 }
 #endif
 
@@ -359,6 +321,15 @@ inline float reduce_add8(__m256 x) {
   return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
 }
 
+// v[0..7] -> one vector whose lane j is the sum of v[j]'s lanes (AVX2's transpose_sum16).
+inline __m256 transpose_sum8(__m256 v[8]) {
+  // hadd(a, b) = [a0+a1, a2+a3, b0+b1, b2+b3 | a4+a5, a6+a7, b4+b5, b6+b7]: two rounds leave
+  // keys 0-3 (then 4-7) summed within each 128-bit half; the halves are added last.
+  const __m256 b0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+}
+
 // exp_neg on 8 lanes (the AVX-512 exp_neg_v's steps; 2^n built in the exponent bits, as the
 // scalar exp_neg does, for AVX2 has no scalef).
 inline __m256 exp_neg_v(__m256 x) {
@@ -393,6 +364,77 @@ __attribute__((always_inline)) inline __m256 online_softmax_block(__m256 s, __m2
 #endif
 
 #if defined(RADIXSERVE_TILE_ATTENTION)
+// ---- the decode attention block (one request's queries, kTileKeys keys at a time) --------------
+//
+// Per block of up to kTileKeys keys: K and V rows are converted to fp32 once; each query head's
+// scores come from kTileKeys vector dot products whose lanes are summed by one transpose-add tree
+// (no horizontal sum per key); the softmax weights are a vector; P.V broadcasts one weight per key.
+inline vec_f vec_transpose_sum(vec_f v[kTileKeys]) {
+#if defined(__AVX512F__)
+  return transpose_sum16(v);
+#else
+  return transpose_sum8(v);
+#endif
+}
+
+// A slot's K and V rows (all KV heads), fetched into L2.
+inline void prefetch_row_l2(const void* k, const void* v, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) {
+    _mm_prefetch(static_cast<const char*>(k) + o, _MM_HINT_T1);
+    _mm_prefetch(static_cast<const char*>(v) + o, _MM_HINT_T1);
+  }
+}
+
+// One block of n <= kTileKeys keys of one work item: kf/vf hold the block's K/V rows in fp32
+// ([kTileKeys][row], row = Hkv * D; rows past n hold finite leftovers whose scores are masked);
+// qf the scaled queries [H][D]; acc/m/l the running output, max and sum per head. Chunks = D /
+// kTileKeys is a template argument so that the output stays in registers (a run-time count kept
+// it on the stack: 1.6x slower on AVX2).
+template <int64_t chunks>
+void attend_block(const float* qf, const float* kf, const float* vf, int64_t n, int64_t H, int64_t G, int64_t D,
+                  int64_t row, float* acc, float* m, float* l) {
+  const vec_mask valid = vec_first_lanes(n);
+  alignas(64) float p[kTileKeys];
+  for (int64_t hq = 0; hq < H; ++hq) {
+    const float* kh = kf + (hq / G) * D;
+    vec_f s[kTileKeys];
+    _Pragma("GCC unroll 16") for (int j = 0; j < kTileKeys; ++j) s[j] = vec_zero();
+    for (int64_t c = 0; c < chunks; ++c) {  // kTileKeys independent FMA chains
+      const vec_f q = vec_load(qf + hq * D + kTileKeys * c);
+      _Pragma("GCC unroll 16") for (int j = 0; j < kTileKeys; ++j)
+        s[j] = vec_fmadd(q, vec_load(kh + j * row + kTileKeys * c), s[j]);
+    }
+    float corr;
+    vec_store(p, online_softmax_block(vec_transpose_sum(s), valid, m[hq], l[hq], corr));
+    vec_f o[chunks];
+    const vec_f cv = vec_set1(corr);
+    for (int64_t c = 0; c < chunks; ++c) o[c] = vec_mul(vec_load(acc + hq * D + kTileKeys * c), cv);
+    for (int64_t j = 0; j < n; ++j) {
+      const vec_f pj = vec_set1(p[j]);
+      const float* vj = vf + j * row + (hq / G) * D;
+      for (int64_t c = 0; c < chunks; ++c) o[c] = vec_fmadd(pj, vec_load(vj + kTileKeys * c), o[c]);
+    }
+    for (int64_t c = 0; c < chunks; ++c) vec_store(acc + hq * D + kTileKeys * c, o[c]);
+  }
+}
+
+using AttendBlockFn = void (*)(const float*, const float*, const float*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                               float*, float*, float*);
+
+// attend_block for head_dim D (a multiple of kTileKeys, at most 128), nullptr for any other.
+inline AttendBlockFn attend_block_for(int64_t D) {
+  if (D % kTileKeys != 0) return nullptr;
+  switch (D / kTileKeys) {
+    case 2: return attend_block<2>;
+    case 4: return attend_block<4>;
+    case 6: return attend_block<6>;
+    case 8: return attend_block<8>;
+    case 12: return attend_block<12>;
+    case 16: return attend_block<16>;
+    default: return nullptr;
+  }
+}
+
 constexpr int kTileRows = 8;
 
 // kp / vp point at the kv head's part of slot 0's row; slots[j], j < nk: the block's keys.
@@ -580,8 +622,9 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
                            static_cast<float>(scale), part_acc.data(), part_ml.data(), ntot, nsplit);
 #endif
   const float neg_inf = -std::numeric_limits<float>::infinity();
-#if defined(__AVX512F__)
-  const bool fast = D % 16 == 0 && D / 16 <= kFastMaxChunks;  // the AVX-512 block path
+#if defined(RADIXSERVE_TILE_ATTENTION)
+  const AttendBlockFn attend_block_fn = attend_block_for(D);  // the block path; nullptr: the loop below
+  const bool fast = attend_block_fn != nullptr;
   const int64_t row_bytes = Hkv * D * static_cast<int64_t>(sizeof(TKV));
 #else
   const bool fast = false;
@@ -595,7 +638,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
 
   radixserve::parallel_for_dynamic(B * nsplit, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(H * D), acc(H * D), m(H), l(H), s(H * kBlockTokens), row(Hkv * D);
-    std::vector<float> kf(fast ? 16 * Hkv * D : 0), vf(fast ? 16 * Hkv * D : 0);
+    std::vector<float> kf(fast ? kTileKeys * Hkv * D : 0), vf(fast ? kTileKeys * Hkv * D : 0);
 #if defined(__AVX512BF16__)
     std::vector<__m512i> qhl(fast_bf16 ? H * (D / 32) * 2 : 0), vi(fast_bf16 ? 8 * (D / 16) : 0);
 #endif
@@ -610,7 +653,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(m.begin(), m.end(), neg_inf);
       std::fill(l.begin(), l.end(), 0.f);
-      int64_t t_done = t0;  // keys the AVX-512 path attended to (all of them when it runs)
+      int64_t t_done = t0;  // keys the block paths attended to (all of them when one runs)
       // the slot of key t0 + i of item w + 1 (in this thread's range), -1 past it
       auto slot_of_next_item = [&](int64_t w_, int64_t i) -> int64_t {
         if (w_ + 1 >= end) return -1;
@@ -653,11 +696,11 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
         t_done = t1;
       }
 #endif
-#if defined(__AVX512F__)
+#if defined(RADIXSERVE_TILE_ATTENTION)
       if (fast && t_done < t1) {
-        for (int64_t tb = t0; tb < t1; tb += 16) {
-          const int64_t n = std::min<int64_t>(16, t1 - tb);
-          for (int64_t j = tb + kPrefetchKeys; j < tb + kPrefetchKeys + 16; ++j) {  // as the bf16 path does
+        for (int64_t tb = t0; tb < t1; tb += kTileKeys) {
+          const int64_t n = std::min<int64_t>(kTileKeys, t1 - tb);
+          for (int64_t j = tb + kPrefetchKeys; j < tb + kPrefetchKeys + kTileKeys; ++j) {  // as the bf16 path does
             const int64_t slot = j < t1 ? slots[j] : slot_of_next_item(w, j - t1);
             if (slot < 0) break;
             prefetch_row_l2(kp + slot * ks0, vp + slot * vs0, row_bytes);
@@ -667,7 +710,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
             load_row(kp + slot * ks0, kf.data() + j * Hkv * D, Hkv * D);
             load_row(vp + slot * vs0, vf.data() + j * Hkv * D, Hkv * D);
           }
-          attend_block16(qf.data(), kf.data(), vf.data(), n, H, G, D, Hkv * D, acc.data(), m.data(), l.data());
+          attend_block_fn(qf.data(), kf.data(), vf.data(), n, H, G, D, Hkv * D, acc.data(), m.data(), l.data());
         }
         t_done = t1;
       }
