@@ -27,6 +27,8 @@ from typing import Iterator, Mapping, Optional, Sequence
 
 import torch
 
+import radixserve
+
 logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "RADIXSERVE_DISABLE_CPU_KERNELS"
@@ -249,10 +251,29 @@ def build() -> Optional[ModuleType]:
                 verbose=False,
             )
         mod.quant_decode_fused_rows(fused_decode_rows_from_env())
+        division = default_division(radixserve.LIBGOMP_WAIT_SHORT, os.environ)
+        if division == "omp" and mod.parallel_division() == "pool":
+            logger.info("The CPU kernels divide their work on OpenMP's threads, not their worker pool: torch was "
+                        "imported before radixserve, so libgomp spins ~ms after each region (GOMP_SPINCOUNT is "
+                        "read once, at load) on the core the pool would need. Import radixserve first or set "
+                        "GOMP_SPINCOUNT=%s for the pool, which holds up when another process shares the CPU.",
+                        radixserve.OMP_SPINCOUNT)
+            mod.set_parallel_division(division)
         return mod
     except Exception as e:  # no compiler, no headers: the torch path serves
         logger.warning("CPU kernels unavailable, using the torch path: %s", str(e).splitlines()[0] if str(e) else e)
         return None
+
+
+def default_division(libgomp_wait_short: bool, env: Mapping[str, str]) -> str:
+    """How the kernels divide their work (csrc/parallel.h) unless RADIXSERVE_PARALLEL_DIVISION or
+    RADIXSERVE_PARALLEL_STATIC says: their worker pool when OpenMP's threads give their core up
+    soon after a region, else OpenMP's threads themselves (one already spins on the other core)."""
+    if env.get("RADIXSERVE_PARALLEL_STATIC", "0") not in ("", "0"):
+        return "static"
+    if env.get("RADIXSERVE_PARALLEL_DIVISION") in ("pool", "omp", "static"):
+        return env["RADIXSERVE_PARALLEL_DIVISION"]
+    return "pool" if libgomp_wait_short else "omp"
 
 
 def get() -> Optional[ModuleType]:

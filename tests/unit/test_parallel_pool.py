@@ -5,6 +5,9 @@ them; exceptions reach the caller; the thread count follows torch.set_num_thread
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 from typing import Callable, Iterator, List
@@ -65,13 +68,43 @@ def _wait_until(cond: Callable[[], bool], what: str, step: Callable[[], object] 
         time.sleep(0.001)
 
 
-def test_pool_is_the_default_and_divisions_switch(ops, threads_and_division):
-    assert ops.parallel_division() == "pool"
+def test_divisions_switch(ops, threads_and_division):
     for name in ("omp", "static", "pool"):
         ops.set_parallel_division(name)
         assert ops.parallel_division() == name
     with pytest.raises(RuntimeError, match="expected 'pool', 'omp' or 'static'"):
         ops.set_parallel_division("dynamic")
+
+
+def _division_in_a_new_process(imports: str, **env: str) -> str:
+    """The kernels' division right after `imports` in a fresh interpreter with `env` added."""
+    code = f"{imports}\nfrom radixserve.layers import cpu_kernels\nprint(cpu_kernels.get().parallel_division())"
+    clean = {k: v for k, v in os.environ.items()
+             if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "RADIXSERVE_OMP_DEFAULTS", "RADIXSERVE_PARALLEL_DIVISION",
+                          "RADIXSERVE_PARALLEL_STATIC")}
+    out = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True,
+                         timeout=600, check=True)
+    return out.stdout.split()[-1]
+
+
+def test_the_pool_is_the_default_where_libgomp_waits_briefly():
+    """radixserve imported before torch sets GOMP_SPINCOUNT in time: the pool. torch first keeps
+    libgomp's default spin (ms after each torch op, on the core the pool's worker needs): OpenMP's
+    own threads, unless the user's settings make the wait short or name a division."""
+    assert _division_in_a_new_process("import radixserve, torch") == "pool"
+    assert _division_in_a_new_process("import torch, radixserve") == "omp"
+    assert _division_in_a_new_process("import torch, radixserve", GOMP_SPINCOUNT="1000") == "pool"
+    assert _division_in_a_new_process("import torch, radixserve", OMP_WAIT_POLICY="passive") == "pool"
+    assert _division_in_a_new_process("import torch, radixserve", GOMP_SPINCOUNT="300000") == "omp"
+    assert _division_in_a_new_process("import torch, radixserve", RADIXSERVE_PARALLEL_DIVISION="pool") == "pool"
+    assert _division_in_a_new_process("import radixserve, torch", RADIXSERVE_OMP_DEFAULTS="0") == "omp"
+
+
+def test_default_division_follows_the_environment():
+    assert cpu_kernels.default_division(True, {}) == "pool"
+    assert cpu_kernels.default_division(False, {}) == "omp"
+    assert cpu_kernels.default_division(False, {"RADIXSERVE_PARALLEL_DIVISION": "pool"}) == "pool"
+    assert cpu_kernels.default_division(True, {"RADIXSERVE_PARALLEL_STATIC": "1"}) == "static"
 
 
 def test_caller_does_not_wait_for_a_stalled_worker(ops, threads_and_division):
