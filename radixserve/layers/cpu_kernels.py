@@ -27,7 +27,7 @@ from typing import Iterator, Mapping, Optional, Sequence
 
 import torch
 
-import radixserve
+from radixserve import omp_wait
 
 logger = logging.getLogger(__name__)
 
@@ -251,13 +251,13 @@ def build() -> Optional[ModuleType]:
                 verbose=False,
             )
         mod.quant_decode_fused_rows(fused_decode_rows_from_env())
-        division = default_division(radixserve.LIBGOMP_WAIT_SHORT, os.environ)
+        division = default_division(omp_wait.LIBGOMP_WAIT_SHORT, os.environ)
         if division == "omp" and mod.parallel_division() == "pool":
             logger.info("The CPU kernels divide their work on OpenMP's threads, not their worker pool: torch was "
                         "imported before radixserve, so libgomp spins ~ms after each region (GOMP_SPINCOUNT is "
                         "read once, at load) on the core the pool would need. Import radixserve first or set "
                         "GOMP_SPINCOUNT=%s for the pool, which holds up when another process shares the CPU.",
-                        radixserve.OMP_SPINCOUNT)
+                        omp_wait.OMP_SPINCOUNT)
             mod.set_parallel_division(division)
         return mod
     except Exception as e:  # no compiler, no headers: the torch path serves
