@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -30,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import radixserve  # noqa: E402,F401  (before torch: libgomp's short wait, the kernels' worker pool, as served)
 import torch  # noqa: E402
 
-from extend_attention import cpu_model  # noqa: E402
+from extend_attention import add_times, cpu_model, time_backends  # noqa: E402
 from paged_kv import make_attention_batch  # noqa: E402
 
 from radixserve.layers import cpu_kernels  # noqa: E402
@@ -58,24 +57,13 @@ def time_case(label: str, heads: int, kv_heads: int, head_dim: int, reqs: int, k
               gbs: float) -> dict:
     fb, q, k, v, layer = make_attention_batch(ForwardMode.DECODE, [keys - 1] * reqs, [1] * reqs, heads, kv_heads,
                                               head_dim, 16, seed=0, dtype=torch.float32, kv_dtype=torch.float16)
-    runs = {}
-    for name, kernels in (("kernel", True), ("torch", False)):
-        be = TorchNativeAttnBackend("cpu", use_cpu_kernels=kernels)
-        be.init_forward_metadata(fb)
-        runs[name] = (be, fb.attn_metadata, [])
-    outs = {}
-    for _ in range(rounds):
-        for name, (be, md, times) in runs.items():
-            fb.attn_metadata = md
-            times.append(timed(lambda: outs.__setitem__(name, be.forward(q, k, v, layer, fb))))
+    backends = {"kernel": TorchNativeAttnBackend("cpu"), "torch": TorchNativeAttnBackend("cpu", use_cpu_kernels=False)}
+    outs, times = time_backends(backends, fb, q, k, v, layer, rounds)
     kv_bytes = reqs * keys * kv_heads * head_dim * 2 * 2  # K and V, fp16
     row = {"model": label, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "requests": reqs,
            "keys": keys, "max_abs_diff": (outs["kernel"] - outs["torch"]).abs().max().item(),
            "floor_ms": round(kv_bytes / (gbs * 1e9) * 1e3, 3)}
-    for name, (_, _, times) in runs.items():
-        row[f"{name}_best_ms"] = round(min(times) * 1e3, 3)
-        row[f"{name}_median_ms"] = round(statistics.median(times) * 1e3, 3)
-    row["torch_over_kernel_best"] = round(row["torch_best_ms"] / row["kernel_best_ms"], 2)
+    add_times(row, times)
     row["kernel_over_floor_best"] = round(row["kernel_best_ms"] / row["floor_ms"], 2)
     return row
 

@@ -51,27 +51,38 @@ def time_case(heads: int, kv_heads: int, reqs: int, tokens: int, prefix: int, kv
               rounds: int) -> dict:
     fb, q, k, v, layer = make_attention_batch(ForwardMode.EXTEND, [prefix] * reqs, [tokens] * reqs, heads, kv_heads,
                                               128, 16, seed=0, dtype=torch.float32, kv_dtype=kv_dtype)
-    runs = {}
-    for name, tiles in (("kernel", True), ("torch", False)):
-        be = backend(tiles)
-        be.init_forward_metadata(fb)
-        runs[name] = (be, fb.attn_metadata, [])
-    outs = {}
-    for _ in range(rounds):
-        for name, (be, md, times) in runs.items():
-            fb.attn_metadata = md
-            t0 = time.perf_counter()
-            outs[name] = be.forward(q, k, v, layer, fb)
-            times.append(time.perf_counter() - t0)
+    outs, times = time_backends({"kernel": backend(True), "torch": backend(False)}, fb, q, k, v, layer, rounds)
     err = (outs["kernel"] - outs["torch"]).abs().max().item()
     row = {"heads": heads, "kv_heads": kv_heads, "head_dim": 128, "requests": reqs, "tokens": tokens,
            "prefix": prefix, "kv_dtype": str(kv_dtype).removeprefix("torch."), "max_abs_diff": err}
-    for name, (_, _, times) in runs.items():
-        row[f"{name}_best_ms"] = round(min(times) * 1e3, 3)
-        row[f"{name}_median_ms"] = round(statistics.median(times) * 1e3, 3)
-    row["torch_over_kernel_best"] = round(row["torch_best_ms"] / row["kernel_best_ms"], 2)
+    add_times(row, times)
     row["torch_over_kernel_median"] = round(row["torch_median_ms"] / row["kernel_median_ms"], 2)
     return row
+
+
+def time_backends(backends: dict, fb, q, k, v, layer, rounds: int) -> tuple:
+    """({name: output}, {name: [seconds per forward]}): the backends' forwards on one batch, in
+    turns each round; each backend's metadata built once, untimed."""
+    metadata = {}
+    for name, be in backends.items():
+        be.init_forward_metadata(fb)
+        metadata[name] = fb.attn_metadata
+    outs, times = {}, {name: [] for name in backends}
+    for _ in range(rounds):
+        for name, be in backends.items():
+            fb.attn_metadata = metadata[name]
+            t0 = time.perf_counter()
+            outs[name] = be.forward(q, k, v, layer, fb)
+            times[name].append(time.perf_counter() - t0)
+    return outs, times
+
+
+def add_times(row: dict, times: dict) -> None:
+    """Each method's best and median ms into `row`, and torch's best over the kernel's."""
+    for name, ts in times.items():
+        row[f"{name}_best_ms"] = round(min(ts) * 1e3, 3)
+        row[f"{name}_median_ms"] = round(statistics.median(ts) * 1e3, 3)
+    row["torch_over_kernel_best"] = round(row["torch_best_ms"] / row["kernel_best_ms"], 2)
 
 
 def main() -> None:
