@@ -2,6 +2,7 @@
 libgomp (radixserve/__init__.py imports this module first; standard library only)."""
 
 import os as _os
+from typing import Mapping
 
 # A forward is hundreds of parallel regions, and at the
 # end of each a thread that finished its share waits for the others: libgomp's default spins
@@ -28,7 +29,7 @@ def _libgomp_loaded() -> bool:
         return False
 
 
-def _wait_is_short(env: "_os._Environ[str] | dict") -> bool:
+def _wait_is_short(env: Mapping[str, str]) -> bool:
     """Whether OpenMP settings in `env` make waiting threads give their core up soon."""
     if env.get("OMP_WAIT_POLICY", "").strip().lower() == "passive":
         return True
@@ -40,10 +41,11 @@ def _wait_is_short(env: "_os._Environ[str] | dict") -> bool:
 # default spin: torch imported before radixserve, with neither variable set. The C++ kernels'
 # worker pool needs the short wait (an OpenMP thread spinning for ms after each torch op holds the
 # core the pool's worker needs: 185 vs 208 tok/s offline), so without it they divide their work on
-# OpenMP's own threads (layers/cpu_kernels.py: default_division).
-if "OMP_WAIT_POLICY" in _os.environ or "GOMP_SPINCOUNT" in _os.environ:
+# OpenMP's own threads (layers/cpu_kernels.py: leave_the_pool).
+if "OMP_WAIT_POLICY" in _os.environ or "GOMP_SPINCOUNT" in _os.environ:  # the user's settings
     LIBGOMP_WAIT_SHORT = _wait_is_short(_os.environ)
+elif _os.environ.get("RADIXSERVE_OMP_DEFAULTS", "1") == "0":  # opted out: libgomp's default spin
+    LIBGOMP_WAIT_SHORT = False
 else:
-    LIBGOMP_WAIT_SHORT = _os.environ.get("RADIXSERVE_OMP_DEFAULTS", "1") != "0" and not _libgomp_loaded()
-    if _os.environ.get("RADIXSERVE_OMP_DEFAULTS", "1") != "0":
-        _os.environ["GOMP_SPINCOUNT"] = OMP_SPINCOUNT  # for this process's libgomp if not loaded yet, and its children
+    LIBGOMP_WAIT_SHORT = not _libgomp_loaded()  # ours reaches a libgomp loaded later, and every child
+    _os.environ["GOMP_SPINCOUNT"] = OMP_SPINCOUNT

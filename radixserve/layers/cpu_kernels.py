@@ -251,29 +251,25 @@ def build() -> Optional[ModuleType]:
                 verbose=False,
             )
         mod.quant_decode_fused_rows(fused_decode_rows_from_env())
-        division = default_division(omp_wait.LIBGOMP_WAIT_SHORT, os.environ)
-        if division == "omp" and mod.parallel_division() == "pool":
+        if leave_the_pool(omp_wait.LIBGOMP_WAIT_SHORT, os.environ) and mod.parallel_division() == "pool":
             logger.info("The CPU kernels divide their work on OpenMP's threads, not their worker pool: torch was "
                         "imported before radixserve, so libgomp spins ~ms after each region (GOMP_SPINCOUNT is "
                         "read once, at load) on the core the pool would need. Import radixserve first or set "
                         "GOMP_SPINCOUNT=%s for the pool, which holds up when another process shares the CPU.",
                         omp_wait.OMP_SPINCOUNT)
-            mod.set_parallel_division(division)
+            mod.set_parallel_division("omp")
         return mod
     except Exception as e:  # no compiler, no headers: the torch path serves
         logger.warning("CPU kernels unavailable, using the torch path: %s", str(e).splitlines()[0] if str(e) else e)
         return None
 
 
-def default_division(libgomp_wait_short: bool, env: Mapping[str, str]) -> str:
-    """How the kernels divide their work (csrc/parallel.h) unless RADIXSERVE_PARALLEL_DIVISION or
-    RADIXSERVE_PARALLEL_STATIC says: their worker pool when OpenMP's threads give their core up
-    soon after a region, else OpenMP's threads themselves (one already spins on the other core)."""
-    if env.get("RADIXSERVE_PARALLEL_STATIC", "0") not in ("", "0"):
-        return "static"
-    if env.get("RADIXSERVE_PARALLEL_DIVISION") in ("pool", "omp", "static"):
-        return env["RADIXSERVE_PARALLEL_DIVISION"]
-    return "pool" if libgomp_wait_short else "omp"
+def leave_the_pool(libgomp_wait_short: bool, env: Mapping[str, str]) -> bool:
+    """Whether the kernels should divide their work on OpenMP's threads instead of their worker
+    pool (csrc/parallel.h, which reads the division's variables itself): libgomp keeps its long
+    default spin, so one of its threads already spins on the core the pool's worker needs, and
+    the user named no division."""
+    return not libgomp_wait_short and "RADIXSERVE_PARALLEL_DIVISION" not in env
 
 
 def get() -> Optional[ModuleType]:

@@ -98,13 +98,13 @@ def test_the_pool_is_the_default_where_libgomp_waits_briefly():
     assert _division_in_a_new_process("import torch, radixserve", GOMP_SPINCOUNT="300000") == "omp"
     assert _division_in_a_new_process("import torch, radixserve", RADIXSERVE_PARALLEL_DIVISION="pool") == "pool"
     assert _division_in_a_new_process("import radixserve, torch", RADIXSERVE_OMP_DEFAULTS="0") == "omp"
+    assert _division_in_a_new_process("import torch, radixserve", RADIXSERVE_PARALLEL_STATIC="1") == "static"
 
 
-def test_default_division_follows_the_environment():
-    assert cpu_kernels.default_division(True, {}) == "pool"
-    assert cpu_kernels.default_division(False, {}) == "omp"
-    assert cpu_kernels.default_division(False, {"RADIXSERVE_PARALLEL_DIVISION": "pool"}) == "pool"
-    assert cpu_kernels.default_division(True, {"RADIXSERVE_PARALLEL_STATIC": "1"}) == "static"
+def test_the_pool_is_left_only_under_a_long_wait_and_no_named_division():
+    assert not cpu_kernels.leave_the_pool(True, {})
+    assert cpu_kernels.leave_the_pool(False, {})
+    assert not cpu_kernels.leave_the_pool(False, {"RADIXSERVE_PARALLEL_DIVISION": "pool"})
 
 
 def test_caller_does_not_wait_for_a_stalled_worker(ops, threads_and_division):
