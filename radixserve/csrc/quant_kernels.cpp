@@ -1097,6 +1097,42 @@ inline void add_chunk(__m256 lanes, const float* wm, const float* am, int64_t n,
   add_chunk_lanes(lanes, wmin_dot(wm, am, n, _mm256_setzero_ps()), first, y);
 }
 
+// hsum8 of four vectors at once, in hsum8's own tree ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7)), so
+// the bits are hsum8's: [hsum8(v0), hsum8(v1), hsum8(v2), hsum8(v3)].
+inline __m128 hsum8x4(__m256 v0, __m256 v1, __m256 v2, __m256 v3) {
+  const __m256 t01 = _mm256_add_ps(_mm256_permute2f128_ps(v0, v1, 0x20), _mm256_permute2f128_ps(v0, v1, 0x31));
+  const __m256 t23 = _mm256_add_ps(_mm256_permute2f128_ps(v2, v3, 0x20), _mm256_permute2f128_ps(v2, v3, 0x31));
+  // per 128-bit half (low: v0, v2; high: v1, v3): [s0 + s2, s1 + s3] of each
+  const __m256 z = _mm256_add_ps(_mm256_shuffle_ps(t01, t23, _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm256_shuffle_ps(t01, t23, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 h = _mm256_hadd_ps(z, z);  // low: [h0, h2, h0, h2], high: [h1, h3, h1, h3]
+  return _mm_unpacklo_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// add_chunk for the nr (<= 4) consecutive outputs y[0 .. nr) of one row of x (the prefill tile's
+// rows: lanes[r], their slots wm[r]; the row's am): the same bits, with the four offset / min
+// chains and horizontal sums interleaved instead of one latency chain per output.
+inline void add_chunk4(const __m256* lanes, const float* const* wm, const float* am, int64_t n, int64_t nr, bool first,
+                       float* y) {
+  __m256 v[4];
+  for (int r = 0; r < 4; ++r) v[r] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; j += 8) {
+    const __m256 a = _mm256_loadu_ps(am + j);
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; ++r)
+      if (r < nr) v[r] = _mm256_fmadd_ps(_mm256_loadu_ps(wm[r] + j), a, v[r]);
+  }
+  for (int r = 0; r < 4; ++r) v[r] = r < nr ? _mm256_add_ps(lanes[r], v[r]) : v[r];
+  const __m128 h = hsum8x4(v[0], v[1], v[2], v[3]);
+  if (nr == 4) {
+    _mm_storeu_ps(y, first ? h : _mm_add_ps(_mm_loadu_ps(y), h));
+    return;
+  }
+  alignas(16) float hs[4];
+  _mm_store_ps(hs, h);
+  for (int64_t r = 0; r < nr; ++r) y[r] = first ? hs[r] : y[r] + hs[r];
+}
+
 // ---------------------------------------------------------------------------------------------
 // The integer dot products of one unpacked unit with C rows of x (a[c]: the unit's activation
 // bytes of row c; sd[c] = d_w * d_a): acc[c] += float(int32 lanes) * sd[c].
@@ -1450,6 +1486,55 @@ inline void mk_kq(const uint8_t* const* uw, const float* const* udw, const int8_
   }
 }
 
+// The full register block (2 weight rows x 4 rows of x) of mk_kq, the prefill's hot loop: written
+// as one inline-assembly block per 32 values because GCC, given the intrinsics, hoists the four
+// activation loads, runs out of the 16 registers and spills an accumulator, whose trip through
+// memory every iteration cost ~10% (benchmarks/NOTES.md, issue 54 session 11). Registers: the 8
+// int32 accumulators (GCC's choice), ymm8/9 the two rows' weight bytes, ymm10/11 their scale
+// vectors (loaded once per 32 values, not once per row of x), ymm12 an activation vector, ymm13/14
+// the products. The scales d_w * d_a of the 8 outputs are formed four at a time (one vector
+// product per weight row, the same bits as the scalar products) and the float update is mk_kq's.
+inline void mk_kq24(const uint8_t* const* uw, const float* const* udw, const int8_t* const* aq, const float* const* ad,
+                    int64_t nu, float* const* F) {
+  for (int64_t s = 0; s < nu; ++s) {
+    __m256i c00 = _mm256_setzero_si256(), c01 = c00, c02 = c00, c03 = c00, c10 = c00, c11 = c00, c12 = c00, c13 = c00;
+    const uint8_t* w0 = uw[0] + s * 512;
+    const uint8_t* w1 = uw[1] + s * 512;
+    const int8_t *a0 = aq[0] + s * 256, *a1 = aq[1] + s * 256, *a2 = aq[2] + s * 256, *a3 = aq[3] + s * 256;
+    for (int64_t k = 0; k < 256; k += 32) {
+#define RS_ROW_OF_X(A, C0, C1)                 \
+  "vmovdqu (%[" A "],%[k]), %%ymm12\n\t"       \
+  "vpmaddubsw %%ymm12, %%ymm8, %%ymm13\n\t"    \
+  "vpmaddubsw %%ymm12, %%ymm9, %%ymm14\n\t"    \
+  "vpmaddwd %%ymm10, %%ymm13, %%ymm13\n\t"     \
+  "vpmaddwd %%ymm11, %%ymm14, %%ymm14\n\t"     \
+  "vpaddd %%ymm13, %[" C0 "], %[" C0 "]\n\t"   \
+  "vpaddd %%ymm14, %[" C1 "], %[" C1 "]\n\t"
+      __asm__("vmovdqa (%[w0],%[k]), %%ymm8\n\t"
+              "vmovdqa (%[w1],%[k]), %%ymm9\n\t"
+              "vmovdqa 256(%[w0],%[k]), %%ymm10\n\t"
+              "vmovdqa 256(%[w1],%[k]), %%ymm11\n\t"
+              RS_ROW_OF_X("a0", "c00", "c10") RS_ROW_OF_X("a1", "c01", "c11")
+              RS_ROW_OF_X("a2", "c02", "c12") RS_ROW_OF_X("a3", "c03", "c13")
+              : [c00] "+x"(c00), [c01] "+x"(c01), [c02] "+x"(c02), [c03] "+x"(c03),
+                [c10] "+x"(c10), [c11] "+x"(c11), [c12] "+x"(c12), [c13] "+x"(c13)
+              : [w0] "r"(w0), [w1] "r"(w1), [a0] "r"(a0), [a1] "r"(a1), [a2] "r"(a2), [a3] "r"(a3), [k] "r"(k)
+              : "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "memory");
+#undef RS_ROW_OF_X
+    }
+    const __m128 da = _mm_setr_ps(ad[0][s], ad[1][s], ad[2][s], ad[3][s]);
+    const __m256 sd0 = _mm256_castps128_ps256(_mm_mul_ps(_mm_set1_ps(udw[0][s]), da));
+    const __m256 sd1 = _mm256_castps128_ps256(_mm_mul_ps(_mm_set1_ps(udw[1][s]), da));
+    const __m256i lane[4] = {_mm256_set1_epi32(0), _mm256_set1_epi32(1), _mm256_set1_epi32(2), _mm256_set1_epi32(3)};
+    const __m256i acc[8] = {c00, c01, c02, c03, c10, c11, c12, c13};
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) {
+      const __m256 sd = _mm256_permutevar8x32_ps(i < 4 ? sd0 : sd1, lane[i % 4]);
+      _mm256_storeu_ps(F[i], _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i]), sd, _mm256_loadu_ps(F[i])));
+    }
+  }
+}
+
 // 32-block types: per block the int32 lanes converted and scaled at once (a scale per block).
 template <int64_t T, int R, int C>
 inline void mk32(const uint8_t* const* uw, const float* const* udw, const int8_t* const* aq, const float* const* ad,
@@ -1493,7 +1578,9 @@ inline void mk32(const uint8_t* const* uw, const float* const* udw, const int8_t
 template <int64_t T, int R, int C>
 inline void mk(const uint8_t* const* uw, const float* const* udw, const int8_t* const* aq, const float* const* ad,
                int64_t nu, float* const* F) {
-  if constexpr (is_kq(T))
+  if constexpr (is_kq(T) && R == 2 && C == 4)
+    mk_kq24(uw, udw, aq, ad, nu, F);
+  else if constexpr (is_kq(T))
     mk_kq<R, C>(uw, udw, aq, ad, nu, F);
   else
     mk32<T, R, C>(uw, udw, aq, ad, nu, F);
@@ -1581,11 +1668,13 @@ void prefill_tiles(const uint8_t* W, int64_t ldw, int64_t t0, int64_t t1, int64_
             mk_dispatch<T>(rr, cc, uw, udw, aq, ad, uc, F);
           }
         }
+        static_assert(NT == 4, "add_chunk4 sums 4 rows at once");
+        const float* wm[NT];
+        for (int64_t r = 0; r < NT; ++r) wm[r] = Wm.get() + std::min(r, nr - 1) * spad + s0;
         for (int64_t c = 0; c < mc; ++c) {  // the chunk's sums + its offsets / mins (wmin . amin) into y
-          const float* am = Am + (mb + c) * spad + s0;
-          float* yp = y + (mb + c) * ldy + n0;
-          for (int64_t r = 0; r < nr; ++r)
-            add_chunk(_mm256_loadu_ps(Fb.get() + (r * MC + c) * 8), Wm.get() + r * spad + s0, am, ns, u0 == 0, yp + r);
+          __m256 lanes[NT];
+          for (int64_t r = 0; r < NT; ++r) lanes[r] = _mm256_loadu_ps(Fb.get() + (std::min(r, nr - 1) * MC + c) * 8);
+          add_chunk4(lanes, wm, Am + (mb + c) * spad + s0, ns, nr, u0 == 0, y + (mb + c) * ldy + n0);
         }
       }
     }
