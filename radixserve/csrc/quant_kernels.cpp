@@ -1964,7 +1964,8 @@ std::vector<int64_t> quant_gemm_types() {
   return out;
 }
 
-at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t qtype, int64_t in_features) {
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t qtype, int64_t in_features,
+                        const c10::optional<at::Tensor>& out) {
 #if defined(RADIXSERVE_QUANT_GEMM)
   const QInfo* qi = find_type(qtype);
   TORCH_CHECK(qi != nullptr, "quant_linear: unsupported ggml type ", qtype);
@@ -1984,18 +1985,26 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t q
   const int64_t M = x2.size(0);
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = N;
-  at::Tensor y = at::empty({M, N}, x.options());
+  if (out.has_value()) {  // a [M, N] float32 view with unit column stride, e.g. columns of a fused layer's output
+    const at::Tensor& o = *out;
+    TORCH_CHECK(o.device().is_cpu() && o.scalar_type() == at::kFloat && o.dim() == 2 && o.size(0) == M &&
+                    o.size(1) == N && o.stride(1) == 1 && (M <= 1 || o.stride(0) >= N),
+                "quant_linear: out must be float32 [", M, ", ", N, "] with contiguous rows");
+  }
+  at::Tensor y = out.has_value() ? *out : at::empty({M, N}, x.options());
   if (M > 0 && N > 0) {
     const bool kq = qi->block == 256;
+    const int64_t ldy = M > 1 ? y.stride(0) : N;
     if (kq)
       quant_gemm<true>(x2.data_ptr<float>(), M, K, weight.data_ptr<uint8_t>(), weight.stride(0), N, *qi,
-                       y.data_ptr<float>(), N);
+                       y.data_ptr<float>(), ldy);
     else
       quant_gemm<false>(x2.data_ptr<float>(), M, K, weight.data_ptr<uint8_t>(), weight.stride(0), N, *qi,
-                        y.data_ptr<float>(), N);
+                        y.data_ptr<float>(), ldy);
   }
-  return y.view(out_shape);
+  return out.has_value() ? y : y.view(out_shape);
 #else
+  (void)out;
   (void)x;
   (void)weight;
   (void)qtype;
@@ -2029,8 +2038,9 @@ void register_quant_kernels(pybind11::module_& m) {
         py::arg("rows") = -1);
   m.def("quant_linear", &quant_linear,
         "y = x @ dequantize(weight)^T with GGUF-quantized weight rows (x quantized to 8 bits per block, "
-        "integer dot products)",
-        py::arg("x"), py::arg("weight"), py::arg("qtype"), py::arg("in_features"));
+        "integer dot products); out: a float32 [M, N] view with contiguous rows (e.g. some columns of a "
+        "larger output) to write y into instead of a new tensor",
+        py::arg("x"), py::arg("weight"), py::arg("qtype"), py::arg("in_features"), py::arg("out") = py::none());
   m.def("quant_dequantize_bf16", &quant_dequantize_bf16,
         "GGUF-quantized weight rows [N, row_bytes] -> bf16 [N, in_features] (the prefill path's tile)",
         py::arg("weight"), py::arg("qtype"), py::arg("in_features"));

@@ -52,9 +52,9 @@ def calls(monkeypatch):
     """Which path each quant_matmul call took."""
     taken = []
     for name, fn in dict(quant_gguf.CPU_PATHS).items():
-        def spy(x, w, _fn=fn, _name=name):
+        def spy(x, w, out=None, _fn=fn, _name=name):
             taken.append(_name)
-            return _fn(x, w)
+            return _fn(x, w, out)
         monkeypatch.setitem(quant_gguf.CPU_PATHS, name, spy)
     return taken
 

@@ -312,3 +312,31 @@ def test_the_dequantized_bf16_path_is_the_bf16_product(ops, qtype, monkeypatch):
     assert torch.equal(quant_matmul(torch.from_numpy(x), qw), y)
     monkeypatch.setattr(gemm_select, "_plan", gemm_select.GemmPlan(forced="int8"))
     assert torch.equal(quant_matmul(torch.from_numpy(x), qw), ops.quant_linear(torch.from_numpy(x), torch.from_numpy(data), int(qtype), k))
+
+
+@pytest.mark.parametrize("path", ["int8", "f32"])
+@pytest.mark.parametrize("m", [1, 17, 67])
+def test_a_fused_layers_segments_write_their_own_columns(ops, monkeypatch, m, path):
+    """A layer of several GGUF tensors (q / k / v of one qkv_proj in different types, as a Q4_K_M
+    file has them) writes each segment's product straight into its columns of the layer's output
+    (quant_linear's / quant_matmul's out), with the same bits as the segment alone, and touches no
+    other column; a wrong out is refused with a message."""
+    from radixserve.layers import gemm_select
+    from radixserve.layers.quantization import QuantizedWeight, quant_matmul
+
+    monkeypatch.setattr(gemm_select, "_plan", gemm_select.GemmPlan(forced=path))
+    k = 512
+    parts = [(Q.Q4_K, 24), (Q.Q6_K, 16), (Q.Q8_0, 8)]
+    x = torch.from_numpy(make_x(m, k))
+    y = torch.full((m, sum(n for _, n in parts) + 3), float("nan"))
+    off = 0
+    for i, (qtype, n) in enumerate(parts):
+        data, _ = make_weight(qtype, n, k, seed=i)
+        qw = QuantizedWeight(int(qtype), torch.from_numpy(data), k)
+        view = y[:, off : off + n]
+        assert quant_matmul(x, qw, view).data_ptr() == view.data_ptr()
+        assert torch.equal(view, quant_matmul(x, qw))
+        off += n
+    assert torch.isnan(y[:, off:]).all()  # past the last segment: untouched
+    with pytest.raises(RuntimeError, match="out must be float32"):
+        ops.quant_linear(x, torch.from_numpy(make_weight(Q.Q4_K, 8, k)[0]), int(Q.Q4_K), k, torch.empty(m, 9))

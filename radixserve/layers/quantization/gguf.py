@@ -156,32 +156,42 @@ class GGUFLinearMethod(LinearMethodBase):
         x2 = x.reshape(-1, x.shape[-1])
         if not on_triton_device(x2):  # the C++ kernels take float32 rows
             x2 = x2.float().contiguous()
-        parts = [self._matmul(s, x2) for s in self.ordered]
-        y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        if len(self.ordered) == 1:
+            y = self._matmul(self.ordered[0], x2)
+        else:  # each segment writes its own columns (no concatenation of the parts)
+            y = x2.new_empty(x2.shape[0], layer.out_features, dtype=self._out_dtype(x2))
+            for s in self.ordered:
+                self._matmul(s, x2, y[:, s.offset : s.offset + s.rows])
         if bias is not None:
             y = y + bias
         return y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
 
     @staticmethod
-    def _matmul(seg: Segment, x: torch.Tensor) -> torch.Tensor:
+    def _out_dtype(x: torch.Tensor) -> torch.dtype:
+        return x.dtype if on_triton_device(x) else torch.float32
+
+    @staticmethod
+    def _matmul(seg: Segment, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         if seg.qtype is None:
             mm = batch_invariant.linear_rows if batch_invariant.is_enabled() else F.linear
-            return mm(x, seg.data if seg.data.dtype == x.dtype else seg.data.to(x.dtype))
-        return quant_matmul(x, QuantizedWeight(seg.qtype, seg.data, x.shape[1]))
+            y = mm(x, seg.data if seg.data.dtype == x.dtype else seg.data.to(x.dtype))
+            return y if out is None else out.copy_(y)
+        return quant_matmul(x, QuantizedWeight(seg.qtype, seg.data, x.shape[1]), out)
 
 
-def quant_matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+def quant_matmul(x: torch.Tensor, w: QuantizedWeight, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """float32 x [M, K] @ w^T on the path the start-up measurement chose for w's shape and M rows
     (layers/gemm_select.py: the integer kernel, or a tile at a time dequantized to bf16 or float32
     for torch's GEMM; the float32 matrix never exists whole). On a GPU: the Triton kernels, in
-    x's dtype."""
+    x's dtype. out: a [M, N] view (some columns of a fused layer's output) to write into."""
     if on_triton_device(x):
         if w.qtype not in TRITON_TYPES:  # the loader keeps only these in blocks on a GPU
             raise ValueError(f"{type_name(w.qtype)} blocks on a GPU: no Triton kernel for them")
-        return triton_kernels().gguf_matmul(x, w.data, w.qtype, w.cols)
+        y = triton_kernels().gguf_matmul(x, w.data, w.qtype, w.cols)
+        return y if out is None else out.copy_(y)
     available = cpu_paths(w.qtype)
     path = gemm_select.current_plan().path(gemm_shape(w), x.shape[0], available)
-    return CPU_PATHS[path](x, w)
+    return CPU_PATHS[path](x, w, out)
 
 
 def gemm_shape(w: QuantizedWeight) -> gemm_select.GemmShape:
@@ -200,20 +210,20 @@ def cpu_paths(qtype: int) -> Tuple[str, ...]:
     return ("f32",)
 
 
-def int8_matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+def int8_matmul(x: torch.Tensor, w: QuantizedWeight, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The C++ integer kernel: x quantized to 8 bits per block, integer dot products."""
-    return cpu_kernels.get().quant_linear(x, w.data, w.qtype, w.cols)
+    return cpu_kernels.get().quant_linear(x, w.data, w.qtype, w.cols, out)
 
 
-def dequantized_bf16_matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+def dequantized_bf16_matmul(x: torch.Tensor, w: QuantizedWeight, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x rounded to bf16 once, the weight dequantized to bf16 a tile of output rows at a time (the
     C++ kernel's unpacking) and multiplied by oneDNN; float32 out."""
     ops = cpu_kernels.get()
     xb = x.to(torch.bfloat16)
-    return _tiled(x, w, 2, lambda rows: F.linear(xb, ops.quant_dequantize_bf16(rows.data, w.qtype, w.cols)))
+    return _tiled(x, w, 2, lambda rows: F.linear(xb, ops.quant_dequantize_bf16(rows.data, w.qtype, w.cols)), out)
 
 
-def dequantized_f32_matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+def dequantized_f32_matmul(x: torch.Tensor, w: QuantizedWeight, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The weight dequantized to float32 a tile of output rows at a time (the C++ kernel's
     unpacking where it takes the type, else the gguf package's), torch's float32 GEMM."""
     ops = cpu_kernels.get()
@@ -223,24 +233,27 @@ def dequantized_f32_matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
         weight = ops.quant_dequantize_f32(rows.data, w.qtype, w.cols) if fast else rows.dequantize()
         return F.linear(x, weight)
 
-    return _tiled(x, w, 4, tile)
+    return _tiled(x, w, 4, tile, out)
 
 
-def _tiled(x: torch.Tensor, w: QuantizedWeight, elem_bytes: int, matmul_rows) -> torch.Tensor:
+def _tiled(x: torch.Tensor, w: QuantizedWeight, elem_bytes: int, matmul_rows,
+           out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """matmul_rows(a QuantizedWeight of some output rows) for tiles of ~PREFILL_TILE_BYTES of
-    dequantized weight, into one float32 [M, N]."""
+    dequantized weight, into one float32 [M, N] (out where given)."""
     n = w.shape[0]
     tile = max(16, PREFILL_TILE_BYTES // (elem_bytes * w.cols) // 16 * 16)
     if tile >= n:
-        return matmul_rows(w).float()
-    out = x.new_empty(x.shape[0], n, dtype=torch.float32)
+        y = matmul_rows(w)
+        return y.float() if out is None else out.copy_(y)
+    if out is None:
+        out = x.new_empty(x.shape[0], n, dtype=torch.float32)
     for r in range(0, n, tile):
         rows = min(tile, n - r)
         out[:, r : r + rows] = matmul_rows(w.narrow(0, r, rows))
     return out
 
 
-CPU_PATHS: Dict[str, Callable[[torch.Tensor, QuantizedWeight], torch.Tensor]] = {
+CPU_PATHS: Dict[str, Callable[[torch.Tensor, QuantizedWeight, Optional[torch.Tensor]], torch.Tensor]] = {
     "int8": int8_matmul, "onednn_bf16": dequantized_bf16_matmul, "f32": dequantized_f32_matmul}
 
 
