@@ -34,7 +34,7 @@
 // chunks of rows from an atomic counter, so a thread whose core another process took holds no
 // region up; the AVX2 build is the same with 8-lane vectors, 4 rows of x per decode pass and K
 // chunks of 2048 values):
-//   - decode (M <= 16 rows of x): each thread streams its chunks of weight rows once, in order (software
+//   - decode (M <= 16 rows of x; AVX2: 12): each thread streams its chunks of weight rows once, in order (software
 //     prefetch 8 KiB ahead); each unit (a group of 4 blocks, or a super-block) is unpacked once
 //     into uint8 lanes in an L1 scratch and used for 8 rows of x at a time (a second group of 8
 //     re-unpacks the row from L1, not from memory). M = 16 thus reads the weights once, like M = 1.
@@ -859,7 +859,10 @@ void dequant_rows(const uint8_t* W, int64_t ldw, int64_t N, int64_t K, const QIn
 // A unit is a block (32-block types) or a super-block; its unpacked form (UW bytes): the values,
 // then (K-quants) the eight 32-byte scale vectors or (Q8_0) the signed values.
 
-constexpr int64_t kDecodeRows = 16;  // up to this many rows of x: the decode path
+// Up to this many rows of x: the decode path. From 13 rows on the prefill tiles (one block of rows
+// of x, so the weights are still read once) were 7-20% faster on Zen 3 (benchmarks/NOTES.md, issue
+// 54 session 11); at 10 and fewer the decode path was.
+constexpr int64_t kDecodeRows = 12;
 constexpr int64_t NT = 4;            // prefill: weight rows per tile (unpacked together)
 constexpr int64_t KCHUNK = 2048;     // prefill: values of K unpacked at a time
 
@@ -1167,7 +1170,7 @@ __attribute__((always_inline)) inline void dot_unit(const uint8_t* w, const int8
 }
 
 // ---------------------------------------------------------------------------------------------
-// Decode (M <= 16 rows of x): one weight row at a time, read once, in order (software prefetch
+// Decode (M <= kDecodeRows rows of x): one weight row at a time, read once, in order (software prefetch
 // 8 KiB ahead). The first pass over the row (rows of x 0..3) unpacks it unit by unit into a
 // row-sized L1 scratch (K-quants: 2 bytes per value; a few KiB .. 18 KiB at K = 8960); the other
 // passes (4 rows of x each: AVX2's 16 registers) read the scratch.
@@ -1253,6 +1256,7 @@ void decode_rows(const uint8_t* W, int64_t ldw, int64_t n0, int64_t n1, int64_t 
 // Rows of x beyond 4 take more passes over the row (it is then in L1 / L2, not memory).
 
 constexpr int kFusedRowsDefault = 4;
+constexpr int64_t kFusedRowsMax = 16;  // quant_decode_fused_rows' limit (the fused path takes any row count)
 std::atomic<int> g_fused_rows{kFusedRowsDefault};
 
 // int16 lane s of a vector of 8 int16 (both 128-bit halves) in every int16 lane
@@ -1940,7 +1944,7 @@ const char* quant_gemm_isa() {
 int64_t quant_decode_fused_rows(int64_t rows) {
 #if defined(RADIXSERVE_QUANT_AVX2)
   const int prev = g_fused_rows.load();
-  if (rows >= 0) g_fused_rows.store(static_cast<int>(std::min<int64_t>(rows, kDecodeRows)));
+  if (rows >= 0) g_fused_rows.store(static_cast<int>(std::min<int64_t>(rows, kFusedRowsMax)));
   return prev;
 #else
   (void)rows;
