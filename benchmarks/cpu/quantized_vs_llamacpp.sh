@@ -37,6 +37,7 @@ OUT=${OUT:-$REPO/benchmarks/cpu/quantized_vs_llamacpp.jsonl}
 GGUF=$("$PYTHON" "$REPO/benchmarks/cpu/fetch_gguf.py" "$MODEL" | tail -n 1)
 log() { echo "[quantized_vs_llamacpp $(date +%H:%M:%S)] $*" >&2; }
 
+CPU_MODEL=$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')  # beside every figure, in the _rss.jsonl lines
 tree_rss_mb() {  # the resident memory of a process and all its descendants, MB
   local pids=$1 all=$1 next
   while [[ -n $pids ]]; do
@@ -89,7 +90,7 @@ for engine in $ENGINES; do
       "${args[@]}") | grep -E "Output token throughput|Mean TTFT|Mean ITL" || true
     rss=$(tree_rss_mb "$SERVER_PID")
     log "$engine/$workload: server RSS $rss MB"
-    echo "{\"tag\": \"$MODEL/$engine/$workload$suffix\", \"server_rss_mb\": $rss, \"ctx\": $CTX}" >> "${OUT%.jsonl}_rss.jsonl"
+    echo "{\"tag\": \"$MODEL/$engine/$workload$suffix\", \"server_rss_mb\": $rss, \"ctx\": $CTX, \"cpu\": \"$CPU_MODEL\"}" >> "${OUT%.jsonl}_rss.jsonl"
     if [[ $busy = 1 ]]; then kill "$BUSY_PID"; wait "$BUSY_PID" 2>/dev/null || true; fi
    done
   done

@@ -136,14 +136,14 @@ def build_reference(path: Path):
 #   Q8_0 after the decode attention's block path came to AVX2 (2026-11-29, session 10: the same
 #     float32 math summed in another order, |error| vs a float32 reference 4e-7 either way): 24 / 64,
 #     mean 0.0383, p99 0.216, max 0.355 -- the teacher-forced figures (prefill only) unchanged to the
-#     last digit, the greedy agreement 31 -> 24 (Q4_1's the other way: 21 -> 24). Whole-answer equality of 64 greedy answers, each
-#     on knife-edge near-ties under 8-bit activations, is a count whose standard error at ~27 / 64
-#     is ~4 prompts (binomial, sqrt(n p (1 - p))).
+#     last digit, the greedy agreement 31 -> 24 (Q4_1's the other way: 21 -> 24). Whole-answer
+#     equality of 64 greedy answers, each on knife-edge near-ties under 8-bit activations, is a
+#     count whose standard error at ~27 / 64 is ~4 prompts (binomial, sqrt(n p (1 - p))).
 # Held: agreement within one standard error of llama.cpp's count, the mean at 5% above llama.cpp's,
-# the p99 and max at 25%. The tail is the
-# noisy figure: a p99 of ~1,700 tokens is their 17th largest, and bootstrapped over the 64 prompts
-# its standard error is 0.010 (Q8_0) to 0.014 (Q4_1), 5-7%, where the mean's is 0.0013 (3%); the
-# same products summed in another float order moved it by 3% (Q4_1 above). A bound at 5% failed
+# the p99 and max at 25%. The tail is the noisy figure: a p99 of ~1,700 tokens is their 17th
+# largest, and bootstrapped over the 64 prompts its standard error is 0.010 (Q8_0) to 0.014
+# (Q4_1), 5-7%, where the mean's is 0.0013 (3%); the same products summed in another float order
+# moved it by 3% (Q4_1 above). A bound at 5% failed
 # CI on Q8_0 (0.216 against 0.195) with agreement and mean at or better than llama.cpp's.
 LLAMACPP_FIGURES = {  # file -> (ggml type of its linear layers, agree, mean, p99, max) of llama.cpp on it
     "q4_1": (3, 21, 0.0373, 0.203, 0.434),

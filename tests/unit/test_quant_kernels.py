@@ -338,5 +338,18 @@ def test_a_fused_layers_segments_write_their_own_columns(ops, monkeypatch, m, pa
         assert torch.equal(view, quant_matmul(x, qw))
         off += n
     assert torch.isnan(y[:, off:]).all()  # past the last segment: untouched
+    # the layer itself: its output is the segments' products side by side, in offset order
+    from types import SimpleNamespace
+
+    from radixserve.layers.quantization.gguf import GGUFLinearMethod
+
+    layer = SimpleNamespace(weight=torch.empty(0), in_features=k, out_features=off)
+    method, want, off = GGUFLinearMethod(), [], 0
+    for i, (qtype, n) in enumerate(parts):
+        qw = QuantizedWeight(int(qtype), torch.from_numpy(make_weight(qtype, n, k, seed=i)[0]), k)
+        method.load_rows(layer, layer.weight, off, qw)
+        want.append(quant_matmul(x, qw))
+        off += n
+    assert torch.equal(method.apply(layer, x), torch.cat(want, dim=1))
     with pytest.raises(RuntimeError, match="out must be float32"):
         ops.quant_linear(x, torch.from_numpy(make_weight(Q.Q4_K, 8, k)[0]), int(Q.Q4_K), k, torch.empty(m, 9))

@@ -159,16 +159,12 @@ class GGUFLinearMethod(LinearMethodBase):
         if len(self.ordered) == 1:
             y = self._matmul(self.ordered[0], x2)
         else:  # each segment writes its own columns (no concatenation of the parts)
-            y = x2.new_empty(x2.shape[0], layer.out_features, dtype=self._out_dtype(x2))
+            y = x2.new_empty(x2.shape[0], layer.out_features)  # x2's dtype: float32 on the CPU, the model's on a GPU
             for s in self.ordered:
                 self._matmul(s, x2, y[:, s.offset : s.offset + s.rows])
         if bias is not None:
             y = y + bias
         return y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
-
-    @staticmethod
-    def _out_dtype(x: torch.Tensor) -> torch.dtype:
-        return x.dtype if on_triton_device(x) else torch.float32
 
     @staticmethod
     def _matmul(seg: Segment, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
