@@ -598,7 +598,7 @@ inline int64_t pad16(int64_t n) { return (n + 15) / 16 * 16; }
 // y[M, N] (row stride ldy) = x[M, K] (contiguous) @ dequantize(W)^T.
 template <bool KQ>
 void quant_gemm(const float* x, int64_t M, int64_t K, const uint8_t* W, int64_t ldw, int64_t N, const QInfo& qi,
-                float* y, int64_t ldy) {
+                float* y, int64_t ldy, int64_t /*fused_rows: no fused decode in this build*/) {
   const int64_t qtype = qi.id;
   // the unit: a group of 4 blocks (32-block types) or a super-block (K-quants)
   const int64_t nblocks = K / 32;
@@ -1060,6 +1060,19 @@ template <typename V>
 std::unique_ptr<V[], AlignedFree> aligned_buffer(int64_t n) {
   const size_t bytes = (static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(V) + 63) / 64 * 64;
   return std::unique_ptr<V[], AlignedFree>(static_cast<V*>(std::aligned_alloc(64, bytes)));
+}
+
+// Scratch of at least n V's, this thread's own (ID: which buffer), kept for the next call: a fresh
+// buffer per call of a prefill's size is fresh pages from the kernel, faulted and zeroed every time.
+template <typename V, int ID>
+V* scratch(int64_t n) {
+  thread_local std::unique_ptr<V[], AlignedFree> buf;
+  thread_local int64_t capacity = 0;
+  if (n > capacity) {
+    buf = aligned_buffer<V>(n);
+    capacity = n;
+  }
+  return buf.get();
 }
 
 inline int64_t pad8(int64_t n) { return (n + 7) / 8 * 8; }
@@ -1624,11 +1637,11 @@ void prefill_tiles(const uint8_t* W, int64_t ldw, int64_t t0, int64_t t1, int64_
   constexpr int64_t UW = unpacked_bytes(T), UV = unit_values(T), SPU = slots_per_unit(T);
   constexpr int64_t UC = KCHUNK / UV;  // units per K chunk
   const int64_t nunits = K / UV;
-  auto Uw = aligned_buffer<uint8_t>(NT * UC * UW);
-  auto Udw = aligned_buffer<float>(NT * UC);
-  auto Fb = aligned_buffer<float>(NT * MC * 8);
-  auto Wm = aligned_buffer<float>(NT * spad);
-  std::fill(Wm.get(), Wm.get() + NT * spad, 0.f);  // the slots past the last unit stay zero
+  uint8_t* Uw = scratch<uint8_t, 3>(NT * UC * UW);
+  float* Udw = scratch<float, 4>(NT * UC);
+  float* Fb = scratch<float, 5>(NT * MC * 8);
+  float* Wm = scratch<float, 6>(NT * spad);
+  std::fill(Wm, Wm + NT * spad, 0.f);  // the slots past the last unit stay zero
   for (int64_t u0 = 0; u0 < nunits; u0 += UC) {
     const int64_t uc = std::min(UC, nunits - u0);
     const int64_t s0 = u0 * SPU, ns = chunk_slots(u0, uc, nunits, SPU, spad);  // this chunk's offset / min slots
@@ -1636,7 +1649,7 @@ void prefill_tiles(const uint8_t* W, int64_t ldw, int64_t t0, int64_t t1, int64_
       const int64_t mc = std::min(MC, M - mb);
       for (int64_t tile = t0; tile < t1; ++tile) {
         const int64_t n0 = tile * NT, nr = std::min(NT, N - n0);
-        std::fill(Fb.get(), Fb.get() + NT * MC * 8, 0.f);
+        std::fill(Fb, Fb + NT * MC * 8, 0.f);
         if (tile + 1 < t1) {  // the next tile's chunk towards L2 while this one computes
           const int64_t nn = std::min(NT, N - n0 - NT);
           for (int64_t r = 0; r < nn; ++r)
@@ -1647,8 +1660,8 @@ void prefill_tiles(const uint8_t* W, int64_t ldw, int64_t t0, int64_t t1, int64_
         for (int64_t r = 0; r < nr; ++r) {
           const uint8_t* row = W + (n0 + r) * ldw;
           for (int64_t u = 0; u < uc; ++u)
-            unpack_unit<T>(row, u0 + u, Uw.get() + (r * UC + u) * UW, Udw.get() + r * UC + u,
-                           Wm.get() + r * spad + (u0 + u) * SPU);
+            unpack_unit<T>(row, u0 + u, Uw + (r * UC + u) * UW, Udw + r * UC + u,
+                           Wm + r * spad + (u0 + u) * SPU);
         }
         for (int64_t c0 = 0; c0 < mc; c0 += CB) {
           const int cc = static_cast<int>(std::min<int64_t>(CB, mc - c0));
@@ -1665,19 +1678,19 @@ void prefill_tiles(const uint8_t* W, int64_t ldw, int64_t t0, int64_t t1, int64_
             const float* udw[RB];
             float* F[RB * CB];
             for (int r = 0; r < rr; ++r) {
-              uw[r] = Uw.get() + (r0 + r) * UC * UW;
-              udw[r] = Udw.get() + (r0 + r) * UC;
-              for (int c = 0; c < cc; ++c) F[r * cc + c] = Fb.get() + ((r0 + r) * MC + c0 + c) * 8;
+              uw[r] = Uw + (r0 + r) * UC * UW;
+              udw[r] = Udw + (r0 + r) * UC;
+              for (int c = 0; c < cc; ++c) F[r * cc + c] = Fb + ((r0 + r) * MC + c0 + c) * 8;
             }
             mk_dispatch<T>(rr, cc, uw, udw, aq, ad, uc, F);
           }
         }
         static_assert(NT == 4, "add_chunk4 sums 4 rows at once");
         const float* wm[NT];
-        for (int64_t r = 0; r < NT; ++r) wm[r] = Wm.get() + std::min(r, nr - 1) * spad + s0;
+        for (int64_t r = 0; r < NT; ++r) wm[r] = Wm + std::min(r, nr - 1) * spad + s0;
         for (int64_t c = 0; c < mc; ++c) {  // the chunk's sums + its offsets / mins (wmin . amin) into y
           __m256 lanes[NT];
-          for (int64_t r = 0; r < NT; ++r) lanes[r] = _mm256_loadu_ps(Fb.get() + (std::min(r, nr - 1) * MC + c) * 8);
+          for (int64_t r = 0; r < NT; ++r) lanes[r] = _mm256_loadu_ps(Fb + (std::min(r, nr - 1) * MC + c) * 8);
           add_chunk4(lanes, wm, Am + (mb + c) * spad + s0, ns, nr, u0 == 0, y + (mb + c) * ldy + n0);
         }
       }
@@ -1685,33 +1698,35 @@ void prefill_tiles(const uint8_t* W, int64_t ldw, int64_t t0, int64_t t1, int64_
   }
 }
 
-// y[M, N] (row stride ldy) = x[M, K] (contiguous) @ dequantize(W)^T.
+// y[M, N] (row stride ldy) = x[M, K] (contiguous) @ dequantize(W)^T. fused_limit: this call's row limit
+// for the fused decode (-1: the process's, quant_decode_fused_rows).
 template <int64_t T>
 void quant_gemm_t(const float* x, int64_t M, int64_t K, const uint8_t* W, int64_t ldw, int64_t N, float* y,
-                  int64_t ldy) {
+                  int64_t ldy, int64_t fused_limit) {
   const int64_t nad = K / unit_values(T);                   // activation d per row
   const int64_t spad = pad8(nad * slots_per_unit(T));       // offset / min slots per row
-  // 1. every row of x quantized once
-  const bool fused = M <= g_fused_rows.load(std::memory_order_relaxed);
-  auto Aq = aligned_buffer<int8_t>(M * K);
-  auto Ad = aligned_buffer<float>(M * nad);
-  auto Am = aligned_buffer<float>(M * spad);
+  // 1. every row of x quantized once, into this thread's scratch (reused: no page faults per call)
+  const int64_t limit = fused_limit >= 0 ? std::min(fused_limit, kFusedRowsMax) : g_fused_rows.load(std::memory_order_relaxed);
+  const bool fused = M <= limit;
+  int8_t* Aq = scratch<int8_t, 0>(M * K);
+  float* Ad = scratch<float, 1>(M * nad);
+  float* Am = scratch<float, 2>(M * spad);
   radixserve::parallel_for_dynamic(M, 4, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
-      float* am = Am.get() + m * spad;
+      float* am = Am + m * spad;
       std::fill(am, am + spad, 0.f);
-      quantize_row(x + m * K, K, T, Aq.get() + m * K, Ad.get() + m * nad, am);
+      quantize_row(x + m * K, K, T, Aq + m * K, Ad + m * nad, am);
     }
   });
   if (fused) {
     radixserve::parallel_for_dynamic(N, 16, [&](int64_t n0, int64_t n1) {
-      fused_rows<T>(W, ldw, n0, n1, M, K, Aq.get(), Ad.get(), nad, Am.get(), spad, y, ldy);
+      fused_rows<T>(W, ldw, n0, n1, M, K, Aq, Ad, nad, Am, spad, y, ldy);
     });
     return;
   }
   if (M <= kDecodeRows) {
     radixserve::parallel_for_dynamic(N, 16, [&](int64_t n0, int64_t n1) {
-      decode_rows<T>(W, ldw, n0, n1, M, K, Aq.get(), Ad.get(), nad, Am.get(), spad, y, ldy);
+      decode_rows<T>(W, ldw, n0, n1, M, K, Aq, Ad, nad, Am, spad, y, ldy);
     });
     return;
   }
@@ -1721,22 +1736,22 @@ void quant_gemm_t(const float* x, int64_t M, int64_t K, const uint8_t* W, int64_
   MC = std::min(MC, (M + 3) / 4 * 4);
   const int64_t ntiles = (N + NT - 1) / NT;
   radixserve::parallel_for_dynamic(ntiles, 1, [&](int64_t t0, int64_t t1) {
-    prefill_tiles<T>(W, ldw, t0, t1, N, M, MC, K, Aq.get(), Ad.get(), nad, Am.get(), spad, y, ldy);
+    prefill_tiles<T>(W, ldw, t0, t1, N, M, MC, K, Aq, Ad, nad, Am, spad, y, ldy);
   });
 }
 
 template <bool KQ>
 void quant_gemm(const float* x, int64_t M, int64_t K, const uint8_t* W, int64_t ldw, int64_t N, const QInfo& qi,
-                float* y, int64_t ldy) {
+                float* y, int64_t ldy, int64_t fused_limit) {
   switch (qi.id) {
-    case Q4_0: return quant_gemm_t<Q4_0>(x, M, K, W, ldw, N, y, ldy);
-    case Q4_1: return quant_gemm_t<Q4_1>(x, M, K, W, ldw, N, y, ldy);
-    case Q5_0: return quant_gemm_t<Q5_0>(x, M, K, W, ldw, N, y, ldy);
-    case Q5_1: return quant_gemm_t<Q5_1>(x, M, K, W, ldw, N, y, ldy);
-    case Q8_0: return quant_gemm_t<Q8_0>(x, M, K, W, ldw, N, y, ldy);
-    case Q4_K: return quant_gemm_t<Q4_K>(x, M, K, W, ldw, N, y, ldy);
-    case Q5_K: return quant_gemm_t<Q5_K>(x, M, K, W, ldw, N, y, ldy);
-    default: return quant_gemm_t<Q6_K>(x, M, K, W, ldw, N, y, ldy);
+    case Q4_0: return quant_gemm_t<Q4_0>(x, M, K, W, ldw, N, y, ldy, fused_limit);
+    case Q4_1: return quant_gemm_t<Q4_1>(x, M, K, W, ldw, N, y, ldy, fused_limit);
+    case Q5_0: return quant_gemm_t<Q5_0>(x, M, K, W, ldw, N, y, ldy, fused_limit);
+    case Q5_1: return quant_gemm_t<Q5_1>(x, M, K, W, ldw, N, y, ldy, fused_limit);
+    case Q8_0: return quant_gemm_t<Q8_0>(x, M, K, W, ldw, N, y, ldy, fused_limit);
+    case Q4_K: return quant_gemm_t<Q4_K>(x, M, K, W, ldw, N, y, ldy, fused_limit);
+    case Q5_K: return quant_gemm_t<Q5_K>(x, M, K, W, ldw, N, y, ldy, fused_limit);
+    default: return quant_gemm_t<Q6_K>(x, M, K, W, ldw, N, y, ldy, fused_limit);
   }
 }
 
@@ -1969,7 +1984,7 @@ std::vector<int64_t> quant_gemm_types() {
 }
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t qtype, int64_t in_features,
-                        const c10::optional<at::Tensor>& out) {
+                        const c10::optional<at::Tensor>& out, int64_t fused_limit) {
 #if defined(RADIXSERVE_QUANT_GEMM)
   const QInfo* qi = find_type(qtype);
   TORCH_CHECK(qi != nullptr, "quant_linear: unsupported ggml type ", qtype);
@@ -2001,14 +2016,15 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t q
     const int64_t ldy = M > 1 ? y.stride(0) : N;
     if (kq)
       quant_gemm<true>(x2.data_ptr<float>(), M, K, weight.data_ptr<uint8_t>(), weight.stride(0), N, *qi,
-                       y.data_ptr<float>(), ldy);
+                       y.data_ptr<float>(), ldy, fused_limit);
     else
       quant_gemm<false>(x2.data_ptr<float>(), M, K, weight.data_ptr<uint8_t>(), weight.stride(0), N, *qi,
-                        y.data_ptr<float>(), ldy);
+                        y.data_ptr<float>(), ldy, fused_limit);
   }
   return out.has_value() ? y : y.view(out_shape);
 #else
   (void)out;
+  (void)fused_limit;
   (void)x;
   (void)weight;
   (void)qtype;
@@ -2044,7 +2060,8 @@ void register_quant_kernels(pybind11::module_& m) {
         "y = x @ dequantize(weight)^T with GGUF-quantized weight rows (x quantized to 8 bits per block, "
         "integer dot products); out: a float32 [M, N] view with contiguous rows (e.g. some columns of a "
         "larger output) to write y into instead of a new tensor",
-        py::arg("x"), py::arg("weight"), py::arg("qtype"), py::arg("in_features"), py::arg("out") = py::none());
+        py::arg("x"), py::arg("weight"), py::arg("qtype"), py::arg("in_features"), py::arg("out") = py::none(),
+        py::arg("fused_limit") = -1);
   m.def("quant_dequantize_bf16", &quant_dequantize_bf16,
         "GGUF-quantized weight rows [N, row_bytes] -> bf16 [N, in_features] (the prefill path's tile)",
         py::arg("weight"), py::arg("qtype"), py::arg("in_features"));

@@ -1,10 +1,14 @@
 """Kernels chosen by measurement (issue 54): which GEMM multiplies a matrix, decided by timing the
 candidates on this machine, not by its CPU flags.
 
-The same GGUF blocks can be multiplied three ways on a CPU (layers/quantization/gguf.py):
+The same GGUF blocks can be multiplied three ways on a CPU (layers/quantization/gguf.py), the
+first in two ways at decode sizes:
 
   int8         the C++ integer kernel: x quantized to 8 bits per block, integer dot products
                (AVX512-VNNI or AVX2), float32 sums; llama.cpp's numerics
+  int8_fused   the same kernel (same bits) with its fused decode for up to 16 rows of x (AVX2:
+               each block unpacked in registers per 4 rows of x, not once into L1 for all);
+               which of the two wins at 5-16 rows depends on the shape and the CPU
   onednn_bf16  a tile of the blocks dequantized to bf16, x rounded to bf16, torch's oneDNN GEMM
   f32          a tile of the blocks dequantized to float32, torch's float32 GEMM (MKL / oneDNN)
 
@@ -39,9 +43,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-PATHS = ("int8", "onednn_bf16", "f32")
+PATHS = ("int8", "int8_fused", "onednn_bf16", "f32")
 # Rows of x timed. A call with M rows takes the choice of the smallest bucket >= M (the last for more).
-ROW_BUCKETS = (1, 16, 64, 256)
+ROW_BUCKETS = (1, 8, 16, 64, 256)
 TIMED_MAX_ROWS = 4096  # a matrix is timed on at most this many of its output rows (time ~ rows)
 REPS = 3  # timed calls per candidate after one untimed; the best counts
 GIVE_UP_RATIO = 3.0  # a candidate this much slower than the best so far after one call is not repeated

@@ -15,14 +15,14 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from radixserve.layers import gemm_select
+from radixserve.layers import cpu_kernels, gemm_select
 from radixserve.layers.gemm_select import ROW_BUCKETS, GemmPlan, GemmShape, select_paths
 from radixserve.layers.quantization import gguf as quant_gguf
 from radixserve.layers.quantization.gguf import QuantizedWeight, quant_matmul
 
 # The error each path's numerics allow against the float32 product (relative L2): 8-bit
 # activations per block; x rounded to bf16 (8 bits of mantissa); float32 (summation order only).
-REL_TOL = {"int8": 2e-2, "onednn_bf16": 1e-2, "f32": 1e-5}
+REL_TOL = {"int8": 2e-2, "int8_fused": 2e-2, "onednn_bf16": 1e-2, "f32": 1e-5}
 
 
 def make_weight(qtype: Q, n: int, k: int, seed: int = 0) -> QuantizedWeight:
@@ -106,13 +106,14 @@ def test_the_choice_follows_the_timings(winner):
 
 
 def test_each_row_count_takes_its_buckets_winner():
-    # int8 fastest at decode sizes, f32 at 64 rows, onednn_bf16 from 256 on
-    table = {1: "int8", 16: "int8", 64: "f32", 256: "onednn_bf16"}
+    # int8 fastest at 1 and 16 rows, its fused decode at 8, f32 at 64 rows, onednn_bf16 from 256 on
+    table = {1: "int8", 8: "int8_fused", 16: "int8", 64: "f32", 256: "onednn_bf16"}
     timer = stub_timer(lambda rows: table[rows])
     sel = select_paths(SHAPES, fake_candidates, "build", timer=timer)
     assert sorted(set(timer.seen)) == sorted({(p, r) for p in gemm_select.PATHS for r in ROW_BUCKETS})
     shape = SHAPES[0]
-    expect = {1: "int8", 2: "int8", 16: "int8", 17: "f32", 64: "f32", 65: "onednn_bf16", 512: "onednn_bf16"}
+    expect = {1: "int8", 2: "int8_fused", 8: "int8_fused", 9: "int8", 16: "int8", 17: "f32", 64: "f32",
+              65: "onednn_bf16", 512: "onednn_bf16"}
     assert {r: sel.plan.path(shape, r, gemm_select.PATHS) for r in expect} == expect
     # a path this matrix cannot take is never returned; a shape never measured takes the default
     assert sel.plan.path(shape, 512, ("int8", "f32")) == "int8"
@@ -170,7 +171,9 @@ def test_real_timer_on_real_weights_logs_its_choice(tmp_path, monkeypatch, plan,
         assert sel.times == {} and gemm_select.current_plan().path(shape, 1, ("f32",)) == "f32"
         return
     assert set(sel.times) == {(shape, b) for b in range(len(ROW_BUCKETS))}
-    assert all(set(t) == set(quant_gguf.cpu_paths(int(Q.Q8_0))) and min(t.values()) > 0 for t in sel.times.values())
+    for (_, b), t in sel.times.items():  # int8_fused only where it is not int8's own code
+        timed = {p for p in quant_gguf.cpu_paths(int(Q.Q8_0)) if p != "int8_fused" or 4 < ROW_BUCKETS[b] <= 16}
+        assert set(t) == timed and min(t.values()) > 0
     plan = gemm_select.current_plan()
     assert all(plan.choices[key] == path for key, path in sel.plan.choices.items())
     # a second model (a STANDALONE draft) adds its shapes; the first model's choices stay
@@ -188,3 +191,21 @@ def test_real_timer_on_real_weights_logs_its_choice(tmp_path, monkeypatch, plan,
         bare.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
         bare.weight.gguf_blocks = make_weight(Q.Q8_0, 64, 256)
         quant_gguf.select_cpu_gemm_paths(bare, forced="bogus")
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+def test_int8_fused_is_int8_at_another_speed(qtype, plan):
+    """int8_fused (the AVX2 build's fused decode for up to 16 rows of x) gives int8's bits at every
+    row count, so the measured choice between them changes the speed only; elsewhere it is not
+    offered."""
+    if "int8_fused" not in quant_gguf.cpu_paths(int(qtype)):
+        ops = cpu_kernels.get()
+        assert ops is None or ops.quant_gemm_isa() != "avx2"
+        return
+    w = make_weight(qtype, 40, 512)
+    for rows in (1, 3, 5, 8, 13, 16, 17, 40):
+        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+        gemm_select.set_plan(GemmPlan(forced="int8"))
+        want = quant_matmul(x, w)
+        gemm_select.set_plan(GemmPlan(forced="int8_fused"))
+        assert torch.equal(quant_matmul(x, w), want), rows

@@ -57,8 +57,10 @@ def triton_kernels() -> Any:
     return triton_gguf
 
 
+@functools.lru_cache(maxsize=64)
 def block_geometry(qtype: int) -> Tuple[int, int]:
-    """(values per block, bytes per block) of a ggml type."""
+    """(values per block, bytes per block) of a ggml type (cached: a QuantizedWeight is checked
+    with it, and the enum lookup costs microseconds)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     return GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
@@ -119,12 +121,14 @@ def kernel_types() -> FrozenSet[int]:
 
 @dataclass
 class Segment:
-    """Output rows [offset, offset + rows) of a layer: in blocks (qtype) or plain float (qtype None)."""
+    """Output rows [offset, offset + rows) of a layer: in blocks (qtype) or plain float (qtype None).
+    blocks: the same data as a QuantizedWeight, made once at load (not per call on the hot path)."""
 
     offset: int
     rows: int
     qtype: Optional[int]
     data: torch.Tensor
+    blocks: Optional[QuantizedWeight] = None
 
 
 class GGUFLinearMethod(LinearMethodBase):
@@ -140,7 +144,8 @@ class GGUFLinearMethod(LinearMethodBase):
             data = loaded.data.contiguous()
             if data.untyped_storage().nbytes() != data.nbytes:  # a rank's slice: not the whole tensor's memory
                 data = data.clone()
-            seg = Segment(offset, loaded.shape[0], loaded.qtype, data.to(device))
+            data = data.to(device)
+            seg = Segment(offset, loaded.shape[0], loaded.qtype, data, QuantizedWeight(loaded.qtype, data, loaded.cols))
         else:  # a plain tensor (an F16/F32 one of the file, or a weight update from safetensors)
             if loaded.dim() != 2 or loaded.shape[1] != layer.in_features:
                 raise ValueError(f"expected [rows, {layer.in_features}], got {tuple(loaded.shape)}")
@@ -153,26 +158,29 @@ class GGUFLinearMethod(LinearMethodBase):
         self.ordered = sorted(self.segments.values(), key=lambda s: s.offset)
 
     def apply(self, layer: Any, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1])
-        if not on_triton_device(x2):  # the C++ kernels take float32 rows
-            x2 = x2.float().contiguous()
+        # Called ~100 times a decode step: no work here that a load could have done (issue 54)
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        if x2.dtype != torch.float32 and not on_triton_device(x2):  # the C++ kernels take float32 rows
+            x2 = x2.float()
         if len(self.ordered) == 1:
             y = self._matmul(self.ordered[0], x2)
         else:  # each segment writes its own columns (no concatenation of the parts)
             y = x2.new_empty(x2.shape[0], layer.out_features)  # x2's dtype: float32 on the CPU, the model's on a GPU
             for s in self.ordered:
-                self._matmul(s, x2, y[:, s.offset : s.offset + s.rows])
+                self._matmul(s, x2, y.narrow(1, s.offset, s.rows))
         if bias is not None:
-            y = y + bias
-        return y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
+            y.add_(bias)  # y is this call's own output
+        if x.dim() != 2:
+            y = y.reshape(*x.shape[:-1], y.shape[-1])
+        return y if y.dtype == x.dtype else y.to(x.dtype)
 
     @staticmethod
     def _matmul(seg: Segment, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if seg.qtype is None:
+        if seg.blocks is None:
             mm = batch_invariant.linear_rows if batch_invariant.is_enabled() else F.linear
             y = mm(x, seg.data if seg.data.dtype == x.dtype else seg.data.to(x.dtype))
             return y if out is None else out.copy_(y)
-        return quant_matmul(x, QuantizedWeight(seg.qtype, seg.data, x.shape[1]), out)
+        return quant_matmul(x, seg.blocks, out)
 
 
 def quant_matmul(x: torch.Tensor, w: QuantizedWeight, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -202,13 +210,26 @@ def _gemm_shape(qtype: int, k: int, n: int) -> gemm_select.GemmShape:  # per cal
 def cpu_paths(qtype: int) -> Tuple[str, ...]:
     """The paths that can multiply blocks of this type here, the default (unmeasured) one first."""
     if qtype in kernel_types():
-        return ("int8", "f32", "onednn_bf16")
+        return ("int8", "f32", "onednn_bf16") + (("int8_fused",) if fused_decode_built() else ())
     return ("f32",)
+
+
+@functools.lru_cache(maxsize=1)
+def fused_decode_built() -> bool:
+    """Whether the integer kernel has its fused decode (the AVX2 build), i.e. int8_fused differs."""
+    ops = cpu_kernels.get()
+    return ops is not None and hasattr(ops, "quant_gemm_isa") and ops.quant_gemm_isa() == "avx2"
 
 
 def int8_matmul(x: torch.Tensor, w: QuantizedWeight, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The C++ integer kernel: x quantized to 8 bits per block, integer dot products."""
     return cpu_kernels.get().quant_linear(x, w.data, w.qtype, w.cols, out)
+
+
+def int8_fused_matmul(x: torch.Tensor, w: QuantizedWeight, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The integer kernel with its fused decode for up to FUSED_DECODE_ROWS_MAX rows of x (beyond:
+    int8's tiles). The same bits as int8_matmul, at another speed."""
+    return cpu_kernels.get().quant_linear(x, w.data, w.qtype, w.cols, out, cpu_kernels.FUSED_DECODE_ROWS_MAX)
 
 
 def dequantized_bf16_matmul(x: torch.Tensor, w: QuantizedWeight, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -250,7 +271,8 @@ def _tiled(x: torch.Tensor, w: QuantizedWeight, elem_bytes: int, matmul_rows,
 
 
 CPU_PATHS: Dict[str, Callable[[torch.Tensor, QuantizedWeight, Optional[torch.Tensor]], torch.Tensor]] = {
-    "int8": int8_matmul, "onednn_bf16": dequantized_bf16_matmul, "f32": dequantized_f32_matmul}
+    "int8": int8_matmul, "int8_fused": int8_fused_matmul, "onednn_bf16": dequantized_bf16_matmul,
+    "f32": dequantized_f32_matmul}
 
 
 def quantized_weights(model: torch.nn.Module) -> List[QuantizedWeight]:
@@ -280,9 +302,16 @@ def gemm_candidates(weights: List[QuantizedWeight], seed: int = 0):
         w = by_shape[shape]
         w = w.narrow(0, 0, min(w.shape[0], gemm_select.TIMED_MAX_ROWS))
         x = torch.randn(rows, w.cols, generator=torch.Generator().manual_seed(seed))
-        return {p: functools.partial(CPU_PATHS[p], x, w) for p in cpu_paths(w.qtype)}
+        return {p: functools.partial(CPU_PATHS[p], x, w) for p in cpu_paths(w.qtype) if not _same_as_int8(p, rows)}
 
     return list(by_shape), candidates
+
+
+def _same_as_int8(path: str, rows: int) -> bool:
+    """int8_fused at a row count where it runs int8's own code (not timed twice)."""
+    if path != "int8_fused":
+        return False
+    return rows > cpu_kernels.FUSED_DECODE_ROWS_MAX or rows <= cpu_kernels.get().quant_decode_fused_rows()
 
 
 def select_cpu_gemm_paths(model: torch.nn.Module, forced: str = "auto") -> Optional[gemm_select.Selection]:
