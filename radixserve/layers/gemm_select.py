@@ -137,9 +137,13 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+TIMING = "streamed"  # how the candidates are timed (gguf.gemm_candidates); a new way retires old timings
+
+
 def machine_key(build: str) -> str:
-    """What a timing depends on besides the shape: the CPU, the threads, the kernels, torch."""
-    return f"{cpu_model()}|threads={torch.get_num_threads()}|{build}|torch={torch.__version__}"
+    """What a timing depends on besides the shape: the CPU, the threads, the kernels, torch, and
+    how it was timed."""
+    return f"{cpu_model()}|threads={torch.get_num_threads()}|{build}|torch={torch.__version__}|{TIMING}"
 
 
 def cache_path() -> Path:

@@ -25,6 +25,7 @@ after load is then about the file's size."""
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
@@ -293,16 +294,23 @@ def quantized_weights(model: torch.nn.Module) -> List[QuantizedWeight]:
 
 def gemm_candidates(weights: List[QuantizedWeight], seed: int = 0):
     """For gemm_select.select_paths: the calls of each path on (up to TIMED_MAX_ROWS rows of) the
-    model's own matrix of a shape, with random x of the bucket's rows."""
-    by_shape = {}
+    model's own matrices of a shape, with random x of the bucket's rows. Each call takes the next
+    matrix of the shape (every layer has one), so a timing reads its blocks from memory as a
+    forward does, not from the cache the previous call filled: at decode sizes the two regimes
+    rank the paths differently (benchmarks/NOTES.md, issue 54 session 12)."""
+    by_shape: Dict[gemm_select.GemmShape, List[QuantizedWeight]] = {}
     for w in weights:
-        by_shape.setdefault(gemm_shape(w), w)
+        by_shape.setdefault(gemm_shape(w), []).append(w.narrow(0, 0, min(w.shape[0], gemm_select.TIMED_MAX_ROWS)))
+    turn = itertools.count()
 
     def candidates(shape: gemm_select.GemmShape, rows: int) -> Dict[str, Callable[[], object]]:
-        w = by_shape[shape]
-        w = w.narrow(0, 0, min(w.shape[0], gemm_select.TIMED_MAX_ROWS))
-        x = torch.randn(rows, w.cols, generator=torch.Generator().manual_seed(seed))
-        return {p: functools.partial(CPU_PATHS[p], x, w) for p in cpu_paths(w.qtype) if not _same_as_int8(p, rows)}
+        ws = by_shape[shape]
+        x = torch.randn(rows, ws[0].cols, generator=torch.Generator().manual_seed(seed))
+
+        def call(path: str) -> Callable[[], object]:
+            return lambda: CPU_PATHS[path](x, ws[next(turn) % len(ws)])
+
+        return {p: call(p) for p in cpu_paths(ws[0].qtype) if not _same_as_int8(p, rows)}
 
     return list(by_shape), candidates
 
