@@ -209,3 +209,17 @@ def test_int8_fused_is_int8_at_another_speed(qtype, plan):
         want = quant_matmul(x, w)
         gemm_select.set_plan(GemmPlan(forced="int8_fused"))
         assert torch.equal(quant_matmul(x, w), want), rows
+
+
+def test_timed_calls_take_the_shapes_matrices_in_turn(calls, monkeypatch):
+    """A timing reads the blocks from memory as a forward does: each call of a candidate takes the
+    next of the model's matrices of that shape, not the one the previous call left in the cache."""
+    seen = []
+    monkeypatch.setitem(quant_gguf.CPU_PATHS, "f32", lambda x, w, out=None: seen.append(w.data.data_ptr()))
+    ws = [make_weight(Q.Q8_0, 64, 256, seed=s) for s in range(3)]
+    shapes, candidates = quant_gguf.gemm_candidates(ws + [make_weight(Q.Q8_0, 32, 256)])
+    assert shapes == [GemmShape("Q8_0", 256, 64), GemmShape("Q8_0", 256, 32)]
+    call = candidates(shapes[0], 1)["f32"]
+    for _ in range(4):
+        call()
+    assert seen == [w.data.data_ptr() for w in ws + ws[:1]]
