@@ -161,8 +161,8 @@ class GGUFLinearMethod(LinearMethodBase):
     def apply(self, layer: Any, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         # Called ~100 times a decode step: no work here that a load could have done (issue 54)
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        if x2.dtype != torch.float32 and not on_triton_device(x2):  # the C++ kernels take float32 rows
-            x2 = x2.float()
+        if not on_triton_device(x2) and (x2.dtype != torch.float32 or not x2.is_contiguous()):
+            x2 = x2.float().contiguous()  # the C++ kernels take contiguous float32 rows
         if len(self.ordered) == 1:
             y = self._matmul(self.ordered[0], x2)
         else:  # each segment writes its own columns (no concatenation of the parts)
