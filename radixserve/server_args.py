@@ -24,7 +24,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 QUANTIZATION_METHODS = ("auto", "none", "gguf", "w8a8_int8")  # layers/quantization/
-CPU_GEMM_PATHS = ("auto", "int8", "int8_fused", "onednn_bf16", "f32")  # layers/gemm_select.py
+CPU_GEMM_PATHS = ("auto", "int8", "int8_fused", "int8_i16", "onednn_bf16", "f32")  # layers/gemm_select.py
 CPU_CHUNKED_PREFILL_SIZE, GPU_CHUNKED_PREFILL_SIZE = 512, 2048  # --chunked-prefill-size unset (chunked_prefill_size_on)
 GRAMMAR_BACKENDS = ("xgrammar", "none")
 SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "NEXTN")  # SGLang's names
@@ -671,7 +671,8 @@ FLAG_HELP = {
     "cpu_gemm_path": "how a CPU multiplies the matrices kept in GGUF blocks: auto times every path at start on "
                      "the model's own shapes, at decode and prefill row counts, and takes the fastest (cached per "
                      "machine); int8 (the integer kernel), int8_fused (the same kernel and bits, its fused decode "
-                     "for up to 16 rows on AVX2), onednn_bf16 (dequantized to bf16, oneDNN) or f32 (dequantized "
+                     "for up to 16 rows on AVX2), int8_i16 (the same kernel with int16 sums per Q4_K super-block for 13+ "
+                     "rows on AVX2), onednn_bf16 (dequantized to bf16, oneDNN) or f32 (dequantized "
                      "to float32, torch's GEMM) force one wherever a matrix can take it",
     "dtype": f"model dtype: {', '.join(DTYPES)}; auto: bf16 where the device has native bf16 (a CPU with AVX512_BF16 / AMX, or the engine's bf16 GEMM on AVX2 + FMA; a GPU with bf16 tensor cores), float32 checkpoints included (logged; float32 keeps them exact; the embedded tiny model stays float32); else float32 (a GPU keeps a float16 checkpoint's dtype). bf16 on a CPU with the C++ GEMM keeps the weights in bf16 and the activations in float32",
     "kv_cache_dtype": f"KV cache dtype: {', '.join(KV_CACHE_DTYPES)}; auto: the activations' dtype, except fp16 in the CPU's bf16 mode (bf16 weights, float32 activations; as llama.cpp's default)",

@@ -598,7 +598,7 @@ inline int64_t pad16(int64_t n) { return (n + 15) / 16 * 16; }
 // y[M, N] (row stride ldy) = x[M, K] (contiguous) @ dequantize(W)^T.
 template <bool KQ>
 void quant_gemm(const float* x, int64_t M, int64_t K, const uint8_t* W, int64_t ldw, int64_t N, const QInfo& qi,
-                float* y, int64_t ldy, int64_t /*fused_rows: no fused decode in this build*/) {
+                float* y, int64_t ldy, int64_t /*fused_rows: no fused decode in this build*/, bool /*i16: AVX2 only*/) {
   const int64_t qtype = qi.id;
   // the unit: a group of 4 blocks (32-block types) or a super-block (K-quants)
   const int64_t nblocks = K / 32;
@@ -1624,13 +1624,137 @@ void mk_dispatch(int rr, int cc, const uint8_t* const* uw, const float* const* u
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// The int16-sum tiles (path int8_i16, Q4_K): a Q4_K value times an activation byte is at most
+// 15 * 127, so a vpmaddubsw lane (two such products) is at most 3810 and the 8 lanes of a
+// super-block's 8 vectors add up in int16 without overflow (30480). If every lane of every vector
+// holds one sub-block's values in the same place, the 8 vectors' int16 sums take their scales in
+// one vpmaddwd per super-block instead of one per vector: 9 multiplies per 256 values, not 16.
+// The layout (weights at unpack, activations after quantization, the same permutation of int16
+// pairs): vector k, lane i = values 4k + 2 (i / 8), +1 of sub-block i % 8; the scale vector holds
+// sub-block i % 8's scale in lane i. The int32 sums are the same integers as int8's in other lanes,
+// so the float rounding (not the accuracy) differs from int8's.
+
+// 256 bytes in sub-block order -> the int16-sum layout (in place)
+inline void permute_i16(uint8_t* v) {
+  alignas(32) uint16_t t[128];
+  std::memcpy(t, v, 256);
+  uint16_t* o = reinterpret_cast<uint16_t*>(v);
+  for (int k = 0; k < 8; ++k)
+    for (int j = 0; j < 8; ++j) {
+      o[16 * k + j] = t[16 * j + 2 * k];
+      o[16 * k + j + 8] = t[16 * j + 2 * k + 1];
+    }
+}
+
+// Q4_K unit u of a row -> w: 256 value bytes (permuted), then the scale vector (lane i: sub-block i % 8)
+inline void unpack_unit_i16(const uint8_t* row, int64_t u, uint8_t* w, float* dw, float* wmin) {
+  unpack_sb_q4k(row + u * type_size(Q4_K), false, w, dw, wmin);  // scale vectors: sub-block s at 256 + 32 s
+  permute_i16(w);
+  alignas(32) int16_t sc[16];
+  for (int i = 0; i < 16; ++i) std::memcpy(sc + i, w + 256 + 32 * (i % 8), 2);
+  std::memcpy(w + 256, sc, 32);
+}
+
+// R weight rows x C rows of x over nu super-blocks: per super-block int16 sums of the 8 vectors,
+// one vpmaddwd with the scales, then F += float * d_w * d_a (as mk_kq).
+template <int R, int C>
+inline void mk_i16(const uint8_t* const* uw, const float* const* udw, const int8_t* const* aq, const float* const* ad,
+                   int64_t nu, float* const* F) {
+  for (int64_t s = 0; s < nu; ++s) {
+    __m256i acc[R][C];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+    for (int k = 0; k < 8; ++k) {
+      __m256i wv[R];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) wv[r] = in_reg(_mm256_load_si256(reinterpret_cast<const __m256i*>(uw[r] + s * 512 + 32 * k)));
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) {
+        const __m256i a = in_reg(ld256(aq[c] + s * 256 + 32 * k));
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) acc[r][c] = _mm256_add_epi16(acc[r][c], _mm256_maddubs_epi16(wv[r], a));
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m256i sv = _mm256_load_si256(reinterpret_cast<const __m256i*>(uw[r] + s * 512 + 256));
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) {
+        float* f = F[r * C + c];
+        const __m256 v = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[r][c], sv));
+        _mm256_storeu_ps(f, _mm256_fmadd_ps(v, _mm256_set1_ps(udw[r][s] * ad[c][s]), _mm256_loadu_ps(f)));
+      }
+    }
+  }
+}
+
+// mk_i16's full register block (2 x 4) in inline assembly, as mk_kq24 and for its reason (GCC spills
+// an accumulator): ymm8/9 the two rows' weight bytes, ymm12 an activation vector, ymm13/14 products.
+inline void mk_i16_24(const uint8_t* const* uw, const float* const* udw, const int8_t* const* aq, const float* const* ad,
+                      int64_t nu, float* const* F) {
+  for (int64_t s = 0; s < nu; ++s) {
+    __m256i c00 = _mm256_setzero_si256(), c01 = c00, c02 = c00, c03 = c00, c10 = c00, c11 = c00, c12 = c00, c13 = c00;
+    const uint8_t* w0 = uw[0] + s * 512;
+    const uint8_t* w1 = uw[1] + s * 512;
+    const int8_t *a0 = aq[0] + s * 256, *a1 = aq[1] + s * 256, *a2 = aq[2] + s * 256, *a3 = aq[3] + s * 256;
+    for (int64_t k = 0; k < 256; k += 32) {
+#define RS_ROW_OF_X(A, C0, C1)                 \
+  "vmovdqu (%[" A "],%[k]), %%ymm12\n\t"       \
+  "vpmaddubsw %%ymm12, %%ymm8, %%ymm13\n\t"    \
+  "vpmaddubsw %%ymm12, %%ymm9, %%ymm14\n\t"    \
+  "vpaddw %%ymm13, %[" C0 "], %[" C0 "]\n\t"   \
+  "vpaddw %%ymm14, %[" C1 "], %[" C1 "]\n\t"
+      __asm__("vmovdqa (%[w0],%[k]), %%ymm8\n\t"
+              "vmovdqa (%[w1],%[k]), %%ymm9\n\t"
+              RS_ROW_OF_X("a0", "c00", "c10") RS_ROW_OF_X("a1", "c01", "c11")
+              RS_ROW_OF_X("a2", "c02", "c12") RS_ROW_OF_X("a3", "c03", "c13")
+              : [c00] "+x"(c00), [c01] "+x"(c01), [c02] "+x"(c02), [c03] "+x"(c03),
+                [c10] "+x"(c10), [c11] "+x"(c11), [c12] "+x"(c12), [c13] "+x"(c13)
+              : [w0] "r"(w0), [w1] "r"(w1), [a0] "r"(a0), [a1] "r"(a1), [a2] "r"(a2), [a3] "r"(a3), [k] "r"(k)
+              : "xmm8", "xmm9", "xmm12", "xmm13", "xmm14", "memory");
+#undef RS_ROW_OF_X
+    }
+    const __m256i sv0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(w0 + 256));
+    const __m256i sv1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(w1 + 256));
+    const __m128 da = _mm_setr_ps(ad[0][s], ad[1][s], ad[2][s], ad[3][s]);
+    const __m256 sd0 = _mm256_castps128_ps256(_mm_mul_ps(_mm_set1_ps(udw[0][s]), da));
+    const __m256 sd1 = _mm256_castps128_ps256(_mm_mul_ps(_mm_set1_ps(udw[1][s]), da));
+    const __m256i lane[4] = {_mm256_set1_epi32(0), _mm256_set1_epi32(1), _mm256_set1_epi32(2), _mm256_set1_epi32(3)};
+    const __m256i acc[8] = {c00, c01, c02, c03, c10, c11, c12, c13};
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) {
+      const __m256 sd = _mm256_permutevar8x32_ps(i < 4 ? sd0 : sd1, lane[i % 4]);
+      const __m256 v = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[i], i < 4 ? sv0 : sv1));
+      _mm256_storeu_ps(F[i], _mm256_fmadd_ps(v, sd, _mm256_loadu_ps(F[i])));
+    }
+  }
+}
+
+void mk_i16_dispatch(int rr, int cc, const uint8_t* const* uw, const float* const* udw, const int8_t* const* aq,
+                     const float* const* ad, int64_t nu, float* const* F) {
+  switch (rr * 4 + cc) {
+    case 1 * 4 + 1: return mk_i16<1, 1>(uw, udw, aq, ad, nu, F);
+    case 1 * 4 + 2: return mk_i16<1, 2>(uw, udw, aq, ad, nu, F);
+    case 1 * 4 + 3: return mk_i16<1, 3>(uw, udw, aq, ad, nu, F);
+    case 1 * 4 + 4: return mk_i16<1, 4>(uw, udw, aq, ad, nu, F);
+    case 2 * 4 + 1: return mk_i16<2, 1>(uw, udw, aq, ad, nu, F);
+    case 2 * 4 + 2: return mk_i16<2, 2>(uw, udw, aq, ad, nu, F);
+    case 2 * 4 + 3: return mk_i16<2, 3>(uw, udw, aq, ad, nu, F);
+    default: return mk_i16_24(uw, udw, aq, ad, nu, F);
+  }
+}
+
 // Prefill: K in chunks of KCHUNK values, outermost: for each chunk and block of MC rows of x
 // (their chunk of quantized bytes, MC x 2 KiB, held in L2) the weight rows are taken in tiles of
 // NT, each tile's chunk unpacked once into an L1 buffer and used for every row of x in the block
 // (register blocks of RB weight rows x CB rows of x). Each chunk's partial sums (with its share of
 // the offset / min terms) are added into y, so MC does not shrink with K (the weights are read
 // M / MC times whatever K is).
-template <int64_t T>
+template <int64_t T, bool I16 = false>
 void prefill_tiles(const uint8_t* W, int64_t ldw, int64_t t0, int64_t t1, int64_t N, int64_t M, int64_t MC, int64_t K,
                    const int8_t* Aq, const float* Ad, int64_t nad, const float* Am, int64_t spad, float* y,
                    int64_t ldy) {
@@ -1659,9 +1783,13 @@ void prefill_tiles(const uint8_t* W, int64_t ldw, int64_t t0, int64_t t1, int64_
         }
         for (int64_t r = 0; r < nr; ++r) {
           const uint8_t* row = W + (n0 + r) * ldw;
-          for (int64_t u = 0; u < uc; ++u)
-            unpack_unit<T>(row, u0 + u, Uw + (r * UC + u) * UW, Udw + r * UC + u,
-                           Wm + r * spad + (u0 + u) * SPU);
+          for (int64_t u = 0; u < uc; ++u) {
+            if constexpr (I16)
+              unpack_unit_i16(row, u0 + u, Uw + (r * UC + u) * UW, Udw + r * UC + u, Wm + r * spad + (u0 + u) * SPU);
+            else
+              unpack_unit<T>(row, u0 + u, Uw + (r * UC + u) * UW, Udw + r * UC + u,
+                             Wm + r * spad + (u0 + u) * SPU);
+          }
         }
         for (int64_t c0 = 0; c0 < mc; c0 += CB) {
           const int cc = static_cast<int>(std::min<int64_t>(CB, mc - c0));
@@ -1682,7 +1810,10 @@ void prefill_tiles(const uint8_t* W, int64_t ldw, int64_t t0, int64_t t1, int64_
               udw[r] = Udw + (r0 + r) * UC;
               for (int c = 0; c < cc; ++c) F[r * cc + c] = Fb + ((r0 + r) * MC + c0 + c) * 8;
             }
-            mk_dispatch<T>(rr, cc, uw, udw, aq, ad, uc, F);
+            if constexpr (I16)
+              mk_i16_dispatch(rr, cc, uw, udw, aq, ad, uc, F);
+            else
+              mk_dispatch<T>(rr, cc, uw, udw, aq, ad, uc, F);
           }
         }
         static_assert(NT == 4, "add_chunk4 sums 4 rows at once");
@@ -1702,7 +1833,7 @@ void prefill_tiles(const uint8_t* W, int64_t ldw, int64_t t0, int64_t t1, int64_
 // for the fused decode (-1: the process's, quant_decode_fused_rows).
 template <int64_t T>
 void quant_gemm_t(const float* x, int64_t M, int64_t K, const uint8_t* W, int64_t ldw, int64_t N, float* y,
-                  int64_t ldy, int64_t fused_limit) {
+                  int64_t ldy, int64_t fused_limit, bool i16) {
   const int64_t nad = K / unit_values(T);                   // activation d per row
   const int64_t spad = pad8(nad * slots_per_unit(T));       // offset / min slots per row
   // 1. every row of x quantized once, into this thread's scratch (reused: no page faults per call)
@@ -1735,6 +1866,18 @@ void quant_gemm_t(const float* x, int64_t M, int64_t K, const uint8_t* W, int64_
   MC = std::max<int64_t>(4, std::min<int64_t>(256, MC / 4 * 4));
   MC = std::min(MC, (M + 3) / 4 * 4);
   const int64_t ntiles = (N + NT - 1) / NT;
+  if constexpr (T == Q4_K) {
+    if (i16) {  // the activations into the int16-sum layout (the weights take it at unpack)
+      radixserve::parallel_for_dynamic(M, 4, [&](int64_t m0, int64_t m1) {
+        for (int64_t m = m0; m < m1; ++m)
+          for (int64_t b = 0; b < K / 256; ++b) permute_i16(reinterpret_cast<uint8_t*>(Aq + m * K + 256 * b));
+      });
+      radixserve::parallel_for_dynamic(ntiles, 1, [&](int64_t t0, int64_t t1) {
+        prefill_tiles<T, true>(W, ldw, t0, t1, N, M, MC, K, Aq, Ad, nad, Am, spad, y, ldy);
+      });
+      return;
+    }
+  }
   radixserve::parallel_for_dynamic(ntiles, 1, [&](int64_t t0, int64_t t1) {
     prefill_tiles<T>(W, ldw, t0, t1, N, M, MC, K, Aq, Ad, nad, Am, spad, y, ldy);
   });
@@ -1742,16 +1885,16 @@ void quant_gemm_t(const float* x, int64_t M, int64_t K, const uint8_t* W, int64_
 
 template <bool KQ>
 void quant_gemm(const float* x, int64_t M, int64_t K, const uint8_t* W, int64_t ldw, int64_t N, const QInfo& qi,
-                float* y, int64_t ldy, int64_t fused_limit) {
+                float* y, int64_t ldy, int64_t fused_limit, bool i16) {
   switch (qi.id) {
-    case Q4_0: return quant_gemm_t<Q4_0>(x, M, K, W, ldw, N, y, ldy, fused_limit);
-    case Q4_1: return quant_gemm_t<Q4_1>(x, M, K, W, ldw, N, y, ldy, fused_limit);
-    case Q5_0: return quant_gemm_t<Q5_0>(x, M, K, W, ldw, N, y, ldy, fused_limit);
-    case Q5_1: return quant_gemm_t<Q5_1>(x, M, K, W, ldw, N, y, ldy, fused_limit);
-    case Q8_0: return quant_gemm_t<Q8_0>(x, M, K, W, ldw, N, y, ldy, fused_limit);
-    case Q4_K: return quant_gemm_t<Q4_K>(x, M, K, W, ldw, N, y, ldy, fused_limit);
-    case Q5_K: return quant_gemm_t<Q5_K>(x, M, K, W, ldw, N, y, ldy, fused_limit);
-    default: return quant_gemm_t<Q6_K>(x, M, K, W, ldw, N, y, ldy, fused_limit);
+    case Q4_0: return quant_gemm_t<Q4_0>(x, M, K, W, ldw, N, y, ldy, fused_limit, i16);
+    case Q4_1: return quant_gemm_t<Q4_1>(x, M, K, W, ldw, N, y, ldy, fused_limit, i16);
+    case Q5_0: return quant_gemm_t<Q5_0>(x, M, K, W, ldw, N, y, ldy, fused_limit, i16);
+    case Q5_1: return quant_gemm_t<Q5_1>(x, M, K, W, ldw, N, y, ldy, fused_limit, i16);
+    case Q8_0: return quant_gemm_t<Q8_0>(x, M, K, W, ldw, N, y, ldy, fused_limit, i16);
+    case Q4_K: return quant_gemm_t<Q4_K>(x, M, K, W, ldw, N, y, ldy, fused_limit, i16);
+    case Q5_K: return quant_gemm_t<Q5_K>(x, M, K, W, ldw, N, y, ldy, fused_limit, i16);
+    default: return quant_gemm_t<Q6_K>(x, M, K, W, ldw, N, y, ldy, fused_limit, i16);
   }
 }
 
@@ -1984,7 +2127,7 @@ std::vector<int64_t> quant_gemm_types() {
 }
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t qtype, int64_t in_features,
-                        const c10::optional<at::Tensor>& out, int64_t fused_limit) {
+                        const c10::optional<at::Tensor>& out, int64_t fused_limit, bool i16) {
 #if defined(RADIXSERVE_QUANT_GEMM)
   const QInfo* qi = find_type(qtype);
   TORCH_CHECK(qi != nullptr, "quant_linear: unsupported ggml type ", qtype);
@@ -2016,15 +2159,16 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t q
     const int64_t ldy = M > 1 ? y.stride(0) : N;
     if (kq)
       quant_gemm<true>(x2.data_ptr<float>(), M, K, weight.data_ptr<uint8_t>(), weight.stride(0), N, *qi,
-                       y.data_ptr<float>(), ldy, fused_limit);
+                       y.data_ptr<float>(), ldy, fused_limit, i16);
     else
       quant_gemm<false>(x2.data_ptr<float>(), M, K, weight.data_ptr<uint8_t>(), weight.stride(0), N, *qi,
-                        y.data_ptr<float>(), ldy, fused_limit);
+                        y.data_ptr<float>(), ldy, fused_limit, i16);
   }
   return out.has_value() ? y : y.view(out_shape);
 #else
   (void)out;
   (void)fused_limit;
+  (void)i16;
   (void)x;
   (void)weight;
   (void)qtype;
@@ -2061,7 +2205,7 @@ void register_quant_kernels(pybind11::module_& m) {
         "integer dot products); out: a float32 [M, N] view with contiguous rows (e.g. some columns of a "
         "larger output) to write y into instead of a new tensor",
         py::arg("x"), py::arg("weight"), py::arg("qtype"), py::arg("in_features"), py::arg("out") = py::none(),
-        py::arg("fused_limit") = -1);
+        py::arg("fused_limit") = -1, py::arg("i16") = false);
   m.def("quant_dequantize_bf16", &quant_dequantize_bf16,
         "GGUF-quantized weight rows [N, row_bytes] -> bf16 [N, in_features] (the prefill path's tile)",
         py::arg("weight"), py::arg("qtype"), py::arg("in_features"));

@@ -214,6 +214,7 @@ def stage_sources(build_dir: Path, files: Sequence[Path]) -> dict[Path, Path]:
 FUSED_DECODE_ENV = "RADIXSERVE_FUSED_DECODE_ROWS"
 FUSED_DECODE_ROWS_DEFAULT = 4  # measured: at 8 rows the fused and scratch decodes are even (benchmarks/NOTES.md)
 FUSED_DECODE_ROWS_MAX = 16  # quant_kernels.cpp's kFusedRowsMax: the most rows a fused call takes
+I16_TILES_MIN_ROWS = 13  # quant_kernels.cpp's AVX2 kDecodeRows + 1: fewer rows of an i16 call run int8's decode
 
 
 def fused_decode_rows_from_env(environ: Mapping[str, str] = os.environ) -> int:

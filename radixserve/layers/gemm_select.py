@@ -9,6 +9,9 @@ first in two ways at decode sizes:
   int8_fused   the same kernel (same bits) with its fused decode for up to 16 rows of x (AVX2:
                each block unpacked in registers per 4 rows of x, not once into L1 for all);
                which of the two wins at 5-16 rows depends on the shape and the CPU
+  int8_i16     the same kernel with int16-sum tiles for 13+ rows of x (Q4_K, AVX2): a
+               super-block's 8 products summed in int16 and scaled once, not 8 times (other
+               float rounding of the same integers); fewer rows run int8's decode
   onednn_bf16  a tile of the blocks dequantized to bf16, x rounded to bf16, torch's oneDNN GEMM
   f32          a tile of the blocks dequantized to float32, torch's float32 GEMM (MKL / oneDNN)
 
@@ -43,7 +46,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-PATHS = ("int8", "int8_fused", "onednn_bf16", "f32")
+PATHS = ("int8", "int8_fused", "int8_i16", "onednn_bf16", "f32")
 # Rows of x timed. A call with M rows takes the choice of the smallest bucket >= M (the last for more).
 ROW_BUCKETS = (1, 8, 16, 64, 256)
 TIMED_MAX_ROWS = 4096  # a matrix is timed on at most this many of its output rows (time ~ rows)

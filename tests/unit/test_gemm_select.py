@@ -22,7 +22,7 @@ from radixserve.layers.quantization.gguf import QuantizedWeight, quant_matmul
 
 # The error each path's numerics allow against the float32 product (relative L2): 8-bit
 # activations per block; x rounded to bf16 (8 bits of mantissa); float32 (summation order only).
-REL_TOL = {"int8": 2e-2, "int8_fused": 2e-2, "onednn_bf16": 1e-2, "f32": 1e-5}
+REL_TOL = {"int8": 2e-2, "int8_fused": 2e-2, "int8_i16": 2e-2, "onednn_bf16": 1e-2, "f32": 1e-5}
 
 
 def make_weight(qtype: Q, n: int, k: int, seed: int = 0) -> QuantizedWeight:
@@ -209,6 +209,34 @@ def test_int8_fused_is_int8_at_another_speed(qtype, plan):
         want = quant_matmul(x, w)
         gemm_select.set_plan(GemmPlan(forced="int8_fused"))
         assert torch.equal(quant_matmul(x, w), want), rows
+
+
+@pytest.mark.parametrize("k", [512, 2560])  # 2560: two K chunks of the tiles (2048 + 512)
+def test_int8_i16_sums_int8s_integers_in_other_lanes(k, plan):
+    """int8_i16 (Q4_K, AVX2): from I16_TILES_MIN_ROWS rows on, the int16-sum tiles, whose weights and
+    activations are permuted alike, give int8's products up to float rounding (the same integers
+    in other lanes), and not int8's own code; fewer rows are int8's decode, int8's bits. Only Q4_K
+    offers the path."""
+    for qtype in (Q.Q4_0, Q.Q8_0, Q.Q6_K):
+        assert "int8_i16" not in quant_gguf.cpu_paths(int(qtype))
+    if "int8_i16" not in quant_gguf.cpu_paths(int(Q.Q4_K)):
+        ops = cpu_kernels.get()
+        assert ops is None or ops.quant_gemm_isa() != "avx2"
+        return
+    w = make_weight(Q.Q4_K, 44, k)
+    differs = []
+    for rows in (1, 5, 12, 13, 16, 17, 70):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        gemm_select.set_plan(GemmPlan(forced="int8"))
+        want = quant_matmul(x, w)
+        gemm_select.set_plan(GemmPlan(forced="int8_i16"))
+        got = quant_matmul(x, w)
+        if rows < cpu_kernels.I16_TILES_MIN_ROWS:
+            assert torch.equal(got, want), rows
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+            differs.append(not torch.equal(got, want))
+    assert any(differs)  # the tiles ran their own float order
 
 
 def test_timed_calls_take_the_shapes_matrices_in_turn(calls, monkeypatch):

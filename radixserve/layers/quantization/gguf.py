@@ -211,8 +211,13 @@ def _gemm_shape(qtype: int, k: int, n: int) -> gemm_select.GemmShape:  # per cal
 def cpu_paths(qtype: int) -> Tuple[str, ...]:
     """The paths that can multiply blocks of this type here, the default (unmeasured) one first."""
     if qtype in kernel_types():
-        return ("int8", "f32", "onednn_bf16") + (("int8_fused",) if fused_decode_built() else ())
+        avx2 = fused_decode_built()
+        return (("int8", "f32", "onednn_bf16") + (("int8_fused",) if avx2 else ())
+                + (("int8_i16",) if avx2 and qtype in I16_TYPES else ()))
     return ("f32",)
+
+
+I16_TYPES = frozenset({12})  # Q4_K: the int16-sum tiles (quant_kernels.cpp) take it
 
 
 @functools.lru_cache(maxsize=1)
@@ -231,6 +236,14 @@ def int8_fused_matmul(x: torch.Tensor, w: QuantizedWeight, out: Optional[torch.T
     """The integer kernel with its fused decode for up to FUSED_DECODE_ROWS_MAX rows of x (beyond:
     int8's tiles). The same bits as int8_matmul, at another speed."""
     return cpu_kernels.get().quant_linear(x, w.data, w.qtype, w.cols, out, cpu_kernels.FUSED_DECODE_ROWS_MAX)
+
+
+def int8_i16_matmul(x: torch.Tensor, w: QuantizedWeight, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The integer kernel with its int16-sum tiles (Q4_K, AVX2) for I16_TILES_MIN_ROWS rows of x and
+    more: a super-block's 8 vectors summed in int16, then one multiply by their scales, not one per
+    vector. The same integers as int8's in other float lanes: other rounding, the same accuracy.
+    Fewer rows: int8's decode, int8's bits."""
+    return cpu_kernels.get().quant_linear(x, w.data, w.qtype, w.cols, out, -1, True)
 
 
 def dequantized_bf16_matmul(x: torch.Tensor, w: QuantizedWeight, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -272,8 +285,8 @@ def _tiled(x: torch.Tensor, w: QuantizedWeight, elem_bytes: int, matmul_rows,
 
 
 CPU_PATHS: Dict[str, Callable[[torch.Tensor, QuantizedWeight, Optional[torch.Tensor]], torch.Tensor]] = {
-    "int8": int8_matmul, "int8_fused": int8_fused_matmul, "onednn_bf16": dequantized_bf16_matmul,
-    "f32": dequantized_f32_matmul}
+    "int8": int8_matmul, "int8_fused": int8_fused_matmul, "int8_i16": int8_i16_matmul,
+    "onednn_bf16": dequantized_bf16_matmul, "f32": dequantized_f32_matmul}
 
 
 def quantized_weights(model: torch.nn.Module) -> List[QuantizedWeight]:
@@ -316,7 +329,9 @@ def gemm_candidates(weights: List[QuantizedWeight], seed: int = 0):
 
 
 def _same_as_int8(path: str, rows: int) -> bool:
-    """int8_fused at a row count where it runs int8's own code (not timed twice)."""
+    """int8_fused or int8_i16 at a row count where it runs int8's own code (not timed twice)."""
+    if path == "int8_i16":
+        return rows < cpu_kernels.I16_TILES_MIN_ROWS
     if path != "int8_fused":
         return False
     return rows > cpu_kernels.FUSED_DECODE_ROWS_MAX or rows <= cpu_kernels.get().quant_decode_fused_rows()
