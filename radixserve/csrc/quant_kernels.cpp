@@ -1635,16 +1635,30 @@ void mk_dispatch(int rr, int cc, const uint8_t* const* uw, const float* const* u
 // sub-block i % 8's scale in lane i. The int32 sums are the same integers as int8's in other lanes,
 // so the float rounding (not the accuracy) differs from int8's.
 
-// 256 bytes in sub-block order -> the int16-sum layout (in place)
+// 256 bytes in sub-block order -> the int16-sum layout (in place). As 32-bit words, sub-block j's
+// word k (values 4k .. 4k+3) is entry (j, k) of an 8 x 8 matrix: vector k is column k transposed,
+// its words' low halves in lanes 0-7 and high halves in lanes 8-15.
 inline void permute_i16(uint8_t* v) {
-  alignas(32) uint16_t t[128];
-  std::memcpy(t, v, 256);
-  uint16_t* o = reinterpret_cast<uint16_t*>(v);
-  for (int k = 0; k < 8; ++k)
-    for (int j = 0; j < 8; ++j) {
-      o[16 * k + j] = t[16 * j + 2 * k];
-      o[16 * k + j + 8] = t[16 * j + 2 * k + 1];
-    }
+  __m256i r[8], t[8], u[8];
+  for (int j = 0; j < 8; ++j) r[j] = ld256(v + 32 * j);
+  for (int j = 0; j < 8; j += 2) {
+    t[j] = _mm256_unpacklo_epi32(r[j], r[j + 1]);
+    t[j + 1] = _mm256_unpackhi_epi32(r[j], r[j + 1]);
+  }
+  for (int h = 0; h < 8; h += 4) {  // rows h .. h+3: columns (0 | 4), (1 | 5), (2 | 6), (3 | 7)
+    u[h] = _mm256_unpacklo_epi64(t[h], t[h + 2]);
+    u[h + 1] = _mm256_unpackhi_epi64(t[h], t[h + 2]);
+    u[h + 2] = _mm256_unpacklo_epi64(t[h + 1], t[h + 3]);
+    u[h + 3] = _mm256_unpackhi_epi64(t[h + 1], t[h + 3]);
+  }
+  const __m256i halves = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                          0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+  for (int k = 0; k < 4; ++k) {
+    const __m256i lo = _mm256_permute2x128_si256(u[k], u[k + 4], 0x20);  // column k: rows 0-3 | 4-7
+    const __m256i hi = _mm256_permute2x128_si256(u[k], u[k + 4], 0x31);  // column k + 4
+    st256(v + 32 * k, _mm256_permute4x64_epi64(_mm256_shuffle_epi8(lo, halves), _MM_SHUFFLE(3, 1, 2, 0)));
+    st256(v + 32 * (k + 4), _mm256_permute4x64_epi64(_mm256_shuffle_epi8(hi, halves), _MM_SHUFFLE(3, 1, 2, 0)));
+  }
 }
 
 // Q4_K unit u of a row -> w: 256 value bytes (permuted), then the scale vector (lane i: sub-block i % 8)
