@@ -1815,10 +1815,24 @@ inline void mk_i16q6_22(const uint8_t* const* uw, const float* const* udw, const
   }
 }
 
+// The sum of every lane of a[i] in lane i (exact: int32 adds), by unpacks and adds.
+inline __m256i hsum8x8i(const __m256i* a) {
+  __m256i p[4], q[2];
+  for (int i = 0; i < 4; ++i)  // per 128-bit half: a[2i]'s and a[2i+1]'s pairs of lanes
+    p[i] = _mm256_add_epi32(_mm256_unpacklo_epi32(a[2 * i], a[2 * i + 1]), _mm256_unpackhi_epi32(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 2; ++i)  // per half: a[4i .. 4i+3]'s sums of that half
+    q[i] = _mm256_add_epi32(_mm256_unpacklo_epi64(p[2 * i], p[2 * i + 1]), _mm256_unpackhi_epi64(p[2 * i], p[2 * i + 1]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(q[0], q[1], 0x20), _mm256_permute2x128_si256(q[0], q[1], 0x31));
+}
+
 // mk_i16's full register block (2 x 4) in inline assembly, as mk_kq24 and for its reason (GCC spills
 // an accumulator): ymm8/9 the two rows' weight bytes, ymm12 an activation vector, ymm13/14 products.
+// Per super-block the 8 outputs' int32 sums are reduced to one lane each (exact) and one vector
+// product-add of 8 scales d_w * d_a keeps the 8 float sums in a register across super-blocks; at
+// the end each goes into lane 0 of its F (the other lanes stay as they are: add_chunk4 sums all 8).
 inline void mk_i16_24(const uint8_t* const* uw, const float* const* udw, const int8_t* const* aq, const float* const* ad,
                       int64_t nu, float* const* F) {
+  __m256 sums = _mm256_setzero_ps();  // lane i: output i = (weight row i / 4, row of x i % 4)
   for (int64_t s = 0; s < nu; ++s) {
     __m256i c00 = _mm256_setzero_si256(), c01 = c00, c02 = c00, c03 = c00, c10 = c00, c11 = c00, c12 = c00, c13 = c00;
     const uint8_t* w0 = uw[0] + s * 512;
@@ -1843,18 +1857,17 @@ inline void mk_i16_24(const uint8_t* const* uw, const float* const* udw, const i
     }
     const __m256i sv0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(w0 + 256));
     const __m256i sv1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(w1 + 256));
+    const __m256i acc[8] = {_mm256_madd_epi16(c00, sv0), _mm256_madd_epi16(c01, sv0), _mm256_madd_epi16(c02, sv0),
+                            _mm256_madd_epi16(c03, sv0), _mm256_madd_epi16(c10, sv1), _mm256_madd_epi16(c11, sv1),
+                            _mm256_madd_epi16(c12, sv1), _mm256_madd_epi16(c13, sv1)};
     const __m128 da = _mm_setr_ps(ad[0][s], ad[1][s], ad[2][s], ad[3][s]);
-    const __m256 sd0 = _mm256_castps128_ps256(_mm_mul_ps(_mm_set1_ps(udw[0][s]), da));
-    const __m256 sd1 = _mm256_castps128_ps256(_mm_mul_ps(_mm_set1_ps(udw[1][s]), da));
-    const __m256i lane[4] = {_mm256_set1_epi32(0), _mm256_set1_epi32(1), _mm256_set1_epi32(2), _mm256_set1_epi32(3)};
-    const __m256i acc[8] = {c00, c01, c02, c03, c10, c11, c12, c13};
-#pragma GCC unroll 8
-    for (int i = 0; i < 8; ++i) {
-      const __m256 sd = _mm256_permutevar8x32_ps(i < 4 ? sd0 : sd1, lane[i % 4]);
-      const __m256 v = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[i], i < 4 ? sv0 : sv1));
-      _mm256_storeu_ps(F[i], _mm256_fmadd_ps(v, sd, _mm256_loadu_ps(F[i])));
-    }
+    const __m256 sd = _mm256_mul_ps(_mm256_set_m128(_mm_set1_ps(udw[1][s]), _mm_set1_ps(udw[0][s])),
+                                    _mm256_set_m128(da, da));
+    sums = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum8x8i(acc)), sd, sums);
   }
+  alignas(32) float out[8];
+  _mm256_store_ps(out, sums);
+  for (int i = 0; i < 8; ++i) F[i][0] += out[i];
 }
 
 template <int64_t T>
