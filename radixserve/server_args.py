@@ -671,8 +671,8 @@ FLAG_HELP = {
     "cpu_gemm_path": "how a CPU multiplies the matrices kept in GGUF blocks: auto times every path at start on "
                      "the model's own shapes, at decode and prefill row counts, and takes the fastest (cached per "
                      "machine); int8 (the integer kernel), int8_fused (the same kernel and bits, its fused decode "
-                     "for up to 16 rows on AVX2), int8_i16 (the same kernel with int16 sums per Q4_K / Q6_K super-block "
-                     "for 13+ rows on AVX2), onednn_bf16 (dequantized to bf16, oneDNN) or f32 (dequantized "
+                     "for up to 16 rows on AVX2), int8_i16 (the same kernel with int16 sums per Q4_K super-block for 13+ "
+                     "rows on AVX2), onednn_bf16 (dequantized to bf16, oneDNN) or f32 (dequantized "
                      "to float32, torch's GEMM) force one wherever a matrix can take it",
     "dtype": f"model dtype: {', '.join(DTYPES)}; auto: bf16 where the device has native bf16 (a CPU with AVX512_BF16 / AMX, or the engine's bf16 GEMM on AVX2 + FMA; a GPU with bf16 tensor cores), float32 checkpoints included (logged; float32 keeps them exact; the embedded tiny model stays float32); else float32 (a GPU keeps a float16 checkpoint's dtype). bf16 on a CPU with the C++ GEMM keeps the weights in bf16 and the activations in float32",
     "kv_cache_dtype": f"KV cache dtype: {', '.join(KV_CACHE_DTYPES)}; auto: the activations' dtype, except fp16 in the CPU's bf16 mode (bf16 weights, float32 activations; as llama.cpp's default)",

@@ -1625,17 +1625,15 @@ void mk_dispatch(int rr, int cc, const uint8_t* const* uw, const float* const* u
 }
 
 // ---------------------------------------------------------------------------------------------
-// The int16-sum tiles (path int8_i16, Q4_K and Q6_K): a Q4_K value times an activation byte is at
-// most 15 * 127, so a vpmaddubsw lane (two such products) is at most 3810 and the lanes of a
-// super-block's 8 vectors add up in int16 without overflow (30480); a Q6_K value is at most 63, so
-// two vectors do (32004). If every lane of every vector holds one sub-block's values in the same
-// place, G vectors' int16 sums take their scales in one vpmaddwd instead of one per vector: per
-// 256 values 9 multiplies (Q4_K, G = 8) or 12 (Q6_K, G = 2), not 16. The layout (weights at
-// unpack, activations after quantization, the same permutation of int16 pairs):
-//   Q4_K  vector k, lane i = values 4k + 2 (i / 8), +1 of sub-block i % 8 (32 values each)
-//   Q6_K  vector k, lane i = values 2k, 2k + 1 of sub-block i (16 values each)
-// and the scale vector holds lane i's sub-block's scale. The int32 sums are the same integers as
-// int8's in other lanes, so the float rounding (not the accuracy) differs from int8's.
+// The int16-sum tiles (path int8_i16, Q4_K): a Q4_K value times an activation byte is at most
+// 15 * 127, so a vpmaddubsw lane (two such products) is at most 3810 and the 8 lanes of a
+// super-block's 8 vectors add up in int16 without overflow (30480). If every lane of every vector
+// holds one sub-block's values in the same place, the 8 vectors' int16 sums take their scales in
+// one vpmaddwd per super-block instead of one per vector: 9 multiplies per 256 values, not 16.
+// The layout (weights at unpack, activations after quantization, the same permutation of int16
+// pairs): vector k, lane i = values 4k + 2 (i / 8), +1 of sub-block i % 8; the scale vector holds
+// sub-block i % 8's scale in lane i. The int32 sums are the same integers as int8's in other lanes,
+// so the float rounding (not the accuracy) differs from int8's.
 
 // 256 bytes in sub-block order -> the int16-sum layout (in place). As 32-bit words, sub-block j's
 // word k (values 4k .. 4k+3) is entry (j, k) of an 8 x 8 matrix: vector k is column k transposed,
@@ -1663,154 +1661,47 @@ inline void permute_i16(uint8_t* v) {
   }
 }
 
-// 256 bytes in value order -> Q6_K's int16-sum layout (in place): a 16 x 8 transpose of int16
-// (sub-block i's value pairs), sub-blocks i and i + 8 side by side in one vector's two halves so
-// that one 8 x 8 transpose within the halves does both.
-inline void permute_i16_q6(uint8_t* v) {
-  __m256i r[8], y[8], a[8], b[8];
-  for (int j = 0; j < 8; ++j) r[j] = ld256(v + 32 * j);  // sub-blocks 2j | 2j + 1
-  for (int i = 0; i < 8; ++i) y[i] = _mm256_permute2x128_si256(r[i / 2], r[i / 2 + 4], i % 2 ? 0x31 : 0x20);
-  for (int i = 0; i < 8; i += 2) {
-    a[i] = _mm256_unpacklo_epi16(y[i], y[i + 1]);
-    a[i + 1] = _mm256_unpackhi_epi16(y[i], y[i + 1]);
-  }
-  for (int h = 0; h < 8; h += 4) {
-    b[h] = _mm256_unpacklo_epi32(a[h], a[h + 2]);
-    b[h + 1] = _mm256_unpackhi_epi32(a[h], a[h + 2]);
-    b[h + 2] = _mm256_unpacklo_epi32(a[h + 1], a[h + 3]);
-    b[h + 3] = _mm256_unpackhi_epi32(a[h + 1], a[h + 3]);
-  }
-  for (int k = 0; k < 4; ++k) {
-    st256(v + 64 * k, _mm256_unpacklo_epi64(b[k], b[k + 4]));
-    st256(v + 64 * k + 32, _mm256_unpackhi_epi64(b[k], b[k + 4]));
-  }
-}
-
-// A super-block's 256 bytes (weights or activations) into T's int16-sum layout
-template <int64_t T>
-inline void permute_to_i16(uint8_t* v) {
-  if constexpr (T == Q6_K)
-    permute_i16_q6(v);
-  else
-    permute_i16(v);
-}
-
-// Unit u of a row -> w: 256 value bytes (permuted), then the scale vector (lane i: its sub-block's)
-template <int64_t T>
+// Q4_K unit u of a row -> w: 256 value bytes (permuted), then the scale vector (lane i: sub-block i % 8)
 inline void unpack_unit_i16(const uint8_t* row, int64_t u, uint8_t* w, float* dw, float* wmin) {
-  const uint8_t* p = row + u * type_size(T);
-  if constexpr (T == Q6_K) {
-    unpack_sb_q6k(p, w, dw, wmin);
-    permute_i16_q6(w);
-    st256(w + 256, _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192))));
-  } else {
-    unpack_sb_q4k(p, false, w, dw, wmin);  // scale vectors: sub-block s at 256 + 32 s
-    permute_i16(w);
-    alignas(32) int16_t sc[16];
-    for (int i = 0; i < 16; ++i) std::memcpy(sc + i, w + 256 + 32 * (i % 8), 2);
-    std::memcpy(w + 256, sc, 32);
-  }
+  unpack_sb_q4k(row + u * type_size(Q4_K), false, w, dw, wmin);  // scale vectors: sub-block s at 256 + 32 s
+  permute_i16(w);
+  alignas(32) int16_t sc[16];
+  for (int i = 0; i < 16; ++i) std::memcpy(sc + i, w + 256 + 32 * (i % 8), 2);
+  std::memcpy(w + 256, sc, 32);
 }
 
-// R weight rows x C rows of x over nu super-blocks: int16 sums of G vectors at a time, one
-// vpmaddwd with the scales each, then F += float * d_w * d_a per super-block (as mk_kq).
-template <int G, int R, int C>
+// R weight rows x C rows of x over nu super-blocks: per super-block int16 sums of the 8 vectors,
+// one vpmaddwd with the scales, then F += float * d_w * d_a (as mk_kq).
+template <int R, int C>
 inline void mk_i16(const uint8_t* const* uw, const float* const* udw, const int8_t* const* aq, const float* const* ad,
                    int64_t nu, float* const* F) {
   for (int64_t s = 0; s < nu; ++s) {
-    __m256i i32[R][C];
+    __m256i acc[R][C];
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-      for (int c = 0; c < C; ++c) i32[r][c] = _mm256_setzero_si256();
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_si256();
 #pragma GCC unroll 1
-    for (int g = 0; g < 8; g += G) {
-      __m256i acc[R][C];
+    for (int k = 0; k < 8; ++k) {
+      __m256i wv[R];
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r)
+      for (int r = 0; r < R; ++r) wv[r] = in_reg(_mm256_load_si256(reinterpret_cast<const __m256i*>(uw[r] + s * 512 + 32 * k)));
 #pragma GCC unroll 4
-        for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_si256();
-#pragma GCC unroll 1
-      for (int k = g; k < g + G; ++k) {
-        __m256i wv[R];
+      for (int c = 0; c < C; ++c) {
+        const __m256i a = in_reg(ld256(aq[c] + s * 256 + 32 * k));
 #pragma GCC unroll 4
-        for (int r = 0; r < R; ++r) wv[r] = in_reg(_mm256_load_si256(reinterpret_cast<const __m256i*>(uw[r] + s * 512 + 32 * k)));
-#pragma GCC unroll 4
-        for (int c = 0; c < C; ++c) {
-          const __m256i a = in_reg(ld256(aq[c] + s * 256 + 32 * k));
-#pragma GCC unroll 4
-          for (int r = 0; r < R; ++r) acc[r][c] = _mm256_add_epi16(acc[r][c], _mm256_maddubs_epi16(wv[r], a));
-        }
-      }
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        const __m256i sv = _mm256_load_si256(reinterpret_cast<const __m256i*>(uw[r] + s * 512 + 256));
-#pragma GCC unroll 4
-        for (int c = 0; c < C; ++c) i32[r][c] = _mm256_add_epi32(i32[r][c], _mm256_madd_epi16(acc[r][c], sv));
+        for (int r = 0; r < R; ++r) acc[r][c] = _mm256_add_epi16(acc[r][c], _mm256_maddubs_epi16(wv[r], a));
       }
     }
 #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r)
+    for (int r = 0; r < R; ++r) {
+      const __m256i sv = _mm256_load_si256(reinterpret_cast<const __m256i*>(uw[r] + s * 512 + 256));
 #pragma GCC unroll 4
       for (int c = 0; c < C; ++c) {
         float* f = F[r * C + c];
-        _mm256_storeu_ps(f, _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32[r][c]), _mm256_set1_ps(udw[r][s] * ad[c][s]),
-                                            _mm256_loadu_ps(f)));
+        const __m256 v = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[r][c], sv));
+        _mm256_storeu_ps(f, _mm256_fmadd_ps(v, _mm256_set1_ps(udw[r][s] * ad[c][s]), _mm256_loadu_ps(f)));
       }
-  }
-}
-
-// Q6_K's 2 x 2 register block (G = 2) in inline assembly: per 64 values the four int16 sums
-// (ymm10, 11, 13, 14) of two vectors each, scaled into the int32 accumulators; ymm8/9 the two
-// rows' weight bytes, ymm12 an activation vector, ymm15 a product.
-inline void mk_i16q6_22(const uint8_t* const* uw, const float* const* udw, const int8_t* const* aq,
-                        const float* const* ad, int64_t nu, float* const* F) {
-  for (int64_t s = 0; s < nu; ++s) {
-    __m256i c00 = _mm256_setzero_si256(), c01 = c00, c10 = c00, c11 = c00;
-    const uint8_t* w0 = uw[0] + s * 512;
-    const uint8_t* w1 = uw[1] + s * 512;
-    const int8_t *a0 = aq[0] + s * 256, *a1 = aq[1] + s * 256;
-    const __m256i sv0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(w0 + 256));
-    const __m256i sv1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(w1 + 256));
-    for (int64_t k = 0; k < 256; k += 64) {
-      __asm__("vmovdqa (%[w0],%[k]), %%ymm8\n\t"
-              "vmovdqa (%[w1],%[k]), %%ymm9\n\t"
-              "vmovdqu (%[a0],%[k]), %%ymm12\n\t"
-              "vpmaddubsw %%ymm12, %%ymm8, %%ymm10\n\t"
-              "vpmaddubsw %%ymm12, %%ymm9, %%ymm11\n\t"
-              "vmovdqu (%[a1],%[k]), %%ymm12\n\t"
-              "vpmaddubsw %%ymm12, %%ymm8, %%ymm13\n\t"
-              "vpmaddubsw %%ymm12, %%ymm9, %%ymm14\n\t"
-              "vmovdqa 32(%[w0],%[k]), %%ymm8\n\t"
-              "vmovdqa 32(%[w1],%[k]), %%ymm9\n\t"
-              "vmovdqu 32(%[a0],%[k]), %%ymm12\n\t"
-              "vpmaddubsw %%ymm12, %%ymm8, %%ymm15\n\t"
-              "vpaddw %%ymm15, %%ymm10, %%ymm10\n\t"
-              "vpmaddubsw %%ymm12, %%ymm9, %%ymm15\n\t"
-              "vpaddw %%ymm15, %%ymm11, %%ymm11\n\t"
-              "vmovdqu 32(%[a1],%[k]), %%ymm12\n\t"
-              "vpmaddubsw %%ymm12, %%ymm8, %%ymm15\n\t"
-              "vpaddw %%ymm15, %%ymm13, %%ymm13\n\t"
-              "vpmaddubsw %%ymm12, %%ymm9, %%ymm15\n\t"
-              "vpaddw %%ymm15, %%ymm14, %%ymm14\n\t"
-              "vpmaddwd %[sv0], %%ymm10, %%ymm10\n\t"
-              "vpaddd %%ymm10, %[c00], %[c00]\n\t"
-              "vpmaddwd %[sv1], %%ymm11, %%ymm11\n\t"
-              "vpaddd %%ymm11, %[c10], %[c10]\n\t"
-              "vpmaddwd %[sv0], %%ymm13, %%ymm13\n\t"
-              "vpaddd %%ymm13, %[c01], %[c01]\n\t"
-              "vpmaddwd %[sv1], %%ymm14, %%ymm14\n\t"
-              "vpaddd %%ymm14, %[c11], %[c11]\n\t"
-              : [c00] "+x"(c00), [c01] "+x"(c01), [c10] "+x"(c10), [c11] "+x"(c11)
-              : [w0] "r"(w0), [w1] "r"(w1), [a0] "r"(a0), [a1] "r"(a1), [k] "r"(k), [sv0] "x"(sv0), [sv1] "x"(sv1)
-              : "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "memory");
-    }
-    const __m256i acc[4] = {c00, c01, c10, c11};
-#pragma GCC unroll 4
-    for (int i = 0; i < 4; ++i) {
-      float* f = F[i];
-      _mm256_storeu_ps(f, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i]), _mm256_set1_ps(udw[i / 2][s] * ad[i % 2][s]),
-                                          _mm256_loadu_ps(f)));
     }
   }
 }
@@ -1870,30 +1761,17 @@ inline void mk_i16_24(const uint8_t* const* uw, const float* const* udw, const i
   for (int i = 0; i < 8; ++i) F[i][0] += out[i];
 }
 
-template <int64_t T>
 void mk_i16_dispatch(int rr, int cc, const uint8_t* const* uw, const float* const* udw, const int8_t* const* aq,
                      const float* const* ad, int64_t nu, float* const* F) {
-  constexpr int G = T == Q6_K ? 2 : 8;
-  if constexpr (T == Q6_K) {
-    if (rr == 2 && cc % 2 == 0) {  // the 2 x 2 blocks of x's rows (0, 1), (2, 3)
-      for (int c0 = 0; c0 < cc; c0 += 2) {
-        float* const f[4] = {F[c0], F[c0 + 1], F[cc + c0], F[cc + c0 + 1]};
-        mk_i16q6_22(uw, udw, aq + c0, ad + c0, nu, f);
-      }
-      return;
-    }
-  } else {
-    if (rr == 2 && cc == 4) return mk_i16_24(uw, udw, aq, ad, nu, F);
-  }
   switch (rr * 4 + cc) {
-    case 1 * 4 + 1: return mk_i16<G, 1, 1>(uw, udw, aq, ad, nu, F);
-    case 1 * 4 + 2: return mk_i16<G, 1, 2>(uw, udw, aq, ad, nu, F);
-    case 1 * 4 + 3: return mk_i16<G, 1, 3>(uw, udw, aq, ad, nu, F);
-    case 1 * 4 + 4: return mk_i16<G, 1, 4>(uw, udw, aq, ad, nu, F);
-    case 2 * 4 + 1: return mk_i16<G, 2, 1>(uw, udw, aq, ad, nu, F);
-    case 2 * 4 + 2: return mk_i16<G, 2, 2>(uw, udw, aq, ad, nu, F);
-    case 2 * 4 + 3: return mk_i16<G, 2, 3>(uw, udw, aq, ad, nu, F);
-    default: return mk_i16<G, 2, 4>(uw, udw, aq, ad, nu, F);
+    case 1 * 4 + 1: return mk_i16<1, 1>(uw, udw, aq, ad, nu, F);
+    case 1 * 4 + 2: return mk_i16<1, 2>(uw, udw, aq, ad, nu, F);
+    case 1 * 4 + 3: return mk_i16<1, 3>(uw, udw, aq, ad, nu, F);
+    case 1 * 4 + 4: return mk_i16<1, 4>(uw, udw, aq, ad, nu, F);
+    case 2 * 4 + 1: return mk_i16<2, 1>(uw, udw, aq, ad, nu, F);
+    case 2 * 4 + 2: return mk_i16<2, 2>(uw, udw, aq, ad, nu, F);
+    case 2 * 4 + 3: return mk_i16<2, 3>(uw, udw, aq, ad, nu, F);
+    default: return mk_i16_24(uw, udw, aq, ad, nu, F);
   }
 }
 
@@ -1934,7 +1812,7 @@ void prefill_tiles(const uint8_t* W, int64_t ldw, int64_t t0, int64_t t1, int64_
           const uint8_t* row = W + (n0 + r) * ldw;
           for (int64_t u = 0; u < uc; ++u) {
             if constexpr (I16)
-              unpack_unit_i16<T>(row, u0 + u, Uw + (r * UC + u) * UW, Udw + r * UC + u, Wm + r * spad + (u0 + u) * SPU);
+              unpack_unit_i16(row, u0 + u, Uw + (r * UC + u) * UW, Udw + r * UC + u, Wm + r * spad + (u0 + u) * SPU);
             else
               unpack_unit<T>(row, u0 + u, Uw + (r * UC + u) * UW, Udw + r * UC + u,
                              Wm + r * spad + (u0 + u) * SPU);
@@ -1960,7 +1838,7 @@ void prefill_tiles(const uint8_t* W, int64_t ldw, int64_t t0, int64_t t1, int64_
               for (int c = 0; c < cc; ++c) F[r * cc + c] = Fb + ((r0 + r) * MC + c0 + c) * 8;
             }
             if constexpr (I16)
-              mk_i16_dispatch<T>(rr, cc, uw, udw, aq, ad, uc, F);
+              mk_i16_dispatch(rr, cc, uw, udw, aq, ad, uc, F);
             else
               mk_dispatch<T>(rr, cc, uw, udw, aq, ad, uc, F);
           }
@@ -2015,11 +1893,11 @@ void quant_gemm_t(const float* x, int64_t M, int64_t K, const uint8_t* W, int64_
   MC = std::max<int64_t>(4, std::min<int64_t>(256, MC / 4 * 4));
   MC = std::min(MC, (M + 3) / 4 * 4);
   const int64_t ntiles = (N + NT - 1) / NT;
-  if constexpr (T == Q4_K || T == Q6_K) {
+  if constexpr (T == Q4_K) {
     if (i16) {  // the activations into the int16-sum layout (the weights take it at unpack)
       radixserve::parallel_for_dynamic(M, 4, [&](int64_t m0, int64_t m1) {
         for (int64_t m = m0; m < m1; ++m)
-          for (int64_t b = 0; b < K / 256; ++b) permute_to_i16<T>(reinterpret_cast<uint8_t*>(Aq + m * K + 256 * b));
+          for (int64_t b = 0; b < K / 256; ++b) permute_i16(reinterpret_cast<uint8_t*>(Aq + m * K + 256 * b));
       });
       radixserve::parallel_for_dynamic(ntiles, 1, [&](int64_t t0, int64_t t1) {
         prefill_tiles<T, true>(W, ldw, t0, t1, N, M, MC, K, Aq, Ad, nad, Am, spad, y, ldy);

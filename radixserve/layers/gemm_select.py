@@ -9,10 +9,9 @@ first in two ways at decode sizes:
   int8_fused   the same kernel (same bits) with its fused decode for up to 16 rows of x (AVX2:
                each block unpacked in registers per 4 rows of x, not once into L1 for all);
                which of the two wins at 5-16 rows depends on the shape and the CPU
-  int8_i16     the same kernel with int16-sum tiles for 13+ rows of x (Q4_K, Q6_K; AVX2): a
-               super-block's products summed in int16 and scaled once per 8 (Q4_K) or 2 (Q6_K)
-               vectors, not per vector (other float rounding of the same integers); fewer rows
-               run int8's decode
+  int8_i16     the same kernel with int16-sum tiles for 13+ rows of x (Q4_K, AVX2): a
+               super-block's 8 products summed in int16 and scaled once, not 8 times (other
+               float rounding of the same integers); fewer rows run int8's decode
   onednn_bf16  a tile of the blocks dequantized to bf16, x rounded to bf16, torch's oneDNN GEMM
   f32          a tile of the blocks dequantized to float32, torch's float32 GEMM (MKL / oneDNN)
 

@@ -217,7 +217,7 @@ def cpu_paths(qtype: int) -> Tuple[str, ...]:
     return ("f32",)
 
 
-I16_TYPES = frozenset({12, 14})  # Q4_K, Q6_K: the types the int16-sum tiles (quant_kernels.cpp) take
+I16_TYPES = frozenset({12})  # Q4_K: the int16-sum tiles (quant_kernels.cpp) take it
 
 
 @functools.lru_cache(maxsize=1)
@@ -239,9 +239,9 @@ def int8_fused_matmul(x: torch.Tensor, w: QuantizedWeight, out: Optional[torch.T
 
 
 def int8_i16_matmul(x: torch.Tensor, w: QuantizedWeight, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The integer kernel with its int16-sum tiles (Q4_K and Q6_K, AVX2) for I16_TILES_MIN_ROWS rows
-    of x and more: a super-block's vectors summed in int16 (8 of Q4_K, 2 of Q6_K at a time), then one
-    multiply by their scales, not one per vector. The same integers as int8's in other float lanes: other rounding, the same accuracy.
+    """The integer kernel with its int16-sum tiles (Q4_K, AVX2) for I16_TILES_MIN_ROWS rows of x and
+    more: a super-block's 8 vectors summed in int16, then one multiply by their scales, not one per
+    vector. The same integers as int8's in other float lanes: other rounding, the same accuracy.
     Fewer rows: int8's decode, int8's bits."""
     return cpu_kernels.get().quant_linear(x, w.data, w.qtype, w.cols, out, -1, True)
 
