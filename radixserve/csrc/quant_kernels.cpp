@@ -1467,7 +1467,8 @@ void fused_rows(const uint8_t* W, int64_t ldw, int64_t n0, int64_t n1, int64_t M
 // 8 float32 partial sums (in memory between chunks).
 
 // K-quants: per super-block R x C int32 accumulators in registers, then F += float * d_w * d_a.
-template <int R, int C>
+// I16 (the int16-sum tiles below): int16 accumulators, scaled once at the super-block's end.
+template <int R, int C, bool I16 = false>
 inline void mk_kq(const uint8_t* const* uw, const float* const* udw, const int8_t* const* aq, const float* const* ad,
                   int64_t nu, float* const* F) {
   for (int64_t s = 0; s < nu; ++s) {
@@ -1487,8 +1488,13 @@ inline void mk_kq(const uint8_t* const* uw, const float* const* udw, const int8_
         const __m256i a = in_reg(ld256(aq[c] + s * 256 + 32 * k));
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
-          const __m256i sv = _mm256_load_si256(reinterpret_cast<const __m256i*>(uw[r] + s * 512 + 256 + 32 * k));
-          iacc[r][c] = _mm256_add_epi32(iacc[r][c], _mm256_madd_epi16(_mm256_maddubs_epi16(wv[r], a), sv));
+          const __m256i p = _mm256_maddubs_epi16(wv[r], a);
+          if constexpr (I16) {
+            iacc[r][c] = _mm256_add_epi16(iacc[r][c], p);
+          } else {
+            const __m256i sv = _mm256_load_si256(reinterpret_cast<const __m256i*>(uw[r] + s * 512 + 256 + 32 * k));
+            iacc[r][c] = _mm256_add_epi32(iacc[r][c], _mm256_madd_epi16(p, sv));
+          }
         }
       }
     }
@@ -1496,8 +1502,10 @@ inline void mk_kq(const uint8_t* const* uw, const float* const* udw, const int8_
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
       for (int c = 0; c < C; ++c) {
+        __m256i t = iacc[r][c];
+        if constexpr (I16) t = _mm256_madd_epi16(t, _mm256_load_si256(reinterpret_cast<const __m256i*>(uw[r] + s * 512 + 256)));
         float* f = F[r * C + c];
-        _mm256_storeu_ps(f, _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[r][c]), _mm256_set1_ps(udw[r][s] * ad[c][s]),
+        _mm256_storeu_ps(f, _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(udw[r][s] * ad[c][s]),
                                             _mm256_loadu_ps(f)));
       }
   }
@@ -1592,10 +1600,18 @@ inline void mk32(const uint8_t* const* uw, const float* const* udw, const int8_t
     for (int c = 0; c < C; ++c) _mm256_storeu_ps(F[r * C + c], acc[r][c]);
 }
 
-template <int64_t T, int R, int C>
+inline void mk_i16_24(const uint8_t* const* uw, const float* const* udw, const int8_t* const* aq, const float* const* ad,
+                      int64_t nu, float* const* F);  // the int16-sum tiles' 2 x 4 block (below)
+
+// I16: the int16-sum tiles' kernels (Q4_K).
+template <int64_t T, int R, int C, bool I16 = false>
 inline void mk(const uint8_t* const* uw, const float* const* udw, const int8_t* const* aq, const float* const* ad,
                int64_t nu, float* const* F) {
-  if constexpr (is_kq(T) && R == 2 && C == 4)
+  if constexpr (I16 && R == 2 && C == 4)
+    mk_i16_24(uw, udw, aq, ad, nu, F);
+  else if constexpr (I16)
+    mk_kq<R, C, true>(uw, udw, aq, ad, nu, F);
+  else if constexpr (is_kq(T) && R == 2 && C == 4)
     mk_kq24(uw, udw, aq, ad, nu, F);
   else if constexpr (is_kq(T))
     mk_kq<R, C>(uw, udw, aq, ad, nu, F);
@@ -1609,18 +1625,18 @@ inline void mk(const uint8_t* const* uw, const float* const* udw, const int8_t* 
 constexpr int RB = 2;
 constexpr int CB = 4;
 
-template <int64_t T>
+template <int64_t T, bool I16 = false>
 void mk_dispatch(int rr, int cc, const uint8_t* const* uw, const float* const* udw, const int8_t* const* aq,
                  const float* const* ad, int64_t nu, float* const* F) {
   switch (rr * 4 + cc) {
-    case 1 * 4 + 1: return mk<T, 1, 1>(uw, udw, aq, ad, nu, F);
-    case 1 * 4 + 2: return mk<T, 1, 2>(uw, udw, aq, ad, nu, F);
-    case 1 * 4 + 3: return mk<T, 1, 3>(uw, udw, aq, ad, nu, F);
-    case 1 * 4 + 4: return mk<T, 1, 4>(uw, udw, aq, ad, nu, F);
-    case 2 * 4 + 1: return mk<T, 2, 1>(uw, udw, aq, ad, nu, F);
-    case 2 * 4 + 2: return mk<T, 2, 2>(uw, udw, aq, ad, nu, F);
-    case 2 * 4 + 3: return mk<T, 2, 3>(uw, udw, aq, ad, nu, F);
-    default: return mk<T, 2, 4>(uw, udw, aq, ad, nu, F);
+    case 1 * 4 + 1: return mk<T, 1, 1, I16>(uw, udw, aq, ad, nu, F);
+    case 1 * 4 + 2: return mk<T, 1, 2, I16>(uw, udw, aq, ad, nu, F);
+    case 1 * 4 + 3: return mk<T, 1, 3, I16>(uw, udw, aq, ad, nu, F);
+    case 1 * 4 + 4: return mk<T, 1, 4, I16>(uw, udw, aq, ad, nu, F);
+    case 2 * 4 + 1: return mk<T, 2, 1, I16>(uw, udw, aq, ad, nu, F);
+    case 2 * 4 + 2: return mk<T, 2, 2, I16>(uw, udw, aq, ad, nu, F);
+    case 2 * 4 + 3: return mk<T, 2, 3, I16>(uw, udw, aq, ad, nu, F);
+    default: return mk<T, 2, 4, I16>(uw, udw, aq, ad, nu, F);
   }
 }
 
@@ -1668,42 +1684,6 @@ inline void unpack_unit_i16(const uint8_t* row, int64_t u, uint8_t* w, float* dw
   alignas(32) int16_t sc[16];
   for (int i = 0; i < 16; ++i) std::memcpy(sc + i, w + 256 + 32 * (i % 8), 2);
   std::memcpy(w + 256, sc, 32);
-}
-
-// R weight rows x C rows of x over nu super-blocks: per super-block int16 sums of the 8 vectors,
-// one vpmaddwd with the scales, then F += float * d_w * d_a (as mk_kq).
-template <int R, int C>
-inline void mk_i16(const uint8_t* const* uw, const float* const* udw, const int8_t* const* aq, const float* const* ad,
-                   int64_t nu, float* const* F) {
-  for (int64_t s = 0; s < nu; ++s) {
-    __m256i acc[R][C];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_si256();
-#pragma GCC unroll 1
-    for (int k = 0; k < 8; ++k) {
-      __m256i wv[R];
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) wv[r] = in_reg(_mm256_load_si256(reinterpret_cast<const __m256i*>(uw[r] + s * 512 + 32 * k)));
-#pragma GCC unroll 4
-      for (int c = 0; c < C; ++c) {
-        const __m256i a = in_reg(ld256(aq[c] + s * 256 + 32 * k));
-#pragma GCC unroll 4
-        for (int r = 0; r < R; ++r) acc[r][c] = _mm256_add_epi16(acc[r][c], _mm256_maddubs_epi16(wv[r], a));
-      }
-    }
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      const __m256i sv = _mm256_load_si256(reinterpret_cast<const __m256i*>(uw[r] + s * 512 + 256));
-#pragma GCC unroll 4
-      for (int c = 0; c < C; ++c) {
-        float* f = F[r * C + c];
-        const __m256 v = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[r][c], sv));
-        _mm256_storeu_ps(f, _mm256_fmadd_ps(v, _mm256_set1_ps(udw[r][s] * ad[c][s]), _mm256_loadu_ps(f)));
-      }
-    }
-  }
 }
 
 // The sum of every lane of a[i] in lane i (exact: int32 adds), by unpacks and adds.
@@ -1761,19 +1741,6 @@ inline void mk_i16_24(const uint8_t* const* uw, const float* const* udw, const i
   for (int i = 0; i < 8; ++i) F[i][0] += out[i];
 }
 
-void mk_i16_dispatch(int rr, int cc, const uint8_t* const* uw, const float* const* udw, const int8_t* const* aq,
-                     const float* const* ad, int64_t nu, float* const* F) {
-  switch (rr * 4 + cc) {
-    case 1 * 4 + 1: return mk_i16<1, 1>(uw, udw, aq, ad, nu, F);
-    case 1 * 4 + 2: return mk_i16<1, 2>(uw, udw, aq, ad, nu, F);
-    case 1 * 4 + 3: return mk_i16<1, 3>(uw, udw, aq, ad, nu, F);
-    case 1 * 4 + 4: return mk_i16<1, 4>(uw, udw, aq, ad, nu, F);
-    case 2 * 4 + 1: return mk_i16<2, 1>(uw, udw, aq, ad, nu, F);
-    case 2 * 4 + 2: return mk_i16<2, 2>(uw, udw, aq, ad, nu, F);
-    case 2 * 4 + 3: return mk_i16<2, 3>(uw, udw, aq, ad, nu, F);
-    default: return mk_i16_24(uw, udw, aq, ad, nu, F);
-  }
-}
 
 // Prefill: K in chunks of KCHUNK values, outermost: for each chunk and block of MC rows of x
 // (their chunk of quantized bytes, MC x 2 KiB, held in L2) the weight rows are taken in tiles of
@@ -1837,10 +1804,7 @@ void prefill_tiles(const uint8_t* W, int64_t ldw, int64_t t0, int64_t t1, int64_
               udw[r] = Udw + (r0 + r) * UC;
               for (int c = 0; c < cc; ++c) F[r * cc + c] = Fb + ((r0 + r) * MC + c0 + c) * 8;
             }
-            if constexpr (I16)
-              mk_i16_dispatch(rr, cc, uw, udw, aq, ad, uc, F);
-            else
-              mk_dispatch<T>(rr, cc, uw, udw, aq, ad, uc, F);
+            mk_dispatch<T, I16>(rr, cc, uw, udw, aq, ad, uc, F);
           }
         }
         static_assert(NT == 4, "add_chunk4 sums 4 rows at once");
