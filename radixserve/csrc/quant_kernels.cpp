@@ -1696,11 +1696,13 @@ inline __m256i hsum8x8i(const __m256i* a) {
   return _mm256_add_epi32(_mm256_permute2x128_si256(q[0], q[1], 0x20), _mm256_permute2x128_si256(q[0], q[1], 0x31));
 }
 
-// mk_i16's full register block (2 x 4) in inline assembly, as mk_kq24 and for its reason (GCC spills
-// an accumulator): ymm8/9 the two rows' weight bytes, ymm12 an activation vector, ymm13/14 products.
-// Per super-block the 8 outputs' int32 sums are reduced to one lane each (exact) and one vector
-// product-add of 8 scales d_w * d_a keeps the 8 float sums in a register across super-blocks; at
-// the end each goes into lane 0 of its F (the other lanes stay as they are: add_chunk4 sums all 8).
+// The int16-sum tiles' full register block (2 x 4) in inline assembly, as mk_kq24 and for its reason
+// (GCC spills an accumulator): ymm8/9 the two rows' weight bytes, ymm12 an activation vector,
+// ymm13/14 products. Per super-block the 8 outputs' int32 sums are reduced to one lane each (exact)
+// and one vector product-add of 8 scales d_w * d_a keeps the 8 float sums in a register across
+// super-blocks; at the end each goes into lane 0 of its F (the other lanes stay as they are:
+// add_chunk4 sums all 8). The edge blocks (mk_kq<R, C, true>) keep 8 lanes, so an output's float
+// rounding depends on its block; this path does not promise batch invariance (int8 does).
 inline void mk_i16_24(const uint8_t* const* uw, const float* const* udw, const int8_t* const* aq, const float* const* ad,
                       int64_t nu, float* const* F) {
   __m256 sums = _mm256_setzero_ps();  // lane i: output i = (weight row i / 4, row of x i % 4)
@@ -1740,7 +1742,6 @@ inline void mk_i16_24(const uint8_t* const* uw, const float* const* udw, const i
   _mm256_store_ps(out, sums);
   for (int i = 0; i < 8; ++i) F[i][0] += out[i];
 }
-
 
 // Prefill: K in chunks of KCHUNK values, outermost: for each chunk and block of MC rows of x
 // (their chunk of quantized bytes, MC x 2 KiB, held in L2) the weight rows are taken in tiles of
@@ -2194,7 +2195,9 @@ void register_quant_kernels(pybind11::module_& m) {
   m.def("quant_linear", &quant_linear,
         "y = x @ dequantize(weight)^T with GGUF-quantized weight rows (x quantized to 8 bits per block, "
         "integer dot products); out: a float32 [M, N] view with contiguous rows (e.g. some columns of a "
-        "larger output) to write y into instead of a new tensor",
+        "larger output) to write y into instead of a new tensor; fused_limit: this call's row limit for the "
+        "AVX2 fused decode (-1: the process's); i16: the int16-sum tiles for Q4_K at 13+ rows (AVX2; ignored "
+        "elsewhere)",
         py::arg("x"), py::arg("weight"), py::arg("qtype"), py::arg("in_features"), py::arg("out") = py::none(),
         py::arg("fused_limit") = -1, py::arg("i16") = false);
   m.def("quant_dequantize_bf16", &quant_dequantize_bf16,
